@@ -1,0 +1,110 @@
+// Kernel-facing types shared by every ISA translation unit, the dispatcher and the torch layer.
+// Torch-free on purpose: kernels see raw pointers, sizes and a parallel-for callback, so they
+// also run in a plain C++ test binary (tests/cpp) and under emulators.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "moepack/layouts_gen.h"
+
+namespace moepack {
+
+// Order is preference: a higher value is a better kernel when the CPU supports it.
+enum class Isa : int32_t { scalar = 0, avx2 = 1, avx512 = 2 };
+constexpr int kNumIsa = 3;
+const char* isa_name(Isa isa);
+
+enum class DType : int32_t { f32 = 0, bf16 = 1, f16 = 2 };
+enum class Activation : int32_t { silu = 0, gelu = 1, gelu_tanh = 2, swigluoai = 3 };
+// How a kernel wants its GEMM A rows (activations, intermediate): fp32, or bf16 bits (only
+// for bf16 inputs, whose values are exactly bf16).
+enum class RowFormat : int32_t { f32 = 0, bf16 = 1 };
+
+// The one thread pool: the torch layer passes at::parallel_for, tests pass a plain loop.
+// run(self, n, body, ctx) must call body(ctx, begin, end) over a partition of [0, n), possibly
+// concurrently; it returns when every part is done.
+using ParallelBody = void (*)(void* ctx, int64_t begin, int64_t end);
+struct Parallel {
+  void (*run)(void* self, int64_t n, ParallelBody body, void* ctx) = nullptr;
+  void* self = nullptr;
+  int num_threads = 1;
+};
+
+// Everything one fused-MoE call needs. Shapes (leading dimension in brackets):
+//   x            [T, H] (x_stride)        activations, dtype
+//   out          [T, H] (H)               result, dtype
+//   w13          [E, 2*Ip, Kp(H)]         packed per `layout`; rows gate then up (or
+//                                          interleaved gate/up pairs for swigluoai)
+//   w2           [E, Np(H), Ip]           packed per `layout`
+//   b13, b2      [E, 2*Ip], [E, Np(H)]    fp32 biases in packed row order, or null
+//   topk_weights [T, k] fp32, topk_ids [T, k] int32 (global expert ids)
+//   expert_map   [E_global] int32: global id -> local id or -1 (null = identity, E_global = E)
+struct FusedMoeArgs {
+  const void* x = nullptr;
+  int64_t x_stride = 0;
+  void* out = nullptr;
+  DType dtype = DType::f32;
+  int64_t tokens = 0;
+  int64_t hidden = 0;
+  const void* w13 = nullptr;
+  const void* w2 = nullptr;
+  const float* b13 = nullptr;
+  const float* b2 = nullptr;
+  const float* topk_weights = nullptr;
+  const int32_t* topk_ids = nullptr;
+  int64_t topk = 0;
+  const int32_t* expert_map = nullptr;
+  int64_t num_global_experts = 0;
+  int64_t num_experts = 0;
+  int64_t inter_padded = 0;  // Ip
+  const LayoutDesc* layout = nullptr;
+  Activation act = Activation::silu;
+  float alpha = 1.702f;  // swigluoai only
+  float limit = 7.0f;    // swigluoai only
+  Parallel par;
+};
+
+using FusedMoeFn = void (*)(const FusedMoeArgs&);
+
+// Checks ids and expert_map (the only data-dependent rules). Returns nullptr when valid, else
+// writes "thing, value, rule" into buf and returns it.
+const char* fused_moe_check_routing(const FusedMoeArgs& a, char* buf, size_t buf_len);
+
+struct KernelTable {
+  FusedMoeFn fused[kMaxLayoutId + 1][kNumIsa] = {};
+};
+
+// Each ISA translation unit exports exactly one of these; dispatch.cpp calls it only after the
+// CPU and the OS are known to support the ISA.
+void register_scalar(KernelTable& t);
+void register_avx2(KernelTable& t);
+void register_avx512(KernelTable& t);
+
+struct CpuFeatures {
+  bool avx2 = false, fma = false, f16c = false;
+  bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false, avx512bf16 = false;
+  bool avx512vnni = false, avx_vnni = false;
+  bool os_avx = false, os_avx512 = false;  // XCR0 says the OS saves the registers
+};
+const CpuFeatures& cpu_features();
+// Best ISA the CPU and OS support (ignores MOEPACK_MAX_ISA).
+Isa host_isa();
+// Why `isa` is not available on this host, or nullptr if it is.
+const char* isa_unavailable_reason(Isa isa);
+
+struct Selection {
+  FusedMoeFn fn = nullptr;
+  Isa isa = Isa::scalar;
+  char reason[256] = {0};  // why this kernel (and not a better one) was chosen
+};
+// Best registered kernel for `layout_id` at or below `max_isa` and the host's ISA.
+Selection select_fused(int32_t layout_id, Isa max_isa);
+// MOEPACK_MAX_ISA as parsed (host_isa() when unset); throws std::invalid_argument when invalid.
+Isa env_max_isa();
+const LayoutDesc* layout_find(int32_t id);
+
+// C++ packer: one [N, K] row-major matrix (src_dtype) -> packed bf16 layout bytes [Np, Kp].
+void pack_matrix_bf16(const void* src, DType src_dtype, int64_t n, int64_t k, int64_t np, int64_t kp,
+                      const LayoutDesc& layout, uint16_t* dst);
+
+}  // namespace moepack

@@ -1,0 +1,70 @@
+// [NOTE] Scalar fused-MoE kernels: the portable path for EVERY layout and the oracle that each
+// SIMD kernel is tested against (and that is itself tested against moepack/reference.py).
+// Compiled with no ISA flags. It reads weights only through the LayoutDesc numbers
+// (block_n, k_pack), so a file packed for any family runs here.
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "moepack/kernel.h"
+#include "moepack/numeric.h"
+
+namespace moepack {
+namespace scalar {
+namespace {
+
+struct MK {
+  static RowFormat row_format(DType) { return RowFormat::f32; }
+
+  // C[m, bn] = A[m, :kp] . B^T for one packed block of bn columns; element (n, k) of the block
+  // sits at (k / k_pack) * bn * k_pack + n * k_pack + k % k_pack (moepack/layout.py).
+  static void gemm(const LayoutDesc& L, RowFormat, const void* const* rows, int m, const uint16_t* B, int64_t kp, float* C) {
+    const int bn = L.block_n, kpk = L.k_pack;
+    for (int i = 0; i < m; ++i) {
+      const float* x = static_cast<const float*>(rows[i]);
+      float* c = C + i * bn;
+      for (int n = 0; n < bn; ++n) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < kp; ++k) acc += x[k] * bf16_to_f32(B[(k / kpk) * bn * kpk + n * kpk + k % kpk]);
+        c[n] = acc;
+      }
+    }
+  }
+
+  static void activation(const FusedMoeArgs& a, const float* g, const float* u, int n, float* out) {
+    switch (a.act) {
+      case Activation::silu:
+        for (int j = 0; j < n; ++j) out[j] = act_silu(g[j], u[j]);
+        break;
+      case Activation::gelu:
+        for (int j = 0; j < n; ++j) out[j] = act_gelu(g[j], u[j]);
+        break;
+      case Activation::gelu_tanh:
+        for (int j = 0; j < n; ++j) out[j] = act_gelu_tanh(g[j], u[j]);
+        break;
+      case Activation::swigluoai:
+        for (int j = 0; j < n; ++j) out[j] = act_swigluoai(g[j], u[j], a.alpha, a.limit);
+        break;
+    }
+  }
+
+  static void axpy(float w, const float* y, float* acc, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) acc[i] += w * y[i];
+  }
+};
+
+#include "../kernels/fused_moe_driver.inc"
+
+}  // namespace
+}  // namespace scalar
+
+void register_scalar(KernelTable& t) {
+  // The scalar kernel reads any bf16-valued layout through its LayoutDesc.
+  for (const LayoutDesc& L : kLayouts) {
+    if (L.weight_dtype == kWeight_bf16) t.fused[L.id][int(Isa::scalar)] = scalar::fused_moe;
+  }
+}
+
+}  // namespace moepack

@@ -1,0 +1,279 @@
+// The only file that sees at::Tensor: TORCH_LIBRARY(moepack) schemas, CPU and Meta kernels.
+// Every argument rule is checked here, before a kernel runs, and a refusal names the argument,
+// the value and the rule (ValueError / TypeError / IndexError on the Python side).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "moepack/kernel.h"
+
+namespace moepack {
+namespace {
+
+std::string shape_str(const at::Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+const LayoutDesc& layout_or_throw(int64_t id) {
+  const LayoutDesc* L = layout_find(int32_t(id));
+  TORCH_CHECK_VALUE(L != nullptr, "layout=", id, " is unknown to this build of moepack (known ids: 1..", kMaxLayoutId,
+                    ")");
+  return *L;
+}
+
+Activation parse_activation(const std::string& s) {
+  if (s == "silu") return Activation::silu;
+  if (s == "gelu") return Activation::gelu;
+  if (s == "gelu_tanh") return Activation::gelu_tanh;
+  if (s == "swigluoai") return Activation::swigluoai;
+  TORCH_CHECK_VALUE(false, "activation='", s, "' is not one of silu, gelu, gelu_tanh, swigluoai");
+}
+
+DType dtype_of(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::f32;
+    case at::kBFloat16: return DType::bf16;
+    case at::kHalf: return DType::f16;
+    default: TORCH_CHECK_TYPE(false, name, " has dtype ", t.scalar_type(), ": must be float32, bfloat16 or float16");
+  }
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_meta(), name, " is on ", t.device(), ": moepack runs on the CPU");
+}
+
+void check_exact(const at::Tensor& t, const char* name, at::ScalarType st, std::vector<int64_t> shape,
+                 const char* rule) {
+  check_cpu(t, name);
+  TORCH_CHECK_TYPE(t.scalar_type() == st, name, " has dtype ", t.scalar_type(), ": must be ", st);
+  TORCH_CHECK_VALUE(t.sizes().vec() == shape, name, " has shape ", shape_str(t), ": must be ", at::IntArrayRef(shape),
+                    " (", rule, ")");
+  TORCH_CHECK_VALUE(t.is_contiguous(), name, " with shape ", shape_str(t), " is not contiguous: must be contiguous");
+}
+
+struct Checked {
+  FusedMoeArgs args;
+};
+
+// Validates every shape/dtype rule and fills the kernel arguments (pointers only when `data`).
+FusedMoeArgs check_fused(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                         const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
+                         const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t layout,
+                         const std::string& activation, double alpha, double limit,
+                         const std::optional<at::Tensor>& expert_map) {
+  FusedMoeArgs a;
+  const LayoutDesc& L = layout_or_throw(layout);
+  a.layout = &L;
+  a.act = parse_activation(activation);
+  check_cpu(x, "hidden_states");
+  a.dtype = dtype_of(x, "hidden_states");
+  TORCH_CHECK_VALUE(x.dim() == 2, "hidden_states has shape ", shape_str(x), ": must be 2-D [tokens, hidden]");
+  TORCH_CHECK_VALUE(x.size(1) == 0 || x.stride(1) == 1, "hidden_states has strides ", x.strides(),
+                    ": the hidden dimension must be contiguous (stride 1)");
+  a.tokens = x.size(0);
+  a.hidden = x.size(1);
+  a.x_stride = x.dim() == 2 ? x.stride(0) : 0;
+  TORCH_CHECK_VALUE(a.hidden > 0, "hidden_states has shape ", shape_str(x), ": hidden size must be positive");
+  check_cpu(w13, "w13");
+  TORCH_CHECK_VALUE(w13.dim() == 3, "w13 has shape ", shape_str(w13), ": must be packed 3-D [E, 2*Ip, Kp]");
+  TORCH_CHECK_VALUE(L.weight_dtype == kWeight_bf16, "layout ", L.name, " is not a bf16 layout");
+  const int64_t E = w13.size(0);
+  TORCH_CHECK_VALUE(E > 0, "w13 has shape ", shape_str(w13), ": needs at least one expert");
+  TORCH_CHECK_VALUE(w13.size(1) % (2 * L.i_align) == 0 && w13.size(1) > 0, "w13 has shape ", shape_str(w13),
+                    ": dim 1 is 2*Ip and Ip must be a positive multiple of ", L.i_align, " for layout ", L.name);
+  a.num_experts = E;
+  a.inter_padded = w13.size(1) / 2;
+  const int64_t kp1 = round_up(a.hidden, L.k_pack), np2 = round_up(a.hidden, L.block_n);
+  check_exact(w13, "w13", at::kBFloat16, {E, 2 * a.inter_padded, kp1}, "packed [E, 2*Ip, H padded to k_pack]");
+  check_exact(w2, "w2", at::kBFloat16, {E, np2, a.inter_padded}, "packed [E, H padded to block_n, Ip]");
+  if (b13) check_exact(*b13, "w13_bias", at::kFloat, {E, 2 * a.inter_padded}, "fp32 [E, 2*Ip] in packed row order");
+  if (b2) check_exact(*b2, "w2_bias", at::kFloat, {E, np2}, "fp32 [E, H padded to block_n]");
+  TORCH_CHECK_VALUE(topk_ids.dim() == 2 && topk_ids.size(0) == a.tokens && topk_ids.size(1) > 0, "topk_ids has shape ",
+                    shape_str(topk_ids), ": must be [tokens=", a.tokens, ", k] with k >= 1");
+  a.topk = topk_ids.size(1);
+  check_exact(topk_ids, "topk_ids", at::kInt, {a.tokens, a.topk}, "int32 [tokens, k]");
+  check_exact(topk_weights, "topk_weights", at::kFloat, {a.tokens, a.topk}, "fp32, same shape as topk_ids");
+  if (expert_map) {
+    check_cpu(*expert_map, "expert_map");
+    TORCH_CHECK_TYPE(expert_map->scalar_type() == at::kInt, "expert_map has dtype ", expert_map->scalar_type(),
+                     ": must be int32");
+    TORCH_CHECK_VALUE(expert_map->dim() == 1 && expert_map->size(0) >= E && expert_map->is_contiguous(),
+                      "expert_map has shape ", shape_str(*expert_map),
+                      ": must be contiguous 1-D [E_global] with E_global >= local experts (", E, ")");
+    a.num_global_experts = expert_map->size(0);
+  } else {
+    a.num_global_experts = E;
+  }
+  TORCH_CHECK_VALUE(std::isfinite(alpha) && std::isfinite(limit) && limit > 0, "swigluoai alpha=", alpha,
+                    ", limit=", limit, ": both must be finite and limit > 0");
+  a.alpha = float(alpha);
+  a.limit = float(limit);
+  return a;
+}
+
+void parallel_run(void*, int64_t n, ParallelBody body, void* ctx) {
+  at::parallel_for(0, n, 1, [&](int64_t b, int64_t e) { body(ctx, b, e); });
+}
+
+bool strict_mode() {
+  const char* v = std::getenv("MOEPACK_STRICT");
+  return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+}
+
+Selection select_or_throw(int64_t layout) {
+  Isa cap;
+  try {
+    cap = env_max_isa();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  Selection sel = select_fused(int32_t(layout), cap);
+  TORCH_CHECK_VALUE(sel.fn != nullptr, sel.reason);
+  const Isa want = int(cap) < int(host_isa()) ? cap : host_isa();
+  TORCH_CHECK(!strict_mode() || sel.isa == want, "MOEPACK_STRICT=1 refuses a fallback: ", sel.reason);
+  return sel;
+}
+
+at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                             const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
+                             const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t layout,
+                             std::string_view activation, double alpha, double limit,
+                             const std::optional<at::Tensor>& expert_map) {
+  FusedMoeArgs a = check_fused(x, w13, w2, b13, b2, topk_weights, topk_ids, layout, std::string(activation), alpha,
+                               limit, expert_map);
+  at::Tensor out = at::empty({a.tokens, a.hidden}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (a.tokens == 0) return out;
+  a.x = x.data_ptr();
+  a.out = out.data_ptr();
+  a.w13 = w13.data_ptr();
+  a.w2 = w2.data_ptr();
+  a.b13 = b13 ? b13->data_ptr<float>() : nullptr;
+  a.b2 = b2 ? b2->data_ptr<float>() : nullptr;
+  a.topk_weights = topk_weights.data_ptr<float>();
+  a.topk_ids = topk_ids.data_ptr<int32_t>();
+  a.expert_map = expert_map ? expert_map->data_ptr<int32_t>() : nullptr;
+  char buf[256];
+  const char* err = fused_moe_check_routing(a, buf, sizeof(buf));
+  TORCH_CHECK_INDEX(err == nullptr, err);
+  Selection sel = select_or_throw(layout);
+  a.par.run = parallel_run;
+  a.par.num_threads = at::get_num_threads();
+  {
+    at::NoGradGuard no_grad;
+    sel.fn(a);
+  }
+  return out;
+}
+
+at::Tensor fused_experts_meta(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                              const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
+                              const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t layout,
+                              std::string_view activation, double alpha, double limit,
+                              const std::optional<at::Tensor>& expert_map) {
+  FusedMoeArgs a = check_fused(x, w13, w2, b13, b2, topk_weights, topk_ids, layout, std::string(activation), alpha,
+                               limit, expert_map);
+  return at::empty({a.tokens, a.hidden}, x.options());
+}
+
+std::vector<int64_t> packed_shape(const at::Tensor& w, const LayoutDesc& L) {
+  TORCH_CHECK_VALUE(w.dim() == 3, "weight has shape ", shape_str(w), ": must be 3-D [E, N, K]");
+  return {w.size(0), round_up(w.size(1), L.block_n), round_up(w.size(2), L.k_pack)};
+}
+
+at::Tensor pack_weight_cpu(const at::Tensor& w, int64_t layout) {
+  const LayoutDesc& L = layout_or_throw(layout);
+  check_cpu(w, "weight");
+  const DType dt = dtype_of(w, "weight");
+  auto shape = packed_shape(w, L);
+  at::Tensor src = w.contiguous();
+  at::Tensor out = at::empty(shape, w.options().dtype(at::kBFloat16));
+  const int64_t E = shape[0], n = w.size(1), k = w.size(2), np = shape[1], kp = shape[2];
+  const int64_t esz = src.element_size();
+  const char* sp = static_cast<const char*>(src.data_ptr());
+  uint16_t* dp = static_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, E, 1, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) pack_matrix_bf16(sp + i * n * k * esz, dt, n, k, np, kp, L, dp + i * np * kp);
+  });
+  return out;
+}
+
+at::Tensor pack_weight_meta(const at::Tensor& w, int64_t layout) {
+  const LayoutDesc& L = layout_or_throw(layout);
+  dtype_of(w, "weight");
+  return at::empty(packed_shape(w, L), w.options().dtype(at::kBFloat16));
+}
+
+std::tuple<std::string, std::vector<int64_t>> layout_desc(int64_t id) {
+  const LayoutDesc& L = layout_or_throw(id);
+  return {L.name,
+          {L.id, L.weight_dtype, L.weight_bits, L.group_size, L.block_n, L.k_pack, L.scale_dtype, L.zero_kind, L.family,
+           L.i_align}};
+}
+
+std::tuple<std::string, std::string> kernel_choice(int64_t layout) {
+  Isa cap;
+  try {
+    cap = env_max_isa();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  Selection sel = select_fused(int32_t(layout), cap);
+  TORCH_CHECK_VALUE(sel.fn != nullptr, sel.reason);
+  return {isa_name(sel.isa), sel.reason};
+}
+
+std::vector<std::string> cpu_flags() {
+  const CpuFeatures& f = cpu_features();
+  std::vector<std::string> out;
+  auto add = [&](bool b, const char* n) {
+    if (b) out.emplace_back(n);
+  };
+  add(f.avx2, "avx2");
+  add(f.fma, "fma");
+  add(f.f16c, "f16c");
+  add(f.avx512f, "avx512f");
+  add(f.avx512bw, "avx512bw");
+  add(f.avx512vl, "avx512vl");
+  add(f.avx512dq, "avx512dq");
+  add(f.avx512bf16, "avx512_bf16");
+  add(f.avx512vnni, "avx512_vnni");
+  add(f.avx_vnni, "avx_vnni");
+  add(f.os_avx, "os_avx");
+  add(f.os_avx512, "os_avx512");
+  out.emplace_back(std::string("host_isa=") + isa_name(host_isa()));
+  return out;
+}
+
+}  // namespace
+}  // namespace moepack
+
+TORCH_LIBRARY(moepack, m) {
+  m.def(
+      "fused_experts(Tensor hidden_states, Tensor w13, Tensor w2, Tensor? w13_bias, Tensor? w2_bias, "
+      "Tensor topk_weights, Tensor topk_ids, int layout, str activation=\"silu\", float alpha=1.702, "
+      "float limit=7.0, Tensor? expert_map=None) -> Tensor");
+  m.def("pack_weight(Tensor weight, int layout) -> Tensor");
+  m.def("layout_desc(int layout) -> (str, int[])", &moepack::layout_desc);
+  m.def("kernel_choice(int layout) -> (str, str)", &moepack::kernel_choice);
+  m.def("cpu_flags() -> str[]", &moepack::cpu_flags);
+}
+
+TORCH_LIBRARY_IMPL(moepack, CPU, m) {
+  m.impl("fused_experts", &moepack::fused_experts_cpu);
+  m.impl("pack_weight", &moepack::pack_weight_cpu);
+}
+
+TORCH_LIBRARY_IMPL(moepack, Meta, m) {
+  m.impl("fused_experts", &moepack::fused_experts_meta);
+  m.impl("pack_weight", &moepack::pack_weight_meta);
+}

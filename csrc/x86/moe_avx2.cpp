@@ -1,0 +1,179 @@
+// [NOTE] AVX2 + FMA (+ F16C) fused-MoE kernels for layout bf16_n32k2_x86.
+// Compiled with -mavx2 -mfma -mf16c only; registered by dispatch.cpp after cpuid + xgetbv.
+//
+// Weights: one packed block is [Kp/2][32 columns][2] bf16, i.e. per K pair 128 bytes =
+// 4 ymm of 8 (k, k+1) pairs. A pair word w holds element k in its low half, k+1 in its high
+// half, so   even = w << 16   and   odd = w & 0xffff0000   are both exact fp32 values: the bf16
+// to fp32 conversion costs two integer ops and no shuffles.
+// Activations: fp32 rows (broadcast one value per FMA).
+//
+// Register tiles (16 ymm): MR=1 keeps 8 accumulators (4 even + 4 odd, 8 independent FMA
+// chains: enough to hide the 4-cycle latency at M=1 where we stream from memory);
+// MR=2 keeps 2 x 4 accumulators, 4 broadcasts and 3 temporaries = 15 registers.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+#include "moepack/kernel.h"
+#include "moepack/numeric.h"
+
+namespace moepack {
+namespace avx2 {
+namespace {
+
+static inline __m256 even_f32(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
+static inline __m256 odd_f32(__m256i w, __m256i hi_mask) { return _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask)); }
+
+// exp(x) for x in [-87.3, 88.3] (clamped), Cephes-style: 2^n * p(r), ~1 ulp.
+static inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+static inline __m256 sigmoid_ps(__m256 x) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x))));
+}
+
+struct MK {
+  static RowFormat row_format(DType) { return RowFormat::f32; }
+
+  static void gemm1(const float* x, const uint16_t* B, int64_t kp, float* C) {
+    const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
+    __m256 ae0 = _mm256_setzero_ps(), ae1 = ae0, ae2 = ae0, ae3 = ae0;
+    __m256 ao0 = ae0, ao1 = ae0, ao2 = ae0, ao3 = ae0;
+    const __m256i* b = reinterpret_cast<const __m256i*>(B);
+    for (int64_t kk = 0; kk < kp / 2; ++kk, b += 4) {
+      const __m256 x0 = _mm256_broadcast_ss(x + 2 * kk), x1 = _mm256_broadcast_ss(x + 2 * kk + 1);
+      __m256i w0 = _mm256_loadu_si256(b + 0), w1 = _mm256_loadu_si256(b + 1);
+      __m256i w2 = _mm256_loadu_si256(b + 2), w3 = _mm256_loadu_si256(b + 3);
+      ae0 = _mm256_fmadd_ps(even_f32(w0), x0, ae0);
+      ao0 = _mm256_fmadd_ps(odd_f32(w0, hi), x1, ao0);
+      ae1 = _mm256_fmadd_ps(even_f32(w1), x0, ae1);
+      ao1 = _mm256_fmadd_ps(odd_f32(w1, hi), x1, ao1);
+      ae2 = _mm256_fmadd_ps(even_f32(w2), x0, ae2);
+      ao2 = _mm256_fmadd_ps(odd_f32(w2, hi), x1, ao2);
+      ae3 = _mm256_fmadd_ps(even_f32(w3), x0, ae3);
+      ao3 = _mm256_fmadd_ps(odd_f32(w3, hi), x1, ao3);
+    }
+    _mm256_storeu_ps(C + 0, _mm256_add_ps(ae0, ao0));
+    _mm256_storeu_ps(C + 8, _mm256_add_ps(ae1, ao1));
+    _mm256_storeu_ps(C + 16, _mm256_add_ps(ae2, ao2));
+    _mm256_storeu_ps(C + 24, _mm256_add_ps(ae3, ao3));
+  }
+
+  static void gemm2(const float* x, const float* z, const uint16_t* B, int64_t kp, float* C) {
+    const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+    const __m256i* b = reinterpret_cast<const __m256i*>(B);
+    for (int64_t kk = 0; kk < kp / 2; ++kk, b += 4) {
+      const __m256 x0 = _mm256_broadcast_ss(x + 2 * kk), x1 = _mm256_broadcast_ss(x + 2 * kk + 1);
+      const __m256 z0 = _mm256_broadcast_ss(z + 2 * kk), z1 = _mm256_broadcast_ss(z + 2 * kk + 1);
+#define MOEPACK_AVX2_STEP(V, ACC_X, ACC_Z)               \
+  {                                                      \
+    const __m256i w = _mm256_loadu_si256(b + V);         \
+    const __m256 e = even_f32(w), o = odd_f32(w, hi);    \
+    ACC_X = _mm256_fmadd_ps(e, x0, ACC_X);               \
+    ACC_Z = _mm256_fmadd_ps(e, z0, ACC_Z);               \
+    ACC_X = _mm256_fmadd_ps(o, x1, ACC_X);               \
+    ACC_Z = _mm256_fmadd_ps(o, z1, ACC_Z);               \
+  }
+      MOEPACK_AVX2_STEP(0, a0, c0)
+      MOEPACK_AVX2_STEP(1, a1, c1)
+      MOEPACK_AVX2_STEP(2, a2, c2)
+      MOEPACK_AVX2_STEP(3, a3, c3)
+#undef MOEPACK_AVX2_STEP
+    }
+    _mm256_storeu_ps(C + 0, a0);
+    _mm256_storeu_ps(C + 8, a1);
+    _mm256_storeu_ps(C + 16, a2);
+    _mm256_storeu_ps(C + 24, a3);
+    _mm256_storeu_ps(C + 32, c0);
+    _mm256_storeu_ps(C + 40, c1);
+    _mm256_storeu_ps(C + 48, c2);
+    _mm256_storeu_ps(C + 56, c3);
+  }
+
+  // C[m, 32] = A[m, :kp] . B^T for one 32-column block.
+  static void gemm(const LayoutDesc&, RowFormat, const void* const* rows, int m, const uint16_t* B, int64_t kp, float* C) {
+    int i = 0;
+    for (; i + 2 <= m; i += 2) {
+      gemm2(static_cast<const float*>(rows[i]), static_cast<const float*>(rows[i + 1]), B, kp, C + i * 32);
+    }
+    if (i < m) gemm1(static_cast<const float*>(rows[i]), B, kp, C + i * 32);
+  }
+
+  static void activation(const FusedMoeArgs& a, const float* g, const float* u, int n, float* out) {
+    int j = 0;
+    switch (a.act) {
+      case Activation::silu:
+        for (; j + 8 <= n; j += 8) {
+          const __m256 gv = _mm256_loadu_ps(g + j), uv = _mm256_loadu_ps(u + j);
+          _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(gv, sigmoid_ps(gv)), uv));
+        }
+        for (; j < n; ++j) out[j] = act_silu(g[j], u[j]);
+        break;
+      case Activation::gelu_tanh: {
+        // 0.5 * (1 + tanh(z)) == sigmoid(2z)
+        const __m256 c2 = _mm256_set1_ps(2.0f * 0.7978845608028654f), c3 = _mm256_set1_ps(0.044715f);
+        for (; j + 8 <= n; j += 8) {
+          const __m256 gv = _mm256_loadu_ps(g + j), uv = _mm256_loadu_ps(u + j);
+          const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(c3, gv), _mm256_mul_ps(gv, gv), gv);
+          _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(gv, sigmoid_ps(_mm256_mul_ps(c2, inner))), uv));
+        }
+        for (; j < n; ++j) out[j] = act_gelu_tanh(g[j], u[j]);
+        break;
+      }
+      case Activation::swigluoai: {
+        const __m256 lim = _mm256_set1_ps(a.limit), nlim = _mm256_set1_ps(-a.limit);
+        const __m256 alpha = _mm256_set1_ps(a.alpha), one = _mm256_set1_ps(1.0f);
+        for (; j + 8 <= n; j += 8) {
+          const __m256 gv = _mm256_min_ps(_mm256_loadu_ps(g + j), lim);
+          const __m256 uv = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(u + j), lim), nlim);
+          const __m256 glu = _mm256_mul_ps(gv, sigmoid_ps(_mm256_mul_ps(alpha, gv)));
+          _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_add_ps(uv, one), glu));
+        }
+        for (; j < n; ++j) out[j] = act_swigluoai(g[j], u[j], a.alpha, a.limit);
+        break;
+      }
+      case Activation::gelu:  // erf: scalar libm (exact GELU is rare in MoE models)
+        for (; j < n; ++j) out[j] = act_gelu(g[j], u[j]);
+        break;
+    }
+  }
+
+  static void axpy(float w, const float* y, float* acc, int64_t n) {
+    const __m256 wv = _mm256_set1_ps(w);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_mul_ps(wv, _mm256_loadu_ps(y + i))));
+    }
+    for (; i < n; ++i) acc[i] += w * y[i];
+  }
+};
+
+#include "../kernels/fused_moe_driver.inc"
+
+}  // namespace
+}  // namespace avx2
+
+void register_avx2(KernelTable& t) { t.fused[kLayoutId_bf16_n32k2_x86][int(Isa::avx2)] = avx2::fused_moe; }
+
+}  // namespace moepack

@@ -1,0 +1,90 @@
+"""Loads the native extension and wraps ``torch.ops.moepack.*`` in typed Python functions.
+
+The ops themselves (schemas, CPU and Meta kernels) are registered in ``csrc/torch/ops.cpp``;
+they check every argument and raise ``ValueError`` / ``TypeError`` / ``IndexError`` naming the
+argument, the value and the rule.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import ExtensionError
+from .layout import DEFAULT_LAYOUT, PackedLayout, layout_get
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+
+_loaded = False
+
+
+def load_extension() -> None:
+    """Import ``moepack._C`` (registers the ops); a missing build is a clear error."""
+    global _loaded
+    if _loaded:
+        return
+    try:
+        from . import _C  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the install
+        raise ExtensionError(
+            f"the native extension moepack._C could not be loaded ({e}); build it with "
+            "`pip install --no-build-isolation -e .` (see README)"
+        ) from e
+    _loaded = True
+
+
+def ops():
+    load_extension()
+    return torch.ops.moepack
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    layout: int | str | PackedLayout = DEFAULT_LAYOUT,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run the experts of one MoE layer on packed weights (SEMANTICS.md §2).
+
+    hidden_states [T, H] fp32/bf16/fp16; w13 [E, 2*Ip, Kp] and w2 [E, Np, Ip] packed by
+    ``moepack.pack.pack_experts``; topk_weights [T, k] fp32; topk_ids [T, k] int32 (global ids
+    when ``expert_map`` [E_global] int32 maps them to local ids or -1). Returns [T, H] in the
+    input dtype.
+    """
+    return ops().fused_experts(
+        hidden_states,
+        w13,
+        w2,
+        w13_bias,
+        w2_bias,
+        topk_weights,
+        topk_ids,
+        layout_get(layout).id,
+        activation,
+        float(alpha),
+        float(limit),
+        expert_map,
+    )
+
+
+def pack_weight(weight: torch.Tensor, layout: int | str | PackedLayout = DEFAULT_LAYOUT) -> torch.Tensor:
+    """C++ packer: [E, N, K] float weights -> packed [E, Np, Kp] (no I padding logic here)."""
+    return ops().pack_weight(weight, layout_get(layout).id)
+
+
+def kernel_choice(layout: int | str | PackedLayout = DEFAULT_LAYOUT) -> tuple[str, str]:
+    """(isa, reason): the kernel a call with this layout runs on this CPU now, and why."""
+    isa, reason = ops().kernel_choice(layout_get(layout).id)
+    return isa, reason
+
+
+def cpu_flags() -> list[str]:
+    return list(ops().cpu_flags())

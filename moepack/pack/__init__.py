@@ -1,0 +1,157 @@
+"""Canonical expert tensors -> packed layout bytes.
+
+The readable Python packer here (``pack_weight_reference``) is the specification; the C++
+packer (``torch.ops.moepack.pack_weight``) must produce the same bytes, which
+tests/test_pack.py checks. ``pack_experts`` adds the MoE-specific padding:
+
+* the intermediate size I is zero-padded to ``Ip`` (a multiple of ``layout.i_align``), gate and
+  up halves separately (``w13 [E, 2I, H]`` -> ``[E, 2Ip, H]``: gate rows at [0, I), up rows at
+  [Ip, Ip + I)); for swigluoai, whose gate/up rows are interleaved (2i = gate_i, 2i+1 = up_i),
+  whole pairs are appended at the end instead;
+* ``w2 [E, H, I]`` gets zero columns up to ``Ip``;
+* biases are padded the same way and stored as fp32.
+
+Padding is exact: a zero gate row and a zero up row give act(0, 0) = 0 for every activation,
+and the zero w2 columns multiply it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import LayoutError
+from ..layout import DEFAULT_LAYOUT, PackedLayout, layout_expert_shapes, layout_get, layout_padded_k, layout_padded_n
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """One MoE layer's experts in a packed layout, ready for ``moepack.fused_experts``."""
+
+    layout: PackedLayout
+    num_experts: int
+    hidden: int
+    intermediate: int
+    padded_intermediate: int
+    interleaved: bool  # gate/up rows interleaved (swigluoai checkpoints)
+    w13: torch.Tensor  # [E, 2*Ip, Kp(H)] bf16
+    w2: torch.Tensor  # [E, Np(H), Ip] bf16
+    w13_bias: torch.Tensor | None  # [E, 2*Ip] fp32
+    w2_bias: torch.Tensor | None  # [E, Np(H)] fp32
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.w2, self.w13_bias, self.w2_bias) if t is not None)
+
+
+def pack_weight_reference(weight: torch.Tensor, layout: int | str | PackedLayout = DEFAULT_LAYOUT) -> torch.Tensor:
+    """[E, N, K] float -> [E, Np, Kp] bf16 in ``layout`` (see moepack/layout.py for the order)."""
+    lay = layout_get(layout)
+    if weight.dim() != 3:
+        raise LayoutError(f"weight has shape {list(weight.shape)}: must be 3-D [E, N, K]")
+    e, n, k = weight.shape
+    bn, kpk = lay.block_n, lay.k_pack
+    np_, kp = layout_padded_n(lay, n), layout_padded_k(lay, k)
+    w = torch.zeros(e, np_, kp, dtype=torch.bfloat16)
+    w[:, :n, :k] = weight.to(torch.bfloat16)
+    # [E, Np/bn, bn, Kp/kpk, kpk] -> [E, Np/bn, Kp/kpk, bn, kpk]: K groups outer, columns inner
+    w = w.view(e, np_ // bn, bn, kp // kpk, kpk).permute(0, 1, 3, 2, 4).contiguous()
+    return w.view(e, np_, kp)
+
+
+def unpack_weight_reference(
+    packed: torch.Tensor, n: int, k: int, layout: int | str | PackedLayout = DEFAULT_LAYOUT
+) -> torch.Tensor:
+    """Inverse of ``pack_weight_reference``: packed [E, Np, Kp] -> [E, n, k] bf16."""
+    lay = layout_get(layout)
+    e, np_, kp = packed.shape
+    bn, kpk = lay.block_n, lay.k_pack
+    w = packed.view(e, np_ // bn, kp // kpk, bn, kpk).permute(0, 1, 3, 2, 4).reshape(e, np_, kp)
+    return w[:, :n, :k]
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in FLOAT_DTYPES:
+        raise LayoutError(f"{name} has dtype {t.dtype}: must be float32, bfloat16 or float16")
+    if not bool(torch.isfinite(t).all()):
+        bad = (~torch.isfinite(t)).nonzero()[0].tolist()
+        raise LayoutError(f"{name} has a non-finite value at {bad}: weights and biases must be finite")
+
+
+def pad_intermediate(w13: torch.Tensor, ip: int, interleaved: bool) -> torch.Tensor:
+    """[E, 2I, ...] -> [E, 2Ip, ...] with zero rows (gate/up halves padded separately)."""
+    e, two_i = w13.shape[:2]
+    i = two_i // 2
+    out = w13.new_zeros((e, 2 * ip) + tuple(w13.shape[2:]))
+    if interleaved:
+        out[:, :two_i] = w13
+    else:
+        out[:, :i] = w13[:, :i]
+        out[:, ip : ip + i] = w13[:, i:]
+    return out
+
+
+def pack_experts(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    *,
+    interleaved: bool = False,
+    layout: int | str | PackedLayout = DEFAULT_LAYOUT,
+    use_cpp: bool = True,
+) -> PackedExperts:
+    """Pack canonical experts: w13 [E, 2I, H] (gate then up, or interleaved pairs when
+    ``interleaved``), w2 [E, H, I], optional biases [E, 2I] and [E, H]."""
+    lay = layout_get(layout)
+    _check_float("w13", w13)
+    _check_float("w2", w2)
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise LayoutError(f"w13 {list(w13.shape)} and w2 {list(w2.shape)}: both must be 3-D [E, out, in]")
+    e, two_i, h = w13.shape
+    if two_i % 2:
+        raise LayoutError(f"w13 has shape {list(w13.shape)}: dim 1 is 2*I and must be even")
+    i = two_i // 2
+    if tuple(w2.shape) != (e, h, i):
+        raise LayoutError(f"w2 has shape {list(w2.shape)}: must be [E, H, I] = {[e, h, i]} to match w13 {list(w13.shape)}")
+    shapes = layout_expert_shapes(lay, e, h, i)
+    ip = shapes.padded_intermediate
+    b13 = b2 = None
+    if w13_bias is not None:
+        _check_float("w13_bias", w13_bias)
+        if tuple(w13_bias.shape) != (e, two_i):
+            raise LayoutError(f"w13_bias has shape {list(w13_bias.shape)}: must be [E, 2I] = {[e, two_i]}")
+        b13 = pad_intermediate(w13_bias.float(), ip, interleaved).contiguous()
+    if w2_bias is not None:
+        _check_float("w2_bias", w2_bias)
+        if tuple(w2_bias.shape) != (e, h):
+            raise LayoutError(f"w2_bias has shape {list(w2_bias.shape)}: must be [E, H] = {[e, h]}")
+        b2 = torch.zeros(e, layout_padded_n(lay, h), dtype=torch.float32)
+        b2[:, :h] = w2_bias.float()
+    w13p = pad_intermediate(w13, ip, interleaved)
+    w2p = torch.nn.functional.pad(w2, (0, ip - i))
+    if use_cpp:
+        from .._ops import pack_weight
+
+        w13_packed, w2_packed = pack_weight(w13p, lay), pack_weight(w2p, lay)
+    else:
+        w13_packed, w2_packed = pack_weight_reference(w13p, lay), pack_weight_reference(w2p, lay)
+    assert tuple(w13_packed.shape) == shapes.w13_shape and tuple(w2_packed.shape) == shapes.w2_shape
+    return PackedExperts(
+        layout=lay,
+        num_experts=e,
+        hidden=h,
+        intermediate=i,
+        padded_intermediate=ip,
+        interleaved=interleaved,
+        w13=w13_packed,
+        w2=w2_packed,
+        w13_bias=b13,
+        w2_bias=b2,
+    )
+
+
+__all__ = ["PackedExperts", "pack_experts", "pack_weight_reference", "unpack_weight_reference", "pad_intermediate"]

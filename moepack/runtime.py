@@ -1,0 +1,43 @@
+"""Running packed experts: the thin layer between PackedExperts and the native op."""
+
+from __future__ import annotations
+
+import torch
+
+from ._ops import fused_experts
+from .errors import UnsupportedError
+from .pack import PackedExperts
+
+
+def run_experts(
+    packed: PackedExperts,
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``fused_experts`` on a ``PackedExperts``; refuses an activation that does not match how
+    the gate/up rows were packed (interleaved rows are swigluoai's)."""
+    if packed.interleaved != (activation == "swigluoai"):
+        raise UnsupportedError(
+            f"activation={activation!r} with experts packed {'interleaved' if packed.interleaved else 'gate-then-up'}: "
+            "swigluoai needs interleaved gate/up rows and every other activation needs gate-then-up rows"
+        )
+    return fused_experts(
+        hidden_states,
+        packed.w13,
+        packed.w2,
+        topk_weights,
+        topk_ids,
+        layout=packed.layout,
+        activation=activation,
+        alpha=alpha,
+        limit=limit,
+        w13_bias=packed.w13_bias,
+        w2_bias=packed.w2_bias,
+        expert_map=expert_map,
+    )

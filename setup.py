@@ -1,0 +1,65 @@
+"""Build of the moepack._C extension against the installed torch.
+
+Each ISA translation unit gets its own flags (ISA_FLAGS below); everything else is compiled
+for the baseline target. Nothing is built with -march=native: what runs is decided at run
+time by csrc/dispatch.cpp.
+"""
+
+import glob
+import os
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+# Per-file ISA flags, keyed by the source file name.
+ISA_FLAGS = {
+    "moe_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
+    "moe_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
+}
+COMMON_FLAGS = ["-O3", "-std=c++20", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
+
+
+class IsaBuildExt(BuildExtension):
+    """BuildExtension (no ninja) that appends ISA_FLAGS to the files named there."""
+
+    def build_extension(self, ext):
+        compile_one = self.compiler._compile
+
+        def _compile(obj, src, ext_, cc_args, extra_postargs, pp_opts):
+            extra = ISA_FLAGS.get(os.path.basename(src), [])
+            post = list(extra_postargs["cxx"] if isinstance(extra_postargs, dict) else extra_postargs)
+            if isinstance(extra_postargs, dict):
+                extra_postargs = dict(extra_postargs, cxx=post + extra)
+            else:
+                extra_postargs = post + extra
+            return compile_one(obj, src, ext_, cc_args, extra_postargs, pp_opts)
+
+        self.compiler._compile = _compile
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler._compile = compile_one
+
+
+def _sources():
+    files = ["csrc/dispatch.cpp", "csrc/pack.cpp", "csrc/ref/moe_scalar.cpp", "csrc/torch/ops.cpp", "csrc/torch/module.cpp"]
+    import platform
+
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        files += sorted(glob.glob("csrc/x86/*.cpp"))
+    return files
+
+
+setup(
+    ext_modules=[
+        CppExtension(
+            "moepack._C",
+            _sources(),
+            include_dirs=[os.path.join(ROOT, "csrc", "include")],
+            extra_compile_args={"cxx": COMMON_FLAGS},
+        )
+    ],
+    cmdclass={"build_ext": IsaBuildExt.with_options(use_ninja=False)},
+)
