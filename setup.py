@@ -13,8 +13,11 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
-# Per-file ISA flags, keyed by the source file name.
+# Per-file flags, keyed by the source file name.
+# ops.cpp instantiates at::parallel_for, whose OpenMP body is inline in the ATen headers: without
+# -fopenmp it silently runs on one thread.
 ISA_FLAGS = {
+    "ops.cpp": ["-fopenmp"],
     "moe_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
     "moe_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
 }
@@ -59,6 +62,7 @@ setup(
             _sources(),
             include_dirs=[os.path.join(ROOT, "csrc", "include")],
             extra_compile_args={"cxx": COMMON_FLAGS},
+            extra_link_args=["-fopenmp"],
         )
     ],
     cmdclass={"build_ext": IsaBuildExt.with_options(use_ninja=False)},
