@@ -19,6 +19,21 @@
 #if defined(MOEPACK_EMULATE_AVX512)
 #define SIMDE_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
+// SIMDe 0.7.x (Debian libsimde-dev) has no _mm512_cvtps_epi32: without this shim the name binds
+// to GCC's native intrinsic, which does not compile without -mavx512f. Two 256-bit halves
+// (current rounding mode, like the instruction); replaces SIMDe's alias where a newer one has it.
+static inline simde__m512i moepack_emu_mm512_cvtps_epi32(simde__m512 a) {
+  simde__m512_private a_ = simde__m512_to_private(a);
+  simde__m512i_private r_;
+  r_.m256i[0] = simde_mm256_cvtps_epi32(a_.m256[0]);
+  r_.m256i[1] = simde_mm256_cvtps_epi32(a_.m256[1]);
+  return simde__m512i_from_private(r_);
+}
+#undef _mm512_cvtps_epi32
+#define _mm512_cvtps_epi32(a) moepack_emu_mm512_cvtps_epi32(a)
+#ifndef _MM_FROUND_NO_EXC  // SIMDe aliases it only where SSE4.1 is native
+#define _MM_FROUND_NO_EXC SIMDE_MM_FROUND_NO_EXC
+#endif
 #else
 #include <immintrin.h>
 #endif

@@ -1,0 +1,751 @@
+// Torch-free test of the fused-MoE kernels: every ISA kernel this binary can run against the
+// scalar kernel (SEMANTICS.md §4), and the scalar kernel against a naive double-precision
+// reference written from SEMANTICS.md §2 (the driver is shared by every ISA, so SIMD-vs-scalar
+// alone cannot see a driver bug).
+//
+// Kernels: scalar (oracle), avx2 (native, when the CPU has it), avx512-emu (csrc/x86/
+// moe_avx512.cpp built with -DMOEPACK_EMULATE_AVX512 against SIMDe, runs on any x86-64 with
+// AVX2, or anywhere when built without -mavx2) and avx512 (the same file built natively, run
+// only when the CPU and OS have AVX-512 F/BW/VL/DQ + BF16).
+//
+// Build and run: python tests/cpp/build.py --run   (options: -v prints every case)
+// Last line: "N passed, M failed"; exit status 1 when anything failed.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "moepack/kernel.h"
+#include "moepack/numeric.h"
+
+#ifndef MOEPACK_TEST_NATIVE_AVX512
+#define MOEPACK_TEST_NATIVE_AVX512 0
+#endif
+#ifndef MOEPACK_TEST_EMU_NEEDS_AVX2
+#define MOEPACK_TEST_EMU_NEEDS_AVX2 0
+#endif
+
+namespace moepack {
+#if MOEPACK_TEST_NATIVE_AVX512
+void register_avx512_native(KernelTable& t);  // moe_avx512.cpp built with -Dregister_avx512=...
+#endif
+}  // namespace moepack
+
+using namespace moepack;
+
+namespace {
+
+// ---- bookkeeping ---------------------------------------------------------------------------
+int g_pass = 0, g_fail = 0;
+bool g_verbose = false;
+
+void check(bool ok, const char* fmt, ...) {
+  if (ok) {
+    ++g_pass;
+  } else {
+    ++g_fail;
+  }
+  if (!ok || g_verbose) {
+    std::printf("%s ", ok ? "ok  " : "FAIL");
+    va_list ap;
+    va_start(ap, fmt);
+    std::vprintf(fmt, ap);
+    va_end(ap);
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+}
+
+const char* dtype_name(DType d) { return d == DType::f32 ? "f32" : d == DType::bf16 ? "bf16" : "f16"; }
+const char* act_name(Activation a) {
+  switch (a) {
+    case Activation::silu: return "silu";
+    case Activation::gelu: return "gelu";
+    case Activation::gelu_tanh: return "gelu_tanh";
+    case Activation::swigluoai: return "swigluoai";
+  }
+  return "?";
+}
+
+// Tolerances (relative norm ||out - ref|| / ||ref||).
+constexpr double kTolSimdF32 = 1e-6;     // SIMD vs scalar, fp32 outputs (SEMANTICS §4)
+constexpr double kTolSimdHalf = 2e-3;    // SIMD vs scalar, bf16/fp16 outputs
+constexpr double kTolRefF32 = 1e-5;      // scalar vs naive double reference, fp32
+constexpr double kTolRefHalf = 2e-3;     // scalar vs naive double reference, bf16/fp16
+// bf16/fp16: the intermediate is rounded to the activation dtype, and a value within an fp32
+// ulp of a rounding tie flips by one bf16/fp16 ulp between two correct kernels. With few rows
+// (T = 1, k = 1) one such flip of a large intermediate moves the whole output by up to ~2^-7
+// relative, so half-dtype cases also accept up to kFlips times the largest single-flip effect
+// (computed by the reference from the case's own data: max over slots s and columns i of
+// |w_s| * ulp(a_si) * ||w2[e_s][:, i]|| / ||out||). For T = 67 this allowance is far below the
+// base tolerance.
+constexpr double kFlips = 2.0;
+
+struct ErrStat {
+  double max_rel = 0, max_worst = 0;  // worst = max |a - b| / max |b|
+  int cases = 0;
+  int differing_cases = 0;  // cases with any bit difference
+};
+std::map<std::string, ErrStat> g_stats;
+std::map<std::string, double> g_kernel_seconds;
+int g_allowance_used = 0;  // comparisons above the base tolerance (accepted or not)
+
+// ---- kernels under test ----------------------------------------------------------------------
+struct Kernel {
+  std::string name;
+  FusedMoeFn fn;
+};
+
+std::vector<Kernel> g_simd;  // everything but scalar
+FusedMoeFn g_scalar = nullptr;
+
+void collect_kernels() {
+  const int L = kLayoutId_bf16_n32k2_x86;
+  {
+    KernelTable t;
+    register_scalar(t);
+    g_scalar = t.fused[L][int(Isa::scalar)];
+  }
+  const bool has_avx2 = isa_unavailable_reason(Isa::avx2) == nullptr;
+  if (has_avx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    KernelTable t;
+    register_avx2(t);
+    g_simd.push_back({"avx2", t.fused[L][int(Isa::avx2)]});
+  } else {
+    std::printf("note: avx2 kernel not run: %s\n", isa_unavailable_reason(Isa::avx2) ? isa_unavailable_reason(Isa::avx2) : "cpu");
+  }
+  if (!MOEPACK_TEST_EMU_NEEDS_AVX2 || has_avx2) {
+    KernelTable t;
+    register_avx512(t);  // the SIMDe build of moe_avx512.cpp
+    g_simd.push_back({"avx512-emu", t.fused[L][int(Isa::avx512)]});
+  } else {
+    std::printf("note: avx512-emu not run: it was built with -mavx2 and this CPU lacks AVX2\n");
+  }
+#if MOEPACK_TEST_NATIVE_AVX512
+  if (const char* why = isa_unavailable_reason(Isa::avx512)) {
+    std::printf("note: native avx512 kernel not run: %s\n", why);
+  } else {
+    KernelTable t;
+    register_avx512_native(t);
+    g_simd.push_back({"avx512", t.fused[L][int(Isa::avx512)]});
+  }
+#else
+  std::printf("note: native avx512 kernel not built\n");
+#endif
+  std::printf("kernels:");
+  for (const Kernel& k : g_simd) std::printf(" %s", k.name.c_str());
+  std::printf("  (each vs scalar)\n");
+}
+
+// ---- parallel-for variants -------------------------------------------------------------------
+// 0: serial (run = nullptr); 1: two parts run one after the other; 2: two parts on two threads.
+void run_split_seq(void*, int64_t n, ParallelBody body, void* ctx) {
+  const int64_t mid = n / 2;
+  if (mid > 0) body(ctx, 0, mid);
+  body(ctx, mid, n);
+}
+void run_threads2(void*, int64_t n, ParallelBody body, void* ctx) {
+  const int64_t mid = n / 2;
+  if (mid == 0) {
+    body(ctx, 0, n);
+    return;
+  }
+  std::thread th(body, ctx, mid, n);
+  body(ctx, 0, mid);
+  th.join();
+}
+Parallel make_parallel(int mode) {
+  Parallel p;
+  if (mode == 1) {
+    p.run = run_split_seq;
+    p.num_threads = 3;
+  } else if (mode == 2) {
+    p.run = run_threads2;
+    p.num_threads = 2;
+  }
+  return p;
+}
+const char* par_name(int mode) { return mode == 0 ? "serial" : mode == 1 ? "split2" : "threads2"; }
+
+// ---- dtype helpers ---------------------------------------------------------------------------
+float round_to(DType d, float v) {
+  if (d == DType::bf16) return round_bf16(v);
+  if (d == DType::f16) return round_f16(v);
+  return v;
+}
+float load_elem(DType d, const void* p, int64_t i) {
+  if (d == DType::f32) return static_cast<const float*>(p)[i];
+  const uint16_t v = static_cast<const uint16_t*>(p)[i];
+  return d == DType::bf16 ? bf16_to_f32(v) : f16_to_f32(v);
+}
+void store_elem(DType d, void* p, int64_t i, float v) {
+  if (d == DType::f32) {
+    static_cast<float*>(p)[i] = v;
+  } else {
+    static_cast<uint16_t*>(p)[i] = d == DType::bf16 ? f32_to_bf16(v) : f32_to_f16(v);
+  }
+}
+size_t elem_size(DType d) { return d == DType::f32 ? 4 : 2; }
+
+// ---- one problem -----------------------------------------------------------------------------
+struct Case {
+  int T, H, I, E, k;
+  Activation act;
+  DType dt;
+  bool bias;
+  bool emap;  // expert_map with -1 entries (E_global = E + 3)
+  int par;
+  int x_pad;  // x_stride = H + x_pad
+  float alpha = 1.702f, limit = 7.0f;
+  uint64_t seed = 1;
+};
+
+std::string case_name(const Case& c) {
+  char buf[256];
+  std::snprintf(buf, sizeof(buf), "T=%d H=%d I=%d E=%d k=%d %s %s%s%s %s%s", c.T, c.H, c.I, c.E, c.k,
+                act_name(c.act), dtype_name(c.dt), c.bias ? " bias" : "", c.emap ? " emap" : "", par_name(c.par),
+                c.x_pad ? " xpad" : "");
+  std::string s = buf;
+  if (c.act == Activation::swigluoai) {
+    std::snprintf(buf, sizeof(buf), " alpha=%g limit=%g", c.alpha, c.limit);
+    s += buf;
+  }
+  return s;
+}
+
+int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+struct Problem {
+  Case c;
+  const LayoutDesc* L = &kLayout_bf16_n32k2_x86;
+  int Eg, Ip, Kp, Np;
+  int64_t x_stride;
+  bool inter;
+  std::vector<float> w13c, w2c, b13c, b2c;  // canonical [E][2I][H], [E][H][I], [E][2I], [E][H]
+  std::vector<uint16_t> w13p, w2p;          // packed
+  std::vector<float> b13p, b2p;             // packed row order [E][2Ip], [E][Np]
+  std::vector<uint8_t> x;                   // [T][x_stride] in dtype
+  std::vector<float> tw;
+  std::vector<int32_t> ids, emap;
+};
+
+void build(Problem& p, const Case& c) {
+  p.c = c;
+  std::mt19937_64 rng(c.seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::uniform_real_distribution<float> ud(0.05f, 1.0f);
+  const int E = c.E, H = c.H, I = c.I;
+  p.Ip = int(round_up(I, p.L->i_align));
+  p.Kp = int(round_up(H, p.L->k_pack));
+  p.Np = int(round_up(H, p.L->block_n));
+  p.inter = c.act == Activation::swigluoai;
+  p.x_stride = H + c.x_pad;
+  const int Ip = p.Ip, Kp = p.Kp, Np = p.Np;
+
+  // canonical weights, bf16-valued; h ~ N(0, 1.5^2) so the activations see their curved parts
+  p.w13c.resize(size_t(E) * 2 * I * H);
+  p.w2c.resize(size_t(E) * H * I);
+  const float s13 = 1.5f / std::sqrt(float(H)), s2 = 1.0f / std::sqrt(float(I));
+  for (float& v : p.w13c) v = round_bf16(nd(rng) * s13);
+  for (float& v : p.w2c) v = round_bf16(nd(rng) * s2);
+  if (c.bias) {
+    p.b13c.resize(size_t(E) * 2 * I);
+    p.b2c.resize(size_t(E) * H);
+    for (float& v : p.b13c) v = 0.5f * nd(rng);
+    for (float& v : p.b2c) v = 0.1f * nd(rng);
+  }
+
+  // padded canonical matrices -> packed. Non-interleaved: gate rows [0, I) at [0, I), up rows
+  // [I, 2I) at [Ip, Ip + I). Interleaved (swigluoai): pairs stay in place, padding pairs at the end.
+  auto packed_row = [&](int r) { return p.inter ? r : (r < I ? r : Ip + (r - I)); };
+  p.w13p.assign(size_t(E) * 2 * Ip * Kp, 0xffff);
+  p.w2p.assign(size_t(E) * Np * Ip, 0xffff);
+  std::vector<float> pad13(size_t(2) * Ip * H), pad2(size_t(H) * Ip);
+  std::vector<uint16_t> bits;
+  for (int e = 0; e < E; ++e) {
+    std::fill(pad13.begin(), pad13.end(), 0.0f);
+    for (int r = 0; r < 2 * I; ++r)
+      std::memcpy(&pad13[size_t(packed_row(r)) * H], &p.w13c[(size_t(e) * 2 * I + r) * H], size_t(H) * 4);
+    std::fill(pad2.begin(), pad2.end(), 0.0f);
+    for (int n = 0; n < H; ++n)
+      std::memcpy(&pad2[size_t(n) * Ip], &p.w2c[(size_t(e) * H + n) * I], size_t(I) * 4);
+    // pack from fp32 for odd experts, from bf16 bits for even ones (same bytes: values are bf16)
+    if (e % 2 == 0) {
+      bits.resize(pad13.size());
+      for (size_t i = 0; i < pad13.size(); ++i) bits[i] = f32_to_bf16(pad13[i]);
+      pack_matrix_bf16(bits.data(), DType::bf16, 2 * Ip, H, 2 * Ip, Kp, *p.L, &p.w13p[size_t(e) * 2 * Ip * Kp]);
+      bits.resize(pad2.size());
+      for (size_t i = 0; i < pad2.size(); ++i) bits[i] = f32_to_bf16(pad2[i]);
+      pack_matrix_bf16(bits.data(), DType::bf16, H, Ip, Np, Ip, *p.L, &p.w2p[size_t(e) * Np * Ip]);
+    } else {
+      pack_matrix_bf16(pad13.data(), DType::f32, 2 * Ip, H, 2 * Ip, Kp, *p.L, &p.w13p[size_t(e) * 2 * Ip * Kp]);
+      pack_matrix_bf16(pad2.data(), DType::f32, H, Ip, Np, Ip, *p.L, &p.w2p[size_t(e) * Np * Ip]);
+    }
+  }
+  if (c.bias) {
+    p.b13p.assign(size_t(E) * 2 * Ip, 0.0f);
+    p.b2p.assign(size_t(E) * Np, 0.0f);
+    for (int e = 0; e < E; ++e) {
+      for (int r = 0; r < 2 * I; ++r) p.b13p[size_t(e) * 2 * Ip + packed_row(r)] = p.b13c[size_t(e) * 2 * I + r];
+      for (int n = 0; n < H; ++n) p.b2p[size_t(e) * Np + n] = p.b2c[size_t(e) * H + n];
+    }
+  }
+
+  // activations x ~ N(0, 1) in dtype; the row padding (x_stride > H) holds NaN: never read
+  p.x.resize(size_t(c.T) * p.x_stride * elem_size(c.dt));
+  for (int t = 0; t < c.T; ++t) {
+    for (int64_t h = 0; h < p.x_stride; ++h) {
+      store_elem(c.dt, p.x.data(), t * p.x_stride + h, h < H ? nd(rng) : NAN);
+    }
+  }
+
+  // routing: k distinct global experts per token, weights in (0.05, 1)
+  p.Eg = c.emap ? E + 3 : E;
+  if (c.emap) {
+    std::vector<int32_t> g(p.Eg);
+    for (int i = 0; i < p.Eg; ++i) g[i] = i;
+    std::shuffle(g.begin(), g.end(), rng);
+    p.emap.assign(p.Eg, -1);
+    for (int l = 0; l < E; ++l) p.emap[g[l]] = l;  // E globals are local (shuffled), 3 are not
+  }
+  p.ids.resize(size_t(c.T) * c.k);
+  p.tw.resize(size_t(c.T) * c.k);
+  std::vector<int32_t> perm(p.Eg);
+  for (int t = 0; t < c.T; ++t) {
+    for (int i = 0; i < p.Eg; ++i) perm[i] = i;
+    for (int j = 0; j < c.k; ++j) {
+      std::uniform_int_distribution<int> pick(j, p.Eg - 1);
+      std::swap(perm[j], perm[pick(rng)]);
+      p.ids[size_t(t) * c.k + j] = perm[j];
+      p.tw[size_t(t) * c.k + j] = ud(rng);
+    }
+  }
+}
+
+FusedMoeArgs make_args(const Problem& p, void* out) {
+  const Case& c = p.c;
+  FusedMoeArgs a;
+  a.x = p.x.data();
+  a.x_stride = p.x_stride;
+  a.out = out;
+  a.dtype = c.dt;
+  a.tokens = c.T;
+  a.hidden = c.H;
+  a.w13 = p.w13p.data();
+  a.w2 = p.w2p.data();
+  a.b13 = c.bias ? p.b13p.data() : nullptr;
+  a.b2 = c.bias ? p.b2p.data() : nullptr;
+  a.topk_weights = p.tw.data();
+  a.topk_ids = p.ids.data();
+  a.topk = c.k;
+  a.expert_map = c.emap ? p.emap.data() : nullptr;
+  a.num_global_experts = p.Eg;
+  a.num_experts = c.E;
+  a.inter_padded = p.Ip;
+  a.layout = p.L;
+  a.act = c.act;
+  a.alpha = c.alpha;
+  a.limit = c.limit;
+  a.par = make_parallel(c.par);
+  return a;
+}
+
+// Naive reference in double from the canonical (unpadded, unpacked) weights, with the
+// SEMANTICS §2 rounding points: fp32 h, activation in fp32, intermediate rounded to the
+// activation dtype, fp32 y, combine in slot order, one cast.
+double ulp_of(DType d, float v) {
+  if (d == DType::f32 || v == 0.0f) return 0.0;
+  int ex;
+  std::frexp(v, &ex);  // |v| in [2^(ex-1), 2^ex)
+  return d == DType::bf16 ? std::ldexp(1.0, ex - 8) : std::ldexp(1.0, std::max(ex - 11, -24));
+}
+
+// `flip` (out): the largest output change (2-norm) one intermediate flip by one ulp can cause.
+std::vector<float> reference(const Problem& p, double& flip) {
+  const Case& c = p.c;
+  const int H = c.H, I = c.I;
+  std::vector<double> colnorm(size_t(c.E) * I, 0.0);  // ||w2[e][:, i]||
+  for (int e = 0; e < c.E; ++e)
+    for (int n = 0; n < H; ++n)
+      for (int i = 0; i < I; ++i) colnorm[size_t(e) * I + i] += double(p.w2c[(size_t(e) * H + n) * I + i]) * p.w2c[(size_t(e) * H + n) * I + i];
+  for (double& v : colnorm) v = std::sqrt(v);
+  flip = 0.0;
+  std::vector<float> out(size_t(c.T) * H);
+  std::vector<float> xf(H), h(2 * I), act(I);
+  std::vector<double> acc(H);
+  for (int t = 0; t < c.T; ++t) {
+    for (int i = 0; i < H; ++i) xf[i] = load_elem(c.dt, p.x.data(), t * p.x_stride + i);
+    std::fill(acc.begin(), acc.end(), 0.0);
+    for (int j = 0; j < c.k; ++j) {
+      const int g = p.ids[size_t(t) * c.k + j];
+      const int e = c.emap ? p.emap[g] : g;
+      if (e < 0) continue;
+      for (int r = 0; r < 2 * I; ++r) {
+        double s = 0;
+        const float* w = &p.w13c[(size_t(e) * 2 * I + r) * H];
+        for (int i = 0; i < H; ++i) s += double(xf[i]) * double(w[i]);
+        h[r] = float(s) + (c.bias ? p.b13c[size_t(e) * 2 * I + r] : 0.0f);
+      }
+      for (int i = 0; i < I; ++i) {
+        const float gt = p.inter ? h[2 * i] : h[i], up = p.inter ? h[2 * i + 1] : h[I + i];
+        float a = 0;
+        switch (c.act) {
+          case Activation::silu: a = act_silu(gt, up); break;
+          case Activation::gelu: a = act_gelu(gt, up); break;
+          case Activation::gelu_tanh: a = act_gelu_tanh(gt, up); break;
+          case Activation::swigluoai: a = act_swigluoai(gt, up, c.alpha, c.limit); break;
+        }
+        act[i] = round_to(c.dt, a);
+      }
+      const float wt = p.tw[size_t(t) * c.k + j];
+      for (int i = 0; i < I; ++i) flip = std::max(flip, double(wt) * ulp_of(c.dt, act[i]) * colnorm[size_t(e) * I + i]);
+      for (int n = 0; n < H; ++n) {
+        double s = 0;
+        const float* w = &p.w2c[(size_t(e) * H + n) * I];
+        for (int i = 0; i < I; ++i) s += double(act[i]) * double(w[i]);
+        const float y = float(s) + (c.bias ? p.b2c[size_t(e) * H + n] : 0.0f);
+        acc[n] += double(wt) * double(y);
+      }
+    }
+    for (int n = 0; n < H; ++n) out[size_t(t) * H + n] = round_to(c.dt, float(acc[n]));
+  }
+  return out;
+}
+
+// Runs one kernel into a NaN-poisoned buffer with a guard tail; returns the output as fp32.
+// `ok` false (and `why` set) when an element was not written or the guard was touched.
+constexpr int kGuard = 64;
+std::vector<float> run_kernel(const Problem& p, FusedMoeFn fn, const std::string& kname, bool& ok, std::string& why) {
+  const Case& c = p.c;
+  const size_t n = size_t(c.T) * c.H, es = elem_size(c.dt);
+  std::vector<uint8_t> buf((n + kGuard) * es);
+  // poison: quiet NaN with a payload (fp32 0x7fc0dead, bf16 0x7fc5, f16 0x7e05)
+  for (size_t i = 0; i < n + kGuard; ++i) {
+    if (es == 4) {
+      const uint32_t v = 0x7fc0deadu;
+      std::memcpy(&buf[i * 4], &v, 4);
+    } else {
+      const uint16_t v = c.dt == DType::bf16 ? 0x7fc5 : 0x7e05;
+      std::memcpy(&buf[i * 2], &v, 2);
+    }
+  }
+  const std::vector<uint8_t> guard_before(buf.begin() + n * es, buf.end());
+  FusedMoeArgs a = make_args(p, buf.data());
+  char msg[256];
+  if (const char* bad = fused_moe_check_routing(a, msg, sizeof(msg))) {
+    ok = false;
+    why = std::string("routing rejected: ") + bad;
+    return {};
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  fn(a);
+  g_kernel_seconds[kname] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::vector<float> out(n);
+  size_t nan_count = 0, first_nan = 0;
+  for (size_t i = 0; i < n; ++i) {
+    out[i] = load_elem(c.dt, buf.data(), int64_t(i));
+    if (std::isnan(out[i]) && nan_count++ == 0) first_nan = i;
+  }
+  ok = true;
+  if (nan_count) {
+    ok = false;
+    char b[160];
+    std::snprintf(b, sizeof(b), "%zu output elements not written / NaN (first at t=%zu h=%zu)", nan_count,
+                  first_nan / c.H, first_nan % c.H);
+    why = b;
+  }
+  if (std::memcmp(guard_before.data(), buf.data() + n * es, guard_before.size()) != 0) {
+    ok = false;
+    why += (why.empty() ? "" : "; ");
+    why += "wrote past out[T, H]";
+  }
+  return out;
+}
+
+struct Cmp {
+  double rel, worst, norm;
+  size_t ndiff;
+  size_t worst_i;
+};
+Cmp compare(const std::vector<float>& got, const std::vector<float>& ref) {
+  double num = 0, den = 0, maxdiff = 0, maxref = 0;
+  size_t ndiff = 0, wi = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double d = double(got[i]) - double(ref[i]);
+    num += d * d;
+    den += double(ref[i]) * ref[i];
+    if (got[i] != ref[i]) ++ndiff;
+    if (std::fabs(d) > maxdiff) {
+      maxdiff = std::fabs(d);
+      wi = i;
+    }
+    maxref = std::fmax(maxref, std::fabs(double(ref[i])));
+  }
+  Cmp c;
+  c.rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  c.worst = maxref > 0 ? maxdiff / maxref : maxdiff;
+  c.norm = std::sqrt(den);
+  c.ndiff = ndiff;
+  c.worst_i = wi;
+  return c;
+}
+
+void record(const std::string& key, const Cmp& m) {
+  ErrStat& s = g_stats[key];
+  s.max_rel = std::fmax(s.max_rel, m.rel);
+  s.max_worst = std::fmax(s.max_worst, m.worst);
+  s.cases++;
+  if (m.ndiff) s.differing_cases++;
+}
+
+// GEMM row-count coverage (row chunks per task, per row format): which tile remainders ran.
+std::map<int, int> g_rows_bf16, g_rows_f32;
+void note_row_counts(const Problem& p) {
+  std::vector<int> cnt(p.c.E, 0);
+  for (int32_t g : p.ids) {
+    const int e = p.c.emap ? p.emap[g] : g;
+    if (e >= 0) cnt[e]++;
+  }
+  for (int n : cnt) {
+    for (int r = 0; r < n; r += 64) {
+      const int m = n - r < 64 ? n - r : 64;
+      (p.c.dt == DType::bf16 ? g_rows_bf16 : g_rows_f32)[m]++;
+    }
+  }
+}
+
+void run_case(const Case& c) {
+  Problem p;
+  build(p, c);
+  note_row_counts(p);
+  const std::string name = case_name(c);
+  const bool half = c.dt != DType::f32;
+
+  bool ok;
+  std::string why;
+  const std::vector<float> scal = run_kernel(p, g_scalar, "scalar", ok, why);
+  if (!ok) {
+    check(false, "scalar %s: %s", name.c_str(), why.c_str());
+    return;
+  }
+  double flip = 0.0;
+  const std::vector<float> ref = reference(p, flip);
+  // tolerance allowance for intermediate rounding flips (bf16/fp16 only; see kFlips)
+  const double allow = half ? kFlips * flip / std::max(compare(ref, ref).norm, 1e-30) : 0.0;
+  {
+    const Cmp m = compare(scal, ref);
+    record(std::string("scalar vs naive/") + dtype_name(c.dt), m);
+    const double tol = half ? std::max(kTolRefHalf, allow) : kTolRefF32;
+    if (m.rel > (half ? kTolRefHalf : kTolRefF32)) g_allowance_used++;
+    check(m.rel <= tol, "scalar vs naive  %s: rel %.3g (tol %.2g) worst %.3g at t=%zu h=%zu (%g vs %g)", name.c_str(),
+          m.rel, tol, m.worst, m.worst_i / c.H, m.worst_i % c.H, scal.empty() ? 0.0 : scal[m.worst_i],
+          ref.empty() ? 0.0 : ref[m.worst_i]);
+  }
+  for (const Kernel& k : g_simd) {
+    const std::vector<float> got = run_kernel(p, k.fn, k.name, ok, why);
+    if (!ok) {
+      check(false, "%-10s %s: %s", k.name.c_str(), name.c_str(), why.c_str());
+      continue;
+    }
+    const Cmp m = compare(got, scal);
+    record(k.name + "/" + dtype_name(c.dt), m);
+    const double tol = half ? std::max(kTolSimdHalf, allow) : kTolSimdF32;
+    if (m.rel > (half ? kTolSimdHalf : kTolSimdF32)) g_allowance_used++;
+    check(m.rel <= tol, "%-10s %s: rel %.3g (tol %.2g) worst %.3g at t=%zu h=%zu (%g vs scalar %g), %zu/%zu differ",
+          k.name.c_str(), name.c_str(), m.rel, tol, m.worst, m.worst_i / c.H, m.worst_i % c.H,
+          got.empty() ? 0.0 : got[m.worst_i], scal.empty() ? 0.0 : scal[m.worst_i], m.ndiff, got.size());
+  }
+}
+
+// ---- pack_matrix_bf16 against the layout formula ---------------------------------------------
+void test_pack() {
+  const LayoutDesc& L = kLayout_bf16_n32k2_x86;
+  check(L.block_n == 32 && L.k_pack == 2, "layout bf16_n32k2_x86 is block_n 32, k_pack 2 (got %d, %d)", L.block_n,
+        L.k_pack);
+  // 35 rows (a full and a partial block), 5 columns (odd K: padded to 6); values 1..175 are exact
+  // in bf16 and f16.
+  const int n = 35, k = 5, np = 64, kp = 6;
+  std::vector<float> f(n * k);
+  std::vector<uint16_t> b(n * k), h(n * k);
+  for (int r = 0; r < n; ++r)
+    for (int c = 0; c < k; ++c) {
+      f[r * k + c] = float(1 + r * k + c);
+      b[r * k + c] = f32_to_bf16(f[r * k + c]);
+      h[r * k + c] = f32_to_f16(f[r * k + c]);
+    }
+  std::vector<uint16_t> d32(np * kp, 0xabcd), d16(np * kp, 0xabcd), dh(np * kp, 0xabcd);
+  pack_matrix_bf16(f.data(), DType::f32, n, k, np, kp, L, d32.data());
+  pack_matrix_bf16(b.data(), DType::bf16, n, k, np, kp, L, d16.data());
+  pack_matrix_bf16(h.data(), DType::f16, n, k, np, kp, L, dh.data());
+  std::vector<int> expect(np * kp, 0);  // 0 = padding
+  for (int r = 0; r < n; ++r)
+    for (int c = 0; c < k; ++c) expect[(r / 32) * 32 * kp + (c / 2) * 64 + (r % 32) * 2 + c % 2] = 1 + r * k + c;
+  int bad = 0, first = -1;
+  for (int i = 0; i < np * kp; ++i) {
+    const uint16_t want = expect[i] ? f32_to_bf16(float(expect[i])) : 0;
+    if (d32[i] != want) {
+      if (bad++ == 0) first = i;
+    }
+  }
+  check(bad == 0, "pack_matrix_bf16 35x5 -> [64, 6] matches (n/32)*32*Kp + (k/2)*64 + (n%%32)*2 + k%%2, zero padding "
+        "(%d wrong, first at %d: 0x%04x)", bad, first, first >= 0 ? d32[first] : 0);
+  check(d16 == d32, "pack_matrix_bf16: bf16 source packs to the same bytes as fp32");
+  check(dh == d32, "pack_matrix_bf16: f16 source packs to the same bytes as fp32");
+
+  // fp32 -> bf16 is round-to-nearest-even: 1 + 2^-8 -> 1.0, 1 + 3*2^-8 -> 1 + 2^-6, -(1 + 2^-8 + 2^-20) -> -(1 + 2^-7)
+  const float v[4] = {1.0f + std::ldexp(1.0f, -8), 1.0f + 3 * std::ldexp(1.0f, -8),
+                      -(1.0f + std::ldexp(1.0f, -8) + std::ldexp(1.0f, -20)), 0.0f};
+  std::vector<uint16_t> d(32 * 4, 0xabcd);
+  pack_matrix_bf16(v, DType::f32, 1, 4, 32, 4, L, d.data());
+  check(d[0] == 0x3f80 && d[1] == 0x3f82 && d[64] == 0xbf81 && d[65] == 0 && d[2] == 0,
+        "pack_matrix_bf16 rounds fp32 to nearest even (got %04x %04x %04x)", d[0], d[1], d[64]);
+}
+
+// ---- routing validation ----------------------------------------------------------------------
+void test_routing_check() {
+  Case c{3, 40, 20, 4, 2, Activation::silu, DType::f32, false, true, 0, 0};
+  Problem p;
+  build(p, c);
+  char buf[256];
+  FusedMoeArgs a = make_args(p, nullptr);
+  check(fused_moe_check_routing(a, buf, sizeof(buf)) == nullptr, "check_routing accepts a valid expert_map with -1");
+  p.ids[3] = p.Eg;
+  a = make_args(p, nullptr);
+  const char* m = fused_moe_check_routing(a, buf, sizeof(buf));
+  check(m && std::strstr(m, "topk_ids[1, 1]"), "check_routing rejects id == E_global: %s", m ? m : "(accepted)");
+  p.ids[3] = -1;
+  a = make_args(p, nullptr);
+  m = fused_moe_check_routing(a, buf, sizeof(buf));
+  check(m != nullptr, "check_routing rejects id -1: %s", m ? m : "(accepted)");
+  p.ids[3] = 0;
+  p.emap[2] = -2;
+  a = make_args(p, nullptr);
+  m = fused_moe_check_routing(a, buf, sizeof(buf));
+  check(m && std::strstr(m, "expert_map[2]"), "check_routing rejects expert_map -2: %s", m ? m : "(accepted)");
+  p.emap[2] = c.E;
+  a = make_args(p, nullptr);
+  m = fused_moe_check_routing(a, buf, sizeof(buf));
+  check(m && std::strstr(m, "expert_map[2]"), "check_routing rejects expert_map == E: %s", m ? m : "(accepted)");
+}
+
+// T = 0: nothing to do, nothing to touch.
+void test_empty() {
+  Case c{0, 93, 40, 5, 2, Activation::silu, DType::bf16, true, false, 1, 0};
+  Problem p;
+  build(p, c);
+  std::vector<Kernel> all = g_simd;
+  all.insert(all.begin(), Kernel{"scalar", g_scalar});
+  for (const Kernel& k : all) {
+    uint16_t guard[kGuard];
+    std::fill(guard, guard + kGuard, 0x7fc5);
+    FusedMoeArgs a = make_args(p, guard);
+    k.fn(a);
+    bool same = true;
+    for (uint16_t g : guard) same &= g == 0x7fc5;
+    check(same, "%-10s T=0 runs and writes nothing", k.name.c_str());
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "-v") == 0) g_verbose = true;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  collect_kernels();
+  test_pack();
+  test_routing_check();
+  test_empty();
+
+  const Activation acts[4] = {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::swigluoai};
+  const DType dts[3] = {DType::f32, DType::bf16, DType::f16};
+  struct Shape {
+    int H, I;
+  };
+  // H, I not multiples of 32; Kp(H)/2 = 100, 47, 65, 34 K pairs (every remainder of the 4-pair unroll)
+  const Shape shapes[4] = {{200, 88}, {93, 40}, {130, 176}, {68, 20}};
+  uint64_t seed = 1000;
+  int variant = 0;
+  for (const Shape& s : shapes) {
+    for (int T : {1, 3, 67}) {
+      const int E = 5;
+      // every k x bias
+      for (const Activation act : acts) {
+        for (const DType dt : dts) {
+          const int ks[3] = {1, 2, E};
+          const int nk = 3;
+          for (int ki = 0; ki < nk; ++ki) {
+            for (int bias = 0; bias < 2; ++bias) {
+              ++variant;
+              Case c;
+              c.T = T;
+              c.H = s.H;
+              c.I = s.I;
+              c.E = E;
+              c.k = ks[ki];
+              c.act = act;
+              c.dt = dt;
+              c.bias = bias != 0;
+              c.emap = variant % 4 == 1;
+              if (c.emap && c.k == E) c.k = E + 3;  // k = E_global: every expert, 3 of them remote
+              c.par = variant % 3;
+              c.x_pad = variant % 5 == 2 ? 7 : 0;
+              if (act == Activation::swigluoai && variant % 2) {
+                c.alpha = 1.702f;
+                c.limit = 1.25f;  // the clamps bite (h ~ N(0, 1.5^2))
+              }
+              c.seed = seed++;
+              run_case(c);
+            }
+          }
+        }
+      }
+    }
+  }
+  // An expert with > 64 rows (several row chunks per expert), T*k = 300 over 3 experts.
+  for (const Activation act : acts) {
+    for (const DType dt : dts) {
+      ++variant;
+      Case c{150, 93, 40, 3, 2, act, dt, variant % 2 == 0, false, variant % 3, 0};
+      if (act == Activation::swigluoai) c.limit = 1.25f;
+      c.seed = seed++;
+      run_case(c);
+    }
+  }
+  // Row-count coverage of the GEMM tiles: bf16 rows run MR=8 tiles (remainders 1..7, m==1 has
+  // its own path), fp32 rows MR=4 (remainders 1..3).
+  {
+    bool rem8[8] = {}, rem4[4] = {};
+    for (const auto& [m, n] : g_rows_bf16) rem8[m % 8] = true;
+    for (const auto& [m, n] : g_rows_f32) rem4[m % 4] = true;
+    bool all8 = true, all4 = true;
+    for (bool b : rem8) all8 &= b;
+    for (bool b : rem4) all4 &= b;
+    check(all8 && g_rows_bf16.count(1) && g_rows_bf16.count(64), "bf16 GEMM row counts cover m=1, m=64 and every m %% 8");
+    check(all4 && g_rows_f32.count(1) && g_rows_f32.count(64), "fp32 GEMM row counts cover m=1, m=64 and every m %% 4");
+  }
+
+  std::printf("\nmax errors (rel = ||got - ref|| / ||ref||, worst = max|got - ref| / max|ref|):\n");
+  std::printf("  %-24s %6s %12s %12s %10s\n", "kernel/dtype", "cases", "max rel", "max worst", "bit-diff");
+  for (const auto& [key, s] : g_stats) {
+    std::printf("  %-24s %6d %12.3g %12.3g %7d/%d\n", key.c_str(), s.cases, s.max_rel, s.max_worst, s.differing_cases,
+                s.cases);
+  }
+  std::printf("comparisons above the base tolerance (bf16/f16: accepted only within the flip allowance): %d\n",
+              g_allowance_used);
+  std::printf("kernel time:");
+  for (const auto& [k, sec] : g_kernel_seconds) std::printf(" %s %.2fs", k.c_str(), sec);
+  std::printf("; total %.1fs\n",
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  std::printf("%d passed, %d failed\n", g_pass, g_fail);
+  return g_fail ? 1 : 0;
+}
