@@ -1,0 +1,120 @@
+"""``moepack`` command line: ``moepack info``, ``moepack bench`` (console script ``moepack.cli.main:app``).
+
+The app and the shared error handling live in cli/app.py; each command registers itself with
+``@command()``. Commands kept in other modules register when imported: import them below.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .app import app, command, console, err_console
+
+__all__ = ["app"]
+
+
+@command(help="Show what moepack sees on this machine: CPU, flags, host ISA, the kernel it picks and why.")
+def info(
+    as_json: bool = typer.Option(False, "--json", help="Print the information as JSON."),
+) -> None:
+    from moepack.bench import machine_info
+    from moepack.isa import available_isas
+    from moepack.layout import DEFAULT_LAYOUT, LAYOUTS
+
+    info = machine_info()
+    info["available_isas"] = available_isas()
+    info["max_isa_env"] = os.environ.get("MOEPACK_MAX_ISA") or None
+    info["default_layout"] = DEFAULT_LAYOUT.name
+    info["layouts"] = [f"{x.name} (id {x.id})" for x in LAYOUTS]
+    if as_json:
+        typer.echo(json.dumps(info, indent=2))
+        return
+    from rich.table import Table
+
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column()
+    rows = [
+        ("moepack", f"{info['moepack_version']} ({info['git_commit'] or 'no git'})"),
+        ("torch", f"{info['torch_version']}, {info['threads']} threads"),
+        ("cpu", f"{info['cpu_model']}, {info['logical_cpus']} logical CPUs"),
+        ("cpu flags", " ".join(f for f in info["cpu_flags"] if "=" not in f)),
+        ("host ISA", info["host_isa"]),
+        ("ISAs usable", ", ".join(info["available_isas"])),
+        ("MOEPACK_MAX_ISA", info["max_isa_env"] or "(unset)"),
+        ("kernel", f"{info['kernel_isa']} for layout {info['default_layout']}"),
+        ("why", info["kernel_reason"]),
+        ("layouts", ", ".join(info["layouts"])),
+    ]
+    for k, v in rows:
+        t.add_row(k, str(v))
+    console.print(t, highlight=False)
+
+
+@command(help="Time moepack's fused experts against the plain torch per-expert loop on real MoE shapes.")
+def bench(
+    shapes: str = typer.Option(
+        "qwen3-30b-a3b,gpt-oss-20b,mixtral-8x7b",
+        "--shapes",
+        help="Comma-separated: qwen3-30b-a3b, gpt-oss-20b, mixtral-8x7b, tiny, all, or E<e>K<k>H<h>I<i> (e.g. e16k4h1024i512).",
+    ),
+    tokens: str = typer.Option("1,8,64,512", "--tokens", help="Comma-separated token counts T."),
+    threads: int = typer.Option(2, "--threads", help="torch.set_num_threads, and the machine probe's threads."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype: bf16, fp32 or fp16 (weights are bf16)."),
+    skip_torch: bool = typer.Option(False, "--skip-torch", help="Time only moepack (no torch loop baseline)."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write all rows and machine info to this JSON file."),
+    calls: Optional[int] = typer.Option(None, "--calls", help="Timed calls per measurement (default: adaptive, see --min-time)."),
+    min_time: float = typer.Option(1.0, "--min-time", help="Seconds of timed calls per measurement (at least 3 calls)."),
+    probe: bool = typer.Option(True, "--probe/--no-probe", help="Measure read bandwidth and FMA peak (tools/bw_probe.c)."),
+    probe_gib: float = typer.Option(1.0, "--probe-gib", help="Size of the bandwidth probe's buffer in GiB."),
+    seed: int = typer.Option(0, "--seed", help="Seed of weights, activations and routings."),
+    wait_quiet: float = typer.Option(
+        0.0, "--wait-quiet", help="Shared machines: before each measurement wait up to this many seconds for other processes to go idle."
+    ),
+    retries: int = typer.Option(0, "--retries", help="Re-time a measurement up to N times when other processes were busy during it."),
+    markdown: bool = typer.Option(False, "--markdown", help="Print the table as Markdown instead of a rich table."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines on stderr."),
+) -> None:
+    from moepack import bench as B
+
+    cfg = B.BenchConfig(
+        shapes=B.parse_shapes(shapes),
+        tokens=B.parse_tokens(tokens),
+        threads=threads,
+        dtype=dtype,
+        skip_torch=skip_torch,
+        min_time=min_time,
+        calls=calls,
+        probe=probe,
+        probe_bytes=int(probe_gib * 2**30),
+        seed=seed,
+        wait_quiet=wait_quiet,
+        retries=retries,
+    )
+    cfg.validate()  # before minutes of work
+    if json_path is not None and json_path.parent and not json_path.parent.exists():
+        raise ValueError(f"--json {json_path}: folder {json_path.parent} does not exist")
+
+    def log(line: str) -> None:
+        if not quiet:
+            err_console.print(f"[dim]{line}[/]", highlight=False, soft_wrap=True)
+
+    result = B.run_benchmark(cfg, log=log)
+    if markdown:
+        typer.echo(B.render_markdown(result), nl=False)
+    else:
+        from rich.console import Console
+
+        out = console if console.is_terminal else Console(width=max(console.width, 220))
+        out.print(B.render_table(result))
+    for note in result.notes:
+        err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+    if json_path is not None:
+        B.write_json(result, json_path)
+        if not quiet:
+            err_console.print(f"[dim]wrote {json_path}[/]", highlight=False, soft_wrap=True)
