@@ -1,0 +1,163 @@
+"""Shared fixtures and input builders for the moepack test suite.
+
+* Every test starts from fixed seeds (``_fixed_seeds``); inputs that a test builds itself come
+  from ``make_moe_inputs(seed=...)`` with its own ``torch.Generator``, so a case produces the
+  same tensors whatever ran before it (``-k`` selections, reordering, xdist).
+* ``isa`` runs a test once per kernel path (scalar, avx2, avx512) by capping the dispatcher with
+  ``MOEPACK_MAX_ISA``; a path this host cannot run is skipped with the reason, and a path that
+  the dispatcher would not actually pick fails loudly (a test must never silently run a lower
+  kernel than its name says). ``simd_isa`` is the same without the scalar baseline.
+* Inputs follow SEMANTICS.md §4: canonical weights ~ N(0, 1)/sqrt(fan_in) rounded to bf16 (the
+  packed layout stores bf16, so the canonical weights the reference sees are exactly the packed
+  values), routing = softmax top-k of random logits (ids int32, weights fp32, both contiguous).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import moepack
+from moepack.isa import available_isas, host_isa
+from moepack.pack import PackedExperts, pack_experts
+from moepack.reference import moe_reference
+
+# torch.ops.moepack.* exist once the extension is loaded (importing moepack alone is lazy).
+moepack.load_extension()
+
+ALL_ISAS = ("scalar", "avx2", "avx512")
+SIMD_ISAS = ("avx2", "avx512")
+
+# Scale of the hidden states. SEMANTICS.md §4 literally says x ~ N(0,1)/sqrt(H); a model's
+# post-RMSNorm hidden state is ~N(0,1), and "hot" inputs (4x) drive the gate into the tails
+# (sigmoid/exp saturation, tanh saturation, swigluoai clamping at the default limit=7).
+X_SCALES = {
+    "1/sqrt(H)": lambda h: 1.0 / math.sqrt(h),
+    "1": lambda h: 1.0,
+    "4": lambda h: 4.0,
+}
+
+
+@pytest.fixture(autouse=True)
+def _fixed_seeds():
+    torch.manual_seed(0)
+    random.seed(0)
+    yield
+
+
+def _use_isa(isa: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    if isa not in available_isas():
+        pytest.skip(f"{isa} kernels cannot run on this host (host ISA: {host_isa()}; flags: {moepack.cpu_flags()})")
+    monkeypatch.setenv("MOEPACK_MAX_ISA", isa)
+    monkeypatch.delenv("MOEPACK_STRICT", raising=False)
+    chosen, reason = moepack.kernel_choice()
+    assert chosen == isa, f"MOEPACK_MAX_ISA={isa} but the dispatcher picks {chosen} ({reason})"
+    return isa
+
+
+@pytest.fixture(params=ALL_ISAS)
+def isa(request, monkeypatch) -> str:
+    """Runs the test on one kernel path (MOEPACK_MAX_ISA set for the test's duration)."""
+    return _use_isa(request.param, monkeypatch)
+
+
+@pytest.fixture(params=SIMD_ISAS)
+def simd_isa(request, monkeypatch) -> str:
+    """A SIMD kernel path; tests switch to "scalar" themselves for their baseline."""
+    return _use_isa(request.param, monkeypatch)
+
+
+@pytest.fixture
+def threads():
+    """Restores torch's intra-op thread count after a test that changes it."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@dataclass
+class MoeInputs:
+    """One MoE layer call: canonical weights, activations and routing (E experts, top-k)."""
+
+    x: torch.Tensor  # [T, H] in the activation dtype
+    w13: torch.Tensor  # [E, 2I, H] bf16 (gate then up, or interleaved pairs)
+    w2: torch.Tensor  # [E, H, I] bf16
+    w13_bias: torch.Tensor | None  # [E, 2I] fp32
+    w2_bias: torch.Tensor | None  # [E, H] fp32
+    topk_weights: torch.Tensor  # [T, k] fp32, contiguous
+    topk_ids: torch.Tensor  # [T, k] int32, contiguous
+    interleaved: bool
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    def pack(self, **kw) -> PackedExperts:
+        return pack_experts(self.w13, self.w2, self.w13_bias, self.w2_bias, interleaved=self.interleaved, **kw)
+
+
+def softmax_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SEMANTICS.md §1 default routing: top-k of the logits, softmax(all logits) at those ids."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    return weights.float().contiguous(), ids.to(torch.int32).contiguous()
+
+
+def make_moe_inputs(
+    *,
+    tokens: int,
+    hidden: int,
+    intermediate: int,
+    experts: int = 5,
+    topk: int = 2,
+    dtype: torch.dtype = torch.float32,
+    bias: bool = False,
+    interleaved: bool = False,
+    x_scale: str = "1",
+    bias_scale: float = 0.1,
+    seed: int = 0,
+) -> MoeInputs:
+    """Realistic random inputs for one MoE call (see the module docstring)."""
+    g = torch.Generator().manual_seed(seed)
+    h, i, e = hidden, intermediate, experts
+    x = (torch.randn(tokens, h, generator=g) * X_SCALES[x_scale](h)).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / math.sqrt(h)).to(torch.bfloat16)
+    w2 = (torch.randn(e, h, i, generator=g) / math.sqrt(i)).to(torch.bfloat16)
+    b13 = torch.randn(e, 2 * i, generator=g) * bias_scale if bias else None
+    b2 = torch.randn(e, h, generator=g) * bias_scale if bias else None
+    weights, ids = softmax_topk(torch.randn(tokens, e, generator=g), topk)
+    return MoeInputs(x, w13, w2, b13, b2, weights, ids, interleaved)
+
+
+def run_packed(
+    packed: PackedExperts,
+    inp: MoeInputs,
+    *,
+    x: torch.Tensor | None = None,
+    topk_weights: torch.Tensor | None = None,
+    topk_ids: torch.Tensor | None = None,
+    **kw,
+) -> torch.Tensor:
+    """moepack.fused_experts on ``packed`` with ``inp``'s activations/routing (overridable)."""
+    return moepack.fused_experts(
+        inp.x if x is None else x,
+        packed.w13,
+        packed.w2,
+        inp.topk_weights if topk_weights is None else topk_weights,
+        inp.topk_ids if topk_ids is None else topk_ids,
+        layout=packed.layout,
+        w13_bias=packed.w13_bias,
+        w2_bias=packed.w2_bias,
+        **kw,
+    )
+
+
+def reference(inp: MoeInputs, **kw) -> torch.Tensor:
+    """moepack.reference.moe_reference on ``inp``'s canonical weights."""
+    return moe_reference(
+        inp.x, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids, w13_bias=inp.w13_bias, w2_bias=inp.w2_bias, **kw
+    )

@@ -1,0 +1,121 @@
+"""The torch.ops.moepack.* registrations: schemas, Meta kernels, opcheck, torch.compile."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import moepack
+from tests.conftest import make_moe_inputs
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+OPS = torch.ops.moepack
+
+# opcheck's internals (not moepack) still call torch.jit.script_method
+pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+LAYOUT_ID = moepack.DEFAULT_LAYOUT.id
+
+
+def fused_args(inp, packed, *, bias: bool, expert_map=None):
+    args = (
+        inp.x,
+        packed.w13,
+        packed.w2,
+        packed.w13_bias if bias else None,
+        packed.w2_bias if bias else None,
+        inp.topk_weights,
+        inp.topk_ids,
+        LAYOUT_ID,
+    )
+    return args, ({} if expert_map is None else {"expert_map": expert_map})
+
+
+OPCHECK_CASES = {
+    "f32-silu": dict(dtype=F32, activation="silu", bias=False, tokens=3, topk=2),
+    "bf16-gelu-bias": dict(dtype=BF16, activation="gelu", bias=True, tokens=5, topk=1),
+    "f16-gelu_tanh-bias-k5": dict(dtype=F16, activation="gelu_tanh", bias=True, tokens=4, topk=5),
+    "bf16-swigluoai-bias-alpha-limit": dict(dtype=BF16, activation="swigluoai", bias=True, tokens=3, topk=2,
+                                            alpha=1.5, limit=3.0),  # fmt: skip
+    "f32-expert_map": dict(dtype=F32, activation="silu", bias=True, tokens=6, topk=2, expert_map=True),
+    "f32-zero-tokens": dict(dtype=F32, activation="silu", bias=False, tokens=0, topk=2),
+}
+
+
+@pytest.mark.parametrize("name", list(OPCHECK_CASES))
+def test_opcheck_fused_experts(name):
+    c = dict(OPCHECK_CASES[name])
+    act = c.pop("activation")
+    use_map = c.pop("expert_map", False)
+    alpha, limit = c.pop("alpha", None), c.pop("limit", None)
+    inp = make_moe_inputs(hidden=93, intermediate=40, experts=5, interleaved=act == "swigluoai", seed=1, **c)
+    expert_map = None
+    if use_map:  # this rank holds global experts 1 and 3
+        local = [1, 3]
+        inp.w13, inp.w2 = inp.w13[local], inp.w2[local]
+        inp.w13_bias, inp.w2_bias = inp.w13_bias[local], inp.w2_bias[local]
+        expert_map = torch.tensor([-1, 0, -1, 1, -1], dtype=torch.int32)
+    packed = inp.pack()
+    args, kwargs = fused_args(inp, packed, bias=c["bias"], expert_map=expert_map)
+    kwargs["activation"] = act
+    if alpha is not None:
+        kwargs.update(alpha=alpha, limit=limit)
+    result = torch.library.opcheck(OPS.fused_experts.default, args, kwargs)  # schema, autograd reg., fake, aot
+    assert set(result.values()) == {"SUCCESS"} and len(result) == 4, result
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_opcheck_pack_weight(dtype):
+    w = torch.randn(3, 45, 93).to(dtype)
+    result = torch.library.opcheck(OPS.pack_weight.default, (w, LAYOUT_ID))
+    assert set(result.values()) == {"SUCCESS"} and len(result) == 4, result
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_meta_tensors_give_the_output_shape(dtype):
+    e, h, i, t, k = 5, 93, 40, 7, 2
+    shapes = moepack.layout.layout_expert_shapes(moepack.DEFAULT_LAYOUT, e, h, i)
+    meta = dict(device="meta")
+    x = torch.empty(t, h, dtype=dtype, **meta)
+    w13 = torch.empty(shapes.w13_shape, dtype=BF16, **meta)
+    w2 = torch.empty(shapes.w2_shape, dtype=BF16, **meta)
+    b13 = torch.empty(e, 2 * shapes.padded_intermediate, dtype=F32, **meta)
+    b2 = torch.empty(e, shapes.w2_shape[1], dtype=F32, **meta)
+    out = moepack.fused_experts(
+        x, w13, w2, torch.empty(t, k, **meta), torch.empty(t, k, dtype=torch.int32, **meta), w13_bias=b13, w2_bias=b2
+    )
+    assert out.device.type == "meta" and out.shape == (t, h) and out.dtype == dtype
+    packed = moepack.pack_weight(torch.empty(e, 2 * i, h, dtype=dtype, **meta))
+    assert packed.device.type == "meta" and packed.dtype == BF16
+    assert tuple(packed.shape) == (e, 96, 94)  # N = 2I = 80 -> whole 32-column blocks; K = 93 -> k_pack pairs
+    # the Meta kernel checks the same rules as the CPU kernel
+    with pytest.raises(ValueError, match="w2 has shape"):
+        moepack.fused_experts(x, w13, w13, torch.empty(t, k, **meta), torch.empty(t, k, dtype=torch.int32, **meta))
+
+
+def moe_block(x, w13, w2, b13, b2, topk_weights, topk_ids):
+    """What a model does around the op: routing-free pre/post-processing plus the experts."""
+    y = moepack.fused_experts(x * 2.0, w13, w2, topk_weights, topk_ids, activation="gelu_tanh", w13_bias=b13,
+                              w2_bias=b2)  # fmt: skip
+    return y + x
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    """torch.compile(fullgraph=True) traces through moepack.fused_experts (Meta kernel for the
+    shapes, the CPU kernel at run time) and gives the eager result bitwise. Took ~20 s on the
+    2-core CI box (first dynamo/inductor use in the process)."""
+    torch._dynamo.reset()
+    inp = make_moe_inputs(tokens=9, hidden=93, intermediate=40, topk=2, dtype=BF16, bias=True, seed=3)
+    packed = inp.pack()
+    args = (inp.x, packed.w13, packed.w2, packed.w13_bias, packed.w2_bias, inp.topk_weights, inp.topk_ids)
+    start = time.monotonic()
+    compiled = torch.compile(moe_block, fullgraph=True)
+    out = compiled(*args)
+    elapsed = time.monotonic() - start
+    assert torch.equal(out, moe_block(*args))
+    # a second token count reuses or recompiles the graph, still without a graph break
+    inp2 = make_moe_inputs(tokens=17, hidden=93, intermediate=40, topk=2, dtype=BF16, bias=True, seed=4)
+    args2 = (inp2.x, packed.w13, packed.w2, packed.w13_bias, packed.w2_bias, inp2.topk_weights, inp2.topk_ids)
+    assert torch.equal(compiled(*args2), moe_block(*args2))
+    assert elapsed < 120, f"torch.compile took {elapsed:.0f} s"

@@ -1,0 +1,225 @@
+"""Packing: the Python packer (moepack/pack, the specification) and the C++ packer
+(torch.ops.moepack.pack_weight) must produce the same bytes; padding is exactly zero; the
+offset math in moepack/layout.py describes where the packer puts each element; a small golden
+example pins the layout by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import moepack
+from moepack.layout import (
+    DEFAULT_LAYOUT,
+    LAYOUTS,
+    layout_element_offset,
+    layout_expert_shapes,
+    layout_padded_k,
+    layout_padded_n,
+)
+from moepack.pack import pack_experts, pack_weight_reference, unpack_weight_reference
+
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+L = DEFAULT_LAYOUT
+
+# [E, N, K]: tiny, odd K (k_pack padding), N across block boundaries, I-like and H-like sizes
+AWKWARD = [(1, 1, 1), (1, 2, 3), (2, 33, 7), (3, 31, 93), (2, 64, 64), (5, 176, 200), (2, 65, 130), (1, 200, 88)]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def random_weight(shape, dtype, seed) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) / math.sqrt(shape[-1])).to(dtype)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("shape", AWKWARD, ids=lambda s: "x".join(map(str, s)))
+def test_cpp_packer_equals_python_packer(layout, dtype, shape):
+    w = random_weight(shape, dtype, seed=sum(shape))
+    cpp = moepack.pack_weight(w, layout)
+    ref = pack_weight_reference(w, layout)
+    assert cpp.dtype == ref.dtype == BF16
+    assert cpp.shape == ref.shape == (shape[0], layout_padded_n(layout, shape[1]), layout_padded_k(layout, shape[2]))
+    assert torch.equal(bits(cpp), bits(ref))
+
+
+def test_cpp_packer_equals_python_packer_on_every_fp16_value():
+    """Every finite fp16 bit pattern (incl. subnormals, -0, the largest values) -> bf16."""
+    h = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(F16)
+    h = h[torch.isfinite(h)]
+    assert h.numel() == 2**16 - 2 * 2**10
+    for w in (h.view(31, 32, 64), h[: 31 * 33 * 61].view(31, 61, 33)):  # and an odd K
+        assert torch.equal(bits(moepack.pack_weight(w)), bits(pack_weight_reference(w)))
+
+
+def test_cpp_packer_equals_python_packer_on_fp32_edge_values():
+    """fp32 -> bf16 rounding: ties to even, one ulp off a tie, subnormals, overflow to inf,
+    +-inf, +-0, and random finite bit patterns."""
+    g = torch.Generator().manual_seed(3)
+    b = torch.randint(0, 0x7F80, (20000,), generator=g, dtype=torch.int32)
+    ties = (b << 16) | 0x8000
+    near = torch.cat([ties, ties + 1, ties - 1]).view(F32)
+    rnd = torch.randint(-(2**31), 2**31 - 1, (60000,), generator=g, dtype=torch.int64).to(torch.int32).view(F32)
+    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), 3.4028235e38, 3.3961776e38, 1e-40, 2.0**-149, 1.0 + 2.0**-8])
+    v = torch.cat([near, -near, rnd, special])
+    v = v[~torch.isnan(v)]
+    v = v[: v.numel() // 10 * 10].view(10, 1, -1)
+    assert torch.equal(bits(moepack.pack_weight(v)), bits(pack_weight_reference(v)))
+
+
+def test_nan_weights_pack_to_nan():
+    """NaN has no meaning in a weight (pack_experts refuses it, test_errors.py); the raw packers
+    must still keep it a NaN. (They are NOT bit-identical on NaN payloads/signs: the C++ packer
+    keeps sign and top payload bits and sets the quiet bit, torch's conversion does not.)"""
+    nan_bits = torch.tensor([0x7FC00000, 0x7F800001, -0x00400000, 0x7FFFFFFF], dtype=torch.int32)
+    w = nan_bits.view(F32).view(1, 1, -1)
+    for packed in (moepack.pack_weight(w), pack_weight_reference(w)):
+        assert torch.isnan(unpack_weight_reference(packed, 1, 4).float()).all()
+
+
+def test_cpp_packer_takes_non_contiguous_sources():
+    base = random_weight((3, 93, 40), F32, seed=4)
+    w = base.transpose(1, 2)  # [3, 40, 93] with strides of the transpose
+    assert not w.is_contiguous()
+    assert torch.equal(bits(moepack.pack_weight(w)), bits(pack_weight_reference(w.contiguous())))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+@pytest.mark.parametrize("shape", [(3, 93, 88), (1, 1, 1), (2, 200, 33), (2, 72, 64)], ids=lambda s: "E%dH%dI%d" % s)
+def test_pack_experts_cpp_equals_python(shape, dtype, with_bias, interleaved):
+    e, h, i = shape
+    w13 = random_weight((e, 2 * i, h), dtype, seed=10)
+    w2 = random_weight((e, h, i), dtype, seed=11)
+    b13 = random_weight((e, 2 * i), dtype, seed=12) if with_bias else None
+    b2 = random_weight((e, h), dtype, seed=13) if with_bias else None
+    a = pack_experts(w13, w2, b13, b2, interleaved=interleaved, use_cpp=True)
+    b = pack_experts(w13, w2, b13, b2, interleaved=interleaved, use_cpp=False)
+    for name in ("w13", "w2"):
+        assert torch.equal(bits(getattr(a, name)), bits(getattr(b, name))), name
+    for name in ("w13_bias", "w2_bias"):
+        ta, tb = getattr(a, name), getattr(b, name)
+        assert (ta is None) == (tb is None) == (not with_bias)
+        if with_bias:
+            assert ta.dtype == tb.dtype == F32 and torch.equal(ta.view(torch.int32), tb.view(torch.int32)), name
+    shapes = layout_expert_shapes(L, e, h, i)
+    assert (a.num_experts, a.hidden, a.intermediate, a.padded_intermediate) == (e, h, i, shapes.padded_intermediate)
+    assert a.interleaved == interleaved and a.layout == L
+    assert tuple(a.w13.shape) == shapes.w13_shape and tuple(a.w2.shape) == shapes.w2_shape
+    assert a.nbytes == sum(t.numel() * t.element_size() for t in (a.w13, a.w2, a.w13_bias, a.w2_bias) if t is not None)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("shape", [(5, 93, 88), (2, 1, 1), (3, 130, 176), (2, 72, 64)], ids=lambda s: "E%dH%dI%d" % s)
+def test_unpack_pack_round_trip_and_zero_padding(shape, interleaved):
+    """unpack(pack(w)) gives back the bf16 weights where SEMANTICS.md §2 puts them (gate rows
+    [0, I), up rows [Ip, Ip + I); interleaved pairs first), and exactly +0.0 everywhere else."""
+    e, h, i = shape
+    w13 = random_weight((e, 2 * i, h), F32, seed=20)
+    w2 = random_weight((e, h, i), F32, seed=21)
+    b13 = random_weight((e, 2 * i), F32, seed=22)
+    b2 = random_weight((e, h), F32, seed=23)
+    p = pack_experts(w13, w2, b13, b2, interleaved=interleaved)
+    ip = p.padded_intermediate
+    assert ip % L.i_align == 0 and i <= ip < i + L.i_align
+    np_, kp = p.w13.shape[1], p.w13.shape[2]
+    full13 = unpack_weight_reference(p.w13, np_, kp)  # [E, 2Ip, Kp] incl. padding
+    expect13 = torch.zeros(e, 2 * ip, kp, dtype=BF16)
+    expect_b13 = torch.zeros(e, 2 * ip)
+    if interleaved:
+        expect13[:, : 2 * i, :h] = w13.to(BF16)
+        expect_b13[:, : 2 * i] = b13
+    else:
+        expect13[:, :i, :h] = w13[:, :i].to(BF16)
+        expect13[:, ip : ip + i, :h] = w13[:, i:].to(BF16)
+        expect_b13[:, :i] = b13[:, :i]
+        expect_b13[:, ip : ip + i] = b13[:, i:]
+    assert torch.equal(bits(full13), bits(expect13))  # bitwise: padding is +0.0, not -0.0
+    assert torch.equal(p.w13_bias.view(torch.int32), expect_b13.view(torch.int32))
+    full2 = unpack_weight_reference(p.w2, p.w2.shape[1], p.w2.shape[2])  # [E, Np(H), Ip]
+    expect2 = torch.zeros(e, p.w2.shape[1], ip, dtype=BF16)
+    expect2[:, :h, :i] = w2.to(BF16)
+    assert torch.equal(bits(full2), bits(expect2))
+    expect_b2 = torch.zeros(e, p.w2.shape[1])
+    expect_b2[:, :h] = b2
+    assert torch.equal(p.w2_bias.view(torch.int32), expect_b2.view(torch.int32))
+    # the logical round trip
+    assert torch.equal(unpack_weight_reference(moepack.pack_weight(w2), h, i), w2.to(BF16))
+
+
+@pytest.mark.parametrize("shape", [(2, 33, 7), (1, 64, 2), (3, 45, 93), (1, 96, 130)], ids=lambda s: "x".join(map(str, s)))
+def test_padding_is_exactly_zero_in_packed_bytes(shape):
+    e, n, k = shape
+    w = random_weight(shape, F32, seed=30) + 3.0  # no zero (and no -0) among the real values
+    packed = bits(moepack.pack_weight(w)).view(e, -1)
+    kp = layout_padded_k(L, k)
+    nn, kk = torch.meshgrid(torch.arange(n), torch.arange(k), indexing="ij")
+    real = torch.zeros(packed.shape[1], dtype=torch.bool)
+    real[[layout_element_offset(L, a, b, kp) for a, b in zip(nn.flatten().tolist(), kk.flatten().tolist())]] = True
+    assert int(real.sum()) == n * k  # the offsets of distinct elements are distinct
+    assert (packed[:, real] != 0).all()
+    assert (packed[:, ~real] == 0).all()
+
+
+@pytest.mark.parametrize("shape", [(2, 33, 7), (2, 65, 93), (1, 200, 88)], ids=lambda s: "x".join(map(str, s)))
+def test_element_offset_matches_the_packer_everywhere(shape):
+    """Every element gets a unique bf16 bit pattern; layout_element_offset must find each one
+    where both packers put it (exhaustive)."""
+    e, n, k = shape
+    assert e * n * k < 0x7F7F
+    code = (1 + torch.arange(e * n * k, dtype=torch.int32)).to(torch.int16).view(e, n, k)
+    w = code.view(BF16)  # all finite, positive, distinct
+    kp = layout_padded_k(L, k)
+    offsets = torch.tensor([[layout_element_offset(L, ni, ki, kp) for ki in range(k)] for ni in range(n)])
+    for packed in (moepack.pack_weight(w), pack_weight_reference(w)):
+        flat = bits(packed).reshape(e, -1)
+        assert torch.equal(flat[:, offsets.flatten()].view(e, n, k), code)
+
+
+def test_element_offset_random_positions_in_a_large_matrix():
+    g = torch.Generator().manual_seed(40)
+    n, k = 1000, 777
+    w = torch.randn(1, n, k, generator=g)
+    flat = bits(moepack.pack_weight(w)).flatten()
+    wb = bits(w.to(BF16))[0]
+    kp = layout_padded_k(L, k)
+    ns = torch.randint(0, n, (2000,), generator=g).tolist()
+    ks = torch.randint(0, k, (2000,), generator=g).tolist()
+    for ni, ki in zip(ns, ks):
+        assert flat[layout_element_offset(L, ni, ki, kp)] == wb[ni, ki]
+
+
+def test_golden_two_by_four():
+    """bf16_n32k2_x86 by hand: N=2, K=4 -> Np=32, Kp=4. Element (n, k) goes to
+    (k // 2) * 32 * 2 + n * 2 + k % 2: the K pair (k0, k1) of column 0, then of column 1, ...
+    32 columns (zero padding for n >= 2), then the next K pair."""
+    assert (L.name, L.block_n, L.k_pack) == ("bf16_n32k2_x86", 32, 2)
+    w = torch.tensor([[[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]]])
+    expected = torch.zeros(128, dtype=BF16)
+    expected[0:4] = torch.tensor([1.0, 2.0, 5.0, 6.0])  # K pair 0: (n0 k0, n0 k1, n1 k0, n1 k1)
+    expected[64:68] = torch.tensor([3.0, 4.0, 7.0, 8.0])  # K pair 1 starts after 32 columns x 2
+    for packed in (moepack.pack_weight(w), pack_weight_reference(w)):
+        assert packed.shape == (1, 32, 4)
+        assert torch.equal(bits(packed.flatten()), bits(expected))
+
+
+def test_golden_second_block_and_odd_k():
+    """N=33 spills into a second 32-column block; K=3 is padded to Kp=4. Element (32, 2) lands at
+    block 1 (32 * Kp = 128) + K pair 1 (64) + column 0 + k % 2 = 0 -> 192."""
+    w = torch.zeros(1, 33, 3)
+    w[0, 32, 2] = 9.0
+    w[0, 31, 1] = 7.0  # block 0, K pair 0, column 31, k 1 -> 31 * 2 + 1 = 63
+    w[0, 0, 2] = 5.0  # block 0, K pair 1, column 0, k 0 -> 64
+    for packed in (moepack.pack_weight(w), pack_weight_reference(w)):
+        assert packed.shape == (1, 64, 4)
+        flat = packed.flatten().float()
+        assert flat.nonzero().flatten().tolist() == [63, 64, 192]
+        assert flat[[63, 64, 192]].tolist() == [7.0, 5.0, 9.0]
+    assert [layout_element_offset(L, 31, 1, 4), layout_element_offset(L, 0, 2, 4), layout_element_offset(L, 32, 2, 4)] == [63, 64, 192]
