@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ._ops import fused_experts
-from .errors import UnsupportedError
+from .errors import LayoutError, UnsupportedError
 from .pack import PackedExperts
 
 
@@ -26,6 +26,13 @@ def run_experts(
         raise UnsupportedError(
             f"activation={activation!r} with experts packed {'interleaved' if packed.interleaved else 'gate-then-up'}: "
             "swigluoai needs interleaved gate/up rows and every other activation needs gate-then-up rows"
+        )
+    # The op only sees padded weight shapes, so a hidden size that pads to the same Kp/Np as the
+    # experts' (e.g. 71 for H = 72) would pass its checks and silently drop a feature.
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != packed.hidden:
+        raise LayoutError(
+            f"hidden_states has shape {list(hidden_states.shape)}: must be [tokens, H] with H = {packed.hidden}, "
+            "the hidden size the experts were packed for"
         )
     return fused_experts(
         hidden_states,
