@@ -59,7 +59,7 @@ class PackedLayout:
             raise LayoutError(f"layout {self.name}: weight_dtype={self.weight_dtype!r} is unknown")
         if self.weight_bits != 8 * WEIGHT_DTYPES[self.weight_dtype]:
             raise LayoutError(f"layout {self.name}: weight_bits={self.weight_bits} does not match {self.weight_dtype}")
-        if self.i_align % self.block_n or self.block_n <= 0 or self.k_pack <= 0:
+        if self.block_n <= 0 or self.k_pack <= 0 or self.i_align % self.block_n:
             raise LayoutError(f"layout {self.name}: i_align={self.i_align} must be a multiple of block_n={self.block_n}")
         if self.scale_dtype not in SCALE_DTYPES or self.zero_kind not in ZERO_KINDS:
             raise LayoutError(f"layout {self.name}: scale_dtype/zero_kind {self.scale_dtype}/{self.zero_kind} unknown")
