@@ -5,11 +5,11 @@ class MoepackError(Exception):
     """Base class of every error moepack raises on purpose."""
 
 
-class LayoutError(MoepackError):
+class LayoutError(MoepackError, ValueError):
     """A packed layout is unknown, or a shape does not fit it."""
 
 
-class UnsupportedError(MoepackError):
+class UnsupportedError(MoepackError, ValueError):
     """A combination (layout, ISA, activation, dtype, ...) that moepack refuses, with the reason."""
 
 

@@ -61,10 +61,6 @@ void check_exact(const at::Tensor& t, const char* name, at::ScalarType st, std::
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " with shape ", shape_str(t), " is not contiguous: must be contiguous");
 }
 
-struct Checked {
-  FusedMoeArgs args;
-};
-
 // Validates every shape/dtype rule and fills the kernel arguments (pointers only when `data`).
 FusedMoeArgs check_fused(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                          const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
@@ -94,10 +90,12 @@ FusedMoeArgs check_fused(const at::Tensor& x, const at::Tensor& w13, const at::T
   a.num_experts = E;
   a.inter_padded = w13.size(1) / 2;
   const int64_t kp1 = round_up(a.hidden, L.k_pack), np2 = round_up(a.hidden, L.block_n);
-  check_exact(w13, "w13", at::kBFloat16, {E, 2 * a.inter_padded, kp1}, "packed [E, 2*Ip, H padded to k_pack]");
-  check_exact(w2, "w2", at::kBFloat16, {E, np2, a.inter_padded}, "packed [E, H padded to block_n, Ip]");
+  const std::string hnote = "with H=" + std::to_string(a.hidden) + " taken from hidden_states";
+  check_exact(w13, "w13", at::kBFloat16, {E, 2 * a.inter_padded, kp1},
+              ("packed [E, 2*Ip, H padded to k_pack] " + hnote).c_str());
+  check_exact(w2, "w2", at::kBFloat16, {E, np2, a.inter_padded}, ("packed [E, H padded to block_n, Ip] " + hnote).c_str());
   if (b13) check_exact(*b13, "w13_bias", at::kFloat, {E, 2 * a.inter_padded}, "fp32 [E, 2*Ip] in packed row order");
-  if (b2) check_exact(*b2, "w2_bias", at::kFloat, {E, np2}, "fp32 [E, H padded to block_n]");
+  if (b2) check_exact(*b2, "w2_bias", at::kFloat, {E, np2}, ("fp32 [E, H padded to block_n] " + hnote).c_str());
   TORCH_CHECK_VALUE(topk_ids.dim() == 2 && topk_ids.size(0) == a.tokens && topk_ids.size(1) > 0, "topk_ids has shape ",
                     shape_str(topk_ids), ": must be [tokens=", a.tokens, ", k] with k >= 1");
   a.topk = topk_ids.size(1);

@@ -1,0 +1,43 @@
+# The two commands (README): `make demo` and `make test`. Both set everything up first, on a
+# fresh clone, as root or in a virtualenv. CI (.ci/run) calls exactly `make test`.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+# torch is pinned everywhere: an unpinned torch pulls a multi-GB CUDA build.
+TORCH := torch==2.13.0
+RUNTIME_DEPS := $(TORCH) numpy "safetensors>=0.4" "typer>=0.12" "rich>=13"
+TEST_DEPS := "pytest>=8" expecttest hypothesis
+BUILD_DEPS := "setuptools>=69" wheel
+
+.PHONY: setup setup-test build demo test test-only bench clean
+
+setup:
+	$(PIP) install -q $(RUNTIME_DEPS) $(BUILD_DEPS)
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+
+# SIMDe lets tests run the AVX-512 kernel's code on CPUs without AVX-512 (tests/cpp).
+setup-test: setup
+	$(PIP) install -q $(TEST_DEPS)
+	@if [ ! -d /usr/include/simde ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && apt-get install -y -qq libsimde-dev) >/dev/null || echo "warning: could not install libsimde-dev"; \
+	  else echo "note: libsimde-dev missing and not root: the emulated AVX-512 kernel test will be skipped"; fi; \
+	fi
+
+build:
+	$(PIP) install -q --no-build-isolation --no-deps -e .
+
+demo: setup
+	moepack info
+	moepack bench --shapes tiny --tokens 1,8,64
+
+test: setup-test test-only
+
+test-only:
+	$(PYTHON) tools/gen_layouts.py --check
+	$(PYTHON) -m pytest -q --durations=10
+
+bench: setup
+	moepack bench --shapes qwen3-30b-a3b --tokens 1,8,64,512
+
+clean:
+	rm -rf build *.egg-info moepack/_C*.so tests/cpp/build
