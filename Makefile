@@ -27,8 +27,8 @@ build:
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 
 demo: setup
-	moepack info
-	moepack bench --shapes tiny --tokens 1,8,64
+	$(PYTHON) -m moepack info
+	$(PYTHON) -m moepack bench --shapes tiny --tokens 1,8,64
 
 test: setup-test test-only
 
@@ -37,7 +37,7 @@ test-only:
 	$(PYTHON) -m pytest -q --durations=10
 
 bench: setup
-	moepack bench --shapes qwen3-30b-a3b --tokens 1,8,64,512
+	$(PYTHON) -m moepack bench --shapes qwen3-30b-a3b --tokens 1,8,64,512
 
 clean:
 	rm -rf build *.egg-info moepack/_C*.so tests/cpp/build

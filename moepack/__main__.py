@@ -1,0 +1,5 @@
+"""``python -m moepack ...`` is the ``moepack`` command."""
+
+from moepack.cli.main import app
+
+app()
