@@ -118,3 +118,4 @@ def bench(
         B.write_json(result, json_path)
         if not quiet:
             err_console.print(f"[dim]wrote {json_path}[/]", highlight=False, soft_wrap=True)
+from . import packdir  # noqa: E402,F401  (registers convert, verify, inspect)

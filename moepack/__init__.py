@@ -12,11 +12,35 @@ from ._ops import cpu_flags, fused_experts, kernel_choice, load_extension, pack_
 from .errors import ExtensionError, LayoutError, MoepackError, UnsupportedError
 from .layout import DEFAULT_LAYOUT, LAYOUTS, PackedLayout, layout_get
 from .pack import PackedExperts, pack_experts
-from .runtime import run_experts
+from .runtime import open_packed, run_experts
 
-__version__ = "0.1.0"
+from ._version import __version__
+
+
+
+def open(path, *, strict: bool = False):  # noqa: A001 - the public name is moepack.open
+    """Validate and memory-map a packed directory; returns a ``PackedModel`` (see moepack.runtime.model)."""
+    return open_packed(path, strict=strict)
+
+
+def convert(src, dst, **kwargs):
+    """Convert a Hugging Face checkpoint directory into a packed directory (see moepack.convert_dir)."""
+    from .convert_dir import convert as _convert
+
+    return _convert(src, dst, **kwargs)
+
+
+def verify(dst, **kwargs):
+    """Check a packed directory's checksums (and, with source=, its numerics); see moepack.verify_dir."""
+    from .verify_dir import verify as _verify
+
+    return _verify(dst, **kwargs)
+
 
 __all__ = [
+    "open",
+    "convert",
+    "verify",
     "DEFAULT_LAYOUT",
     "LAYOUTS",
     "ExtensionError",

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from ._ops import fused_experts
-from .errors import LayoutError, UnsupportedError
-from .pack import PackedExperts
+from .._ops import fused_experts
+from ..errors import LayoutError, UnsupportedError
+from ..pack import PackedExperts
 
 
 def run_experts(

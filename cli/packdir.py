@@ -1,0 +1,204 @@
+"""``moepack convert``, ``moepack verify``, ``moepack inspect``: the packed directory commands."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from .app import command, console, err_console
+
+EXIT_MISMATCH = 1
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+@command(help="Convert a Hugging Face MoE checkpoint directory SRC into a packed directory DST.")
+def convert(
+    src: Path = typer.Argument(..., help="Checkpoint directory: config.json + *.safetensors."),
+    dst: Path = typer.Argument(..., help="Packed directory to create (must not exist unless --overwrite)."),
+    isa: str = typer.Option("x86", "--isa", help="Target ISA family of the packed layout: x86."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for packing (default: torch's)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it exists (atomically)."),
+    shard_gib: float = typer.Option(2.0, "--shard-gib", help="Largest shard file, in GiB."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON summary instead of tables."),
+) -> None:
+    from moepack.convert_dir import convert as do_convert
+    from moepack.errors import ConvertError
+    from moepack.layout import LAYOUTS
+
+    family_layouts = [x for x in LAYOUTS if x.family == isa and x.weight_dtype == "bf16"]
+    if not family_layouts:
+        fams = sorted({x.family for x in LAYOUTS})
+        raise ConvertError(f"--isa {isa!r}: no dense layout for that family in this build (available: {', '.join(fams)})")
+    layout = family_layouts[0]
+    if shard_gib <= 0:
+        raise ConvertError(f"--shard-gib {shard_gib}: must be positive")
+
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        transient=True,
+        disable=as_json,
+    ) as bar:
+        task = bar.add_task("planning", total=None)
+
+        def progress(event: str, **info) -> None:
+            if event == "plan":
+                bar.update(task, description="packing layers", total=info["layers"], completed=0)
+            elif event == "layer_start":
+                bar.update(task, description=f"layer {info['layer']} ({info['num_experts']} experts)")
+            elif event == "layer_done":
+                bar.advance(task)
+            elif event == "other_done":
+                bar.update(task, description=f"copied {info['tensors']} other tensors")
+
+        report = do_convert(src, dst, layout=layout, overwrite=overwrite, threads=threads, shard_bytes=int(shard_gib * 2**30), progress=progress)
+
+    summary = {
+        "dst": str(report.dst),
+        "layers": report.layers,
+        "layout": layout.name,
+        "expert_bytes": report.experts_bytes,
+        "other_bytes": report.other_bytes,
+        "seconds": round(report.seconds, 3),
+        "mb_per_s": round(report.mb_per_s, 1),
+        "files": report.files,
+    }
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+        return
+    t = Table(title=f"moepack convert → {report.dst}", show_header=False)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("MoE layers", str(report.layers))
+    t.add_row("layout", layout.name)
+    t.add_row("packed experts", _human(report.experts_bytes))
+    t.add_row("other tensors", _human(report.other_bytes))
+    t.add_row("files", ", ".join(report.files))
+    t.add_row("time", f"{report.seconds:.2f} s ({report.mb_per_s:.0f} MB/s)")
+    console.print(t)
+
+
+@command(help="Verify a packed directory: checksums of every tensor; with --source, weights and outputs against the source.")
+def verify(
+    dst: Path = typer.Argument(..., help="Packed directory."),
+    source: Optional[Path] = typer.Option(None, "--source", help="The checkpoint DST was converted from."),
+    tokens: int = typer.Option(7, "--tokens", help="Seeded random tokens per layer for the output check."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    from moepack.verify_dir import verify as do_verify
+
+    if tokens <= 0:
+        raise ValueError(f"--tokens {tokens}: must be positive")
+    report = do_verify(dst, source=source, tokens=tokens)
+    if as_json:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        bad = [t for t in report.tensors if not t.ok]
+        console.print(
+            f"checksums: {len(report.tensors) - len(bad)}/{len(report.tensors)} tensors match the manifest",
+            style="green" if not bad else "red",
+        )
+        for t_ in bad:
+            console.print(f"  [red]MISMATCH[/] {t_.name} ({t_.file}): {t_.detail}", highlight=False)
+        if report.layers:
+            if report.fingerprint_match is False:
+                err_console.print("[yellow]note:[/] the source's fingerprint differs from the one recorded at convert time")
+            t = Table(title=f"layers against {report.source}")
+            for col in ("layer", "weights == source (bf16)", "output rel. error", "tolerance", "result"):
+                t.add_column(col)
+            for c in report.layers:
+                t.add_row(
+                    str(c.index),
+                    "yes" if c.weights_exact else "[red]no[/]",
+                    f"{c.rel_err:.2e}",
+                    f"{c.tol:.0e}",
+                    "[green]ok[/]" if c.ok else f"[red]FAIL[/] {c.detail}",
+                )
+            console.print(t)
+    if not report.ok:
+        raise typer.Exit(EXIT_MISMATCH)
+
+
+@command(help="Show a packed directory: layers, experts, layouts, bytes, and which kernel runs here and why.")
+def inspect(
+    dst: Path = typer.Argument(..., help="Packed directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    import moepack
+
+    model = moepack.open(dst)
+    m = model.manifest
+    layers = []
+    for idx in sorted(model.layers):
+        layer = model.layers[idx]
+        p = layer.packed
+        isa, reason = layer.kernel
+        layers.append(
+            {
+                "index": idx,
+                "experts": p.num_experts,
+                "hidden": p.hidden,
+                "intermediate": p.intermediate,
+                "padded_intermediate": p.padded_intermediate,
+                "activation": layer.activation,
+                "layout": p.layout.name,
+                "bytes": p.nbytes,
+                "kernel": isa,
+                "reason": reason,
+            }
+        )
+    out = {
+        "path": str(dst),
+        "format_version": m["format_version"],
+        "created_by": m.get("created_by"),
+        "model_type": m["model"].get("model_type"),
+        "source": m["source"],
+        "routing": m.get("routing"),
+        "routing_note": m.get("routing_note"),
+        "files": m["files"],
+        "layers": layers,
+    }
+    if as_json:
+        typer.echo(json.dumps(out, indent=2))
+        return
+    console.print(
+        f"[bold]{dst}[/]: {out['model_type']} packed by {out['created_by']}, format v{out['format_version']}, "
+        f"source reader {m['source'].get('reader')}",
+        highlight=False,
+    )
+    r = out["routing"]
+    console.print(f"routing: {json.dumps(r) if r else 'none (' + str(out['routing_note']) + ')'}", highlight=False)
+    t = Table()
+    for col in ("layer", "experts", "H", "I (padded)", "activation", "layout", "bytes", "kernel"):
+        t.add_column(col)
+    for x in layers:
+        t.add_row(
+            str(x["index"]),
+            str(x["experts"]),
+            str(x["hidden"]),
+            f"{x['intermediate']} ({x['padded_intermediate']})",
+            x["activation"],
+            x["layout"],
+            _human(x["bytes"]),
+            x["kernel"],
+        )
+    console.print(t)
+    for layout_name, reason in sorted({(x["layout"], x["reason"]) for x in layers}):
+        console.print(f"kernel for {layout_name}: {reason}", highlight=False)
+    total = sum(v["size"] for v in m["files"].values())
+    console.print(f"{len(m['files'])} files, {_human(total)}", highlight=False)

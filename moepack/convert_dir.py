@@ -1,0 +1,250 @@
+"""``moepack convert SRC DST``: a Hugging Face checkpoint directory -> a packed directory.
+
+Streaming: the whole plan (every layer, every tensor, every shard's header) is made from the
+source's headers and config.json first, so bad input is refused before anything is written;
+then one layer at a time is read, packed and written. Everything goes into a temporary sibling
+of DST that is renamed to DST only when complete (moepack/container), so an interrupted or
+failed convert never leaves a directory under the final name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ._version import __version__
+from .container.writer import ShardPlan, ShardWriter, atomic_directory
+from .errors import ConvertError, MoepackError
+from .layout import DEFAULT_LAYOUT, PackedLayout, layout_expert_shapes, layout_get
+from .pack import pack_experts
+from .sources import Checkpoint, LayerSpec, open_source, text_config
+
+MANIFEST = "moepack.json"
+FORMAT_VERSION = 1
+DEFAULT_SHARD_BYTES = 2 << 30
+
+ProgressFn = Callable[..., None]
+
+
+def expert_tensor_name(layer: int, role: str) -> str:
+    return f"moepack.layers.{layer}.{role}"
+
+
+@dataclass
+class ConvertReport:
+    dst: Path
+    layers: int = 0
+    experts_bytes: int = 0
+    other_bytes: int = 0
+    seconds: float = 0.0
+    files: list = field(default_factory=list)
+
+    @property
+    def mb_per_s(self) -> float:
+        return (self.experts_bytes + self.other_bytes) / 1e6 / max(self.seconds, 1e-9)
+
+
+def _swiglu_params(config: dict) -> tuple[float, float]:
+    limit = config.get("swiglu_limit", 7.0)
+    alpha = config.get("swiglu_alpha", 1.702)
+    return float(alpha), float(limit)
+
+
+def _routing_for(config: dict) -> tuple[dict | None, str]:
+    try:
+        from .routing import RoutingConfig
+    except ImportError:  # pragma: no cover
+        return None, "moepack.routing is not available"
+    try:
+        return RoutingConfig.from_hf_config(config).to_dict(), "from config.json"
+    except MoepackError as e:
+        return None, str(e)
+
+
+def _plan_layer_tensors(spec: LayerSpec, layout: PackedLayout) -> list[tuple[str, torch.dtype, tuple]]:
+    sh = layout_expert_shapes(layout, spec.num_experts, spec.hidden, spec.intermediate)
+    out = [
+        (expert_tensor_name(spec.index, "w13"), torch.bfloat16, sh.w13_shape),
+        (expert_tensor_name(spec.index, "w2"), torch.bfloat16, sh.w2_shape),
+    ]
+    if spec.has_bias:
+        out.append((expert_tensor_name(spec.index, "w13_bias"), torch.float32, (spec.num_experts, 2 * sh.padded_intermediate)))
+        out.append((expert_tensor_name(spec.index, "w2_bias"), torch.float32, (spec.num_experts, sh.w2_shape[1])))
+    return out
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty(0, dtype=dtype).element_size()
+
+
+def _split_shards(items: list, size_of: Callable, limit: int) -> list[list]:
+    shards, cur, cur_bytes = [], [], 0
+    for it in items:
+        b = size_of(it)
+        if cur and cur_bytes + b > limit:
+            shards.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(it)
+        cur_bytes += b
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    *,
+    layout: int | str | PackedLayout = DEFAULT_LAYOUT,
+    overwrite: bool = False,
+    threads: int | None = None,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    progress: ProgressFn | None = None,
+) -> ConvertReport:
+    """Convert the checkpoint at ``src`` into a packed directory at ``dst``."""
+    t0 = time.perf_counter()
+    lay = layout_get(layout)
+    src, dst = Path(src), Path(dst)
+    if dst.exists() and not overwrite:
+        raise ConvertError(f"destination {dst} already exists: choose another path or pass overwrite=True (--overwrite)")
+    if dst.resolve() == src.resolve():
+        raise ConvertError(f"destination {dst} is the source: write the packed directory somewhere else")
+    if threads is not None:
+        if threads <= 0:
+            raise ConvertError(f"threads={threads}: must be a positive integer")
+        torch.set_num_threads(threads)
+    notify = progress or (lambda *a, **k: None)
+
+    # ---- plan everything from headers (nothing is written yet) ----
+    ckpt, reader = open_source(src)
+    specs = reader.layers(ckpt)
+    config = text_config(ckpt.config)
+    for s in specs:
+        if s.activation == "swigluoai" and not s.interleaved:
+            raise ConvertError(f"layer {s.index}: swigluoai experts must have interleaved gate/up rows")
+    expert_names = {n for s in specs for n in s.expert_tensors}
+    other = [n for n in ckpt.tensors if n not in expert_names]
+    # Layer entries in order; tensors planned per layer.
+    layer_tensors = {s.index: _plan_layer_tensors(s, lay) for s in specs}
+    expert_shards = _split_shards(
+        specs, lambda s: sum(_nbytes(d, sh) for _, d, sh in layer_tensors[s.index]), shard_bytes
+    )
+    other_shards = _split_shards(other, lambda n: ckpt.info(n).nbytes, shard_bytes) if other else []
+    ne, no = len(expert_shards), len(other_shards)
+    expert_files = [f"experts-{i + 1:05d}-of-{ne:05d}.safetensors" for i in range(ne)]
+    other_files = [f"model-{i + 1:05d}-of-{no:05d}.safetensors" for i in range(no)]
+    routing, routing_note = _routing_for(config)
+    alpha, limit = _swiglu_params(config)
+    notify("plan", layers=len(specs), expert_files=ne, other_files=no, other_tensors=len(other))
+
+    report = ConvertReport(dst=dst)
+    tensors: dict[str, dict] = {}
+    layers_manifest = []
+    with atomic_directory(dst, overwrite=overwrite) as tmp:
+        # ---- experts, one layer at a time ----
+        for fname, shard_specs in zip(expert_files, expert_shards):
+            plan = ShardPlan()
+            for s in shard_specs:
+                for name, dt, shape in layer_tensors[s.index]:
+                    plan.add(name, dt, shape)
+            with ShardWriter(tmp / fname, plan) as w:
+                for s in shard_specs:
+                    notify("layer_start", layer=s.index, num_experts=s.num_experts)
+                    canon = reader.read_layer(ckpt, s)
+                    packed = pack_experts(
+                        canon.w13, canon.w2, canon.w13_bias, canon.w2_bias, interleaved=s.interleaved, layout=lay
+                    )
+                    del canon
+                    entry_tensors = {}
+                    for role, t in (("w13", packed.w13), ("w2", packed.w2), ("w13_bias", packed.w13_bias), ("w2_bias", packed.w2_bias)):
+                        if t is None:
+                            continue
+                        name = expert_tensor_name(s.index, role)
+                        digest = w.write(name, t)
+                        tensors[name] = {"file": fname, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "sha256": digest}
+                        entry_tensors[role] = name
+                        report.experts_bytes += t.numel() * t.element_size()
+                    layers_manifest.append(
+                        {
+                            "index": s.index,
+                            "prefix": s.prefix,
+                            "source_kind": s.kind,
+                            "source_dtype": s.dtype,
+                            "num_experts": s.num_experts,
+                            "hidden": s.hidden,
+                            "intermediate": s.intermediate,
+                            "padded_intermediate": packed.padded_intermediate,
+                            "activation": s.activation,
+                            "alpha": alpha,
+                            "limit": limit,
+                            "interleaved": s.interleaved,
+                            "layout_id": lay.id,
+                            "tensors": entry_tensors,
+                            "router": dict(s.router),
+                            "shared": dict(s.shared),
+                            "source_tensors": list(s.expert_tensors),
+                        }
+                    )
+                    report.layers += 1
+                    notify("layer_done", layer=s.index, bytes=packed.nbytes)
+                    del packed
+            report.files.append(fname)
+        # ---- everything else, unchanged ----
+        for fname, names in zip(other_files, other_shards):
+            plan = ShardPlan()
+            for n in names:
+                ti = ckpt.info(n)
+                plan.add(n, ti.dtype, ti.shape)
+            with ShardWriter(tmp / fname, plan) as w:
+                for n in names:
+                    t = ckpt.read(n)
+                    tensors[n] = {"file": fname, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "sha256": w.write(n, t)}
+                    report.other_bytes += t.numel() * t.element_size()
+                    del t
+            report.files.append(fname)
+            notify("other_done", file=fname, tensors=len(names))
+        carried = []
+        for p in ckpt.carried_files():
+            shutil.copy2(p, tmp / p.name)
+            carried.append(p.name)
+        manifest = {
+            "format": "moepack",
+            "format_version": FORMAT_VERSION,
+            "created_by": f"moepack {__version__}",
+            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "source": {
+                "path": str(src.resolve()),
+                "reader": reader.name,
+                "fingerprint": ckpt.fingerprint(),
+                "files": [f.name for f in ckpt.files],
+            },
+            "model": {"model_type": config.get("model_type"), "hidden_size": config.get("hidden_size"), "config": ckpt.config},
+            "routing": routing,
+            "routing_note": routing_note,
+            "layouts": {str(lay.id): lay.to_dict()},
+            "layers": layers_manifest,
+            "files": {f: {"size": (tmp / f).stat().st_size} for f in report.files},
+            "tensors": tensors,
+            "carried_files": carried,
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+    report.seconds = time.perf_counter() - t0
+    notify("done", report=report)
+    return report
+
+
+def load_manifest_json(path: Path) -> dict:
+    return json.loads((Path(path) / MANIFEST).read_text())
+
+
+__all__ = ["convert", "ConvertReport", "MANIFEST", "FORMAT_VERSION", "expert_tensor_name", "Checkpoint"]

@@ -1,0 +1,51 @@
+"""Source readers: one per input format, found through a registry.
+
+A reader answers ``detect(ckpt) -> (ok, reason)`` from config.json and the headers alone, and
+``layers(ckpt)`` / ``read_layer(ckpt, spec)`` produce the canonical per-layer form
+(``CanonicalLayer``) that every packer consumes. Adding a format touches this folder only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..errors import SourceError
+from .checkpoint import Checkpoint, TensorInfo
+from .dense import CanonicalLayer, LayerSpec, discover_layers, read_layer, text_config
+
+
+@dataclass(frozen=True)
+class SourceReader:
+    name: str
+    detect: Callable[[Checkpoint], tuple[bool, str]]
+    layers: Callable[[Checkpoint], list[LayerSpec]]
+    read_layer: Callable[[Checkpoint, LayerSpec], CanonicalLayer]
+
+
+def _detect_dense(ckpt: Checkpoint) -> tuple[bool, str]:
+    qc = text_config(ckpt.config).get("quantization_config") or ckpt.config.get("quantization_config")
+    if qc:
+        method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
+        return False, f"config.json has quantization_config (quant_method={method!r}): not a dense checkpoint"
+    return True, "no quantization_config: dense weights"
+
+
+READERS: list[SourceReader] = [
+    SourceReader("dense", _detect_dense, discover_layers, read_layer),
+]
+
+
+def open_source(path) -> tuple[Checkpoint, SourceReader]:
+    """The checkpoint at ``path`` and the reader that handles it (or a SourceError saying why none does)."""
+    ckpt = Checkpoint(path)
+    reasons = []
+    for r in READERS:
+        ok, why = r.detect(ckpt)
+        if ok:
+            return ckpt, r
+        reasons.append(f"{r.name}: {why}")
+    raise SourceError(f"source {ckpt.path}: no reader handles it ({'; '.join(reasons)})")
+
+
+__all__ = ["Checkpoint", "TensorInfo", "CanonicalLayer", "LayerSpec", "SourceReader", "READERS", "open_source", "text_config"]

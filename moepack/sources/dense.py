@@ -1,0 +1,337 @@
+"""Dense (bf16 / fp16 / fp32) MoE checkpoints, as Hugging Face ships them.
+
+Expert tensors are found by name, whatever the family (FORMATS.md §6):
+
+* per expert, 2-D ``[out, in]``: ``<prefix>.experts.<e>.{gate_proj,up_proj,down_proj}.weight``
+  (Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4.5, ...) or ``.{w1,w3,w2}.weight`` (Mixtral,
+  Phi-3.5-MoE), biases optional;
+* fused 3-D, out-major ``<prefix>.experts.gate_up_proj [E, 2I, H]`` + ``down_proj [E, H, I]``
+  (transformers 5 in-memory form);
+* fused 3-D, in-major ``gate_up_proj [E, H, 2I]`` + ``down_proj [E, I, H]`` (Llama-4; gpt-oss,
+  whose gate/up columns are interleaved and which has ``*_bias`` tensors);
+* Granite-MoE ``<prefix>.input_linear.weight [E, 2I, H]`` + ``output_linear.weight [E, H, I]``.
+
+Everything is decided from the headers and config.json before a byte of data is read, and
+every inconsistency (missing or extra experts, a shape or dtype mismatch) is refused with the
+tensor's name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import SourceError
+from .checkpoint import Checkpoint
+
+FLOAT_DTYPES = {"BF16", "F16", "F32"}
+
+# model_type -> (experts key, top-k key, expert intermediate key) in config.json
+_NUM_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_IN_MAJOR_FAMILIES = {"llama4", "llama4_text", "gpt_oss"}
+_INTERLEAVED_FAMILIES = {"gpt_oss"}
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>weight|bias)$")
+_FUSED = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?(?:\.weight)?$")
+_GRANITE = re.compile(r"^(?P<prefix>.+)\.(?P<proj>input_linear|output_linear)\.weight$")
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+_ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
+
+
+@dataclass
+class LayerSpec:
+    """One MoE layer, as found in the headers (no data read)."""
+
+    index: int
+    prefix: str  # e.g. "model.layers.3.mlp"
+    kind: str  # "per_expert" | "fused_out" | "fused_in" | "granite"
+    num_experts: int
+    hidden: int
+    intermediate: int
+    dtype: str  # safetensors dtype of the expert weights
+    interleaved: bool
+    has_bias: bool
+    activation: str
+    names: dict = field(default_factory=dict)  # role -> tensor name(s)
+    expert_tensors: list = field(default_factory=list)  # every source tensor this layer consumes
+    router: dict = field(default_factory=dict)  # {"weight": name, "bias": name|None, "correction_bias": name|None}
+    shared: dict = field(default_factory=dict)  # shared-expert tensor names (carried over as they are)
+
+
+@dataclass
+class CanonicalLayer:
+    """One MoE layer in the canonical in-memory form every packer consumes."""
+
+    spec: LayerSpec
+    w13: torch.Tensor  # [E, 2I, H]: gate rows then up rows (interleaved pairs if spec.interleaved)
+    w2: torch.Tensor  # [E, H, I]
+    w13_bias: torch.Tensor | None  # [E, 2I]
+    w2_bias: torch.Tensor | None  # [E, H]
+
+
+def _cfg(config: dict, *keys, default=None):
+    for k in keys:
+        if k in config and config[k] is not None:
+            return config[k]
+    return default
+
+
+def text_config(config: dict) -> dict:
+    """The language-model part of a config (multimodal configs nest it)."""
+    for key in ("text_config", "language_config"):
+        sub = config.get(key)
+        if isinstance(sub, dict) and any(k in sub for k in _NUM_EXPERTS_KEYS):
+            merged = dict(sub)
+            merged.setdefault("model_type", config.get("model_type"))
+            return merged
+    return config
+
+
+def activation_of(config: dict) -> str:
+    """The expert activation from config.json (gpt-oss: swigluoai)."""
+    if config.get("model_type") == "gpt_oss":
+        return "swigluoai"
+    act = _cfg(config, "hidden_act", "hidden_activation", "activation_function", default="silu")
+    table = {
+        "silu": "silu",
+        "swish": "silu",
+        "gelu": "gelu",
+        "gelu_pytorch_tanh": "gelu_tanh",
+        "gelu_new": "gelu_tanh",
+        "gelu_fast": "gelu_tanh",
+    }
+    if act not in table:
+        raise SourceError(f"config.json hidden_act={act!r}: moepack runs silu, gelu, gelu_tanh (and gpt-oss swigluoai)")
+    return table[act]
+
+
+def _layer_index(prefix: str) -> int:
+    m = _LAYER_INDEX.search(prefix)
+    if not m:
+        raise SourceError(f"expert tensors under {prefix!r}: cannot find a layer index ('layers.<n>') in the name")
+    return int(m.group(1))
+
+
+def discover_layers(ckpt: Checkpoint) -> list[LayerSpec]:
+    """Every MoE layer of the checkpoint, validated against config.json."""
+    config = text_config(ckpt.config)
+    model_type = config.get("model_type", "?")
+    hidden = _cfg(config, "hidden_size")
+    num_experts = _cfg(config, *_NUM_EXPERTS_KEYS)
+    if not isinstance(hidden, int) or hidden <= 0:
+        raise SourceError(f"config.json: hidden_size={hidden!r} must be a positive integer")
+
+    groups: dict[str, dict] = {}
+    for name, ti in ckpt.tensors.items():
+        m = _PER_EXPERT.match(name)
+        if m:
+            g = groups.setdefault(m["prefix"], {"kind": "per_expert", "t": {}})
+            if g["kind"] != "per_expert":
+                raise SourceError(f"{name}: per-expert tensors mixed with fused expert tensors under {m['prefix']!r}")
+            g["t"][(int(m["e"]), _ROLE[m["proj"]], m["kind"])] = name
+            continue
+        m = _FUSED.match(name)
+        if m:
+            g = groups.setdefault(m["prefix"], {"kind": "fused", "t": {}})
+            if g["kind"] != "fused":
+                raise SourceError(f"{name}: fused expert tensors mixed with per-expert tensors under {m['prefix']!r}")
+            g["t"][(m["proj"], "bias" if m["bias"] else "weight")] = name
+            continue
+        m = _GRANITE.match(name)
+        if m and ti.shape and len(ti.shape) == 3:
+            g = groups.setdefault(m["prefix"], {"kind": "granite", "t": {}})
+            g["t"][(m["proj"], "weight")] = name
+    if not groups:
+        raise SourceError(
+            f"source {ckpt.path}: not a MoE checkpoint (model_type={model_type!r}): no expert tensors "
+            "('...experts.<e>.{gate,up,down}_proj.weight', '...experts.gate_up_proj', ...) were found"
+        )
+    if not isinstance(num_experts, int) or num_experts <= 0:
+        raise SourceError(f"config.json: number of experts ({'/'.join(_NUM_EXPERTS_KEYS)}) is missing or not positive")
+
+    act = activation_of(config)
+    specs = []
+    for prefix, g in sorted(groups.items(), key=lambda kv: _layer_index(kv[0])):
+        if g["kind"] == "per_expert":
+            specs.append(_per_expert_spec(ckpt, prefix, g["t"], num_experts, hidden, act))
+        else:
+            specs.append(_fused_spec(ckpt, prefix, g["kind"], g["t"], num_experts, hidden, act, model_type))
+    seen = {}
+    for s in specs:
+        if s.index in seen:
+            raise SourceError(f"layer {s.index} has two expert groups: {seen[s.index]!r} and {s.prefix!r}")
+        seen[s.index] = s.prefix
+        _attach_router_and_shared(ckpt, s)
+    return specs
+
+
+def _check_dtype(ckpt: Checkpoint, name: str, want: str | None) -> str:
+    d = ckpt.info(name).dtype_str
+    if d not in FLOAT_DTYPES:
+        raise SourceError(
+            f"tensor {name!r} has dtype {d}: a dense checkpoint's experts must be BF16, F16 or F32 "
+            "(quantized checkpoints need their own reader)"
+        )
+    if want is not None and d != want:
+        raise SourceError(f"tensor {name!r} has dtype {d}, but the layer's other expert tensors are {want}")
+    return d
+
+
+def _check_shape(ckpt: Checkpoint, name: str, want: tuple) -> None:
+    got = ckpt.info(name).shape
+    if tuple(got) != tuple(want):
+        raise SourceError(f"tensor {name!r} has shape {list(got)}: expected {list(want)}")
+
+
+def _per_expert_spec(ckpt, prefix, t, num_experts, hidden, act) -> LayerSpec:
+    ids = sorted({e for (e, _, _) in t})
+    extra = [e for e in ids if e >= num_experts]
+    if extra:
+        names = sorted(n for (e, _, _), n in t.items() if e >= num_experts)
+        raise SourceError(f"layer {prefix!r}: extra expert tensors {names[:3]} (config.json says {num_experts} experts)")
+    for e in range(num_experts):
+        for role in ("gate", "up", "down"):
+            if (e, role, "weight") not in t:
+                raise SourceError(f"layer {prefix!r}: expert {e} has no {role} weight (config.json says {num_experts} experts)")
+    gate0 = ckpt.info(t[(0, "gate", "weight")])
+    if len(gate0.shape) != 2:
+        raise SourceError(f"tensor {gate0.name!r} has shape {list(gate0.shape)}: expected 2-D [I, H]")
+    inter = gate0.shape[0]
+    dtype = None
+    has_bias = any(k == "bias" for (_, _, k) in t)
+    for e in range(num_experts):
+        for role, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+            n = t[(e, role, "weight")]
+            dtype = _check_dtype(ckpt, n, dtype)
+            _check_shape(ckpt, n, shape)
+            if has_bias:
+                b = t.get((e, role, "bias"))
+                if b is None:
+                    raise SourceError(f"layer {prefix!r}: expert {e} has no {role} bias while other experts have biases")
+                _check_shape(ckpt, b, (shape[0],))
+    return LayerSpec(
+        index=_layer_index(prefix),
+        prefix=prefix,
+        kind="per_expert",
+        num_experts=num_experts,
+        hidden=hidden,
+        intermediate=inter,
+        dtype=dtype,
+        interleaved=False,
+        has_bias=has_bias,
+        activation=act,
+        names={k: v for k, v in t.items()},
+        expert_tensors=sorted(t.values()),
+    )
+
+
+def _fused_spec(ckpt, prefix, kind, t, num_experts, hidden, act, model_type) -> LayerSpec:
+    if kind == "granite":
+        gu_name, dn_name = t.get(("input_linear", "weight")), t.get(("output_linear", "weight"))
+        gub_name = dnb_name = None
+        if gu_name is None or dn_name is None:
+            raise SourceError(f"layer {prefix!r}: Granite-MoE experts need both input_linear and output_linear weights")
+    else:
+        gu_name, dn_name = t.get(("gate_up_proj", "weight")), t.get(("down_proj", "weight"))
+        gub_name, dnb_name = t.get(("gate_up_proj", "bias")), t.get(("down_proj", "bias"))
+        if gu_name is None or dn_name is None:
+            raise SourceError(f"layer {prefix!r}: fused experts need both gate_up_proj and down_proj")
+    gu = ckpt.info(gu_name)
+    if len(gu.shape) != 3 or gu.shape[0] != num_experts:
+        raise SourceError(f"tensor {gu_name!r} has shape {list(gu.shape)}: expected 3-D [{num_experts}, ., .] (config.json experts)")
+    e, a, b = gu.shape
+    in_major = model_type in _IN_MAJOR_FAMILIES
+    if kind == "granite" or (not in_major and b == hidden and a % 2 == 0):
+        layout, inter = "fused_out", a // 2
+        if b != hidden:
+            raise SourceError(f"tensor {gu_name!r} has shape {list(gu.shape)}: expected [E, 2I, H={hidden}]")
+        down_shape = (e, hidden, inter)
+    elif a == hidden and b % 2 == 0:
+        layout, inter = "fused_in", b // 2
+        down_shape = (e, inter, hidden)
+    else:
+        raise SourceError(
+            f"tensor {gu_name!r} has shape {list(gu.shape)}: neither [E, 2I, H] nor [E, H, 2I] with H={hidden}"
+        )
+    dtype = _check_dtype(ckpt, gu_name, None)
+    _check_dtype(ckpt, dn_name, dtype)
+    _check_shape(ckpt, dn_name, down_shape)
+    has_bias = gub_name is not None or dnb_name is not None
+    if has_bias:
+        if gub_name is None or dnb_name is None:
+            raise SourceError(f"layer {prefix!r}: only one of gate_up_proj_bias / down_proj_bias is present")
+        _check_shape(ckpt, gub_name, (e, 2 * inter))
+        _check_shape(ckpt, dnb_name, (e, hidden))
+    names = {"gate_up": gu_name, "down": dn_name, "gate_up_bias": gub_name, "down_bias": dnb_name}
+    return LayerSpec(
+        index=_layer_index(prefix),
+        prefix=prefix,
+        kind="granite" if kind == "granite" else layout,
+        num_experts=e,
+        hidden=hidden,
+        intermediate=inter,
+        dtype=dtype,
+        interleaved=model_type in _INTERLEAVED_FAMILIES,
+        has_bias=has_bias,
+        activation=act,
+        names=names,
+        expert_tensors=sorted(n for n in names.values() if n),
+    )
+
+
+def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec) -> None:
+    """Router and shared-expert tensor names next to the experts (carried over unchanged)."""
+    parent = s.prefix
+    moe = parent
+    cands_w = [f"{moe}.gate.weight", f"{moe}.router.weight", f"{moe}.router.layer.weight"]
+    for c in cands_w:
+        if c in ckpt.tensors:
+            s.router["weight"] = c
+            base = c[: -len(".weight")]
+            if f"{base}.bias" in ckpt.tensors:
+                s.router["bias"] = f"{base}.bias"
+            if f"{base}.e_score_correction_bias" in ckpt.tensors:
+                s.router["correction_bias"] = f"{base}.e_score_correction_bias"
+            break
+    if f"{moe}.e_score_correction_bias" in ckpt.tensors:  # some layouts keep it beside the gate
+        s.router["correction_bias"] = f"{moe}.e_score_correction_bias"
+    for sub in ("shared_expert", "shared_experts"):
+        names = sorted(n for n in ckpt.tensors if n.startswith(f"{moe}.{sub}."))
+        if names:
+            s.shared["experts"] = names
+    if f"{moe}.shared_expert_gate.weight" in ckpt.tensors:
+        s.shared["gate"] = f"{moe}.shared_expert_gate.weight"
+
+
+def read_layer(ckpt: Checkpoint, s: LayerSpec) -> CanonicalLayer:
+    """Read one layer's experts into the canonical form (only this layer is in memory)."""
+    dt = ckpt.info(s.expert_tensors[0]).dtype
+    e, h, i = s.num_experts, s.hidden, s.intermediate
+    b13 = b2 = None
+    if s.kind == "per_expert":
+        w13 = torch.empty(e, 2 * i, h, dtype=dt)
+        w2 = torch.empty(e, h, i, dtype=dt)
+        if s.has_bias:
+            b13 = torch.empty(e, 2 * i, dtype=dt)
+            b2 = torch.empty(e, h, dtype=dt)
+        for x in range(e):
+            ckpt.read(s.names[(x, "gate", "weight")], w13[x, :i])
+            ckpt.read(s.names[(x, "up", "weight")], w13[x, i:])
+            ckpt.read(s.names[(x, "down", "weight")], w2[x])
+            if s.has_bias:
+                ckpt.read(s.names[(x, "gate", "bias")], b13[x, :i])
+                ckpt.read(s.names[(x, "up", "bias")], b13[x, i:])
+                ckpt.read(s.names[(x, "down", "bias")], b2[x])
+    elif s.kind in ("fused_out", "granite"):
+        w13 = ckpt.read(s.names["gate_up"])
+        w2 = ckpt.read(s.names["down"])
+    else:  # fused_in: [E, H, 2I] and [E, I, H] -> transpose (last-dim halves gate/up, or interleaved)
+        w13 = ckpt.read(s.names["gate_up"]).transpose(1, 2).contiguous()
+        w2 = ckpt.read(s.names["down"]).transpose(1, 2).contiguous()
+    if s.kind != "per_expert" and s.has_bias:
+        b13 = ckpt.read(s.names["gate_up_bias"])
+        b2 = ckpt.read(s.names["down_bias"])
+    return CanonicalLayer(spec=s, w13=w13, w2=w2, w13_bias=b13, w2_bias=b2)
