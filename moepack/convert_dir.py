@@ -23,7 +23,7 @@ from ._version import __version__
 from .container.writer import ShardPlan, ShardWriter, atomic_directory
 from .errors import ConvertError, MoepackError
 from .layout import DEFAULT_LAYOUT, PackedLayout, layout_expert_shapes, layout_get
-from .pack import pack_experts
+from .pack import pack_bias2, pack_bias13, pack_w2, pack_w13
 from .sources import Checkpoint, LayerSpec, open_source, text_config
 
 MANIFEST = "moepack.json"
@@ -160,20 +160,31 @@ def convert(
             with ShardWriter(tmp / fname, plan) as w:
                 for s in shard_specs:
                     notify("layer_start", layer=s.index, num_experts=s.num_experts)
-                    canon = reader.read_layer(ckpt, s)
-                    packed = pack_experts(
-                        canon.w13, canon.w2, canon.w13_bias, canon.w2_bias, interleaved=s.interleaved, layout=lay
+                    # one expert at a time: peak memory is one expert, not one layer
+                    e_count = s.num_experts
+                    parts13 = (
+                        pack_w13(reader.read_expert_w13(ckpt, s, e)[None], interleaved=s.interleaved, layout=lay)
+                        for e in range(e_count)
                     )
-                    del canon
+                    parts2 = (pack_w2(reader.read_expert_w2(ckpt, s, e)[None], layout=lay) for e in range(e_count))
+                    b13, b2 = reader.read_biases(ckpt, s)
+                    sh = layout_expert_shapes(lay, s.num_experts, s.hidden, s.intermediate)
                     entry_tensors = {}
-                    for role, t in (("w13", packed.w13), ("w2", packed.w2), ("w13_bias", packed.w13_bias), ("w2_bias", packed.w2_bias)):
-                        if t is None:
+                    for role, dtype, parts in (
+                        ("w13", "bfloat16", parts13),
+                        ("w2", "bfloat16", parts2),
+                        ("w13_bias", "float32", None if b13 is None else [pack_bias13(b13, interleaved=s.interleaved, layout=lay)]),
+                        ("w2_bias", "float32", None if b2 is None else [pack_bias2(b2, layout=lay)]),
+                    ):
+                        if parts is None:
                             continue
                         name = expert_tensor_name(s.index, role)
-                        digest = w.write(name, t)
-                        tensors[name] = {"file": fname, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "sha256": digest}
+                        entry = plan.entry(name)
+                        digest = w.write_parts(name, parts)
+                        tensors[name] = {"file": fname, "dtype": dtype, "shape": list(entry.shape), "sha256": digest}
                         entry_tensors[role] = name
-                        report.experts_bytes += t.numel() * t.element_size()
+                        report.experts_bytes += entry.nbytes
+                    layer_bytes = sum(_nbytes(d, shp) for _, d, shp in layer_tensors[s.index])
                     layers_manifest.append(
                         {
                             "index": s.index,
@@ -183,7 +194,7 @@ def convert(
                             "num_experts": s.num_experts,
                             "hidden": s.hidden,
                             "intermediate": s.intermediate,
-                            "padded_intermediate": packed.padded_intermediate,
+                            "padded_intermediate": sh.padded_intermediate,
                             "activation": s.activation,
                             "alpha": alpha,
                             "limit": limit,
@@ -196,8 +207,7 @@ def convert(
                         }
                     )
                     report.layers += 1
-                    notify("layer_done", layer=s.index, bytes=packed.nbytes)
-                    del packed
+                    notify("layer_done", layer=s.index, bytes=layer_bytes)
             report.files.append(fname)
         # ---- everything else, unchanged ----
         for fname, names in zip(other_files, other_shards):

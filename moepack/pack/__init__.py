@@ -22,7 +22,15 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LayoutError
-from ..layout import DEFAULT_LAYOUT, PackedLayout, layout_expert_shapes, layout_get, layout_padded_k, layout_padded_n
+from ..layout import (
+    DEFAULT_LAYOUT,
+    PackedLayout,
+    layout_expert_shapes,
+    layout_get,
+    layout_padded_i,
+    layout_padded_k,
+    layout_padded_n,
+)
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -94,6 +102,52 @@ def pad_intermediate(w13: torch.Tensor, ip: int, interleaved: bool) -> torch.Ten
     return out
 
 
+def _packer(use_cpp: bool):
+    if use_cpp:
+        from .._ops import pack_weight
+
+        return pack_weight
+    return pack_weight_reference
+
+
+def pack_w13(
+    w13: torch.Tensor, *, interleaved: bool = False, layout: int | str | PackedLayout = DEFAULT_LAYOUT, use_cpp: bool = True
+) -> torch.Tensor:
+    """[E, 2I, H] canonical gate/up -> packed [E, 2*Ip, Kp(H)] (I padded per half, or in pairs)."""
+    lay = layout_get(layout)
+    _check_float("w13", w13)
+    if w13.dim() != 3 or w13.shape[1] % 2:
+        raise LayoutError(f"w13 has shape {list(w13.shape)}: must be 3-D [E, 2I, H]")
+    ip = layout_padded_i(lay, w13.shape[1] // 2)
+    return _packer(use_cpp)(pad_intermediate(w13, ip, interleaved), lay)
+
+
+def pack_w2(w2: torch.Tensor, *, layout: int | str | PackedLayout = DEFAULT_LAYOUT, use_cpp: bool = True) -> torch.Tensor:
+    """[E, H, I] canonical down -> packed [E, Np(H), Ip] (zero columns up to Ip)."""
+    lay = layout_get(layout)
+    _check_float("w2", w2)
+    if w2.dim() != 3:
+        raise LayoutError(f"w2 has shape {list(w2.shape)}: must be 3-D [E, H, I]")
+    ip = layout_padded_i(lay, w2.shape[2])
+    return _packer(use_cpp)(torch.nn.functional.pad(w2, (0, ip - w2.shape[2])), lay)
+
+
+def pack_bias13(b13: torch.Tensor, *, interleaved: bool = False, layout: int | str | PackedLayout = DEFAULT_LAYOUT) -> torch.Tensor:
+    """[E, 2I] -> fp32 [E, 2*Ip] in packed row order."""
+    lay = layout_get(layout)
+    _check_float("w13_bias", b13)
+    return pad_intermediate(b13.float(), layout_padded_i(lay, b13.shape[1] // 2), interleaved).contiguous()
+
+
+def pack_bias2(b2: torch.Tensor, *, layout: int | str | PackedLayout = DEFAULT_LAYOUT) -> torch.Tensor:
+    """[E, H] -> fp32 [E, Np(H)]."""
+    lay = layout_get(layout)
+    _check_float("w2_bias", b2)
+    out = torch.zeros(b2.shape[0], layout_padded_n(lay, b2.shape[1]), dtype=torch.float32)
+    out[:, : b2.shape[1]] = b2.float()
+    return out
+
+
 def pack_experts(
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -121,24 +175,15 @@ def pack_experts(
     ip = shapes.padded_intermediate
     b13 = b2 = None
     if w13_bias is not None:
-        _check_float("w13_bias", w13_bias)
         if tuple(w13_bias.shape) != (e, two_i):
             raise LayoutError(f"w13_bias has shape {list(w13_bias.shape)}: must be [E, 2I] = {[e, two_i]}")
-        b13 = pad_intermediate(w13_bias.float(), ip, interleaved).contiguous()
+        b13 = pack_bias13(w13_bias, interleaved=interleaved, layout=lay)
     if w2_bias is not None:
-        _check_float("w2_bias", w2_bias)
         if tuple(w2_bias.shape) != (e, h):
             raise LayoutError(f"w2_bias has shape {list(w2_bias.shape)}: must be [E, H] = {[e, h]}")
-        b2 = torch.zeros(e, layout_padded_n(lay, h), dtype=torch.float32)
-        b2[:, :h] = w2_bias.float()
-    w13p = pad_intermediate(w13, ip, interleaved)
-    w2p = torch.nn.functional.pad(w2, (0, ip - i))
-    if use_cpp:
-        from .._ops import pack_weight
-
-        w13_packed, w2_packed = pack_weight(w13p, lay), pack_weight(w2p, lay)
-    else:
-        w13_packed, w2_packed = pack_weight_reference(w13p, lay), pack_weight_reference(w2p, lay)
+        b2 = pack_bias2(w2_bias, layout=lay)
+    w13_packed = pack_w13(w13, interleaved=interleaved, layout=lay, use_cpp=use_cpp)
+    w2_packed = pack_w2(w2, layout=lay, use_cpp=use_cpp)
     assert tuple(w13_packed.shape) == shapes.w13_shape and tuple(w2_packed.shape) == shapes.w2_shape
     return PackedExperts(
         layout=lay,
@@ -154,4 +199,4 @@ def pack_experts(
     )
 
 
-__all__ = ["PackedExperts", "pack_experts", "pack_weight_reference", "unpack_weight_reference", "pad_intermediate"]
+__all__ = ["PackedExperts", "pack_experts", "pack_w13", "pack_w2", "pack_bias13", "pack_bias2", "pack_weight_reference", "unpack_weight_reference", "pad_intermediate"]

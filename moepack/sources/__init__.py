@@ -10,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch  # noqa: F401  (annotations)
+
 from ..errors import SourceError
 from .checkpoint import Checkpoint, TensorInfo
-from .dense import CanonicalLayer, LayerSpec, discover_layers, read_layer, text_config
+from .dense import CanonicalLayer, LayerSpec, discover_layers, read_biases, read_expert_w2, read_expert_w13, read_layer, text_config
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,9 @@ class SourceReader:
     detect: Callable[[Checkpoint], tuple[bool, str]]
     layers: Callable[[Checkpoint], list[LayerSpec]]
     read_layer: Callable[[Checkpoint, LayerSpec], CanonicalLayer]
+    read_expert_w13: Callable[[Checkpoint, LayerSpec, int], "torch.Tensor"]
+    read_expert_w2: Callable[[Checkpoint, LayerSpec, int], "torch.Tensor"]
+    read_biases: Callable[[Checkpoint, LayerSpec], tuple]
 
 
 def _detect_dense(ckpt: Checkpoint) -> tuple[bool, str]:
@@ -32,7 +37,7 @@ def _detect_dense(ckpt: Checkpoint) -> tuple[bool, str]:
 
 
 READERS: list[SourceReader] = [
-    SourceReader("dense", _detect_dense, discover_layers, read_layer),
+    SourceReader("dense", _detect_dense, discover_layers, read_layer, read_expert_w13, read_expert_w2, read_biases),
 ]
 
 

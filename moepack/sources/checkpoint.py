@@ -124,7 +124,10 @@ class Checkpoint:
 
     def read(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tensor's data, read from disk into ``out`` (same dtype and numel) or a new tensor."""
-        ti = self.info(name)
+        return self._read_info(self.info(name), out)
+
+    def _read_info(self, ti: TensorInfo, out: torch.Tensor | None) -> torch.Tensor:
+        name = ti.name
         if ti.dtype_str not in ST_DTYPES:
             raise SourceError(f"tensor {name!r} has dtype {ti.dtype_str}, which moepack cannot read")
         if out is None:
@@ -140,6 +143,15 @@ class Checkpoint:
                     raise SourceError(f"{ti.file}: short read of tensor {name!r} (file truncated?)")
                 got += n
         return out
+
+    def read_slice(self, name: str, index: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``tensor[index]`` (along dim 0) read from disk, without reading the rest."""
+        ti = self.info(name)
+        if not ti.shape or not 0 <= index < ti.shape[0]:
+            raise SourceError(f"tensor {name!r} with shape {list(ti.shape)}: index {index} is out of range along dim 0")
+        row = ti.nbytes // ti.shape[0]
+        part = TensorInfo(name, ti.file, ti.dtype_str, tuple(ti.shape[1:]), ti.offset + index * row, row)
+        return self._read_info(part, out)
 
     def fingerprint(self) -> str:
         """sha256 over config.json and every file's name, size and header (not the data: cheap)."""

@@ -335,3 +335,39 @@ def read_layer(ckpt: Checkpoint, s: LayerSpec) -> CanonicalLayer:
         b13 = ckpt.read(s.names["gate_up_bias"])
         b2 = ckpt.read(s.names["down_bias"])
     return CanonicalLayer(spec=s, w13=w13, w2=w2, w13_bias=b13, w2_bias=b2)
+
+
+def read_expert_w13(ckpt: Checkpoint, s: LayerSpec, e: int) -> torch.Tensor:
+    """Expert ``e``'s canonical gate/up ``[2I, H]`` (interleaved pairs if ``s.interleaved``)."""
+    i = s.intermediate
+    if s.kind == "per_expert":
+        out = torch.empty(2 * i, s.hidden, dtype=ckpt.info(s.names[(e, "gate", "weight")]).dtype)
+        ckpt.read(s.names[(e, "gate", "weight")], out[:i])
+        ckpt.read(s.names[(e, "up", "weight")], out[i:])
+        return out
+    part = ckpt.read_slice(s.names["gate_up"], e)
+    return part if s.kind in ("fused_out", "granite") else part.t().contiguous()
+
+
+def read_expert_w2(ckpt: Checkpoint, s: LayerSpec, e: int) -> torch.Tensor:
+    """Expert ``e``'s canonical down ``[H, I]``."""
+    if s.kind == "per_expert":
+        return ckpt.read(s.names[(e, "down", "weight")])
+    part = ckpt.read_slice(s.names["down"], e)
+    return part if s.kind in ("fused_out", "granite") else part.t().contiguous()
+
+
+def read_biases(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The layer's ``[E, 2I]`` and ``[E, H]`` biases, or (None, None)."""
+    if not s.has_bias:
+        return None, None
+    if s.kind != "per_expert":
+        return ckpt.read(s.names["gate_up_bias"]), ckpt.read(s.names["down_bias"])
+    e, i = s.num_experts, s.intermediate
+    dt = ckpt.info(s.names[(0, "gate", "bias")]).dtype
+    b13, b2 = torch.empty(e, 2 * i, dtype=dt), torch.empty(e, s.hidden, dtype=dt)
+    for x in range(e):
+        ckpt.read(s.names[(x, "gate", "bias")], b13[x, :i])
+        ckpt.read(s.names[(x, "up", "bias")], b13[x, i:])
+        ckpt.read(s.names[(x, "down", "bias")], b2[x])
+    return b13, b2
