@@ -55,14 +55,27 @@ class PackedExperts:
         return sum(t.numel() * t.element_size() for t in (self.w13, self.w2, self.w13_bias, self.w2_bias) if t is not None)
 
 
-def pack_weight_reference(weight: torch.Tensor, layout: int | str | PackedLayout = DEFAULT_LAYOUT) -> torch.Tensor:
-    """[E, N, K] float -> [E, Np, Kp] bf16 in ``layout`` (see moepack/layout.py for the order)."""
+def pack_weight_reference(
+    weight: torch.Tensor, layout: int | str | PackedLayout = DEFAULT_LAYOUT, n_padded: int = 0, k_padded: int = 0
+) -> torch.Tensor:
+    """[E, N, K] float -> [E, Np, Kp] bf16 in ``layout`` (see moepack/layout.py for the order).
+
+    Np and Kp are N and K rounded up to whole blocks / K groups, or ``n_padded`` / ``k_padded``
+    when given (a multiple of block_n / k_pack, at least that)."""
     lay = layout_get(layout)
     if weight.dim() != 3:
         raise LayoutError(f"weight has shape {list(weight.shape)}: must be 3-D [E, N, K]")
     e, n, k = weight.shape
     bn, kpk = lay.block_n, lay.k_pack
     np_, kp = layout_padded_n(lay, n), layout_padded_k(lay, k)
+    if n_padded:
+        if n_padded < np_ or n_padded % bn:
+            raise LayoutError(f"n_padded={n_padded} for weight {list(weight.shape)}: must be a multiple of block_n={bn} >= {np_}")
+        np_ = n_padded
+    if k_padded:
+        if k_padded < kp or k_padded % kpk:
+            raise LayoutError(f"k_padded={k_padded} for weight {list(weight.shape)}: must be a multiple of k_pack={kpk} >= {kp}")
+        kp = k_padded
     w = torch.zeros(e, np_, kp, dtype=torch.bfloat16)
     w[:, :n, :k] = weight.to(torch.bfloat16)
     # [E, Np/bn, bn, Kp/kpk, kpk] -> [E, Np/bn, Kp/kpk, bn, kpk]: K groups outer, columns inner
@@ -102,34 +115,48 @@ def pad_intermediate(w13: torch.Tensor, ip: int, interleaved: bool) -> torch.Ten
     return out
 
 
-def _packer(use_cpp: bool):
+def _pack(weight: torch.Tensor, lay: PackedLayout, use_cpp: bool, n_padded: int = 0, k_padded: int = 0) -> torch.Tensor:
     if use_cpp:
-        from .._ops import pack_weight
+        from .._ops import ops
 
-        return pack_weight
-    return pack_weight_reference
+        return ops().pack_weight(weight, lay.id, n_padded, k_padded)  # refuses non-finite values itself
+    _check_float("weight", weight)
+    return pack_weight_reference(weight, lay, n_padded, k_padded)
 
 
 def pack_w13(
     w13: torch.Tensor, *, interleaved: bool = False, layout: int | str | PackedLayout = DEFAULT_LAYOUT, use_cpp: bool = True
 ) -> torch.Tensor:
-    """[E, 2I, H] canonical gate/up -> packed [E, 2*Ip, Kp(H)] (I padded per half, or in pairs)."""
+    """[E, 2I, H] canonical gate/up -> packed [E, 2*Ip, Kp(H)]: gate rows [0, I), up rows
+    [Ip, Ip + I); interleaved (gate, up) pairs are padded with zero pairs at the end instead."""
     lay = layout_get(layout)
-    _check_float("w13", w13)
     if w13.dim() != 3 or w13.shape[1] % 2:
         raise LayoutError(f"w13 has shape {list(w13.shape)}: must be 3-D [E, 2I, H]")
-    ip = layout_padded_i(lay, w13.shape[1] // 2)
-    return _packer(use_cpp)(pad_intermediate(w13, ip, interleaved), lay)
+    if w13.dtype not in FLOAT_DTYPES:
+        raise LayoutError(f"w13 has dtype {w13.dtype}: must be float32, bfloat16 or float16")
+    i = w13.shape[1] // 2
+    ip = layout_padded_i(lay, i)
+    try:
+        if interleaved:
+            return _pack(w13, lay, use_cpp, n_padded=2 * ip)
+        # i_align is a multiple of block_n: packing each half to Ip rows and concatenating the
+        # packed halves equals packing the padded [2*Ip, H] matrix.
+        return torch.cat([_pack(w13[:, :i], lay, use_cpp, n_padded=ip), _pack(w13[:, i:], lay, use_cpp, n_padded=ip)], dim=1)
+    except ValueError as e:
+        raise LayoutError(f"w13: {e}".split("\n")[0]) from None
 
 
 def pack_w2(w2: torch.Tensor, *, layout: int | str | PackedLayout = DEFAULT_LAYOUT, use_cpp: bool = True) -> torch.Tensor:
     """[E, H, I] canonical down -> packed [E, Np(H), Ip] (zero columns up to Ip)."""
     lay = layout_get(layout)
-    _check_float("w2", w2)
     if w2.dim() != 3:
         raise LayoutError(f"w2 has shape {list(w2.shape)}: must be 3-D [E, H, I]")
-    ip = layout_padded_i(lay, w2.shape[2])
-    return _packer(use_cpp)(torch.nn.functional.pad(w2, (0, ip - w2.shape[2])), lay)
+    if w2.dtype not in FLOAT_DTYPES:
+        raise LayoutError(f"w2 has dtype {w2.dtype}: must be float32, bfloat16 or float16")
+    try:
+        return _pack(w2, lay, use_cpp, k_padded=layout_padded_i(lay, w2.shape[2]))
+    except ValueError as e:
+        raise LayoutError(f"w2: {e}".split("\n")[0]) from None
 
 
 def pack_bias13(b13: torch.Tensor, *, interleaved: bool = False, layout: int | str | PackedLayout = DEFAULT_LAYOUT) -> torch.Tensor:
@@ -161,8 +188,6 @@ def pack_experts(
     """Pack canonical experts: w13 [E, 2I, H] (gate then up, or interleaved pairs when
     ``interleaved``), w2 [E, H, I], optional biases [E, 2I] and [E, H]."""
     lay = layout_get(layout)
-    _check_float("w13", w13)
-    _check_float("w2", w2)
     if w13.dim() != 3 or w2.dim() != 3:
         raise LayoutError(f"w13 {list(w13.shape)} and w2 {list(w2.shape)}: both must be 3-D [E, out, in]")
     e, two_i, h = w13.shape

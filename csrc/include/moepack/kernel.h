@@ -103,8 +103,13 @@ Selection select_fused(int32_t layout_id, Isa max_isa);
 Isa env_max_isa();
 const LayoutDesc* layout_find(int32_t id);
 
-// C++ packer: one [N, K] row-major matrix (src_dtype) -> packed bf16 layout bytes [Np, Kp].
-void pack_matrix_bf16(const void* src, DType src_dtype, int64_t n, int64_t k, int64_t np, int64_t kp,
-                      const LayoutDesc& layout, uint16_t* dst);
+// C++ packer: one [N, K] row-major matrix (src_dtype) -> packed bf16 layout bytes [Np, Kp]
+// (Np, Kp: whole blocks / K groups, at least the padded N and K). Returns the flat index of the
+// first non-finite source element, or -1. The _rows variant packs column blocks
+// [block_begin, block_end) only, so callers can split one matrix across threads.
+int64_t pack_matrix_bf16(const void* src, DType src_dtype, int64_t n, int64_t k, int64_t np, int64_t kp,
+                         const LayoutDesc& layout, uint16_t* dst);
+int64_t pack_matrix_bf16_rows(const void* src, DType src_dtype, int64_t n, int64_t k, int64_t np, int64_t kp,
+                              const LayoutDesc& layout, uint16_t* dst, int64_t block_begin, int64_t block_end);
 
 }  // namespace moepack
