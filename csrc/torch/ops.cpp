@@ -5,8 +5,10 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -183,32 +185,51 @@ at::Tensor fused_experts_meta(const at::Tensor& x, const at::Tensor& w13, const 
   return at::empty({a.tokens, a.hidden}, x.options());
 }
 
-std::vector<int64_t> packed_shape(const at::Tensor& w, const LayoutDesc& L) {
+std::vector<int64_t> packed_shape(const at::Tensor& w, const LayoutDesc& L, int64_t n_padded, int64_t k_padded) {
   TORCH_CHECK_VALUE(w.dim() == 3, "weight has shape ", shape_str(w), ": must be 3-D [E, N, K]");
-  return {w.size(0), round_up(w.size(1), L.block_n), round_up(w.size(2), L.k_pack)};
+  const int64_t np = round_up(w.size(1), L.block_n), kp = round_up(w.size(2), L.k_pack);
+  TORCH_CHECK_VALUE(n_padded == 0 || (n_padded >= np && n_padded % L.block_n == 0), "n_padded=", n_padded,
+                    " for weight ", shape_str(w), ": must be 0 or a multiple of block_n=", L.block_n, " that is >= ", np);
+  TORCH_CHECK_VALUE(k_padded == 0 || (k_padded >= kp && k_padded % L.k_pack == 0), "k_padded=", k_padded,
+                    " for weight ", shape_str(w), ": must be 0 or a multiple of k_pack=", L.k_pack, " that is >= ", kp);
+  return {w.size(0), n_padded ? n_padded : np, k_padded ? k_padded : kp};
 }
 
-at::Tensor pack_weight_cpu(const at::Tensor& w, int64_t layout) {
+at::Tensor pack_weight_cpu(const at::Tensor& w, int64_t layout, int64_t n_padded, int64_t k_padded) {
   const LayoutDesc& L = layout_or_throw(layout);
   check_cpu(w, "weight");
   const DType dt = dtype_of(w, "weight");
-  auto shape = packed_shape(w, L);
+  auto shape = packed_shape(w, L, n_padded, k_padded);
   at::Tensor src = w.contiguous();
   at::Tensor out = at::empty(shape, w.options().dtype(at::kBFloat16));
   const int64_t E = shape[0], n = w.size(1), k = w.size(2), np = shape[1], kp = shape[2];
   const int64_t esz = src.element_size();
   const char* sp = static_cast<const char*>(src.data_ptr());
   uint16_t* dp = static_cast<uint16_t*>(out.data_ptr());
-  at::parallel_for(0, E, 1, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < e; ++i) pack_matrix_bf16(sp + i * n * k * esz, dt, n, k, np, kp, L, dp + i * np * kp);
+  const int64_t blocks = np / L.block_n;
+  std::atomic<int64_t> first_bad{std::numeric_limits<int64_t>::max()};
+  // one task = one column block of one expert: a single expert still packs on every thread
+  at::parallel_for(0, E * blocks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t x = t / blocks, blk = t % blocks;
+      const int64_t bad = pack_matrix_bf16_rows(sp + x * n * k * esz, dt, n, k, np, kp, L, dp + x * np * kp, blk, blk + 1);
+      if (bad >= 0) {
+        int64_t flat = x * n * k + bad, cur = first_bad.load();
+        while (flat < cur && !first_bad.compare_exchange_weak(cur, flat)) {
+        }
+      }
+    }
   });
+  const int64_t bad = first_bad.load();
+  TORCH_CHECK_VALUE(bad == std::numeric_limits<int64_t>::max(), "weight[", bad / (n * k), ", ", (bad / k) % n, ", ",
+                    bad % k, "] is not finite: weights must be finite");
   return out;
 }
 
-at::Tensor pack_weight_meta(const at::Tensor& w, int64_t layout) {
+at::Tensor pack_weight_meta(const at::Tensor& w, int64_t layout, int64_t n_padded, int64_t k_padded) {
   const LayoutDesc& L = layout_or_throw(layout);
   dtype_of(w, "weight");
-  return at::empty(packed_shape(w, L), w.options().dtype(at::kBFloat16));
+  return at::empty(packed_shape(w, L, n_padded, k_padded), w.options().dtype(at::kBFloat16));
 }
 
 std::tuple<std::string, std::vector<int64_t>> layout_desc(int64_t id) {
@@ -260,7 +281,7 @@ TORCH_LIBRARY(moepack, m) {
       "fused_experts(Tensor hidden_states, Tensor w13, Tensor w2, Tensor? w13_bias, Tensor? w2_bias, "
       "Tensor topk_weights, Tensor topk_ids, int layout, str activation=\"silu\", float alpha=1.702, "
       "float limit=7.0, Tensor? expert_map=None) -> Tensor");
-  m.def("pack_weight(Tensor weight, int layout) -> Tensor");
+  m.def("pack_weight(Tensor weight, int layout, int n_padded=0, int k_padded=0) -> Tensor");
   m.def("layout_desc(int layout) -> (str, int[])", &moepack::layout_desc);
   m.def("kernel_choice(int layout) -> (str, str)", &moepack::kernel_choice);
   m.def("cpu_flags() -> str[]", &moepack::cpu_flags);
