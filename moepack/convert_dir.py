@@ -77,6 +77,10 @@ def _plan_layer_tensors(spec: LayerSpec, layout: PackedLayout) -> list[tuple[str
     if spec.has_bias:
         out.append((expert_tensor_name(spec.index, "w13_bias"), torch.float32, (spec.num_experts, 2 * sh.padded_intermediate)))
         out.append((expert_tensor_name(spec.index, "w2_bias"), torch.float32, (spec.num_experts, sh.w2_shape[1])))
+    if spec.shared:
+        ss = layout_expert_shapes(layout, 1, spec.hidden, spec.shared["intermediate"])
+        out.append((expert_tensor_name(spec.index, "shared_w13"), torch.bfloat16, ss.w13_shape))
+        out.append((expert_tensor_name(spec.index, "shared_w2"), torch.bfloat16, ss.w2_shape))
     return out
 
 
@@ -184,6 +188,22 @@ def convert(
                         tensors[name] = {"file": fname, "dtype": dtype, "shape": list(entry.shape), "sha256": digest}
                         entry_tensors[role] = name
                         report.experts_bytes += entry.nbytes
+                    shared_entry = None
+                    shared = reader.read_shared(ckpt, s)
+                    if shared is not None:
+                        sw13, sw2 = shared
+                        shared_entry = {
+                            "intermediate": s.shared["intermediate"],
+                            "padded_intermediate": layout_expert_shapes(lay, 1, s.hidden, s.shared["intermediate"]).padded_intermediate,
+                            "gate": s.shared.get("gate"),
+                            "source_tensors": [s.shared[p] for p in ("gate_proj", "up_proj", "down_proj")],
+                        }
+                        for role, t in (("shared_w13", pack_w13(sw13, layout=lay)), ("shared_w2", pack_w2(sw2, layout=lay))):
+                            name = expert_tensor_name(s.index, role)
+                            tensors[name] = {"file": fname, "dtype": "bfloat16", "shape": list(t.shape), "sha256": w.write(name, t)}
+                            shared_entry[role[len("shared_"):]] = name
+                            report.experts_bytes += t.numel() * t.element_size()
+                        del shared, sw13, sw2
                     layer_bytes = sum(_nbytes(d, shp) for _, d, shp in layer_tensors[s.index])
                     layers_manifest.append(
                         {
@@ -202,7 +222,7 @@ def convert(
                             "layout_id": lay.id,
                             "tensors": entry_tensors,
                             "router": dict(s.router),
-                            "shared": dict(s.shared),
+                            "shared": shared_entry,
                             "source_tensors": list(s.expert_tensors),
                         }
                     )

@@ -32,14 +32,6 @@ def _strict_env() -> bool:
     return v not in ("", "0")
 
 
-def _route_fallback(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    probs = torch.softmax(logits.float(), dim=-1)
-    w, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        w = w / w.sum(dim=-1, keepdim=True)
-    return w.contiguous(), ids.to(torch.int32).contiguous()
-
-
 class PackedMoELayer(torch.nn.Module):
     """One MoE layer of a packed directory: routing + experts + combine."""
 
@@ -55,10 +47,35 @@ class PackedMoELayer(torch.nn.Module):
         self.num_experts = experts.num_experts
         self.hidden_size = experts.hidden
         self.intermediate_size = experts.intermediate
-        self.routing = model.routing
         self._model = model
-        cb = entry.get("router", {}).get("correction_bias")
-        self.correction_bias = model.tensor(cb).float() if cb else None
+        self.routing = None  # RoutingConfig, or None when the manifest has none
+        if model.routing is not None:
+            from ..routing import RoutingConfig
+
+            self.routing = RoutingConfig.from_dict(model.routing)
+        router = entry.get("router") or {}
+        cb = router.get("correction_bias")
+        self.correction_bias = model.tensor(cb).float().contiguous() if cb else None
+        self.router_weight = model.tensor(router["weight"]) if router.get("weight") else None
+        self.router_bias = model.tensor(router["bias"]) if router.get("bias") else None
+        self.shared = None  # the shared expert as a one-expert pack, run for every token
+        self.shared_gate = None  # Qwen2-MoE: sigmoid(x . gate) scales the shared expert
+        sh = entry.get("shared")
+        if sh:
+            self.shared = PackedExperts(
+                layout=experts.layout,
+                num_experts=1,
+                hidden=experts.hidden,
+                intermediate=int(sh["intermediate"]),
+                padded_intermediate=int(sh["padded_intermediate"]),
+                interleaved=False,
+                w13=model.tensor(sh["w13"]),
+                w2=model.tensor(sh["w2"]),
+                w13_bias=None,
+                w2_bias=None,
+            )
+            if sh.get("gate"):
+                self.shared_gate = model.tensor(sh["gate"])
 
     @property
     def kernel(self) -> tuple[str, str]:
@@ -70,23 +87,27 @@ class PackedMoELayer(torch.nn.Module):
         if (self._model.strict or _strict_env()) and isa != max_isa():
             raise UnsupportedError(f"layer {self.index}: strict mode refuses a fallback: {reason}")
 
+    def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The router's logits ``[T, E]`` in fp32 from this layer's router weight (and bias)."""
+        if self.router_weight is None:
+            raise UnsupportedError(f"layer {self.index}: the packed directory has no router weight for this layer")
+        bias = None if self.router_bias is None else self.router_bias.float()
+        return torch.nn.functional.linear(hidden_states.float(), self.router_weight.float(), bias)
+
     def route(self, router_logits: torch.Tensor, hidden_states: torch.Tensor | None = None):
         """(topk_weights fp32, topk_ids int32) for ``router_logits [T, E]`` per the manifest."""
         if router_logits.dim() != 2 or router_logits.shape[1] != self.num_experts:
             raise UnsupportedError(
                 f"router_logits has shape {list(router_logits.shape)}: must be [tokens, E={self.num_experts}]"
             )
-        cfg = self.routing
-        if cfg is None:
+        if self.routing is None:
             raise UnsupportedError(
                 f"layer {self.index}: the manifest has no routing config ({self._model.manifest.get('routing_note')}); "
                 "route yourself and call .experts(hidden_states, topk_weights, topk_ids)"
             )
-        try:
-            from ..routing import RoutingConfig, route
-        except ImportError:
-            return _route_fallback(router_logits, int(cfg["top_k"]), bool(cfg.get("renormalize", False)))
-        return route(router_logits, RoutingConfig.from_dict(cfg), correction_bias=self.correction_bias, hidden=hidden_states)
+        from ..routing import route
+
+        return route(router_logits, self.routing, correction_bias=self.correction_bias, hidden=hidden_states)
 
     def experts(
         self,
@@ -108,9 +129,27 @@ class PackedMoELayer(torch.nn.Module):
             expert_map=expert_map,
         )
 
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole MoE block: route, run the experts, add the shared expert. Without
+        ``router_logits`` the layer's own router weight computes them."""
+        if router_logits is None:
+            router_logits = self.router_logits(hidden_states)
         weights, ids = self.route(router_logits, hidden_states)
-        return self.experts(hidden_states, weights, ids)
+        x = hidden_states
+        if self.routing is not None and self.routing.apply_router_weight_on_input:
+            from ..routing import apply_router_weight_on_input
+
+            x, weights = apply_router_weight_on_input(hidden_states, weights, ids)
+        out = self.experts(x, weights, ids)
+        if self.shared is None:
+            return out
+        t = hidden_states.shape[0]
+        if self.shared_gate is not None:
+            sw = torch.sigmoid(torch.nn.functional.linear(hidden_states.float(), self.shared_gate.float()))
+        else:
+            sw = torch.ones(t, 1, dtype=torch.float32)
+        shared = run_experts(self.shared, hidden_states, sw.contiguous(), torch.zeros(t, 1, dtype=torch.int32))
+        return (out.float() + shared.float()).to(hidden_states.dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -14,7 +14,7 @@ import torch  # noqa: F401  (annotations)
 
 from ..errors import SourceError
 from .checkpoint import Checkpoint, TensorInfo
-from .dense import CanonicalLayer, LayerSpec, discover_layers, read_biases, read_expert_w2, read_expert_w13, read_layer, text_config
+from .dense import CanonicalLayer, LayerSpec, discover_layers, read_biases, read_expert_w2, read_expert_w13, read_layer, read_shared, text_config
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,7 @@ class SourceReader:
     read_expert_w13: Callable[[Checkpoint, LayerSpec, int], "torch.Tensor"]
     read_expert_w2: Callable[[Checkpoint, LayerSpec, int], "torch.Tensor"]
     read_biases: Callable[[Checkpoint, LayerSpec], tuple]
+    read_shared: Callable[[Checkpoint, LayerSpec], tuple | None]
 
 
 def _detect_dense(ckpt: Checkpoint) -> tuple[bool, str]:
@@ -37,7 +38,7 @@ def _detect_dense(ckpt: Checkpoint) -> tuple[bool, str]:
 
 
 READERS: list[SourceReader] = [
-    SourceReader("dense", _detect_dense, discover_layers, read_layer, read_expert_w13, read_expert_w2, read_biases),
+    SourceReader("dense", _detect_dense, discover_layers, read_layer, read_expert_w13, read_expert_w2, read_biases, read_shared),
 ]
 
 

@@ -299,11 +299,28 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec) -> None:
     if f"{moe}.e_score_correction_bias" in ckpt.tensors:  # some layouts keep it beside the gate
         s.router["correction_bias"] = f"{moe}.e_score_correction_bias"
     for sub in ("shared_expert", "shared_experts"):
-        names = sorted(n for n in ckpt.tensors if n.startswith(f"{moe}.{sub}."))
-        if names:
-            s.shared["experts"] = names
-    if f"{moe}.shared_expert_gate.weight" in ckpt.tensors:
-        s.shared["gate"] = f"{moe}.shared_expert_gate.weight"
+        names = {p: f"{moe}.{sub}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+        present = [n for n in names.values() if n in ckpt.tensors]
+        if not present:
+            continue
+        if len(present) != 3:
+            missing = sorted(set(names.values()) - set(present))
+            raise SourceError(f"layer {s.prefix!r}: shared expert is incomplete: {missing} missing")
+        g, u, d = (ckpt.info(names[p]) for p in ("gate_proj", "up_proj", "down_proj"))
+        if len(g.shape) != 2 or g.shape[1] != s.hidden:
+            raise SourceError(f"tensor {g.name!r} has shape {list(g.shape)}: expected [I_shared, H={s.hidden}]")
+        si = g.shape[0]
+        _check_shape(ckpt, u.name, (si, s.hidden))
+        _check_shape(ckpt, d.name, (s.hidden, si))
+        dt = _check_dtype(ckpt, g.name, None)
+        _check_dtype(ckpt, u.name, dt)
+        _check_dtype(ckpt, d.name, dt)
+        s.shared = {"gate_proj": g.name, "up_proj": u.name, "down_proj": d.name, "intermediate": si, "gate": None}
+        gate = f"{moe}.shared_expert_gate.weight"
+        if gate in ckpt.tensors:
+            _check_shape(ckpt, gate, (1, s.hidden))
+            s.shared["gate"] = gate
+        break
 
 
 def read_layer(ckpt: Checkpoint, s: LayerSpec) -> CanonicalLayer:
@@ -371,3 +388,13 @@ def read_biases(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor | None, to
         ckpt.read(s.names[(x, "up", "bias")], b13[x, i:])
         ckpt.read(s.names[(x, "down", "bias")], b2[x])
     return b13, b2
+
+
+def read_shared(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The shared expert as a one-expert canonical pair (w13 [1, 2Is, H], w2 [1, H, Is]), or None."""
+    if not s.shared:
+        return None
+    g = ckpt.read(s.shared["gate_proj"])
+    u = ckpt.read(s.shared["up_proj"])
+    d = ckpt.read(s.shared["down_proj"])
+    return torch.cat([g, u], 0)[None], d[None]
