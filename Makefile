@@ -26,8 +26,16 @@ setup-test: setup
 build:
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 
+# The demo: convert a bundled DeepSeek-V3-style checkpoint (grouped sigmoid routing, shared
+# expert), verify it against its source, inspect it, run its MoE layer; then a small benchmark.
+DEMO_SRC ?= fixtures/deepseek_v3
+DEMO_DST ?= build/demo/packed
 demo: setup
-	$(PYTHON) -m moepack info
+	rm -rf $(DEMO_DST) && mkdir -p $(dir $(DEMO_DST))
+	$(PYTHON) -m moepack convert $(DEMO_SRC) $(DEMO_DST)
+	$(PYTHON) -m moepack verify $(DEMO_DST) --source $(DEMO_SRC)
+	$(PYTHON) -m moepack inspect $(DEMO_DST)
+	$(PYTHON) -m moepack run $(DEMO_DST) --tokens 4
 	$(PYTHON) -m moepack bench --shapes tiny --tokens 1,8,64
 
 test: setup-test test-only

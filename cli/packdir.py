@@ -202,3 +202,72 @@ def inspect(
         console.print(f"kernel for {layout_name}: {reason}", highlight=False)
     total = sum(v["size"] for v in m["files"].values())
     console.print(f"{len(m['files'])} files, {_human(total)}", highlight=False)
+
+
+@command(help="Run every MoE layer of a packed directory on seeded random tokens (its own router) and print the results.")
+def run(
+    dst: Path = typer.Argument(..., help="Packed directory."),
+    tokens: int = typer.Option(4, "--tokens", help="Tokens per layer."),
+    dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype: bf16, fp16 or fp32."),
+    layer: Optional[int] = typer.Option(None, "--layer", help="Run only this layer index."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random tokens."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+) -> None:
+    import time
+
+    import torch
+
+    import moepack
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    if dtype not in dtypes:
+        raise ValueError(f"--dtype {dtype!r}: must be one of {', '.join(dtypes)}")
+    if tokens <= 0:
+        raise ValueError(f"--tokens {tokens}: must be positive")
+    model = moepack.open(dst)
+    indices = sorted(model.layers) if layer is None else [layer]
+    if layer is not None and layer not in model.layers:
+        raise ValueError(f"--layer {layer}: not a MoE layer of {dst} (MoE layers: {sorted(model.layers)})")
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for idx in indices:
+        mod = model.layers[idx]
+        x = torch.randn(tokens, mod.hidden_size, generator=g).to(dtypes[dtype])
+        logits = mod.router_logits(x)
+        weights, ids = mod.route(logits, x)
+        t0 = time.perf_counter()
+        out = mod(x, logits)
+        ms = (time.perf_counter() - t0) * 1e3
+        rows.append(
+            {
+                "layer": idx,
+                "routing": mod.routing.method if mod.routing else None,
+                "token0_experts": ids[0].tolist(),
+                "token0_weights": [round(float(v), 4) for v in weights[0]],
+                "shared_expert": mod.shared is not None,
+                "out_shape": list(out.shape),
+                "out_dtype": str(out.dtype).replace("torch.", ""),
+                "token0_out_head": [round(float(v), 4) for v in out[0, :4].float()],
+                "out_rms": float(out.float().pow(2).mean().sqrt()),
+                "ms": round(ms, 3),
+                "kernel": mod.kernel[0],
+            }
+        )
+    if as_json:
+        typer.echo(json.dumps(rows, indent=2))
+        return
+    t = Table(title=f"{dst}: {tokens} random tokens per layer ({dtype})")
+    for col in ("layer", "routing", "token 0 → experts (weights)", "shared", "out[0, :4]", "rms", "ms", "kernel"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(
+            str(r["layer"]),
+            str(r["routing"]),
+            ", ".join(f"{e} ({w})" for e, w in zip(r["token0_experts"], r["token0_weights"])),
+            "yes" if r["shared_expert"] else "no",
+            " ".join(f"{v:+.4f}" for v in r["token0_out_head"]),
+            f"{r['out_rms']:.4f}",
+            f"{r['ms']:.2f}",
+            r["kernel"],
+        )
+    console.print(t)
