@@ -38,6 +38,42 @@ int64_t pack_matrix_bf16_rows(const void* src, DType src_dtype, int64_t n, int64
   const int64_t r0 = block_begin * bn < n ? block_begin * bn : n;
   const int64_t r1 = block_end * bn < n ? block_end * bn : n;
   (void)np;
+  if (src_dtype == DType::bf16 && L.k_pack == 2 && k % 2 == 0) {
+    // bf16 source, K pairs: the packed block is [K/2][bn] 32-bit words, each word one row's
+    // (k, k+1) pair; gather one K pair from the block's rows and write it contiguously.
+    const char* s = static_cast<const char*>(src);  // possibly only 2-byte aligned: memcpy loads
+    uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+    const int64_t half = k / 2, kp_half = kp / 2;
+    int64_t bad = -1;
+    uint32_t any_bad = 0;
+    for (int64_t b = block_begin; b < block_end; ++b) {
+      const int64_t rows = (b + 1) * bn < n ? bn : n - b * bn;
+      uint32_t* blk = d + b * bn * kp_half;
+      for (int64_t kk = 0; kk < half; ++kk) {
+        uint32_t* o = blk + kk * bn;
+        uint32_t nonfinite = 0;
+        for (int64_t i = 0; i < rows; ++i) {
+          uint32_t v;
+          std::memcpy(&v, s + ((b * bn + i) * half + kk) * 4, 4);
+          nonfinite |= uint32_t((v & 0x7f80u) == 0x7f80u) | uint32_t((v & 0x7f800000u) == 0x7f800000u);
+          o[i] = v;
+        }
+        any_bad |= nonfinite;
+      }
+    }
+    if (any_bad) {  // rare: find the first non-finite element in row-major order
+      const uint16_t* h = static_cast<const uint16_t*>(src);
+      for (int64_t r = block_begin * bn; r < n && r < block_end * bn && bad < 0; ++r) {
+        for (int64_t c = 0; c < k; ++c) {
+          if (!finite_bf16(h[r * k + c])) {
+            bad = r * k + c;
+            break;
+          }
+        }
+      }
+    }
+    return bad;
+  }
   switch (src_dtype) {
     case DType::bf16: {
       const uint16_t* s = static_cast<const uint16_t*>(src);

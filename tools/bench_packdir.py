@@ -23,14 +23,21 @@ import sys
 import time
 from pathlib import Path
 
+# VmHWM (this process's own peak RSS; ru_maxrss can carry the parent's peak over fork+exec)
 CHILD_CONVERT = r"""
-import json, resource, sys, time
+import json, sys, time
 import moepack
+def hwm_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+moepack.load_extension()
+base = hwm_kib()
 t0 = time.perf_counter()
 r = moepack.convert(sys.argv[1], sys.argv[2])
 dt = time.perf_counter() - t0
 print(json.dumps({"seconds": dt, "bytes": r.experts_bytes + r.other_bytes, "layers": r.layers,
-                  "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+                  "peak_rss_kib": hwm_kib(), "rss_before_kib": base}))
 """
 
 CHILD_OPEN = r"""
@@ -108,7 +115,7 @@ def main() -> int:
     mb_s = conv["bytes"] / 1e6 / conv["seconds"]
     print(
         f"convert: {conv['layers']} layers, {conv['bytes'] / 2**30:.2f} GiB in {conv['seconds']:.1f} s = {mb_s:.0f} MB/s; "
-        f"peak RSS {conv['peak_rss_kib'] / 2**20:.2f} GiB",
+        f"peak RSS {conv['peak_rss_kib'] / 2**20:.2f} GiB ({conv['rss_before_kib'] / 2**20:.2f} GiB after importing torch)",
         flush=True,
     )
     op = json.loads(subprocess.run([sys.executable, "-c", CHILD_OPEN, str(dst)], check=True, capture_output=True, text=True, env=env).stdout)
