@@ -47,7 +47,14 @@ class IsaBuildExt(BuildExtension):
 
 
 def _sources():
-    files = ["csrc/dispatch.cpp", "csrc/pack.cpp", "csrc/ref/moe_scalar.cpp", "csrc/torch/ops.cpp", "csrc/torch/module.cpp"]
+    files = [
+        "csrc/dispatch.cpp",
+        "csrc/pack.cpp",
+        "csrc/routing.cpp",
+        "csrc/ref/moe_scalar.cpp",
+        "csrc/torch/ops.cpp",
+        "csrc/torch/module.cpp",
+    ]
     import platform
 
     if platform.machine().lower() in ("x86_64", "amd64"):

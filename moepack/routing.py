@@ -1,0 +1,580 @@
+"""Routing: router logits [T, E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int32).
+
+SEMANTICS.md §1 is the contract and docs/ROUTING.md the full description (formulas, families,
+ties, -inf). This module holds:
+
+* ``RoutingConfig``: how one model family routes, derived from a Hugging Face ``config.json``
+  dict (``RoutingConfig.from_hf_config``) and stored in a packed model's manifest
+  (``to_dict`` / ``from_dict``, JSON round-trippable).
+* ``route(logits, cfg, ...)``: what a packed layer calls; it runs the native op
+  ``torch.ops.moepack.route`` (csrc/routing.cpp), or a user-supplied Python routing function.
+* ``apply_router_weight_on_input``: the Llama-4 way of applying a top-1 weight.
+* ``route_reference``: plain torch, written from the models' own definitions (transformers 5.x
+  modeling code). It is the oracle of tests/test_routing.py and shares no code with the op.
+
+``python -m moepack.routing --bench`` prints the per-call cost of the op.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import UnsupportedError
+
+# Methods of the native op, in the order of csrc/include/moepack/routing.h RouteMethod.
+METHODS = ("softmax", "sigmoid", "grouped_softmax", "grouped_sigmoid", "topk_softmax", "llama4", "sparsemixer")
+# "custom": a Python callable supplied to route(); not an op method.
+CONFIG_METHODS = METHODS + ("custom",)
+GROUPED_METHODS = ("grouped_softmax", "grouped_sigmoid")
+# Methods whose weights are fully defined by the method (no renormalize, no correction bias).
+FIXED_WEIGHT_METHODS = ("topk_softmax", "llama4", "sparsemixer")
+SCORING = {
+    "softmax": "softmax",
+    "sigmoid": "sigmoid",
+    "grouped_softmax": "softmax",
+    "grouped_sigmoid": "sigmoid",
+    "topk_softmax": "softmax",
+    "llama4": "sigmoid",
+    "sparsemixer": "softmax",
+    "custom": "custom",
+}
+
+RoutingFn = Callable[[torch.Tensor | None, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+# --------------------------------------------------------------------------------------------
+# RoutingConfig
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """How one MoE layer turns router logits into (weights, ids). docs/ROUTING.md has the table.
+
+    method: one of ``CONFIG_METHODS``; top_k: experts per token; renormalize: divide the chosen
+    weights by their sum (+1e-20); num_expert_group / topk_group: grouped methods only (0
+    otherwise); scoring_func: "softmax" | "sigmoid" (implied by the method, kept for readers of
+    the manifest); routed_scaling_factor: multiplies the final weights; has_correction_bias: the
+    layer has an ``e_score_correction_bias`` [E] (DeepSeek-V3 family) that ``route`` must be given;
+    apply_router_weight_on_input: the weight scales the expert input, not its output (Llama-4,
+    k = 1 only); sparsemixer_eps: Phi-3.5-MoE ``router_jitter_noise``; num_experts: E (routed,
+    global), checked against the logits when set; model_type: where the config came from.
+    """
+
+    method: str
+    top_k: int
+    renormalize: bool = False
+    num_expert_group: int = 0
+    topk_group: int = 0
+    scoring_func: str = ""
+    routed_scaling_factor: float = 1.0
+    has_correction_bias: bool = False
+    apply_router_weight_on_input: bool = False
+    sparsemixer_eps: float = 0.01
+    num_experts: int | None = None
+    model_type: str | None = None
+
+    def __post_init__(self):
+        m = self.method
+        if m not in CONFIG_METHODS:
+            raise UnsupportedError(f"RoutingConfig method={m!r} is not one of {', '.join(CONFIG_METHODS)}")
+        if not self.scoring_func:
+            object.__setattr__(self, "scoring_func", SCORING[m])
+        if self.scoring_func != SCORING[m]:
+            raise UnsupportedError(
+                f"RoutingConfig scoring_func={self.scoring_func!r} contradicts method={m!r} (which scores with "
+                f"{SCORING[m]!r})"
+            )
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 1:
+            raise UnsupportedError(f"RoutingConfig top_k={self.top_k!r}: must be an int >= 1")
+        if self.num_experts is not None and not (1 <= self.top_k <= self.num_experts):
+            raise UnsupportedError(f"RoutingConfig top_k={self.top_k} with num_experts={self.num_experts}: "
+                                   "must be in [1, num_experts]")  # fmt: skip
+        if m in GROUPED_METHODS:
+            g, tg = self.num_expert_group, self.topk_group
+            if g < 1 or not (1 <= tg <= g):
+                raise UnsupportedError(f"RoutingConfig num_expert_group={g}, topk_group={tg}: method {m} needs "
+                                       "num_expert_group >= 1 and 1 <= topk_group <= num_expert_group")  # fmt: skip
+            if self.num_experts is not None:
+                if self.num_experts % g:
+                    raise UnsupportedError(f"RoutingConfig num_experts={self.num_experts} is not a multiple of "
+                                           f"num_expert_group={g}")  # fmt: skip
+                if self.top_k > tg * (self.num_experts // g):
+                    raise UnsupportedError(f"RoutingConfig top_k={self.top_k} exceeds the {tg * (self.num_experts // g)} "
+                                           f"experts of the topk_group={tg} kept groups")  # fmt: skip
+        elif self.num_expert_group > 1 or self.topk_group > 1:
+            raise UnsupportedError(f"RoutingConfig num_expert_group={self.num_expert_group}, "
+                                   f"topk_group={self.topk_group}: method {m} takes no groups")  # fmt: skip
+        if m in FIXED_WEIGHT_METHODS and (self.renormalize or self.has_correction_bias):
+            raise UnsupportedError(f"RoutingConfig method={m} takes neither renormalize nor a correction bias")
+        if m == "llama4" and self.top_k != 1:
+            raise UnsupportedError(f"RoutingConfig top_k={self.top_k}: method llama4 is top-1")
+        if m == "sparsemixer" and self.top_k != 2:
+            raise UnsupportedError(f"RoutingConfig top_k={self.top_k}: method sparsemixer is defined for top_k=2")
+        if self.apply_router_weight_on_input and self.top_k != 1:
+            raise UnsupportedError(f"RoutingConfig apply_router_weight_on_input=True with top_k={self.top_k}: "
+                                   "only defined for top_k=1 (the experts are not linear)")  # fmt: skip
+        rsf = self.routed_scaling_factor
+        if not (isinstance(rsf, (int, float)) and math.isfinite(rsf) and rsf > 0):
+            raise UnsupportedError(f"RoutingConfig routed_scaling_factor={rsf!r}: must be finite and > 0")
+        if not (math.isfinite(self.sparsemixer_eps) and self.sparsemixer_eps >= 0):
+            raise UnsupportedError(f"RoutingConfig sparsemixer_eps={self.sparsemixer_eps!r}: must be finite and >= 0")
+        # the op's arguments before and after correction_bias, computed once (route() is per call)
+        object.__setattr__(self, "_op_head", (self.top_k, m, bool(self.renormalize), self.num_expert_group,
+                                              self.topk_group))  # fmt: skip
+        object.__setattr__(self, "_op_tail", (float(rsf), float(self.sparsemixer_eps)))
+
+    # -- manifest round trip --
+
+    def to_dict(self) -> dict[str, Any]:
+        """A plain JSON-serializable dict (every field)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RoutingConfig:
+        """Inverse of ``to_dict``; unknown keys are refused (a newer manifest, or a typo)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise UnsupportedError(f"RoutingConfig.from_dict: unknown keys {unknown} (known: {sorted(names)})")
+        kw = dict(d)
+        if "routed_scaling_factor" in kw:
+            kw["routed_scaling_factor"] = float(kw["routed_scaling_factor"])
+        return cls(**kw)
+
+    # -- Hugging Face config.json --
+
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
+        """The routing of a Hugging Face ``config.json`` (as a dict), per ``model_type``.
+
+        Families (transformers 5.x modeling code; docs/ROUTING.md has the table): mixtral,
+        qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, kimi_k2 / kimi_k25 / kimi_linear,
+        glm4_moe, granitemoe (+ shared/hybrid), gpt_oss, llama4 / llama4_text, phimoe. Any other
+        model_type is refused. Missing keys take the transformers config class defaults.
+        """
+        return _from_hf_config(cls, config)
+
+
+def _get(cfg: Mapping[str, Any], *names: str, default: Any = None) -> Any:
+    for n in names:
+        if n in cfg and cfg[n] is not None:
+            return cfg[n]
+    return default
+
+
+def _need(cfg: Mapping[str, Any], mt: str, *names: str) -> Any:
+    v = _get(cfg, *names)
+    if v is None:
+        raise UnsupportedError(f"config.json (model_type={mt!r}) has none of {list(names)}: cannot derive routing")
+    return v
+
+
+SUPPORTED_MODEL_TYPES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "kimi_k2",
+    "kimi_k25",
+    "kimi_linear",
+    "glm4_moe",
+    "granitemoe",
+    "granitemoeshared",
+    "granitemoehybrid",
+    "gpt_oss",
+    "llama4",
+    "llama4_text",
+    "phimoe",
+)
+
+
+def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
+    mt = config.get("model_type")
+    # multimodal wrappers: the routing is the text model's
+    if mt in ("llama4", "kimi_k25"):
+        text = config.get("text_config")
+        if not isinstance(text, Mapping):
+            raise UnsupportedError(f"config.json model_type={mt!r} has no text_config dict: cannot derive routing")
+        inner = dict(text)
+        inner.setdefault("model_type", "llama4_text" if mt == "llama4" else "deepseek_v3")
+        if mt == "kimi_k25" and inner["model_type"] == "kimi_k2":
+            inner["model_type"] = "deepseek_v3"
+        r = _from_hf_config(cls, inner)
+        return dataclasses.replace(r, model_type=mt)
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedError(
+            f"config.json model_type={mt!r}: moepack does not know how this family routes "
+            f"(known: {', '.join(SUPPORTED_MODEL_TYPES)}); pass a RoutingConfig(method='custom') and a custom_fn"
+        )
+    k = int(_need(config, mt, "num_experts_per_tok", "num_experts_per_token"))
+    if mt in ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "gpt_oss", "llama4_text"):
+        e = int(_need(config, mt, "num_local_experts", "num_experts"))
+    elif mt in ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe"):
+        e = int(_need(config, mt, "n_routed_experts", "num_local_experts", "num_experts"))
+    else:  # qwen2_moe, qwen3_moe, olmoe, kimi_linear
+        e = int(_need(config, mt, "num_experts", "num_local_experts", "n_routed_experts"))
+
+    if mt == "mixtral":  # softmax -> top-k -> / sum
+        return cls("softmax", k, renormalize=True, num_experts=e, model_type=mt)
+    if mt in ("qwen2_moe", "qwen3_moe", "olmoe"):  # softmax -> top-k (-> / sum if norm_topk_prob)
+        return cls("softmax", k, renormalize=bool(_get(config, "norm_topk_prob", default=False)), num_experts=e,
+                   model_type=mt)  # fmt: skip
+    if mt == "deepseek_v2":
+        # transformers' DeepseekV2TopkRouter: softmax; greedy or group_limited_greedy (group score =
+        # max); x routed_scaling_factor; it does not read norm_topk_prob (nor does moepack).
+        scoring = _get(config, "scoring_func", default="softmax")
+        if scoring != "softmax":
+            raise UnsupportedError(f"config.json deepseek_v2 scoring_func={scoring!r}: only softmax is defined")
+        method = _get(config, "topk_method", default="greedy")
+        rsf = float(_get(config, "routed_scaling_factor", default=1.0))
+        if method == "greedy":
+            return cls("softmax", k, routed_scaling_factor=rsf, num_experts=e, model_type=mt)
+        if method == "group_limited_greedy":
+            g = int(_need(config, mt, "n_group", "num_expert_group"))
+            tg = int(_need(config, mt, "topk_group"))
+            return cls("grouped_softmax", k, num_expert_group=g, topk_group=tg, routed_scaling_factor=rsf,
+                       num_experts=e, model_type=mt)  # fmt: skip
+        raise UnsupportedError(f"config.json deepseek_v2 topk_method={method!r}: expected greedy or group_limited_greedy")
+    if mt in ("deepseek_v3", "kimi_k2", "glm4_moe", "kimi_linear"):
+        # noaux_tc: sigmoid + e_score_correction_bias (selection only), group score = sum of the
+        # top-2, renormalize if norm_topk_prob, x routed_scaling_factor. transformers' router does
+        # this whatever topk_method / scoring_func say; moepack refuses a config that says otherwise.
+        scoring = _get(config, "scoring_func", default="sigmoid")
+        if scoring != "sigmoid":
+            raise UnsupportedError(f"config.json {mt} scoring_func={scoring!r}: this family routes with sigmoid")
+        tm = _get(config, "topk_method", default="noaux_tc")
+        if tm != "noaux_tc":
+            raise UnsupportedError(f"config.json {mt} topk_method={tm!r}: this family routes with noaux_tc")
+        defaults = {"deepseek_v3": (8, 4, 2.5, True), "kimi_k2": (8, 4, 2.5, True), "glm4_moe": (1, 1, 1.0, True),
+                    "kimi_linear": (1, 1, 2.446, True)}[mt]  # fmt: skip
+        g = int(_get(config, "n_group", "num_expert_group", default=defaults[0]))
+        tg = int(_get(config, "topk_group", default=defaults[1]))
+        rsf = float(_get(config, "routed_scaling_factor", default=defaults[2]))
+        renorm = bool(_get(config, "norm_topk_prob", "moe_renormalize", default=defaults[3]))
+        return cls("grouped_sigmoid", k, renormalize=renorm, num_expert_group=g, topk_group=tg,
+                   routed_scaling_factor=rsf, has_correction_bias=True, num_experts=e, model_type=mt)  # fmt: skip
+    if mt in ("granitemoe", "granitemoeshared", "granitemoehybrid", "gpt_oss"):
+        # top-k of the logits, softmax over those k. gpt-oss's router Linear has a bias: it is part
+        # of the logits the layer computes, not a routing parameter.
+        return cls("topk_softmax", k, num_experts=e, model_type=mt)
+    if mt == "llama4_text":
+        if k != 1:
+            raise UnsupportedError(f"config.json llama4 num_experts_per_tok={k}: moepack routes Llama-4 top-1 only "
+                                   "(the weight scales the expert input, which is only defined per token for k=1)")  # fmt: skip
+        return cls("llama4", 1, apply_router_weight_on_input=True, num_experts=e, model_type=mt)
+    if mt == "phimoe":
+        if k != 2:
+            raise UnsupportedError(f"config.json phimoe num_experts_per_tok={k}: sparsemixer is defined for 2")
+        eps = float(_get(config, "router_jitter_noise", default=0.01))
+        return cls("sparsemixer", 2, sparsemixer_eps=eps, num_experts=e, model_type=mt)
+    raise AssertionError(mt)  # pragma: no cover
+
+
+# --------------------------------------------------------------------------------------------
+# route(): what a packed layer calls
+
+
+_route_op = None
+
+
+def _ops():
+    from ._ops import ops
+
+    return ops()
+
+
+def _op():
+    """torch.ops.moepack.route (the extension loaded once)."""
+    global _route_op
+    if _route_op is None:
+        _route_op = _ops().route
+    return _route_op
+
+
+def route_op(
+    logits: torch.Tensor,
+    top_k: int,
+    method: str,
+    *,
+    renormalize: bool = False,
+    num_expert_group: int = 0,
+    topk_group: int = 0,
+    correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    sparsemixer_eps: float = 0.01,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.ops.moepack.route`` with keyword arguments (the op checks every one)."""
+    return _op()(
+        logits, top_k, method, renormalize, num_expert_group, topk_group, correction_bias,
+        float(routed_scaling_factor), float(sparsemixer_eps),
+    )  # fmt: skip
+
+
+def route(
+    logits: torch.Tensor,
+    cfg: RoutingConfig,
+    correction_bias: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
+    custom_fn: RoutingFn | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route one layer's tokens: logits [T, E] -> (topk_weights [T, k] fp32, topk_ids [T, k] int32).
+
+    ``correction_bias`` [E] fp32 is required exactly when ``cfg.has_correction_bias``. With
+    ``custom_fn`` (required when ``cfg.method == "custom"``) the routing is
+    ``custom_fn(hidden, logits, cfg.top_k)``, its output cast to fp32 / int32 contiguous and
+    validated. ``cfg.apply_router_weight_on_input`` is not applied here: the layer calls
+    ``apply_router_weight_on_input(hidden, weights, ids)`` on the result (docs/ROUTING.md).
+    """
+    e = cfg.num_experts
+    if e is not None and logits.dim() == 2 and logits.shape[1] != e:
+        raise UnsupportedError(f"router_logits has {logits.shape[1]} experts (shape {list(logits.shape)}) but the "
+                               f"RoutingConfig says num_experts={e}")  # fmt: skip
+    if custom_fn is not None or cfg.method == "custom":
+        if custom_fn is None:
+            raise UnsupportedError("RoutingConfig method='custom' needs a custom_fn(hidden, logits, k) -> (weights, ids)")
+        return route_custom(custom_fn, hidden, logits, cfg.top_k)
+    if (correction_bias is None) == cfg.has_correction_bias:
+        if correction_bias is None:
+            raise UnsupportedError(f"RoutingConfig ({cfg.model_type or cfg.method}) has an e_score_correction_bias: "
+                                   "route() needs correction_bias [E] fp32")  # fmt: skip
+        raise UnsupportedError(f"correction_bias given but RoutingConfig ({cfg.model_type or cfg.method}) has "
+                               "has_correction_bias=False")  # fmt: skip
+    return (_route_op or _op())(logits, *cfg._op_head, correction_bias, *cfg._op_tail)
+
+
+def route_custom(
+    fn: RoutingFn, hidden: torch.Tensor | None, logits: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call a user routing function ``fn(hidden, logits, k) -> (weights, ids)`` and check it.
+
+    The result must be two tensors of shape [T, k] (T = logits rows); ids of an integer dtype in
+    [0, E); weights finite and floating. They are returned as fp32 / int32 contiguous.
+    """
+    t, e = logits.shape
+    out = fn(hidden, logits, top_k)
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(v, torch.Tensor) for v in out)):
+        raise UnsupportedError(f"custom routing function returned {type(out).__name__}: must return "
+                               "(topk_weights, topk_ids) tensors")  # fmt: skip
+    w, ids = out
+    if tuple(w.shape) != (t, top_k) or tuple(ids.shape) != (t, top_k):
+        raise UnsupportedError(f"custom routing function returned weights {list(w.shape)} and ids {list(ids.shape)}: "
+                               f"both must be [tokens={t}, k={top_k}]")  # fmt: skip
+    if not w.is_floating_point():
+        raise UnsupportedError(f"custom routing function returned weights of dtype {w.dtype}: must be floating")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise UnsupportedError(f"custom routing function returned ids of dtype {ids.dtype}: must be an integer dtype")
+    if ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= e:
+            raise UnsupportedError(f"custom routing function returned ids in [{lo}, {hi}]: must be in [0, {e}) "
+                                   f"(router_logits has {e} experts)")  # fmt: skip
+    w = w.to(torch.float32).contiguous()
+    if w.numel() and not bool(torch.isfinite(w).all()):
+        raise UnsupportedError("custom routing function returned non-finite weights")
+    return w, ids.to(torch.int32).contiguous()
+
+
+def apply_router_weight_on_input(
+    hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama-4 style: scale each token's input by its (single) routing weight.
+
+    hidden [T, H], weights [T, 1] fp32, ids [T, 1]. Returns (hidden * weight, cast back to the
+    hidden dtype after an fp32 multiply; ones [T, 1] fp32): pass both to ``fused_experts`` with
+    the same ids, so the combine does not weight again. k > 1 is refused: the experts are not
+    linear, so a per-slot input scale is not a per-token one.
+    """
+    if weights.dim() != 2 or ids.dim() != 2 or weights.shape != ids.shape:
+        raise UnsupportedError(f"apply_router_weight_on_input: weights {list(weights.shape)} and ids "
+                               f"{list(ids.shape)} must both be [T, k]")  # fmt: skip
+    if weights.shape[1] != 1:
+        raise UnsupportedError(f"apply_router_weight_on_input with top_k={weights.shape[1]}: only defined for "
+                               "top_k=1 (scale the input, do not weight the output again)")  # fmt: skip
+    if hidden.dim() != 2 or hidden.shape[0] != weights.shape[0]:
+        raise UnsupportedError(f"apply_router_weight_on_input: hidden {list(hidden.shape)} must be [T={weights.shape[0]}, H]")
+    scaled = (hidden.float() * weights.float()).to(hidden.dtype)
+    return scaled, torch.ones_like(weights, dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (plain torch, from the models' definitions; the test oracle)
+
+
+def _topk_ids(key: torch.Tensor, k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Ids of the k largest keys per row; equal keys: the lower id first (torch.topk leaves ties
+    unspecified: on CPU, topk of 16 zeros picks [10, 11, 12, 9]). With ``allowed`` [T, E] bool,
+    allowed experts rank before all others."""
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices
+    if allowed is not None:
+        first = torch.sort(allowed.gather(-1, order).to(torch.int8), dim=-1, descending=True, stable=True).indices
+        order = order.gather(-1, first)
+    return order[..., :k]
+
+
+def _softmax0(x: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim; rows that are all -inf give 0 (torch gives NaN)."""
+    p = torch.softmax(x, dim=-1)
+    return torch.where(torch.isneginf(x).all(dim=-1, keepdim=True), torch.zeros_like(p), p)
+
+
+def _finish(w: torch.Tensor, renormalize: bool, rsf: float) -> torch.Tensor:
+    if renormalize:  # DeepseekV3TopkRouter: / (sum + 1e-20); Mixtral/Qwen: / sum (same when sum >= 1/E)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * rsf
+
+
+def _sparsemixer_reference(scores: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers phimoe ``sparsemixer(scores, jitter_eps, training=False)``, in fp32, plus the
+    moepack rules for rows with nothing finite left (weight 0, the lowest unused id)."""
+    # expert 1
+    mask_logits_threshold = scores.max(dim=-1, keepdim=True).values
+    max_ind = _topk_ids(scores, 1)
+    factor = scores.abs().clamp(min=mask_logits_threshold)
+    mask_logits_threshold = ((mask_logits_threshold - scores) / factor) > (2 * jitter_eps)
+    masked_gates = scores.masked_fill(mask_logits_threshold, float("-inf"))
+    selected_experts = max_ind
+    multiplier = _softmax0(masked_gates).gather(dim=-1, index=selected_experts)
+    # expert 2: the same with expert 1 removed
+    masked_scores = torch.scatter(scores, -1, selected_experts, float("-inf"))
+    mask_logits_threshold = masked_scores.max(dim=-1, keepdim=True).values
+    not_first = torch.ones_like(scores, dtype=torch.bool).scatter(-1, selected_experts, False)
+    max_ind = _topk_ids(masked_scores, 1, allowed=not_first)
+    factor = scores.abs().clamp(min=mask_logits_threshold)
+    mask_logits_threshold = ((mask_logits_threshold - scores) / factor) > (2 * jitter_eps)
+    masked_gates_top2 = masked_scores.masked_fill(mask_logits_threshold, float("-inf"))
+    multiplier_top2 = _softmax0(masked_gates_top2).gather(dim=-1, index=max_ind)
+    return torch.cat((multiplier, multiplier_top2), dim=-1), torch.cat((selected_experts, max_ind), dim=-1)
+
+
+def route_reference(
+    logits: torch.Tensor,
+    top_k: int,
+    method: str,
+    *,
+    renormalize: bool = False,
+    num_expert_group: int = 0,
+    topk_group: int = 0,
+    correction_bias: torch.Tensor | None = None,
+    routed_scaling_factor: float = 1.0,
+    sparsemixer_eps: float = 0.01,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's semantics in plain torch (fp32), written from transformers' routers:
+    Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE ``*TopKRouter`` (softmax), DeepseekV2TopkRouter
+    (grouped_softmax), DeepseekV3/Glm4Moe/KimiLinear ``TopkRouter`` (grouped_sigmoid),
+    GptOss/GraniteMoe ``TopKRouter`` (topk_softmax), Llama4Router (llama4), phimoe
+    ``sparsemixer`` (sparsemixer). moepack's own rules on top: ties -> lower id; without a bias
+    the logits are the selection keys (same order as the scores, finer where fp32 scores
+    saturate); rows with nothing finite get weight 0. No argument checking: see the op."""
+    x = logits.float()
+    t, e = x.shape
+    b = correction_bias.float() if correction_bias is not None else None
+    if method == "sparsemixer":
+        w, ids = _sparsemixer_reference(x, sparsemixer_eps)
+        return (w * routed_scaling_factor).contiguous(), ids.to(torch.int32).contiguous()
+    if method == "topk_softmax":  # GptOssTopKRouter: topk(logits) -> softmax over the k
+        ids = _topk_ids(x, top_k)
+        w = _softmax0(x.gather(-1, ids))
+        return (w * routed_scaling_factor).contiguous(), ids.to(torch.int32).contiguous()
+    if method == "llama4":  # Llama4Router: topk(logits, 1) -> sigmoid
+        ids = _topk_ids(x, 1)
+        w = torch.sigmoid(x.gather(-1, ids))
+        return (w * routed_scaling_factor).contiguous(), ids.to(torch.int32).contiguous()
+    scores = _softmax0(x) if method in ("softmax", "grouped_softmax") else torch.sigmoid(x)
+    key = scores + b if b is not None else x
+    allowed = None
+    if method in GROUPED_METHODS:
+        g = num_expert_group
+        grouped = key.view(t, g, e // g)
+        if b is not None:  # DeepseekV3TopkRouter: sum of the top-2 (biased) scores of each group
+            group_scores = grouped.topk(min(2, e // g), dim=-1)[0].sum(dim=-1)
+        else:  # DeepseekV2TopkRouter group_limited_greedy: the group's max
+            group_scores = grouped.max(dim=-1).values
+        group_idx = _topk_ids(group_scores, topk_group)
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, group_idx, True)
+        allowed = group_mask.unsqueeze(-1).expand(t, g, e // g).reshape(t, e)
+        key = key.masked_fill(~allowed, float("-inf"))
+    ids = _topk_ids(key, top_k, allowed)
+    w = _finish(scores.gather(1, ids), renormalize, routed_scaling_factor)
+    return w.contiguous(), ids.to(torch.int32).contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# python -m moepack.routing --bench
+
+
+def _median_us(fn, calls: int, repeats: int) -> float:
+    import time
+
+    for _ in range(calls):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter_ns() - t0) / calls / 1000.0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def bench(calls: int = 2000, repeats: int = 25) -> list[tuple[str, float, float, float]]:
+    """Median µs per call of the op at T=1 (op dispatch included), of route() at T=1, and the
+    per-token kernel time (T=4096 on one thread / 4096). Prints and returns the rows."""
+    g = torch.Generator().manual_seed(0)
+    cases = [
+        ("grouped_sigmoid E=256 k=8 (DeepSeek-V3: 8 groups, topk_group 4, bias, renorm, x2.5)",
+         RoutingConfig("grouped_sigmoid", 8, renormalize=True, num_expert_group=8, topk_group=4,
+                       routed_scaling_factor=2.5, has_correction_bias=True, num_experts=256), 256),
+        ("softmax E=128 k=8 (Qwen3-MoE, renormalize)", RoutingConfig("softmax", 8, renormalize=True), 128),
+        ("softmax E=128 k=8 (no renormalize)", RoutingConfig("softmax", 8), 128),
+        ("topk_softmax E=32 k=4 (gpt-oss-20b)", RoutingConfig("topk_softmax", 4), 32),
+        ("sparsemixer E=16 k=2 (Phi-3.5-MoE)", RoutingConfig("sparsemixer", 2), 16),
+    ]  # fmt: skip
+    threads = torch.get_num_threads()
+    rows = []
+    print(f"torch {torch.__version__}, {threads} threads; median of {repeats} x {calls} calls")
+    print(f"{'case':<88} {'op T=1':>9} {'route T=1':>10} {'kernel/token':>13}")
+    for name, cfg, e in cases:
+        x = torch.randn(1, e, generator=g)
+        xb = torch.randn(4096, e, generator=g)
+        bias = (torch.randn(e, generator=g) * 0.1) if cfg.has_correction_bias else None
+        op = _op()
+        args = (cfg.top_k, cfg.method, cfg.renormalize, cfg.num_expert_group, cfg.topk_group, bias,
+                float(cfg.routed_scaling_factor), float(cfg.sparsemixer_eps))  # fmt: skip
+        t_op = _median_us(lambda: op(x, *args), calls, repeats)
+        t_route = _median_us(lambda: route(x, cfg, bias), calls, repeats)
+        torch.set_num_threads(1)
+        try:
+            t_tok = _median_us(lambda: op(xb, *args), max(1, calls // 200), repeats) / 4096
+        finally:
+            torch.set_num_threads(threads)
+        rows.append((name, t_op, t_route, t_tok))
+        print(f"{name:<88} {t_op:>7.2f}us {t_route:>8.2f}us {t_tok:>11.3f}us")
+    return rows
+
+
+def _main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m moepack.routing", description=__doc__.split("\n")[0])
+    p.add_argument("--bench", action="store_true", help="print the per-call cost of the routing op")
+    p.add_argument("--calls", type=int, default=2000)
+    p.add_argument("--repeats", type=int, default=25)
+    a = p.parse_args(argv)
+    if not a.bench:
+        p.print_help()
+        return 0
+    bench(a.calls, a.repeats)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())
