@@ -162,6 +162,12 @@ Selection select_fused(int32_t layout_id, Isa max_isa) {
   return s;
 }
 
+Int8BlockGemmFn find_gemm_i8(int32_t layout_id, Isa isa) {
+  if (layout_find(layout_id) == nullptr || int(isa) < 0 || int(isa) >= kNumIsa) return nullptr;
+  if (isa_unavailable_reason(isa) != nullptr) return nullptr;
+  return table().gemm_i8[layout_id][int(isa)];
+}
+
 const char* fused_moe_check_routing(const FusedMoeArgs& a, char* buf, size_t n) {
   const int64_t slots = a.tokens * a.topk;
   const int64_t eg = a.expert_map ? a.num_global_experts : a.num_experts;

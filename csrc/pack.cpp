@@ -1,4 +1,5 @@
-// C++ packer: canonical [N, K] row-major weights -> a bf16 block layout (moepack/layout.py).
+// C++ packer: canonical [N, K] row-major weights -> a bf16 block layout, or int8 codes -> an
+// int8 block layout (moepack/layout.py).
 // Must equal moepack/pack's reference packer byte for byte (tests/test_pack.py).
 #include <cstdint>
 #include <cstring>
@@ -97,6 +98,24 @@ int64_t pack_matrix_bf16_rows(const void* src, DType src_dtype, int64_t n, int64
       });
     }
   }
+}
+
+void pack_matrix_i8_rows(const int8_t* src, int64_t n, int64_t k, int64_t np, int64_t kp, const LayoutDesc& L,
+                         int8_t* dst, int64_t block_begin, int64_t block_end) {
+  const int64_t bn = L.block_n, kpk = L.k_pack;
+  std::memset(dst + block_begin * bn * kp, 0, size_t((block_end - block_begin) * bn * kp));
+  const int64_t r0 = block_begin * bn < n ? block_begin * bn : n;
+  const int64_t r1 = block_end * bn < n ? block_end * bn : n;
+  (void)np;
+  for (int64_t r = r0; r < r1; ++r) {
+    int8_t* col = dst + (r / bn) * bn * kp + (r % bn) * kpk;
+    const int8_t* row = src + r * k;
+    for (int64_t c = 0; c < k; ++c) col[(c / kpk) * bn * kpk + c % kpk] = row[c];
+  }
+}
+
+void pack_matrix_i8(const int8_t* src, int64_t n, int64_t k, int64_t np, int64_t kp, const LayoutDesc& L, int8_t* dst) {
+  pack_matrix_i8_rows(src, n, k, np, kp, L, dst, 0, np / L.block_n);
 }
 
 int64_t pack_matrix_bf16(const void* src, DType src_dtype, int64_t n, int64_t k, int64_t np, int64_t kp,

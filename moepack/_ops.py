@@ -51,13 +51,18 @@ def fused_experts(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
+    w13_scale: torch.Tensor | None = None,
+    w2_scale: torch.Tensor | None = None,
+    w13_colsum: torch.Tensor | None = None,
+    w2_colsum: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the experts of one MoE layer on packed weights (SEMANTICS.md §2).
 
     hidden_states [T, H] fp32/bf16/fp16; w13 [E, 2*Ip, Kp] and w2 [E, Np, Ip] packed by
     ``moepack.pack.pack_experts``; topk_weights [T, k] fp32; topk_ids [T, k] int32 (global ids
     when ``expert_map`` [E_global] int32 maps them to local ids or -1). Returns [T, H] in the
-    input dtype.
+    input dtype. int8 layouts (W8A8, SEMANTICS.md §3) also take the per-channel scales and
+    column sums that ``moepack.pack.pack_experts_int8`` makes (``PackedExperts.quant_kwargs()``).
     """
     return ops().fused_experts(
         hidden_states,
@@ -72,6 +77,10 @@ def fused_experts(
         float(alpha),
         float(limit),
         expert_map,
+        w13_scale,
+        w2_scale,
+        w13_colsum,
+        w2_colsum,
     )
 
 

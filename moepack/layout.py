@@ -18,7 +18,9 @@ one expert, zero-padded to ``[Np, Kp]`` and rearranged so that a kernel streams 
 
 For ``bf16_n32k2_x86`` one K group of a block is 32 columns x 2 bf16 = 128 bytes, two cache
 lines: one AVX-512 register of 16 bf16 pairs holds half of it (what ``vdpbf16ps`` consumes), an
-AVX2 register a quarter.
+AVX2 register a quarter. For ``i8_n32k4_x86`` one K group is 32 columns x 4 int8 = 128 bytes
+too: a 32-bit word holds ``w[n][k..k+3]`` (the operand of ``vpdpbusd``); its per-channel fp32
+scales and int32 column sums are separate ``[E, N]`` tensors (moepack/pack: ``pack_experts_int8``).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from .errors import LayoutError
 # Values of ``PackedLayout.family``: which ISA family the blocking was chosen for. A layout of
 # any family runs everywhere through the scalar kernel; SIMD kernels register per family.
 FAMILIES = ("x86", "arm")
-WEIGHT_DTYPES = {"bf16": 2, "f32": 4}  # dtype name -> bytes per element
+WEIGHT_DTYPES = {"bf16": 2, "f32": 4, "i8": 1}  # dtype name -> bytes per element
 SCALE_DTYPES = ("none", "f32", "bf16", "e8m0")
 ZERO_KINDS = ("none", "u4", "bf16")
 
@@ -63,6 +65,13 @@ class PackedLayout:
             raise LayoutError(f"layout {self.name}: i_align={self.i_align} must be a multiple of block_n={self.block_n}")
         if self.scale_dtype not in SCALE_DTYPES or self.zero_kind not in ZERO_KINDS:
             raise LayoutError(f"layout {self.name}: scale_dtype/zero_kind {self.scale_dtype}/{self.zero_kind} unknown")
+        if self.quantized and self.scale_dtype == "none":
+            raise LayoutError(f"layout {self.name}: integer weights ({self.weight_dtype}) need a scale_dtype")
+
+    @property
+    def quantized(self) -> bool:
+        """Integer codes that need scales (W8A8 int8), as opposed to float values."""
+        return self.weight_dtype == "i8"
 
     @property
     def elem_bytes(self) -> int:
@@ -86,6 +95,23 @@ LAYOUTS: tuple[PackedLayout, ...] = (
         family="x86",
         i_align=32,
     ),
+    # W8A8 (SEMANTICS.md §3 "int8 channel"): int8 codes, one fp32 scale per output channel
+    # (separate [E, N] tensors, plus int32 column sums for the VNNI kernel's u8 activations).
+    # One K group of a block = 32 columns x 4 int8 = 128 bytes: a 32-bit lane holds
+    # w[n][k..k+3], the operand of vpdpbusd (AVX-512 VNNI) and of vpmaddubsw + vpmaddwd (AVX2).
+    PackedLayout(
+        id=2,
+        name="i8_n32k4_x86",
+        weight_dtype="i8",
+        weight_bits=8,
+        group_size=0,
+        block_n=32,
+        k_pack=4,
+        scale_dtype="f32",
+        zero_kind="none",
+        family="x86",
+        i_align=32,
+    ),
 )
 
 _BY_ID = {layout.id: layout for layout in LAYOUTS}
@@ -93,6 +119,7 @@ _BY_NAME = {layout.name: layout for layout in LAYOUTS}
 assert len(_BY_ID) == len(LAYOUTS) and len(_BY_NAME) == len(LAYOUTS), "duplicate layout id or name"
 
 DEFAULT_LAYOUT = _BY_NAME["bf16_n32k2_x86"]
+INT8_LAYOUT = _BY_NAME["i8_n32k4_x86"]
 
 
 def layout_get(key: int | str | PackedLayout) -> PackedLayout:
@@ -174,6 +201,7 @@ def layout_flops(tokens: int, topk: int, hidden: int, intermediate: int) -> int:
 __all__ = [
     "LAYOUTS",
     "DEFAULT_LAYOUT",
+    "INT8_LAYOUT",
     "PackedLayout",
     "ExpertShapes",
     "layout_get",

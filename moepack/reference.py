@@ -77,6 +77,87 @@ def moe_reference(
     return out.to(dtype)
 
 
+def quantize_rows_int8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """SEMANTICS.md §3 A8: per-row dynamic symmetric int8 of fp32 rows ``v [R, K]``:
+    ``scale = max(amax, 1e-7) / 127`` (fp32), ``q = round_half_even(v / scale)`` clamped to
+    +-127. Returns (q as fp32 integers [R, K], scale [R, 1]); the kernels do the same fp32 ops."""
+    v = v.float()
+    scale = v.abs().amax(dim=-1, keepdim=True).clamp(min=1e-7) / 127.0
+    return torch.round(v / scale).clamp(-127.0, 127.0), scale
+
+
+def int8_linear_reference(
+    q: torch.Tensor, q_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``acc_i32 · a_scale[t] · w_scale[n] (+ bias)`` in fp32 with the kernels' order: the integer
+    dot products are exact (fp64 holds every partial sum of <= 2^53), cast to fp32 once."""
+    acc = q.double() @ w_q.double().t()
+    out = acc.float() * q_scale * w_scale.float().reshape(1, -1)
+    return out if bias is None else out + bias.float()
+
+
+def moe_reference_int8(
+    hidden_states: torch.Tensor,
+    w13_q: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_q: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    return_flip: bool = False,
+):
+    """W8A8 experts (SEMANTICS.md §3 "int8 channel" with A8) on canonical int8 weights: codes
+    w13_q [E, 2I, H] / w2_q [E, H, I] (int8), per-channel scales [E, 2I] / [E, H] (fp32).
+
+    Same rounding points as the kernels: each token's x quantized per row; h = dequantized
+    int32 GEMM + bias; act in fp32; the intermediate rounded to the activation dtype, then
+    re-quantized per row; y = dequantized GEMM + bias; combine in fp32 in slot order, one cast.
+
+    ``return_flip``: also return the largest change (2-norm of the whole output) that ONE
+    intermediate code moving by one step can cause: max over slots and columns of
+    ``|w_slot| · a_scale · ||w2_q[e][:, i] · w2_scale||``. Two correct implementations whose
+    activations differ by an ulp can round a value sitting on a code boundary differently;
+    tests allow a few such flips (tests/reference/tolerances.py)."""
+    dtype = hidden_states.dtype
+    x = hidden_states.float()
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    ids = topk_ids.long()
+    if expert_map is not None:
+        ids = expert_map.long()[ids]
+    s13 = w13_scale.float().reshape(w13_q.shape[0], -1)
+    s2 = w2_scale.float().reshape(w2_q.shape[0], -1)
+    xq, xs = quantize_rows_int8(x)
+    y = torch.zeros(t, k, h, dtype=torch.float32)
+    flip = 0.0
+    w = topk_weights.float()
+    for e in range(w13_q.shape[0]):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        hh = int8_linear_reference(xq[tok], xs[tok], w13_q[e], s13[e], None if w13_bias is None else w13_bias[e])
+        a = activation_reference(hh, activation, alpha, limit).to(dtype).float()
+        aq, as_ = quantize_rows_int8(a)
+        y[tok, slot] = int8_linear_reference(aq, as_, w2_q[e], s2[e], None if w2_bias is None else w2_bias[e])
+        if return_flip:
+            col = (w2_q[e].double() * s2[e].double().reshape(-1, 1)).norm(dim=0).max().item()
+            flip = max(flip, (w[tok, slot].abs().double() * as_.reshape(-1).double()).max().item() * col)
+    if expert_map is not None:
+        w = torch.where(ids >= 0, w, torch.zeros_like(w))
+    out = torch.zeros(t, h, dtype=torch.float32)
+    for j in range(k):  # fp32, in slot order
+        out = out + w[:, j : j + 1] * y[:, j]
+    out = out.to(dtype)
+    return (out, flip) if return_flip else out
+
+
 def torch_loop_moe(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,

@@ -152,6 +152,7 @@ def run_packed(
         layout=packed.layout,
         w13_bias=packed.w13_bias,
         w2_bias=packed.w2_bias,
+        **packed.quant_kwargs(),
         **kw,
     )
 

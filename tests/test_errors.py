@@ -81,7 +81,7 @@ CASES = {
     "unknown layout name (wrapper)": (lambda s: fe(s, layout="int4_g128"), LayoutError, ["'int4_g128' is unknown", "known layouts"]),
     "unknown layout id (raw op)": (lambda s: OPS.fused_experts(s.x, s.p.w13, s.p.w2, None, None, s.w, s.ids, 99), ValueError, ["layout=99", "unknown"]),
     "layout 0 (raw op)": (lambda s: OPS.fused_experts(s.x, s.p.w13, s.p.w2, None, None, s.w, s.ids, 0), ValueError, ["layout=0", "unknown"]),
-    "pack_weight unknown layout": (lambda s: OPS.pack_weight(s.inp.w2, 2), ValueError, ["layout=2", "unknown"]),
+    "pack_weight unknown layout": (lambda s: OPS.pack_weight(s.inp.w2, 99), ValueError, ["layout=99", "unknown"]),
     "layout_desc unknown": (lambda s: OPS.layout_desc(-1), ValueError, ["layout=-1", "unknown"]),
     "pack_weight 2-D": (lambda s: moepack.pack_weight(s.inp.w2[0]), ValueError, ["weight", "3-D [E, N, K]"]),
     "pack_weight int": (lambda s: moepack.pack_weight(s.inp.w2.int()), TypeError, ["weight", "Int", "float32, bfloat16 or float16"]),

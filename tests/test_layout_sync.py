@@ -64,8 +64,8 @@ def test_check_detects_a_stale_header(repo_copy):
 def test_check_detects_a_changed_table(repo_copy):
     src = repo_copy / "moepack" / "layout.py"
     text = src.read_text()
-    assert text.count("i_align=32,") == 1
-    src.write_text(text.replace("i_align=32,", "i_align=64,"))
+    assert text.count("i_align=32,") == len(LAYOUTS)
+    src.write_text(text.replace("i_align=32,", "i_align=64,", 1))
     assert run_check(repo_copy).returncode == 1
 
 
@@ -120,9 +120,9 @@ def test_layout_table_invariants():
         assert lay.PackedLayout(**x.to_dict()) == x
 
 
-@pytest.mark.parametrize("key", [0, 2, -1, 10**6, "bf16_n32k2_arm", "", "BF16_N32K2_X86"])
+@pytest.mark.parametrize("key", [0, 3, -1, 10**6, "bf16_n32k2_arm", "", "BF16_N32K2_X86", "i8_n32k4_arm"])
 def test_unknown_layout_lookup_raises_layout_error(key):
-    with pytest.raises(LayoutError, match="is unknown; known layouts: bf16_n32k2_x86 \\(id 1\\)"):
+    with pytest.raises(LayoutError, match="is unknown; known layouts: bf16_n32k2_x86 \\(id 1\\), i8_n32k4_x86 \\(id 2\\)"):
         layout_get(key)
 
 

@@ -1,7 +1,8 @@
 // [NOTE] Scalar fused-MoE kernels: the portable path for EVERY layout and the oracle that each
 // SIMD kernel is tested against (and that is itself tested against moepack/reference.py).
 // Compiled with no ISA flags. It reads weights only through the LayoutDesc numbers
-// (block_n, k_pack), so a file packed for any family runs here.
+// (block_n, k_pack), so a file packed for any family runs here: bf16 layouts (fp32 rows) and
+// int8 layouts (W8A8: s8 rows, exact int32 dot products; the driver does the rest).
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -29,6 +30,22 @@ struct MK {
         float acc = 0.0f;
         for (int64_t k = 0; k < kp; ++k) acc += x[k] * bf16_to_f32(B[(k / kpk) * bn * kpk + n * kpk + k % kpk]);
         c[n] = acc;
+      }
+    }
+  }
+
+  // int8 layouts: acc[m, bn] = exact int32 dot products of s8 rows with one packed block (same
+  // element order as above); the column sums are not needed with signed rows.
+  static void gemm_i8(const LayoutDesc& L, const int8_t* const* rows, int m, const int8_t* B, int64_t kp,
+                      const int32_t*, int32_t* acc) {
+    const int bn = L.block_n, kpk = L.k_pack;
+    for (int i = 0; i < m; ++i) {
+      const int8_t* x = rows[i];
+      int32_t* c = acc + i * bn;
+      for (int n = 0; n < bn; ++n) {
+        int32_t sum = 0;
+        for (int64_t k = 0; k < kp; ++k) sum += int32_t(x[k]) * int32_t(B[(k / kpk) * bn * kpk + n * kpk + k % kpk]);
+        c[n] = sum;
       }
     }
   }
@@ -61,9 +78,13 @@ struct MK {
 }  // namespace scalar
 
 void register_scalar(KernelTable& t) {
-  // The scalar kernel reads any bf16-valued layout through its LayoutDesc.
+  // The scalar kernel reads any bf16-valued or int8 layout through its LayoutDesc.
   for (const LayoutDesc& L : kLayouts) {
     if (L.weight_dtype == kWeight_bf16) t.fused[L.id][int(Isa::scalar)] = scalar::fused_moe;
+    if (L.weight_dtype == kWeight_i8) {
+      t.fused[L.id][int(Isa::scalar)] = scalar::fused_moe_i8<>;
+      t.gemm_i8[L.id][int(Isa::scalar)] = scalar::gemm_i8_block<>;
+    }
   }
 }
 

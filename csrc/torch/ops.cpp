@@ -63,12 +63,23 @@ void check_exact(const at::Tensor& t, const char* name, at::ScalarType st, std::
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " with shape ", shape_str(t), " is not contiguous: must be contiguous");
 }
 
+// Tensors only int8 layouts take (fused_experts' trailing optional arguments).
+struct QuantTensors {
+  const std::optional<at::Tensor>& s13;
+  const std::optional<at::Tensor>& s2;
+  const std::optional<at::Tensor>& c13;
+  const std::optional<at::Tensor>& c2;
+};
+
+// int32 accumulators of int8 layouts: |acc| <= 128 * 127 * K must fit.
+constexpr int64_t kMaxI8K = (int64_t(1) << 31) / (128 * 127);
+
 // Validates every shape/dtype rule and fills the kernel arguments (pointers only when `data`).
 FusedMoeArgs check_fused(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                          const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
                          const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t layout,
                          const std::string& activation, double alpha, double limit,
-                         const std::optional<at::Tensor>& expert_map) {
+                         const std::optional<at::Tensor>& expert_map, const QuantTensors& q) {
   FusedMoeArgs a;
   const LayoutDesc& L = layout_or_throw(layout);
   a.layout = &L;
@@ -84,7 +95,8 @@ FusedMoeArgs check_fused(const at::Tensor& x, const at::Tensor& w13, const at::T
   TORCH_CHECK_VALUE(a.hidden > 0, "hidden_states has shape ", shape_str(x), ": hidden size must be positive");
   check_cpu(w13, "w13");
   TORCH_CHECK_VALUE(w13.dim() == 3, "w13 has shape ", shape_str(w13), ": must be packed 3-D [E, 2*Ip, Kp]");
-  TORCH_CHECK_VALUE(L.weight_dtype == kWeight_bf16, "layout ", L.name, " is not a bf16 layout");
+  const bool i8 = L.weight_dtype == kWeight_i8;
+  TORCH_CHECK_VALUE(L.weight_dtype == kWeight_bf16 || i8, "layout ", L.name, " is neither a bf16 nor an int8 layout");
   const int64_t E = w13.size(0);
   TORCH_CHECK_VALUE(E > 0, "w13 has shape ", shape_str(w13), ": needs at least one expert");
   TORCH_CHECK_VALUE(w13.size(1) % (2 * L.i_align) == 0 && w13.size(1) > 0, "w13 has shape ", shape_str(w13),
@@ -93,9 +105,24 @@ FusedMoeArgs check_fused(const at::Tensor& x, const at::Tensor& w13, const at::T
   a.inter_padded = w13.size(1) / 2;
   const int64_t kp1 = round_up(a.hidden, L.k_pack), np2 = round_up(a.hidden, L.block_n);
   const std::string hnote = "with H=" + std::to_string(a.hidden) + " taken from hidden_states";
-  check_exact(w13, "w13", at::kBFloat16, {E, 2 * a.inter_padded, kp1},
-              ("packed [E, 2*Ip, H padded to k_pack] " + hnote).c_str());
-  check_exact(w2, "w2", at::kBFloat16, {E, np2, a.inter_padded}, ("packed [E, H padded to block_n, Ip] " + hnote).c_str());
+  const at::ScalarType wdt = i8 ? at::kChar : at::kBFloat16;
+  check_exact(w13, "w13", wdt, {E, 2 * a.inter_padded, kp1}, ("packed [E, 2*Ip, H padded to k_pack] " + hnote).c_str());
+  check_exact(w2, "w2", wdt, {E, np2, a.inter_padded}, ("packed [E, H padded to block_n, Ip] " + hnote).c_str());
+  if (i8) {
+    TORCH_CHECK_VALUE(q.s13 && q.s2 && q.c13 && q.c2, "layout ", L.name,
+                      " needs w13_scale, w2_scale, w13_colsum and w2_colsum (moepack.pack.pack_experts_int8 makes "
+                      "them); missing:", q.s13 ? "" : " w13_scale", q.s2 ? "" : " w2_scale", q.c13 ? "" : " w13_colsum",
+                      q.c2 ? "" : " w2_colsum");
+    check_exact(*q.s13, "w13_scale", at::kFloat, {E, 2 * a.inter_padded}, "fp32 [E, 2*Ip] in packed row order");
+    check_exact(*q.s2, "w2_scale", at::kFloat, {E, np2}, ("fp32 [E, H padded to block_n] " + hnote).c_str());
+    check_exact(*q.c13, "w13_colsum", at::kInt, {E, 2 * a.inter_padded}, "int32 [E, 2*Ip], like w13_scale");
+    check_exact(*q.c2, "w2_colsum", at::kInt, {E, np2}, ("int32 [E, H padded to block_n] " + hnote).c_str());
+    TORCH_CHECK_VALUE(kp1 <= kMaxI8K && a.inter_padded <= kMaxI8K, "int8 layout ", L.name, " with H=", a.hidden,
+                      ", Ip=", a.inter_padded, ": both must be <= ", kMaxI8K, " (int32 accumulators)");
+  } else {
+    TORCH_CHECK_VALUE(!q.s13 && !q.s2 && !q.c13 && !q.c2, "w13_scale/w2_scale/w13_colsum/w2_colsum given with layout ",
+                      L.name, ": only int8 layouts take scales and column sums");
+  }
   if (b13) check_exact(*b13, "w13_bias", at::kFloat, {E, 2 * a.inter_padded}, "fp32 [E, 2*Ip] in packed row order");
   if (b2) check_exact(*b2, "w2_bias", at::kFloat, {E, np2}, ("fp32 [E, H padded to block_n] " + hnote).c_str());
   TORCH_CHECK_VALUE(topk_ids.dim() == 2 && topk_ids.size(0) == a.tokens && topk_ids.size(1) > 0, "topk_ids has shape ",
@@ -148,9 +175,11 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
                              const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
                              const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t layout,
                              std::string_view activation, double alpha, double limit,
-                             const std::optional<at::Tensor>& expert_map) {
+                             const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& s13,
+                             const std::optional<at::Tensor>& s2, const std::optional<at::Tensor>& c13,
+                             const std::optional<at::Tensor>& c2) {
   FusedMoeArgs a = check_fused(x, w13, w2, b13, b2, topk_weights, topk_ids, layout, std::string(activation), alpha,
-                               limit, expert_map);
+                               limit, expert_map, QuantTensors{s13, s2, c13, c2});
   at::Tensor out = at::empty({a.tokens, a.hidden}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (a.tokens == 0) return out;
   a.x = x.data_ptr();
@@ -159,6 +188,10 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   a.w2 = w2.data_ptr();
   a.b13 = b13 ? b13->data_ptr<float>() : nullptr;
   a.b2 = b2 ? b2->data_ptr<float>() : nullptr;
+  a.s13 = s13 ? s13->data_ptr<float>() : nullptr;
+  a.s2 = s2 ? s2->data_ptr<float>() : nullptr;
+  a.c13 = c13 ? c13->data_ptr<int32_t>() : nullptr;
+  a.c2 = c2 ? c2->data_ptr<int32_t>() : nullptr;
   a.topk_weights = topk_weights.data_ptr<float>();
   a.topk_ids = topk_ids.data_ptr<int32_t>();
   a.expert_map = expert_map ? expert_map->data_ptr<int32_t>() : nullptr;
@@ -179,9 +212,11 @@ at::Tensor fused_experts_meta(const at::Tensor& x, const at::Tensor& w13, const 
                               const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
                               const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t layout,
                               std::string_view activation, double alpha, double limit,
-                              const std::optional<at::Tensor>& expert_map) {
+                              const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& s13,
+                              const std::optional<at::Tensor>& s2, const std::optional<at::Tensor>& c13,
+                              const std::optional<at::Tensor>& c2) {
   FusedMoeArgs a = check_fused(x, w13, w2, b13, b2, topk_weights, topk_ids, layout, std::string(activation), alpha,
-                               limit, expert_map);
+                               limit, expert_map, QuantTensors{s13, s2, c13, c2});
   return at::empty({a.tokens, a.hidden}, x.options());
 }
 
@@ -195,9 +230,30 @@ std::vector<int64_t> packed_shape(const at::Tensor& w, const LayoutDesc& L, int6
   return {w.size(0), n_padded ? n_padded : np, k_padded ? k_padded : kp};
 }
 
+// int8 layouts pack int8 codes (scales and column sums are separate tensors, moepack/pack).
+at::Tensor pack_weight_i8(const at::Tensor& w, const LayoutDesc& L, int64_t n_padded, int64_t k_padded) {
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kChar, "weight has dtype ", w.scalar_type(), ": layout ", L.name,
+                   " packs int8 codes (quantize first: moepack.pack.quantize_int8_per_channel)");
+  auto shape = packed_shape(w, L, n_padded, k_padded);
+  at::Tensor src = w.contiguous();
+  at::Tensor out = at::empty(shape, w.options());
+  const int64_t E = shape[0], n = w.size(1), k = w.size(2), np = shape[1], kp = shape[2];
+  const int8_t* sp = src.data_ptr<int8_t>();
+  int8_t* dp = out.data_ptr<int8_t>();
+  const int64_t blocks = np / L.block_n;
+  at::parallel_for(0, E * blocks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t x = t / blocks, blk = t % blocks;
+      pack_matrix_i8_rows(sp + x * n * k, n, k, np, kp, L, dp + x * np * kp, blk, blk + 1);
+    }
+  });
+  return out;
+}
+
 at::Tensor pack_weight_cpu(const at::Tensor& w, int64_t layout, int64_t n_padded, int64_t k_padded) {
   const LayoutDesc& L = layout_or_throw(layout);
   check_cpu(w, "weight");
+  if (L.weight_dtype == kWeight_i8) return pack_weight_i8(w, L, n_padded, k_padded);
   const DType dt = dtype_of(w, "weight");
   auto shape = packed_shape(w, L, n_padded, k_padded);
   at::Tensor src = w.contiguous();
@@ -228,8 +284,44 @@ at::Tensor pack_weight_cpu(const at::Tensor& w, int64_t layout, int64_t n_padded
 
 at::Tensor pack_weight_meta(const at::Tensor& w, int64_t layout, int64_t n_padded, int64_t k_padded) {
   const LayoutDesc& L = layout_or_throw(layout);
+  if (L.weight_dtype == kWeight_i8) {
+    TORCH_CHECK_TYPE(w.scalar_type() == at::kChar, "weight has dtype ", w.scalar_type(), ": layout ", L.name,
+                     " packs int8 codes (quantize first: moepack.pack.quantize_int8_per_channel)");
+    return at::empty(packed_shape(w, L, n_padded, k_padded), w.options());
+  }
   dtype_of(w, "weight");
   return at::empty(packed_shape(w, L, n_padded, k_padded), w.options().dtype(at::kBFloat16));
+}
+
+Isa parse_isa(std::string_view name) {
+  for (int i = 0; i < kNumIsa; ++i) {
+    if (name == isa_name(Isa(i))) return Isa(i);
+  }
+  TORCH_CHECK_VALUE(false, "isa='", name, "' is not one of scalar, avx2, avx512");
+}
+
+// Test hook (SEMANTICS.md §4: SIMD integer dot products identical to scalar): the int32
+// accumulators of exactly `isa`'s int8 block GEMM. rows int8 [m, kp], block int8 [block_n * kp]
+// (one packed column block), colsum int32 [block_n] -> int32 [m, block_n].
+at::Tensor gemm_i8_block_cpu(const at::Tensor& rows, const at::Tensor& block, const at::Tensor& colsum, int64_t layout,
+                             std::string_view isa) {
+  const LayoutDesc& L = layout_or_throw(layout);
+  TORCH_CHECK_VALUE(L.weight_dtype == kWeight_i8, "layout ", L.name, " is not an int8 layout");
+  TORCH_CHECK_VALUE(rows.dim() == 2 && rows.size(1) % L.k_pack == 0 && rows.size(1) <= kMaxI8K, "rows has shape ",
+                    shape_str(rows), ": must be [m, kp] with kp a multiple of k_pack=", L.k_pack, " and <= ", kMaxI8K);
+  const int64_t m = rows.size(0), kp = rows.size(1);
+  check_exact(rows, "rows", at::kChar, {m, kp}, "int8 [m, kp]");
+  check_exact(block, "block", at::kChar, {L.block_n * kp}, "one packed int8 column block [block_n * kp]");
+  check_exact(colsum, "colsum", at::kInt, {L.block_n}, "int32 [block_n]");
+  const Isa want = parse_isa(isa);
+  Int8BlockGemmFn fn = find_gemm_i8(int32_t(layout), want);
+  TORCH_CHECK_VALUE(fn != nullptr, "no ", isa_name(want), " int8 block GEMM for layout ", L.name, " on this CPU",
+                    isa_unavailable_reason(want) ? std::string(" (") + isa_unavailable_reason(want) + ")" : "");
+  at::Tensor out = at::empty({m, L.block_n}, rows.options().dtype(at::kInt));
+  std::vector<const int8_t*> ptrs(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) ptrs[size_t(i)] = rows.data_ptr<int8_t>() + i * kp;
+  if (m > 0) fn(L, ptrs.data(), int(m), block.data_ptr<int8_t>(), kp, colsum.data_ptr<int32_t>(), out.data_ptr<int32_t>());
+  return out;
 }
 
 std::tuple<std::string, std::vector<int64_t>> layout_desc(int64_t id) {
@@ -280,8 +372,10 @@ TORCH_LIBRARY(moepack, m) {
   m.def(
       "fused_experts(Tensor hidden_states, Tensor w13, Tensor w2, Tensor? w13_bias, Tensor? w2_bias, "
       "Tensor topk_weights, Tensor topk_ids, int layout, str activation=\"silu\", float alpha=1.702, "
-      "float limit=7.0, Tensor? expert_map=None) -> Tensor");
+      "float limit=7.0, Tensor? expert_map=None, Tensor? w13_scale=None, Tensor? w2_scale=None, "
+      "Tensor? w13_colsum=None, Tensor? w2_colsum=None) -> Tensor");
   m.def("pack_weight(Tensor weight, int layout, int n_padded=0, int k_padded=0) -> Tensor");
+  m.def("gemm_i8_block(Tensor rows, Tensor block, Tensor colsum, int layout, str isa) -> Tensor");
   m.def("layout_desc(int layout) -> (str, int[])", &moepack::layout_desc);
   m.def("kernel_choice(int layout) -> (str, str)", &moepack::kernel_choice);
   m.def("cpu_flags() -> str[]", &moepack::cpu_flags);
@@ -290,6 +384,7 @@ TORCH_LIBRARY(moepack, m) {
 TORCH_LIBRARY_IMPL(moepack, CPU, m) {
   m.impl("fused_experts", &moepack::fused_experts_cpu);
   m.impl("pack_weight", &moepack::pack_weight_cpu);
+  m.impl("gemm_i8_block", &moepack::gemm_i8_block_cpu);
 }
 
 TORCH_LIBRARY_IMPL(moepack, Meta, m) {

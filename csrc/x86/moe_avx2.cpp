@@ -1,4 +1,5 @@
-// [NOTE] AVX2 + FMA (+ F16C) fused-MoE kernels for layout bf16_n32k2_x86.
+// [NOTE] AVX2 + FMA (+ F16C) fused-MoE kernels for layouts bf16_n32k2_x86 and i8_n32k4_x86
+// (int8: see MK::dot4).
 // Compiled with -mavx2 -mfma -mf16c only; registered by dispatch.cpp after cpuid + xgetbv.
 //
 // Weights: one packed block is [Kp/2][32 columns][2] bf16, i.e. per K pair 128 bytes =
@@ -120,6 +121,80 @@ struct MK {
     if (i < m) gemm1(static_cast<const float*>(rows[i]), B, kp, C + i * 32);
   }
 
+  // ---- int8 layouts (i8_n32k4_x86): one block is [Kp/4][32 columns][4] int8, per K quad 128
+  // bytes = 4 ymm whose 32-bit lanes hold w[n][k..k+3]; the row's 4 codes x[k..k+3] are
+  // broadcast to every lane. AVX2 has no signed x signed byte dot product, so:
+  //   u8 = |w|          (vpabsb: -128 -> 0x80 = 128 as u8, exact)
+  //   s8 = x with the sign of w   (vpsignb: x in [-127, 127], so negation is exact; 0 where w = 0)
+  //   vpmaddubsw(u8, s8) = |w0| sx0 + |w1| sx1 = w0 x0 + w1 x1, at most 2 * 128 * 127 = 32512 <
+  //   2^15 in magnitude: it never saturates;  vpmaddwd(., 1) adds the pairs into i32.
+  // Exact integers, no column-sum correction. (The other assignment, u8 = |x| and sign(w, x),
+  // breaks on w = -128, a code compressed-tensors' symmetric int8 can produce.)
+  static inline __m256i dot4(__m256i w, __m256i xb, __m256i ones) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xb, w)), ones);
+  }
+  static inline __m256i bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+  }
+
+  static void gemm_i8_1(const int8_t* x, const int8_t* B, int64_t kp, int32_t* C) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    const __m256i* b = reinterpret_cast<const __m256i*>(B);
+    for (int64_t kq = 0; kq < kp / 4; ++kq, b += 4) {
+      const __m256i xb = bcast4(x + 4 * kq);
+      a0 = _mm256_add_epi32(a0, dot4(_mm256_loadu_si256(b + 0), xb, ones));
+      a1 = _mm256_add_epi32(a1, dot4(_mm256_loadu_si256(b + 1), xb, ones));
+      a2 = _mm256_add_epi32(a2, dot4(_mm256_loadu_si256(b + 2), xb, ones));
+      a3 = _mm256_add_epi32(a3, dot4(_mm256_loadu_si256(b + 3), xb, ones));
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(C + 0), a0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(C + 8), a1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(C + 16), a2);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(C + 24), a3);
+  }
+
+  // Two rows: 8 accumulators, |w| computed once per weight vector for both rows.
+  static void gemm_i8_2(const int8_t* x, const int8_t* z, const int8_t* B, int64_t kp, int32_t* C) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    __m256i c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+    const __m256i* b = reinterpret_cast<const __m256i*>(B);
+    for (int64_t kq = 0; kq < kp / 4; ++kq, b += 4) {
+      const __m256i xb = bcast4(x + 4 * kq), zb = bcast4(z + 4 * kq);
+#define MOEPACK_AVX2_I8STEP(V, ACC_X, ACC_Z)                                                          \
+  {                                                                                                  \
+    const __m256i w = _mm256_loadu_si256(b + V), aw = _mm256_abs_epi8(w);                            \
+    ACC_X = _mm256_add_epi32(ACC_X, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb, w)), ones)); \
+    ACC_Z = _mm256_add_epi32(ACC_Z, _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(zb, w)), ones)); \
+  }
+      MOEPACK_AVX2_I8STEP(0, a0, c0)
+      MOEPACK_AVX2_I8STEP(1, a1, c1)
+      MOEPACK_AVX2_I8STEP(2, a2, c2)
+      MOEPACK_AVX2_I8STEP(3, a3, c3)
+#undef MOEPACK_AVX2_I8STEP
+    }
+    __m256i* o = reinterpret_cast<__m256i*>(C);
+    _mm256_storeu_si256(o + 0, a0);
+    _mm256_storeu_si256(o + 1, a1);
+    _mm256_storeu_si256(o + 2, a2);
+    _mm256_storeu_si256(o + 3, a3);
+    _mm256_storeu_si256(o + 4, c0);
+    _mm256_storeu_si256(o + 5, c1);
+    _mm256_storeu_si256(o + 6, c2);
+    _mm256_storeu_si256(o + 7, c3);
+  }
+
+  // acc[m, 32] for one 32-column int8 block (signed rows; colsum unused).
+  static void gemm_i8(const LayoutDesc&, const int8_t* const* rows, int m, const int8_t* B, int64_t kp, const int32_t*,
+                      int32_t* acc) {
+    int i = 0;
+    for (; i + 2 <= m; i += 2) gemm_i8_2(rows[i], rows[i + 1], B, kp, acc + i * 32);
+    if (i < m) gemm_i8_1(rows[i], B, kp, acc + i * 32);
+  }
+
   static void activation(const FusedMoeArgs& a, const float* g, const float* u, int n, float* out) {
     int j = 0;
     switch (a.act) {
@@ -174,6 +249,10 @@ struct MK {
 }  // namespace
 }  // namespace avx2
 
-void register_avx2(KernelTable& t) { t.fused[kLayoutId_bf16_n32k2_x86][int(Isa::avx2)] = avx2::fused_moe; }
+void register_avx2(KernelTable& t) {
+  t.fused[kLayoutId_bf16_n32k2_x86][int(Isa::avx2)] = avx2::fused_moe;
+  t.fused[kLayoutId_i8_n32k4_x86][int(Isa::avx2)] = avx2::fused_moe_i8<>;
+  t.gemm_i8[kLayoutId_i8_n32k4_x86][int(Isa::avx2)] = avx2::gemm_i8_block<>;
+}
 
 }  // namespace moepack

@@ -47,4 +47,5 @@ def run_experts(
         w13_bias=packed.w13_bias,
         w2_bias=packed.w2_bias,
         expert_map=expert_map,
+        **packed.quant_kwargs(),
     )

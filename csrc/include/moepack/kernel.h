@@ -37,6 +37,8 @@ struct Parallel {
 //                                          interleaved gate/up pairs for swigluoai)
 //   w2           [E, Np(H), Ip]           packed per `layout`
 //   b13, b2      [E, 2*Ip], [E, Np(H)]    fp32 biases in packed row order, or null
+//   s13, s2      [E, 2*Ip], [E, Np(H)]    int8 layouts only: fp32 per-channel weight scales
+//   c13, c2      [E, 2*Ip], [E, Np(H)]    int8 layouts only: int32 column sums sum_k w[n, k]
 //   topk_weights [T, k] fp32, topk_ids [T, k] int32 (global expert ids)
 //   expert_map   [E_global] int32: global id -> local id or -1 (null = identity, E_global = E)
 struct FusedMoeArgs {
@@ -50,6 +52,10 @@ struct FusedMoeArgs {
   const void* w2 = nullptr;
   const float* b13 = nullptr;
   const float* b2 = nullptr;
+  const float* s13 = nullptr;
+  const float* s2 = nullptr;
+  const int32_t* c13 = nullptr;
+  const int32_t* c2 = nullptr;
   const float* topk_weights = nullptr;
   const int32_t* topk_ids = nullptr;
   int64_t topk = 0;
@@ -70,8 +76,16 @@ using FusedMoeFn = void (*)(const FusedMoeArgs&);
 // writes "thing, value, rule" into buf and returns it.
 const char* fused_moe_check_routing(const FusedMoeArgs& a, char* buf, size_t buf_len);
 
+// The integer core of an int8 layout's kernel, for tests (SEMANTICS.md §4: SIMD and scalar
+// integer dot products must be identical): one packed block of L.block_n columns against m
+// int8 rows (canonical signed codes, zero-padded to kp), acc[i * block_n + n] = sum_k a_i[k] *
+// w[n][k] exactly. colsum = the block's column sums (kernels that feed u8 = a + 128 use them).
+using Int8BlockGemmFn = void (*)(const LayoutDesc& L, const int8_t* const* rows, int m, const int8_t* B, int64_t kp,
+                                 const int32_t* colsum, int32_t* acc);
+
 struct KernelTable {
   FusedMoeFn fused[kMaxLayoutId + 1][kNumIsa] = {};
+  Int8BlockGemmFn gemm_i8[kMaxLayoutId + 1][kNumIsa] = {};
 };
 
 // Each ISA translation unit exports exactly one of these; dispatch.cpp calls it only after the
@@ -99,6 +113,9 @@ struct Selection {
 };
 // Best registered kernel for `layout_id` at or below `max_isa` and the host's ISA.
 Selection select_fused(int32_t layout_id, Isa max_isa);
+// The registered int8 block GEMM of exactly `isa` for `layout_id` (null when none: not an int8
+// layout, no such kernel, or the host cannot run `isa`).
+Int8BlockGemmFn find_gemm_i8(int32_t layout_id, Isa isa);
 // MOEPACK_MAX_ISA as parsed (host_isa() when unset); throws std::invalid_argument when invalid.
 Isa env_max_isa();
 const LayoutDesc* layout_find(int32_t id);
@@ -111,5 +128,11 @@ int64_t pack_matrix_bf16(const void* src, DType src_dtype, int64_t n, int64_t k,
                          const LayoutDesc& layout, uint16_t* dst);
 int64_t pack_matrix_bf16_rows(const void* src, DType src_dtype, int64_t n, int64_t k, int64_t np, int64_t kp,
                               const LayoutDesc& layout, uint16_t* dst, int64_t block_begin, int64_t block_end);
+// int8 layouts: [N, K] int8 codes -> packed [Np, Kp] (zero padding), column blocks
+// [block_begin, block_end) only.
+void pack_matrix_i8_rows(const int8_t* src, int64_t n, int64_t k, int64_t np, int64_t kp, const LayoutDesc& layout,
+                         int8_t* dst, int64_t block_begin, int64_t block_end);
+void pack_matrix_i8(const int8_t* src, int64_t n, int64_t k, int64_t np, int64_t kp, const LayoutDesc& layout,
+                    int8_t* dst);
 
 }  // namespace moepack

@@ -8,7 +8,7 @@ namespace moepack {
 enum Family : int32_t { kFamily_x86 = 0, kFamily_arm = 1 };
 enum ScaleDtype : int32_t { kScaleDtype_none = 0, kScaleDtype_f32 = 1, kScaleDtype_bf16 = 2, kScaleDtype_e8m0 = 3 };
 enum ZeroKind : int32_t { kZeroKind_none = 0, kZeroKind_u4 = 1, kZeroKind_bf16 = 2 };
-enum WeightDtype : int32_t { kWeight_bf16 = 0, kWeight_f32 = 1 };
+enum WeightDtype : int32_t { kWeight_bf16 = 0, kWeight_f32 = 1, kWeight_i8 = 2 };
 
 struct LayoutDesc {
   int32_t id;            // stable, written to every manifest
@@ -28,9 +28,13 @@ constexpr LayoutDesc kLayout_bf16_n32k2_x86 = {1, "bf16_n32k2_x86", kWeight_bf16
 constexpr int32_t kLayoutId_bf16_n32k2_x86 = 1;
 static_assert(kLayout_bf16_n32k2_x86.block_n * kLayout_bf16_n32k2_x86.k_pack * kLayout_bf16_n32k2_x86.weight_bits / 8 == 128, "bf16_n32k2_x86: bytes per K group of a block");
 static_assert(kLayout_bf16_n32k2_x86.i_align % kLayout_bf16_n32k2_x86.block_n == 0, "bf16_n32k2_x86: i_align");
+constexpr LayoutDesc kLayout_i8_n32k4_x86 = {2, "i8_n32k4_x86", kWeight_i8 /*2*/, 8, 0, 32, 4, kScaleDtype_f32, kZeroKind_none, kFamily_x86, 32};
+constexpr int32_t kLayoutId_i8_n32k4_x86 = 2;
+static_assert(kLayout_i8_n32k4_x86.block_n * kLayout_i8_n32k4_x86.k_pack * kLayout_i8_n32k4_x86.weight_bits / 8 == 128, "i8_n32k4_x86: bytes per K group of a block");
+static_assert(kLayout_i8_n32k4_x86.i_align % kLayout_i8_n32k4_x86.block_n == 0, "i8_n32k4_x86: i_align");
 
-constexpr int32_t kMaxLayoutId = 1;
-constexpr int32_t kNumLayouts = 1;
-constexpr LayoutDesc kLayouts[kNumLayouts] = {kLayout_bf16_n32k2_x86};
+constexpr int32_t kMaxLayoutId = 2;
+constexpr int32_t kNumLayouts = 2;
+constexpr LayoutDesc kLayouts[kNumLayouts] = {kLayout_bf16_n32k2_x86, kLayout_i8_n32k4_x86};
 
 }  // namespace moepack
