@@ -52,7 +52,7 @@ def convert(
         TimeElapsedColumn(),
         console=err_console,
         transient=True,
-        disable=as_json,
+        disable=as_json or not err_console.is_terminal,  # a stopped bar leaves a blank line on a pipe
     ) as bar:
         task = bar.add_task("planning", total=None)
 

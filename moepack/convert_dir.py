@@ -21,7 +21,7 @@ import torch
 
 from ._version import __version__
 from .container.writer import ShardPlan, ShardWriter, atomic_directory
-from .errors import ConvertError, MoepackError
+from .errors import ConvertError, LayoutError, MoepackError
 from .layout import DEFAULT_LAYOUT, PackedLayout, layout_expert_shapes, layout_get
 from .pack import pack_bias2, pack_bias13, pack_w2, pack_w13
 from .sources import Checkpoint, LayerSpec, open_source, text_config
@@ -84,6 +84,50 @@ def _plan_layer_tensors(spec: LayerSpec, layout: PackedLayout) -> list[tuple[str
     return out
 
 
+def _source_element(s: LayerSpec, role: str, e: int, idx: list[int]) -> tuple[str, list[int]]:
+    """The source tensor and index that hold element ``idx`` of expert ``e``'s canonical ``role``
+    tensor (w13/w2: ``[1, N, K]``; w13_bias/w2_bias: ``[E, N]``, row = expert; shared_w13/w2)."""
+    if role.startswith("shared_"):
+        _, r, c = idx
+        si = s.shared["intermediate"]
+        if role == "shared_w2":
+            return s.shared["down_proj"], [r, c]
+        return (s.shared["gate_proj"], [r, c]) if r < si else (s.shared["up_proj"], [r - si, c])
+    i = s.intermediate
+    if role.endswith("_bias"):
+        e, r = idx
+        if s.kind != "per_expert":
+            return s.names["gate_up_bias" if role == "w13_bias" else "down_bias"], [e, r]
+        if role == "w2_bias":
+            return s.names[(e, "down", "bias")], [r]
+        return (s.names[(e, "gate", "bias")], [r]) if r < i else (s.names[(e, "up", "bias")], [r - i])
+    _, r, c = idx
+    if s.kind == "per_expert":
+        if role == "w2":
+            return s.names[(e, "down", "weight")], [r, c]
+        return (s.names[(e, "gate", "weight")], [r, c]) if r < i else (s.names[(e, "up", "weight")], [r - i, c])
+    name = s.names["gate_up" if role == "w13" else "down"]
+    return name, ([e, r, c] if s.kind in ("fused_out", "granite") else [e, c, r])
+
+
+def _pack_checked(pack: Callable, t: torch.Tensor, s: LayerSpec, role: str, e: int = 0) -> torch.Tensor:
+    """``pack(t)``; a non-finite source value is refused naming the SOURCE tensor and index (the
+    packer only sees one expert at a time, so its own message cannot)."""
+    try:
+        return pack(t)
+    except LayoutError as ex:
+        bad = ~torch.isfinite(t)
+        if not bool(bad.any()):
+            raise
+        idx = bad.nonzero()[0].tolist()
+        name, at = _source_element(s, role, e, idx)
+        v = float(t[tuple(idx)])
+        raise ConvertError(
+            f"layer {s.index}: source tensor {name!r} has a non-finite value ({v}) at {at}: "
+            f"expert weights and biases must be finite (packer: {str(ex).splitlines()[0]})"
+        ) from None
+
+
 def _nbytes(dtype: torch.dtype, shape) -> int:
     n = 1
     for s in shape:
@@ -126,7 +170,13 @@ def convert(
     if threads is not None:
         if threads <= 0:
             raise ConvertError(f"threads={threads}: must be a positive integer")
+        # torch's thread count is process-wide: set it for this convert only
+        before = torch.get_num_threads()
         torch.set_num_threads(threads)
+        try:
+            return convert(src, dst, layout=lay, overwrite=overwrite, threads=None, shard_bytes=shard_bytes, progress=progress)
+        finally:
+            torch.set_num_threads(before)
     notify = progress or (lambda *a, **k: None)
 
     # ---- plan everything from headers (nothing is written yet) ----
@@ -167,18 +217,27 @@ def convert(
                     # one expert at a time: peak memory is one expert, not one layer
                     e_count = s.num_experts
                     parts13 = (
-                        pack_w13(reader.read_expert_w13(ckpt, s, e)[None], interleaved=s.interleaved, layout=lay)
+                        _pack_checked(
+                            lambda t, s=s: pack_w13(t, interleaved=s.interleaved, layout=lay), reader.read_expert_w13(ckpt, s, e)[None], s, "w13", e
+                        )
                         for e in range(e_count)
                     )
-                    parts2 = (pack_w2(reader.read_expert_w2(ckpt, s, e)[None], layout=lay) for e in range(e_count))
+                    parts2 = (
+                        _pack_checked(lambda t: pack_w2(t, layout=lay), reader.read_expert_w2(ckpt, s, e)[None], s, "w2", e)
+                        for e in range(e_count)
+                    )
                     b13, b2 = reader.read_biases(ckpt, s)
                     sh = layout_expert_shapes(lay, s.num_experts, s.hidden, s.intermediate)
                     entry_tensors = {}
                     for role, dtype, parts in (
                         ("w13", "bfloat16", parts13),
                         ("w2", "bfloat16", parts2),
-                        ("w13_bias", "float32", None if b13 is None else [pack_bias13(b13, interleaved=s.interleaved, layout=lay)]),
-                        ("w2_bias", "float32", None if b2 is None else [pack_bias2(b2, layout=lay)]),
+                        (
+                            "w13_bias",
+                            "float32",
+                            None if b13 is None else [_pack_checked(lambda t, s=s: pack_bias13(t, interleaved=s.interleaved, layout=lay), b13, s, "w13_bias")],
+                        ),
+                        ("w2_bias", "float32", None if b2 is None else [_pack_checked(lambda t: pack_bias2(t, layout=lay), b2, s, "w2_bias")]),
                     ):
                         if parts is None:
                             continue
@@ -198,7 +257,10 @@ def convert(
                             "gate": s.shared.get("gate"),
                             "source_tensors": [s.shared[p] for p in ("gate_proj", "up_proj", "down_proj")],
                         }
-                        for role, t in (("shared_w13", pack_w13(sw13, layout=lay)), ("shared_w2", pack_w2(sw2, layout=lay))):
+                        for role, t in (
+                            ("shared_w13", _pack_checked(lambda t: pack_w13(t, layout=lay), sw13, s, "shared_w13")),
+                            ("shared_w2", _pack_checked(lambda t: pack_w2(t, layout=lay), sw2, s, "shared_w2")),
+                        ):
                             name = expert_tensor_name(s.index, role)
                             tensors[name] = {"file": fname, "dtype": "bfloat16", "shape": list(t.shape), "sha256": w.write(name, t)}
                             shared_entry[role[len("shared_"):]] = name
