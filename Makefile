@@ -5,7 +5,7 @@ PIP := $(PYTHON) -m pip
 # torch is pinned everywhere: an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 RUNTIME_DEPS := $(TORCH) numpy "safetensors>=0.4" "typer>=0.12" "rich>=13"
-TEST_DEPS := "pytest>=8" expecttest hypothesis $(TORCH) "transformers==5.24.0"
+TEST_DEPS := "pytest>=8" expecttest hypothesis $(TORCH) "transformers==5.24.0" "compressed-tensors==0.20.1"
 BUILD_DEPS := "setuptools>=69" wheel
 
 .PHONY: setup setup-test build demo test test-only bench clean

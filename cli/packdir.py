@@ -28,6 +28,9 @@ def convert(
     src: Path = typer.Argument(..., help="Checkpoint directory: config.json + *.safetensors."),
     dst: Path = typer.Argument(..., help="Packed directory to create (must not exist unless --overwrite)."),
     isa: str = typer.Option("x86", "--isa", help="Target ISA family of the packed layout: x86."),
+    quantize: Optional[str] = typer.Option(
+        None, "--quantize", help="Quantize a dense source's experts: int8 (W8A8, per output channel). An int8 source stays int8."
+    ),
     threads: Optional[int] = typer.Option(None, "--threads", help="Threads for packing (default: torch's)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it exists (atomically)."),
     shard_gib: float = typer.Option(2.0, "--shard-gib", help="Largest shard file, in GiB."),
@@ -36,6 +39,7 @@ def convert(
     from moepack.convert_dir import convert as do_convert
     from moepack.errors import ConvertError
     from moepack.layout import LAYOUTS
+    from moepack.layout import layout_get as moepack_layout_get
 
     family_layouts = [x for x in LAYOUTS if x.family == isa and x.weight_dtype == "bf16"]
     if not family_layouts:
@@ -66,7 +70,11 @@ def convert(
             elif event == "other_done":
                 bar.update(task, description=f"copied {info['tensors']} other tensors")
 
-        report = do_convert(src, dst, layout=layout, overwrite=overwrite, threads=threads, shard_bytes=int(shard_gib * 2**30), progress=progress)
+        report = do_convert(
+            src, dst, layout=layout, quantize=quantize, overwrite=overwrite, threads=threads,
+            shard_bytes=int(shard_gib * 2**30), progress=progress,
+        )  # fmt: skip
+    layout = moepack_layout_get(report.layout or layout.name)
 
     summary = {
         "dst": str(report.dst),
@@ -119,14 +127,17 @@ def verify(
             if report.fingerprint_match is False:
                 err_console.print("[yellow]note:[/] the source's fingerprint differs from the one recorded at convert time")
             t = Table(title=f"layers against {report.source}")
-            for col in ("layer", "weights == source (bf16)", "output rel. error", "tolerance", "result"):
+            int8 = any(c.rel_err_fp32 is not None for c in report.layers)
+            cols = ["layer", "weights == source (int8 codes)" if int8 else "weights == source (bf16)", "output rel. error", "tolerance"]
+            for col in cols + (["vs fp32 reference (3e-2)"] if int8 else []) + ["result"]:
                 t.add_column(col)
             for c in report.layers:
                 t.add_row(
                     str(c.index),
                     "yes" if c.weights_exact else "[red]no[/]",
                     f"{c.rel_err:.2e}",
-                    f"{c.tol:.0e}",
+                    f"{c.tol:.1e}" if int8 else f"{c.tol:.0e}",
+                    *(["-" if c.rel_err_fp32 is None else f"{c.rel_err_fp32:.2e}"] if int8 else []),
                     "[green]ok[/]" if c.ok else f"[red]FAIL[/] {c.detail}",
                 )
             console.print(t)
@@ -157,6 +168,8 @@ def inspect(
                 "padded_intermediate": p.padded_intermediate,
                 "activation": layer.activation,
                 "layout": p.layout.name,
+                "scheme": layer.entry.get("scheme", "dense"),
+                "scheme_source": layer.entry.get("scheme_source"),
                 "bytes": p.nbytes,
                 "kernel": isa,
                 "reason": reason,
@@ -184,7 +197,7 @@ def inspect(
     r = out["routing"]
     console.print(f"routing: {json.dumps(r) if r else 'none (' + str(out['routing_note']) + ')'}", highlight=False)
     t = Table()
-    for col in ("layer", "experts", "H", "I (padded)", "activation", "layout", "bytes", "kernel"):
+    for col in ("layer", "experts", "H", "I (padded)", "activation", "layout", "scheme", "bytes", "kernel"):
         t.add_column(col)
     for x in layers:
         t.add_row(
@@ -194,12 +207,15 @@ def inspect(
             f"{x['intermediate']} ({x['padded_intermediate']})",
             x["activation"],
             x["layout"],
+            x["scheme"],
             _human(x["bytes"]),
             x["kernel"],
         )
     console.print(t)
     for layout_name, reason in sorted({(x["layout"], x["reason"]) for x in layers}):
         console.print(f"kernel for {layout_name}: {reason}", highlight=False)
+    for note in sorted({x["scheme_source"] for x in layers if x["scheme_source"] and x["scheme"] != "dense"}):
+        console.print(f"weights: {note}", highlight=False)
     total = sum(v["size"] for v in m["files"].values())
     console.print(f"{len(m['files'])} files, {_human(total)}", highlight=False)
 

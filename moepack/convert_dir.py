@@ -5,6 +5,11 @@ source's headers and config.json first, so bad input is refused before anything 
 then one layer at a time is read, packed and written. Everything goes into a temporary sibling
 of DST that is renamed to DST only when complete (moepack/container), so an interrupted or
 failed convert never leaves a directory under the final name.
+
+int8 (W8A8, SEMANTICS.md §3 "int8 channel"): a compressed-tensors int-quantized source is packed
+into the family's int8 layout with its own codes and scales (never re-quantized); a dense source
+is quantized per output channel (``quantize="int8"``, ``moepack.pack.quantize_int8_per_channel``)
+one expert at a time. Each layer's manifest entry records ``scheme`` and ``scheme_source``.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ import torch
 from ._version import __version__
 from .container.writer import ShardPlan, ShardWriter, atomic_directory
 from .errors import ConvertError, LayoutError, MoepackError
-from .layout import DEFAULT_LAYOUT, PackedLayout, layout_expert_shapes, layout_get
-from .pack import pack_bias2, pack_bias13, pack_w2, pack_w13
-from .sources import Checkpoint, LayerSpec, open_source, text_config
+from .layout import DEFAULT_LAYOUT, LAYOUTS, PackedLayout, layout_expert_shapes, layout_get
+from .pack import pack_bias2, pack_bias13, pack_experts_int8, pack_w2, pack_w13, pad_intermediate, quantize_int8_per_channel
+from .sources import Checkpoint, LayerSpec, SourceReader, open_source, text_config
 
 MANIFEST = "moepack.json"
 FORMAT_VERSION = 1
@@ -40,6 +45,7 @@ def expert_tensor_name(layer: int, role: str) -> str:
 @dataclass
 class ConvertReport:
     dst: Path
+    layout: str = ""  # the layout written (an int8 source or quantize="int8": the int8 layout)
     layers: int = 0
     experts_bytes: int = 0
     other_bytes: int = 0
@@ -68,20 +74,115 @@ def _routing_for(config: dict) -> tuple[dict | None, str]:
         return None, str(e)
 
 
+QUANT_ROLES = ("w13_scale", "w2_scale", "w13_colsum", "w2_colsum")  # int8 layouts, in write order
+
+
+def _quant_plan(layout: PackedLayout, e: int, sh, prefix: str = "") -> list[tuple[str, torch.dtype, tuple]]:
+    """The [E, N] scale / column-sum tensors of an int8 layout (none for bf16 layouts)."""
+    if not layout.quantized:
+        return []
+    n13, n2 = (e, 2 * sh.padded_intermediate), (e, sh.w2_shape[1])
+    dts = {"scale": torch.float32, "colsum": torch.int32}
+    return [(prefix + r, dts[r.split("_")[1]], n13 if r.startswith("w13") else n2) for r in QUANT_ROLES]
+
+
 def _plan_layer_tensors(spec: LayerSpec, layout: PackedLayout) -> list[tuple[str, torch.dtype, tuple]]:
     sh = layout_expert_shapes(layout, spec.num_experts, spec.hidden, spec.intermediate)
+    wdt = torch.int8 if layout.quantized else torch.bfloat16
     out = [
-        (expert_tensor_name(spec.index, "w13"), torch.bfloat16, sh.w13_shape),
-        (expert_tensor_name(spec.index, "w2"), torch.bfloat16, sh.w2_shape),
+        (expert_tensor_name(spec.index, "w13"), wdt, sh.w13_shape),
+        (expert_tensor_name(spec.index, "w2"), wdt, sh.w2_shape),
     ]
     if spec.has_bias:
         out.append((expert_tensor_name(spec.index, "w13_bias"), torch.float32, (spec.num_experts, 2 * sh.padded_intermediate)))
         out.append((expert_tensor_name(spec.index, "w2_bias"), torch.float32, (spec.num_experts, sh.w2_shape[1])))
+    out += [(expert_tensor_name(spec.index, r), d, shp) for r, d, shp in _quant_plan(layout, spec.num_experts, sh)]
     if spec.shared:
         ss = layout_expert_shapes(layout, 1, spec.hidden, spec.shared["intermediate"])
-        out.append((expert_tensor_name(spec.index, "shared_w13"), torch.bfloat16, ss.w13_shape))
-        out.append((expert_tensor_name(spec.index, "shared_w2"), torch.bfloat16, ss.w2_shape))
+        out.append((expert_tensor_name(spec.index, "shared_w13"), wdt, ss.w13_shape))
+        out.append((expert_tensor_name(spec.index, "shared_w2"), wdt, ss.w2_shape))
+        out += [(expert_tensor_name(spec.index, r), d, shp) for r, d, shp in _quant_plan(layout, 1, ss, "shared_")]
     return out
+
+
+def _target_layout(lay: PackedLayout, quantize: str | None, reader: SourceReader) -> PackedLayout:
+    """The layout a convert writes: ``lay``, or its family's int8 layout for an int8 source or
+    ``quantize="int8"`` (an int8 source is never dequantized: A8 checkpoints stay A8)."""
+    if quantize not in (None, "int8"):
+        raise ConvertError(f"quantize={quantize!r}: moepack quantizes to 'int8' (W8A8, per output channel) only")
+    if reader.scheme not in ("dense", "int8_channel"):
+        raise ConvertError(f"source reader {reader.name!r} has scheme {reader.scheme!r}, which convert cannot pack")
+    if not (quantize == "int8" or reader.scheme == "int8_channel" or lay.quantized):
+        return lay
+    if lay.quantized:
+        return lay
+    cands = [x for x in LAYOUTS if x.family == lay.family and x.weight_dtype == "i8"]
+    if not cands:
+        raise ConvertError(f"no int8 layout for the {lay.family} family in this build")
+    return cands[0]
+
+
+def _scheme_of(lay: PackedLayout, reader: SourceReader, source_dtype: str) -> tuple[str, str]:
+    """(scheme, where its values come from) for a manifest entry; ``source_dtype`` is the
+    safetensors dtype of the source weights (I8: the source's own int8 codes)."""
+    if not lay.quantized:
+        return "dense", f"{source_dtype} weights packed as bf16"
+    if source_dtype == "I8":
+        from .sources.compressed_tensors import SOURCE_NOTE
+
+        return "int8_channel", SOURCE_NOTE if reader.name == "compressed-tensors" else f"int8 codes and scales of {reader.name}"
+    return "int8_channel", f"quantized by moepack from {source_dtype}"
+
+
+class _Int8Layer:
+    """One layer's experts into an int8 layout, one expert at a time: the codes stream out as
+    parts of w13 / w2 while each expert's padded scales and column sums are gathered into
+    [E, N] tensors, which are written after (plan order: codes, biases, scales, column sums)."""
+
+    def __init__(self, ckpt: Checkpoint, reader: SourceReader, s: LayerSpec, lay: PackedLayout):
+        self.ckpt, self.reader, self.s, self.lay = ckpt, reader, s, lay
+        sh = layout_expert_shapes(lay, s.num_experts, s.hidden, s.intermediate)
+        self.ip, self.np2 = sh.padded_intermediate, sh.w2_shape[1]
+        e = s.num_experts
+        self.w13_scale, self.w13_colsum = torch.zeros(e, 2 * self.ip), torch.zeros(e, 2 * self.ip, dtype=torch.int32)
+        self.w2_scale, self.w2_colsum = torch.zeros(e, self.np2), torch.zeros(e, self.np2, dtype=torch.int32)
+
+    def _codes(self, role: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r, s = self.reader, self.s
+        if r.scheme == "int8_channel":
+            return (r.read_expert_w13_q if role == "w13" else r.read_expert_w2_q)(self.ckpt, s, e)
+        w = (r.read_expert_w13 if role == "w13" else r.read_expert_w2)(self.ckpt, s, e)
+        return _pack_checked(quantize_int8_per_channel, w[None], s, role, e)
+
+    def w13_parts(self):
+        for e in range(self.s.num_experts):
+            q, sc = self._codes("w13", e)
+            q, sc = q.reshape(1, *q.shape[-2:]), sc.reshape(1, -1)
+            self.w13_scale[e] = pad_intermediate(sc.float(), self.ip, self.s.interleaved)[0]
+            self.w13_colsum[e] = pad_intermediate(q.int().sum(-1, dtype=torch.int32), self.ip, self.s.interleaved)[0]
+            yield pack_w13(q, interleaved=self.s.interleaved, layout=self.lay)
+
+    def w2_parts(self):
+        h = self.s.hidden
+        for e in range(self.s.num_experts):
+            q, sc = self._codes("w2", e)
+            q, sc = q.reshape(1, *q.shape[-2:]), sc.reshape(1, -1)
+            self.w2_scale[e, :h] = sc[0].float()
+            self.w2_colsum[e, :h] = q[0].int().sum(-1, dtype=torch.int32)
+            yield pack_w2(q, layout=self.lay)
+
+    def shared(self):
+        """The shared expert packed (codes, scales and column sums) as one-expert PackedExperts."""
+        r, s = self.reader, self.s
+        q = r.read_shared_q(self.ckpt, s) if r.read_shared_q is not None else None
+        if q is None:
+            sw13, sw2 = r.read_shared(self.ckpt, s)
+            q = (
+                _pack_checked(quantize_int8_per_channel, sw13, s, "shared_w13"),
+                _pack_checked(quantize_int8_per_channel, sw2, s, "shared_w2"),
+            )
+        (q13, s13), (q2, s2) = q
+        return pack_experts_int8(q13, s13, q2, s2, layout=self.lay)
 
 
 def _source_element(s: LayerSpec, role: str, e: int, idx: list[int]) -> tuple[str, list[int]]:
@@ -154,12 +255,16 @@ def convert(
     dst: str | Path,
     *,
     layout: int | str | PackedLayout = DEFAULT_LAYOUT,
+    quantize: str | None = None,
     overwrite: bool = False,
     threads: int | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: ProgressFn | None = None,
 ) -> ConvertReport:
-    """Convert the checkpoint at ``src`` into a packed directory at ``dst``."""
+    """Convert the checkpoint at ``src`` into a packed directory at ``dst``.
+
+    ``quantize="int8"``: quantize a dense source's experts to W8A8 int8 (per output channel) and
+    pack them into the family's int8 layout (an int8 source is packed into it anyway)."""
     t0 = time.perf_counter()
     lay = layout_get(layout)
     src, dst = Path(src), Path(dst)
@@ -174,13 +279,16 @@ def convert(
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return convert(src, dst, layout=lay, overwrite=overwrite, threads=None, shard_bytes=shard_bytes, progress=progress)
+            return convert(
+                src, dst, layout=lay, quantize=quantize, overwrite=overwrite, threads=None, shard_bytes=shard_bytes, progress=progress
+            )
         finally:
             torch.set_num_threads(before)
     notify = progress or (lambda *a, **k: None)
 
     # ---- plan everything from headers (nothing is written yet) ----
     ckpt, reader = open_source(src)
+    lay = _target_layout(lay, quantize, reader)
     specs = reader.layers(ckpt)
     config = text_config(ckpt.config)
     for s in specs:
@@ -201,7 +309,7 @@ def convert(
     alpha, limit = _swiglu_params(config)
     notify("plan", layers=len(specs), expert_files=ne, other_files=no, other_tensors=len(other))
 
-    report = ConvertReport(dst=dst)
+    report = ConvertReport(dst=dst, layout=lay.name)
     tensors: dict[str, dict] = {}
     layers_manifest = []
     with atomic_directory(dst, overwrite=overwrite) as tmp:
@@ -216,6 +324,7 @@ def convert(
                     notify("layer_start", layer=s.index, num_experts=s.num_experts)
                     # one expert at a time: peak memory is one expert, not one layer
                     e_count = s.num_experts
+                    q8 = _Int8Layer(ckpt, reader, s, lay) if lay.quantized else None
                     parts13 = (
                         _pack_checked(
                             lambda t, s=s: pack_w13(t, interleaved=s.interleaved, layout=lay), reader.read_expert_w13(ckpt, s, e)[None], s, "w13", e
@@ -229,15 +338,21 @@ def convert(
                     b13, b2 = reader.read_biases(ckpt, s)
                     sh = layout_expert_shapes(lay, s.num_experts, s.hidden, s.intermediate)
                     entry_tensors = {}
+                    wdt = "int8" if q8 else "bfloat16"
+                    if q8:  # the scale / column-sum tensors are filled while w13 / w2 stream out
+                        parts13, parts2 = q8.w13_parts(), q8.w2_parts()
                     for role, dtype, parts in (
-                        ("w13", "bfloat16", parts13),
-                        ("w2", "bfloat16", parts2),
+                        ("w13", wdt, parts13),
+                        ("w2", wdt, parts2),
                         (
                             "w13_bias",
                             "float32",
                             None if b13 is None else [_pack_checked(lambda t, s=s: pack_bias13(t, interleaved=s.interleaved, layout=lay), b13, s, "w13_bias")],
                         ),
                         ("w2_bias", "float32", None if b2 is None else [_pack_checked(lambda t: pack_bias2(t, layout=lay), b2, s, "w2_bias")]),
+                        *(
+                            (r, "int32" if r.endswith("colsum") else "float32", [getattr(q8, r)]) for r in (QUANT_ROLES if q8 else ())
+                        ),
                     ):
                         if parts is None:
                             continue
@@ -248,7 +363,23 @@ def convert(
                         entry_tensors[role] = name
                         report.experts_bytes += entry.nbytes
                     shared_entry = None
-                    shared = reader.read_shared(ckpt, s)
+                    shared = None if q8 else reader.read_shared(ckpt, s)
+                    if q8 and s.shared:
+                        sp = q8.shared()
+                        shared_entry = {
+                            "intermediate": s.shared["intermediate"],
+                            "padded_intermediate": sp.padded_intermediate,
+                            "gate": s.shared.get("gate"),
+                            "source_tensors": [s.shared[p] for p in ("gate_proj", "up_proj", "down_proj")],
+                            "scheme_source": _scheme_of(lay, reader, ckpt.info(s.shared["gate_proj"]).dtype_str)[1],
+                        }
+                        for role in ("w13", "w2") + QUANT_ROLES:
+                            t = getattr(sp, role)
+                            name = expert_tensor_name(s.index, "shared_" + role)
+                            dt = str(t.dtype).replace("torch.", "")
+                            tensors[name] = {"file": fname, "dtype": dt, "shape": list(t.shape), "sha256": w.write(name, t)}
+                            shared_entry[role] = name
+                            report.experts_bytes += t.numel() * t.element_size()
                     if shared is not None:
                         sw13, sw2 = shared
                         shared_entry = {
@@ -282,6 +413,8 @@ def convert(
                             "limit": limit,
                             "interleaved": s.interleaved,
                             "layout_id": lay.id,
+                            "scheme": _scheme_of(lay, reader, s.dtype)[0],
+                            "scheme_source": _scheme_of(lay, reader, s.dtype)[1],
                             "tensors": entry_tensors,
                             "router": dict(s.router),
                             "shared": shared_entry,

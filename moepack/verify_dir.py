@@ -7,6 +7,11 @@
 3. With the source: every layer's packed weights unpacked equal the source's weights rounded
    to bf16, exactly; and the packed layer's output on seeded random tokens matches
    ``moepack.reference`` run on the source's own weights.
+   int8 layers (scheme int8_channel): the packed codes, scales and column sums equal the
+   source's own int8 codes and scales (or, for a dense source quantized by moepack,
+   ``quantize_int8_per_channel`` of its weights) exactly; the output matches
+   ``moe_reference_int8`` on those codes (1e-5, up to two intermediate-code flips: see
+   tests/reference/tolerances.py) and the fp32 reference on the source's weights (3e-2).
 """
 
 from __future__ import annotations
@@ -19,8 +24,8 @@ from typing import Callable
 import torch
 
 from .errors import MoepackError
-from .pack import pad_intermediate, unpack_weight_reference
-from .reference import moe_reference
+from .pack import pad_intermediate, quantize_int8_per_channel, unpack_weight_reference
+from .reference import moe_reference, moe_reference_int8
 from .runtime.model import PackedModel, open_packed
 
 CHUNK = 64 << 20
@@ -52,6 +57,7 @@ class LayerCheck:
     tol: float
     ok: bool
     detail: str = ""
+    rel_err_fp32: float | None = None  # int8 layers: vs the fp32 reference on the source's weights
 
 
 @dataclass
@@ -93,10 +99,72 @@ def _check_tensors(model: PackedModel, report: VerifyReport, notify) -> None:
         notify("tensor", name=name, ok=ok)
 
 
+INT8_TOL = 1e-5  # vs moe_reference_int8 on the same codes (plus flips)
+INT8_FP32_TOL = 3e-2  # vs the fp32 reference on the source's weights (SEMANTICS.md §4, A8)
+INT8_FLIPS = 2.0
+
+
+def _tokens(model: PackedModel, layer_index: int, e: int, h: int, tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed + layer_index)
+    x = torch.randn(tokens, h, generator=g)
+    logits = torch.randn(tokens, e, generator=g)
+    k = min(int(model.routing["top_k"]) if model.routing else 2, e)
+    w, ids = torch.softmax(logits, -1).topk(k)
+    return x, w.contiguous(), ids.to(torch.int32).contiguous()
+
+
+def _check_layer_int8(model: PackedModel, layer_index: int, canon, tokens: int, seed: int) -> LayerCheck:
+    layer = model.layers[layer_index]
+    p = layer.packed
+    e, h, i, ip = p.num_experts, p.hidden, p.intermediate, p.padded_intermediate
+    if canon.w13_q is not None:  # the source's own int8 codes and scales
+        q13, s13, q2, s2 = canon.w13_q, canon.w13_scale.float(), canon.w2_q, canon.w2_scale.float()
+    else:  # a dense source quantized by moepack: the same quantization, recomputed
+        q13, s13 = quantize_int8_per_channel(canon.w13)
+        q2, s2 = quantize_int8_per_channel(canon.w2)
+    np2 = p.w2.shape[1]
+
+    def padn(v):
+        out = v.new_zeros(e, np2)
+        out[:, :h] = v
+        return out
+
+    checks = {
+        "w13 codes": torch.equal(unpack_weight_reference(p.w13, 2 * ip, h, p.layout), pad_intermediate(q13, ip, p.interleaved)),
+        "w2 codes": torch.equal(unpack_weight_reference(p.w2, h, ip, p.layout)[:, :, :i], q2)
+        and bool((unpack_weight_reference(p.w2, h, ip, p.layout)[:, :, i:] == 0).all()),
+        "w13_scale": torch.equal(p.w13_scale, pad_intermediate(s13, ip, p.interleaved)),
+        "w2_scale": torch.equal(p.w2_scale, padn(s2)),
+        "w13_colsum": torch.equal(p.w13_colsum, pad_intermediate(q13.int().sum(-1, dtype=torch.int32), ip, p.interleaved)),
+        "w2_colsum": torch.equal(p.w2_colsum, padn(q2.int().sum(-1, dtype=torch.int32))),
+    }
+    exact = all(checks.values())
+    x, w, ids = _tokens(model, layer_index, e, h, tokens, seed)
+    out = layer.experts(x, w, ids)
+    kw = dict(activation=layer.activation, alpha=layer.alpha, limit=layer.limit, w13_bias=canon.w13_bias, w2_bias=canon.w2_bias)
+    ref, flip = moe_reference_int8(x, q13, s13, q2, s2, w, ids, return_flip=True, **kw)
+    norm = float(ref.norm().clamp_min(1e-30))
+    rel = float((out - ref).norm()) / norm
+    tol = max(INT8_TOL, INT8_FLIPS * flip / norm)
+    ref32 = moe_reference(x, canon.w13, canon.w2, w, ids, **kw)
+    rel32 = float((out - ref32).norm() / ref32.norm().clamp_min(1e-30))
+    ok = exact and rel <= tol and rel32 <= INT8_FP32_TOL
+    detail = []
+    if not exact:
+        detail.append("packed int8 tensors differ from the source's codes/scales: " + ", ".join(k for k, v in checks.items() if not v))
+    if rel > tol:
+        detail.append(f"output differs from the int8 reference: relative error {rel:.3g} > {tol:.3g}")
+    if rel32 > INT8_FP32_TOL:
+        detail.append(f"output differs from the fp32 reference on the source's weights: {rel32:.3g} > {INT8_FP32_TOL:g}")
+    return LayerCheck(layer_index, exact, rel, tol, ok, "; ".join(detail), rel32)
+
+
 def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, tokens: int, seed: int) -> LayerCheck:
     layer = model.layers[layer_index]
     p = layer.packed
     canon = reader.read_layer(ckpt, spec)
+    if p.layout.quantized:
+        return _check_layer_int8(model, layer_index, canon, tokens, seed)
     e, h, i = p.num_experts, p.hidden, p.intermediate
     # exact weights: unpack(packed) == source rounded to bf16, padding included
     w13_want = pad_intermediate(canon.w13.to(torch.bfloat16), p.padded_intermediate, p.interleaved)
@@ -107,12 +175,7 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
     )
     exact = exact and bool((w2_got[:, :, i:] == 0).all())
     # numerics on seeded tokens against the fp32 reference on the source's own weights
-    g = torch.Generator().manual_seed(seed + layer_index)
-    x = torch.randn(tokens, h, generator=g)
-    logits = torch.randn(tokens, e, generator=g)
-    k = min(int(model.routing["top_k"]) if model.routing else 2, e)
-    w, ids = torch.softmax(logits, -1).topk(k)
-    w, ids = w.contiguous(), ids.to(torch.int32).contiguous()
+    x, w, ids = _tokens(model, layer_index, e, h, tokens, seed)
     out = layer.experts(x, w, ids)
     ref = moe_reference(
         x,

@@ -49,8 +49,15 @@ _DTYPES = {"bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
 
 
 def fixture_names() -> list[str]:
-    """Names of all fixtures (directories holding a FIXTURE.json)."""
-    return sorted(p.parent.name for p in FIXTURES_ROOT.glob("*/FIXTURE.json"))
+    """Names of the dense fixtures (directories holding a FIXTURE.json that transformers wrote);
+    quantized variants of them are ``quantized_fixture_names()``."""
+    return sorted(p.parent.name for p in FIXTURES_ROOT.glob("*/FIXTURE.json") if "base_fixture" not in json.loads(p.read_text()))
+
+
+def quantized_fixture_names() -> list[str]:
+    """Fixtures written by a quantization library from a dense fixture's weights (FIXTURE.json
+    names its ``base_fixture``), e.g. qwen3_moe_w8a8 (compressed-tensors int-quantized)."""
+    return sorted(p.parent.name for p in FIXTURES_ROOT.glob("*/FIXTURE.json") if "base_fixture" in json.loads(p.read_text()))
 
 
 def fixture_dir(name: str) -> Path:

@@ -441,20 +441,123 @@ def write_fixture(name: str, spec: dict, seed: int, out: Path, argv: list[str]) 
     return d
 
 
+# Quantized fixtures written by the quantization library itself, from a dense fixture's weights
+# (FORMATS.md §3.6: compressed-tensors 0.20 quantizes and packs on CPU). name -> spec.
+QUANTIZED: dict[str, dict] = {
+    # W8A8 INT8 (format int-quantized): every Linear but the routers; int8 weight + per-channel
+    # weight_scale [N, 1] in the model dtype; dynamic per-token int8 activations (no input_scale).
+    "qwen3_moe_w8a8": dict(base="qwen3_moe", preset="W8A8", ignore=["lm_head", "re:.*mlp.gate$"]),
+}
+
+
+def _linear_weights(sd: dict) -> dict:
+    """module name -> 2-D weight of every nn.Linear-like tensor (not embeddings or norms)."""
+    return {
+        n[: -len(".weight")]: t
+        for n, t in sd.items()
+        if n.endswith(".weight") and t.dim() == 2 and "embed" not in n and "norm" not in n
+    }
+
+
+def write_quantized_fixture(name: str, spec: dict, out: Path, argv: list[str]) -> Path:
+    """Quantize a dense fixture's Linear weights with compressed-tensors and save the result the
+    way a compressed-tensors checkpoint is saved (safetensors state dict + update_config)."""
+    import compressed_tensors
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    base = out / spec["base"]
+    if not (base / "config.json").is_file():
+        raise SystemExit(f"{name}: the dense fixture {base} must exist first (make it without --only, or with --only {spec['base']})")
+    d = out / name
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    sd = {}
+    for f in sorted(base.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    root = torch.nn.Module()
+    for mname, w in _linear_weights(sd).items():
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=f"{mname}.bias" in sd, dtype=w.dtype)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            if lin.bias is not None:
+                lin.bias.copy_(sd[f"{mname}.bias"])
+        cur = root
+        parts = mname.split(".")
+        for p in parts[:-1]:
+            if not hasattr(cur, p):
+                cur.add_module(p, torch.nn.Module())
+            cur = getattr(cur, p)
+        cur.add_module(parts[-1], lin)
+    scheme = preset_name_to_scheme(spec["preset"], ["Linear"])
+    apply_quantization_config(root, QuantizationConfig(config_groups={"group_0": scheme}, ignore=spec["ignore"]))
+    # the observers live in llm-compressor: fill the scales from each channel's min/max
+    for m in root.modules():
+        if hasattr(m, "weight_scale"):
+            w = m.weight.float()
+            lo = torch.clamp(w.amin(dim=1, keepdim=True), max=0)
+            hi = torch.clamp(w.amax(dim=1, keepdim=True), min=0)
+            scale, zp = calculate_qparams(lo, hi, m.quantization_scheme.weights)
+            with torch.no_grad():
+                m.weight_scale.copy_(scale.to(m.weight_scale.dtype))
+                if hasattr(m, "weight_zero_point"):
+                    m.weight_zero_point.copy_(zp.to(m.weight_zero_point.dtype))
+    comp = ModelCompressor.from_pretrained_model(root)
+    comp.compress_model(root)
+    quantized = {k: v.detach().contiguous() for k, v in root.state_dict().items()}
+    out_sd = {n: t for n, t in sd.items() if n[: -len(".weight")] not in _linear_weights(sd) or n in quantized}
+    out_sd.update(quantized)
+    save_file({k: out_sd[k] for k in sorted(out_sd)}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    for f in ("config.json", "generation_config.json"):
+        if (base / f).is_file():
+            shutil.copy(base / f, d / f)
+    comp.update_config(str(d))
+    cfg = json.loads((d / "config.json").read_text())
+    doc = {
+        "name": name,
+        "family": cfg.get("model_type"),
+        "base_fixture": spec["base"],
+        "command": "python tools/make_fixtures.py " + " ".join(argv),
+        "versions": {**versions(), "compressed_tensors": compressed_tensors.__version__},
+        "generation": {
+            "steps": [
+                f"every 2-D Linear weight of fixtures/{spec['base']} (not embeddings, norms) as an nn.Linear",
+                f"apply_quantization_config(root, QuantizationConfig(config_groups={{'group_0': "
+                f"preset_name_to_scheme({spec['preset']!r}, ['Linear'])}}, ignore={spec['ignore']!r}))",
+                "weight_scale, weight_zero_point = calculate_qparams(min(w, 0), max(w, 0)) per output channel",
+                "ModelCompressor.from_pretrained_model(root).compress_model(root); save_file(state dict + the "
+                "base's other tensors, sorted); ModelCompressor.update_config(dir)",
+            ]
+        },
+        "quantization_config": cfg.get("quantization_config"),
+        "files": {f.name: {"bytes": f.stat().st_size, "sha256": sha256(f)} for f in sorted(d.iterdir())},
+        "tensors": read_tensors(d),
+    }
+    (d / "FIXTURE.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return d
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO_ROOT / "fixtures"))
-    ap.add_argument("--only", nargs="*", choices=sorted(FIXTURES), help="regenerate only these fixtures")
+    ap.add_argument("--only", nargs="*", choices=sorted(FIXTURES) + sorted(QUANTIZED), help="regenerate only these fixtures")
     args = ap.parse_args(argv)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rec_argv = ["--seed", str(args.seed)]
-    for name in args.only or FIXTURES:
-        d = write_fixture(name, FIXTURES[name], args.seed, out, rec_argv)
+    for name in args.only or list(FIXTURES) + list(QUANTIZED):
+        if name in QUANTIZED:  # after its dense base (compressed-tensors must be installed)
+            d = write_quantized_fixture(name, QUANTIZED[name], out, rec_argv + ["--only", name])
+        else:
+            d = write_fixture(name, FIXTURES[name], args.seed, out, rec_argv)
         size = sum(f.stat().st_size for f in d.iterdir())
         print(f"{name:18s} {size / 1024:8.1f} KiB  {d}")
     return 0

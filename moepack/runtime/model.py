@@ -24,6 +24,7 @@ from .experts import run_experts
 
 MANIFEST = "moepack.json"
 FORMAT_VERSION = 1
+QUANT_ROLES = ("w13_scale", "w2_scale", "w13_colsum", "w2_colsum")  # int8 layouts
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -73,6 +74,7 @@ class PackedMoELayer(torch.nn.Module):
                 w2=model.tensor(sh["w2"]),
                 w13_bias=None,
                 w2_bias=None,
+                **model.quant_tensors(sh, experts.layout),
             )
             if sh.get("gate"):
                 self.shared_gate = model.tensor(sh["gate"])
@@ -194,7 +196,14 @@ class PackedModel:
             w2=self.tensor(t["w2"]),
             w13_bias=self.tensor(t["w13_bias"]) if "w13_bias" in t else None,
             w2_bias=self.tensor(t["w2_bias"]) if "w2_bias" in t else None,
+            **self.quant_tensors(t, lay),
         )
+
+    def quant_tensors(self, names: dict, lay) -> dict:
+        """An int8 layout's scale / column-sum tensors (``names``: role -> tensor name)."""
+        if not lay.quantized:
+            return {}
+        return {r: self.tensor(names[r]) for r in QUANT_ROLES}
 
     def __repr__(self) -> str:
         return f"PackedModel({str(self.path)!r}, layers={sorted(self.layers)})"
@@ -230,6 +239,16 @@ def validate_manifest(path: Path, m: dict) -> None:
             e, h, i = int(entry["num_experts"]), int(entry["hidden"]), int(entry["intermediate"])
             sh = layout_expert_shapes(lay, e, h, i)
             want = {"w13": list(sh.w13_shape), "w2": list(sh.w2_shape)}
+            if lay.quantized:  # int8: per-channel scales and column sums in packed row order
+                want.update({r: [e, 2 * sh.padded_intermediate if r.startswith("w13") else sh.w2_shape[1]] for r in QUANT_ROLES})
+                sh_e = entry.get("shared")
+                if sh_e:
+                    ss = layout_expert_shapes(lay, 1, h, int(sh_e["intermediate"]))
+                    for r in QUANT_ROLES:
+                        got = m["tensors"][sh_e[r]]["shape"]
+                        w_ = [1, 2 * ss.padded_intermediate if r.startswith("w13") else ss.w2_shape[1]]
+                        if list(got) != w_:
+                            _fail(path, f"layer {entry['index']}: shared tensor {sh_e[r]!r} has shape {got}, layout math says {w_}")
             for role, shape in want.items():
                 tname = entry["tensors"][role]
                 got = m["tensors"][tname]["shape"]

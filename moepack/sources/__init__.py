@@ -27,6 +27,12 @@ class SourceReader:
     read_expert_w2: Callable[[Checkpoint, LayerSpec, int], "torch.Tensor"]
     read_biases: Callable[[Checkpoint, LayerSpec], tuple]
     read_shared: Callable[[Checkpoint, LayerSpec], tuple | None]
+    # What the expert weights mean (SEMANTICS.md §3): "dense" (float values) or "int8_channel"
+    # (int8 codes + per-channel scales, read as they are by the *_q functions below).
+    scheme: str = "dense"
+    read_expert_w13_q: Callable[[Checkpoint, LayerSpec, int], tuple] | None = None  # (q [2I, H], scale [2I])
+    read_expert_w2_q: Callable[[Checkpoint, LayerSpec, int], tuple] | None = None  # (q [H, I], scale [H])
+    read_shared_q: Callable[[Checkpoint, LayerSpec], tuple | None] | None = None
 
 
 def _detect_dense(ckpt: Checkpoint) -> tuple[bool, str]:
@@ -37,7 +43,27 @@ def _detect_dense(ckpt: Checkpoint) -> tuple[bool, str]:
     return True, "no quantization_config: dense weights"
 
 
+def _ct_reader() -> SourceReader:
+    from . import compressed_tensors as ct
+
+    return SourceReader(
+        "compressed-tensors",
+        ct.detect,
+        ct.layers,
+        ct.read_layer,
+        ct.read_expert_w13,
+        ct.read_expert_w2,
+        ct.read_biases,
+        ct.read_shared,
+        scheme=ct.SCHEME,
+        read_expert_w13_q=ct.read_expert_w13_q,
+        read_expert_w2_q=ct.read_expert_w2_q,
+        read_shared_q=ct.read_shared_q,
+    )
+
+
 READERS: list[SourceReader] = [
+    _ct_reader(),
     SourceReader("dense", _detect_dense, discover_layers, read_layer, read_expert_w13, read_expert_w2, read_biases, read_shared),
 ]
 

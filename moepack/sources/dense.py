@@ -70,6 +70,12 @@ class CanonicalLayer:
     w2: torch.Tensor  # [E, H, I]
     w13_bias: torch.Tensor | None  # [E, 2I]
     w2_bias: torch.Tensor | None  # [E, H]
+    # int8 sources (scheme int8_channel): the codes and per-channel scales themselves; w13 / w2
+    # above are then their dequantized fp32 values q * scale.
+    w13_q: torch.Tensor | None = None  # [E, 2I, H] int8
+    w13_scale: torch.Tensor | None = None  # [E, 2I] fp32
+    w2_q: torch.Tensor | None = None  # [E, H, I] int8
+    w2_scale: torch.Tensor | None = None  # [E, H] fp32
 
 
 def _cfg(config: dict, *keys, default=None):
@@ -115,8 +121,14 @@ def _layer_index(prefix: str) -> int:
     return int(m.group(1))
 
 
-def discover_layers(ckpt: Checkpoint) -> list[LayerSpec]:
-    """Every MoE layer of the checkpoint, validated against config.json."""
+# What the expert weights of a checkpoint may be stored as (readers of quantized formats pass
+# their own), and the rule a refusal quotes.
+DENSE_WEIGHTS = (FLOAT_DTYPES, "a dense checkpoint's experts must be BF16, F16 or F32 (quantized checkpoints need their own reader)")
+
+
+def discover_layers(ckpt: Checkpoint, weights: tuple[set, str] = DENSE_WEIGHTS) -> list[LayerSpec]:
+    """Every MoE layer of the checkpoint, validated against config.json. ``weights``: the
+    allowed safetensors dtypes of expert (and shared-expert) weights and the rule's wording."""
     config = text_config(ckpt.config)
     model_type = config.get("model_type", "?")
     hidden = _cfg(config, "hidden_size")
@@ -156,25 +168,22 @@ def discover_layers(ckpt: Checkpoint) -> list[LayerSpec]:
     specs = []
     for prefix, g in sorted(groups.items(), key=lambda kv: _layer_index(kv[0])):
         if g["kind"] == "per_expert":
-            specs.append(_per_expert_spec(ckpt, prefix, g["t"], num_experts, hidden, act))
+            specs.append(_per_expert_spec(ckpt, prefix, g["t"], num_experts, hidden, act, weights))
         else:
-            specs.append(_fused_spec(ckpt, prefix, g["kind"], g["t"], num_experts, hidden, act, model_type))
+            specs.append(_fused_spec(ckpt, prefix, g["kind"], g["t"], num_experts, hidden, act, model_type, weights))
     seen = {}
     for s in specs:
         if s.index in seen:
             raise SourceError(f"layer {s.index} has two expert groups: {seen[s.index]!r} and {s.prefix!r}")
         seen[s.index] = s.prefix
-        _attach_router_and_shared(ckpt, s)
+        _attach_router_and_shared(ckpt, s, weights)
     return specs
 
 
-def _check_dtype(ckpt: Checkpoint, name: str, want: str | None) -> str:
+def _check_dtype(ckpt: Checkpoint, name: str, want: str | None, weights: tuple[set, str] = DENSE_WEIGHTS) -> str:
     d = ckpt.info(name).dtype_str
-    if d not in FLOAT_DTYPES:
-        raise SourceError(
-            f"tensor {name!r} has dtype {d}: a dense checkpoint's experts must be BF16, F16 or F32 "
-            "(quantized checkpoints need their own reader)"
-        )
+    if d not in weights[0]:
+        raise SourceError(f"tensor {name!r} has dtype {d}: {weights[1]}")
     if want is not None and d != want:
         raise SourceError(f"tensor {name!r} has dtype {d}, but the layer's other expert tensors are {want}")
     return d
@@ -186,7 +195,7 @@ def _check_shape(ckpt: Checkpoint, name: str, want: tuple) -> None:
         raise SourceError(f"tensor {name!r} has shape {list(got)}: expected {list(want)}")
 
 
-def _per_expert_spec(ckpt, prefix, t, num_experts, hidden, act) -> LayerSpec:
+def _per_expert_spec(ckpt, prefix, t, num_experts, hidden, act, weights=DENSE_WEIGHTS) -> LayerSpec:
     ids = sorted({e for (e, _, _) in t})
     extra = [e for e in ids if e >= num_experts]
     if extra:
@@ -205,7 +214,7 @@ def _per_expert_spec(ckpt, prefix, t, num_experts, hidden, act) -> LayerSpec:
     for e in range(num_experts):
         for role, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
             n = t[(e, role, "weight")]
-            dtype = _check_dtype(ckpt, n, dtype)
+            dtype = _check_dtype(ckpt, n, dtype, weights)
             _check_shape(ckpt, n, shape)
             if has_bias:
                 b = t.get((e, role, "bias"))
@@ -228,7 +237,7 @@ def _per_expert_spec(ckpt, prefix, t, num_experts, hidden, act) -> LayerSpec:
     )
 
 
-def _fused_spec(ckpt, prefix, kind, t, num_experts, hidden, act, model_type) -> LayerSpec:
+def _fused_spec(ckpt, prefix, kind, t, num_experts, hidden, act, model_type, weights=DENSE_WEIGHTS) -> LayerSpec:
     if kind == "granite":
         gu_name, dn_name = t.get(("input_linear", "weight")), t.get(("output_linear", "weight"))
         gub_name = dnb_name = None
@@ -256,8 +265,8 @@ def _fused_spec(ckpt, prefix, kind, t, num_experts, hidden, act, model_type) -> 
         raise SourceError(
             f"tensor {gu_name!r} has shape {list(gu.shape)}: neither [E, 2I, H] nor [E, H, 2I] with H={hidden}"
         )
-    dtype = _check_dtype(ckpt, gu_name, None)
-    _check_dtype(ckpt, dn_name, dtype)
+    dtype = _check_dtype(ckpt, gu_name, None, weights)
+    _check_dtype(ckpt, dn_name, dtype, weights)
     _check_shape(ckpt, dn_name, down_shape)
     has_bias = gub_name is not None or dnb_name is not None
     if has_bias:
@@ -282,7 +291,7 @@ def _fused_spec(ckpt, prefix, kind, t, num_experts, hidden, act, model_type) -> 
     )
 
 
-def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec) -> None:
+def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set, str] = DENSE_WEIGHTS) -> None:
     """Router and shared-expert tensor names next to the experts (carried over unchanged)."""
     parent = s.prefix
     moe = parent
@@ -312,9 +321,9 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec) -> None:
         si = g.shape[0]
         _check_shape(ckpt, u.name, (si, s.hidden))
         _check_shape(ckpt, d.name, (s.hidden, si))
-        dt = _check_dtype(ckpt, g.name, None)
-        _check_dtype(ckpt, u.name, dt)
-        _check_dtype(ckpt, d.name, dt)
+        dt = _check_dtype(ckpt, g.name, None, weights)
+        _check_dtype(ckpt, u.name, dt, weights)
+        _check_dtype(ckpt, d.name, dt, weights)
         s.shared = {"gate_proj": g.name, "up_proj": u.name, "down_proj": d.name, "intermediate": si, "gate": None}
         gate = f"{moe}.shared_expert_gate.weight"
         if gate in ckpt.tensors:
