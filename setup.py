@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 ISA_FLAGS = {
     "ops.cpp": ["-fopenmp"],
     "moe_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
-    "moe_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"],
+    "moe_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"],
 }
 COMMON_FLAGS = ["-O3", "-std=c++20", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
 

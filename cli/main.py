@@ -66,6 +66,9 @@ def bench(
     tokens: str = typer.Option("1,8,64,512", "--tokens", help="Comma-separated token counts T."),
     threads: int = typer.Option(2, "--threads", help="torch.set_num_threads, and the machine probe's threads."),
     dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype: bf16, fp32 or fp16 (weights are bf16)."),
+    scheme: str = typer.Option(
+        "bf16", "--scheme", help="Packed experts: bf16, or int8 (W8A8: the bf16 weights quantized per channel; GB/s of int8 bytes, GOP/s)."
+    ),
     skip_torch: bool = typer.Option(False, "--skip-torch", help="Time only moepack (no torch loop baseline)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write all rows and machine info to this JSON file."),
     calls: Optional[int] = typer.Option(None, "--calls", help="Timed calls per measurement (default: adaptive, see --min-time)."),
@@ -87,6 +90,7 @@ def bench(
         tokens=B.parse_tokens(tokens),
         threads=threads,
         dtype=dtype,
+        scheme=scheme,
         skip_torch=skip_torch,
         min_time=min_time,
         calls=calls,

@@ -19,6 +19,12 @@ GFLOP/s (``2*T*k*3*H*I`` per call / time) and torch_ms / moepack_ms. The same ru
 machine with tools/bw_probe.c (compiled on the fly, see ``probe_machine``): stream-read
 bandwidth and fp32 FMA peak with the same thread count, and moepack's fraction of each.
 
+``--scheme int8`` packs the same weights as W8A8 int8 experts (``quantize_int8_per_channel``,
+layout ``i8_n32k4_x86``): GB/s then counts the int8 packed bytes (codes + fp32 scales + int32
+column sums) and GFLOP/s reads as GOP/s (the same ``2*T*k*3*H*I`` operations, done as int8
+multiply-adds). The "% FMA peak" column stays relative to the machine's fp32 FMA peak, which is
+not the int8 peak (see the note the run prints).
+
 The run also records how much CPU other processes took while each measurement ran
 (``*_bg_cpus``, from /proc/stat): on a shared machine a number taken while another process
 used a whole CPU is not a measurement of the code. ``--wait-quiet S`` waits (up to S seconds)
@@ -136,12 +142,16 @@ def parse_tokens(spec: str | list[int] | tuple[int, ...]) -> list[int]:
     return out
 
 
+SCHEMES = ("bf16", "int8")  # --scheme: the packed layout the experts are benchmarked in
+
+
 @dataclass
 class BenchConfig:
     shapes: list[MoeShape] = field(default_factory=lambda: [SHAPES[n] for n in DEFAULT_SHAPES])
     tokens: list[int] = field(default_factory=lambda: list(DEFAULT_TOKENS))
     threads: int = 2
-    dtype: str = "bf16"  # activations; weights are always bf16
+    dtype: str = "bf16"  # activations; weights are bf16 (scheme bf16) or int8 (scheme int8)
+    scheme: str = "bf16"  # packed weights: "bf16" (dense layout) or "int8" (W8A8, quantized from the bf16 weights)
     skip_torch: bool = False
     min_time: float = 1.0  # seconds of timed calls per measurement (adaptive call count)
     calls: int | None = None  # fixed call count instead (still >= 1)
@@ -162,6 +172,8 @@ class BenchConfig:
             raise ValueError(f"--threads {self.threads}: must be >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: must be one of {', '.join(DTYPES)}")
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"--scheme {self.scheme!r}: must be one of {', '.join(SCHEMES)}")
         if not (self.min_time > 0 and math.isfinite(self.min_time)):
             raise ValueError(f"--min-time {self.min_time}: must be a positive number of seconds")
         if self.calls is not None and self.calls < 1:
@@ -536,6 +548,7 @@ class Row:
     moepack_gflops: float
     moepack_bw_frac: float | None  # moepack_gbs / machine read bandwidth
     moepack_peak_frac: float | None  # moepack_gflops / machine fp32 FMA peak
+    scheme: str = "bf16"  # bf16: GFLOP/s; int8: the same count is int8 GOP/s
     moepack_bg_cpus: float | None = None  # CPUs other processes used while moepack was timed
     moepack_waited_s: float | None = None  # seconds waited for other processes to go idle (--wait-quiet)
     moepack_attempts: int = 1  # timings made (--retries)
@@ -620,9 +633,14 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
     act_dtype = DTYPES[cfg.dtype]
     rows: list[Row] = []
     for si, shape in enumerate(cfg.shapes):
-        log(f"{shape.name} ({shape.describe()}): making and packing random bf16 weights")
+        log(f"{shape.name} ({shape.describe()}): making and packing random bf16 weights" + (" as int8" if cfg.scheme == "int8" else ""))
         w13, w2 = make_weights(shape, cfg.seed + 1000 * si)
-        packed = moepack.pack_experts(w13, w2)
+        if cfg.scheme == "int8":
+            from .layout import INT8_LAYOUT
+
+            packed = moepack.pack_experts(w13, w2, layout=INT8_LAYOUT)
+        else:
+            packed = moepack.pack_experts(w13, w2)
         packed_bpe = packed.nbytes // shape.num_experts
         if cfg.skip_torch:
             del w13, w2
@@ -673,7 +691,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
                 scale = tout.float().abs().max().item()
                 check = diff / scale if scale > 0 else diff
             routings = stream.take(max(n_m, n_t))
-            label = f"{shape.name} T={tokens} {cfg.dtype}"
+            label = f"{shape.name} T={tokens} {cfg.dtype}" + (" int8" if cfg.scheme == "int8" else "")
 
             log(f"{label}: moepack x{n_m}")
             tm, bg_m, waited_m, att_m = _measure(cfg, lambda: _time_calls(mp, routings[:n_m], packed_bpe, mw))
@@ -694,6 +712,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
                 dtype=cfg.dtype,
                 threads=cfg.threads,
                 flops_per_call=flops,
+                scheme=cfg.scheme,
                 packed_bytes_per_expert=packed_bpe,
                 unique_experts_mean=round(sum(r[2] for r in routings[:n_m]) / n_m, 3),
                 moepack_calls=tm.calls,
@@ -719,7 +738,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
                 row.speedup = tt.mean_ms / tm.mean_ms
                 row.check_rel_diff = check
                 row.torch_bg_cpus, row.torch_waited_s, row.torch_attempts = bg_t, waited_t, att_t
-                if check > 0.05:
+                if check > (0.08 if cfg.scheme == "int8" else 0.05):
                     notes.append(f"{label}: moepack and the torch loop differ by {check:.3g} (relative): check the kernels")
             for who, bg in (("moepack", bg_m), ("torch loop", bg_t)):
                 if bg is not None and bg > BUSY_CPUS:
@@ -733,6 +752,14 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
         del packed, base13, base2
         gc.collect()
 
+    if cfg.scheme == "int8":
+        notes.append(
+            "--scheme int8: GFLOP/s is int8 GOP/s and '% FMA peak' is against the fp32 FMA peak; "
+            f"the int8 kernel here is {moepack.kernel_choice('i8_n32k4_x86')[0]} (AVX2: vpmaddubsw + vpmaddwd, 32 int8 "
+            "multiply-adds per 4 ops per row; AVX-512 VNNI: vpdpbusd, 64 per op)"
+        )
+        if not cfg.skip_torch:
+            notes.append("--scheme int8: the torch loop runs the bf16 weights (the check column includes the int8 quantization error)")
     machine["loadavg_end"] = _loadavg()
     config = dataclasses.asdict(cfg)
     config["shapes"] = [dataclasses.asdict(s) for s in cfg.shapes]
@@ -769,7 +796,7 @@ def table_cells(row: Row) -> list[str]:
     return [
         row.shape,
         str(row.tokens),
-        row.dtype,
+        row.dtype if row.scheme == "bf16" else f"{row.dtype}/{row.scheme}",
         _f(row.moepack_ms, ".3f"),
         _f(row.torch_ms, ".3f"),
         "-" if row.speedup is None else f"{row.speedup:.2f}x",

@@ -443,3 +443,16 @@ def test_run_experts_passes_the_scales():
     out = moepack.run_experts(p, inp.x, inp.topk_weights, inp.topk_ids)
     assert torch.equal(out, run_int8(p, inp))
     assert math.isfinite(out.abs().max().item())
+
+
+def test_bench_int8_scheme():
+    from moepack import bench as B
+
+    cfg = B.BenchConfig(shapes=B.parse_shapes("tiny"), tokens=[1, 3], threads=1, scheme="int8", calls=1, probe=False)
+    result = B.run_benchmark(cfg)
+    assert [r.scheme for r in result.rows] == ["int8", "int8"]
+    assert all(r.moepack_gbs > 0 and r.check_rel_diff is not None and r.check_rel_diff < 0.08 for r in result.rows)
+    assert any("--scheme int8" in n for n in result.notes)
+    assert "bf16/int8" in B.render_markdown(result)
+    with pytest.raises(ValueError, match="--scheme 'int4'"):
+        B.BenchConfig(scheme="int4").validate()

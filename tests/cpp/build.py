@@ -39,7 +39,7 @@ DEFAULT_BUILD = os.path.join(HERE, "build")
 
 COMMON = ["-std=c++20", "-O2", "-fno-math-errno", "-Wall", "-Wno-unused-function", "-I" + os.path.join(CSRC, "include")]
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]
-AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-mf16c"]
+AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"]
 # AVX-512 encodings: zmm registers, opmask registers, xmm/ymm 16-31 (EVEX only)
 AVX512_INSN = re.compile(r"%?\bzmm\d+|%k[0-7]\b|\b[xy]mm(1[6-9]|2\d|3[01])\b")
 

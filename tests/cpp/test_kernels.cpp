@@ -654,6 +654,205 @@ void test_empty() {
   }
 }
 
+// ---- int8 layout i8_n32k4_x86 (W8A8) -----------------------------------------------------------
+// (1) every ISA's int32 block accumulators == exact int64 dot products, bitwise (SEMANTICS §4:
+// integer dot products identical); the VNNI kernel (avx512-emu: SIMDe's vpdpbusd) sees u8 rows
+// and subtracts 128 x the column sums. (2) the whole fused kernel vs scalar on awkward shapes.
+// Their outputs differ only where an activation computed by another exp moves an intermediate
+// across an int8 code boundary (tests/reference/tolerances.py: "flips"), so (2) bounds the
+// difference loosely (a wrong column-sum correction or scale is an O(1) error) and counts
+// bitwise-equal results.
+struct I8Kernel {
+  std::string name;
+  FusedMoeFn fused;
+  Int8BlockGemmFn gemm;
+};
+
+std::vector<I8Kernel> collect_i8_kernels() {
+  const int L = kLayoutId_i8_n32k4_x86;
+  std::vector<I8Kernel> out;
+  auto add = [&](const char* name, void (*reg)(KernelTable&), Isa isa) {
+    KernelTable t;
+    reg(t);
+    if (t.fused[L][int(isa)] && t.gemm_i8[L][int(isa)]) {
+      out.push_back({name, t.fused[L][int(isa)], t.gemm_i8[L][int(isa)]});
+    } else {
+      std::printf("note: no %s int8 kernel registered\n", name);
+    }
+  };
+  add("scalar", register_scalar, Isa::scalar);
+  for (const Kernel& k : g_simd) {  // the same availability rules as the bf16 kernels
+    if (k.name == "avx2") add("avx2", register_avx2, Isa::avx2);
+    if (k.name == "avx512-emu") add("avx512-emu", register_avx512, Isa::avx512);
+#if MOEPACK_TEST_NATIVE_AVX512
+    if (k.name == "avx512") add("avx512", register_avx512_native, Isa::avx512);
+#endif
+  }
+  std::printf("int8 kernels:");
+  for (const I8Kernel& k : out) std::printf(" %s", k.name.c_str());
+  std::printf("\n");
+  return out;
+}
+
+void test_i8_accumulators(const std::vector<I8Kernel>& ks) {
+  const LayoutDesc& L = kLayout_i8_n32k4_x86;
+  std::mt19937_64 rng(77);
+  std::uniform_int_distribution<int> wq(-128, 127), xq(-127, 127);
+  for (int kp : {4, 8, 200, 2052}) {
+    std::vector<int8_t> w(size_t(32) * kp), block(size_t(32) * kp);
+    for (auto& v : w) v = int8_t(wq(rng));
+    for (int n = 0; n < 32; n += 5) w[size_t(n) * kp] = -128;
+    pack_matrix_i8(w.data(), 32, kp, 32, kp, L, block.data());
+    std::vector<int32_t> colsum(32, 0);
+    for (int n = 0; n < 32; ++n)
+      for (int k = 0; k < kp; ++k) colsum[n] += w[size_t(n) * kp + k];
+    for (int m : {1, 2, 3, 7, 8, 9, 17, 64}) {
+      std::vector<int8_t> x(size_t(m) * kp);
+      for (auto& v : x) v = int8_t(xq(rng));
+      for (int k = 0; k < kp; ++k) x[k] = (k % 3) ? int8_t(127) : int8_t(-127);  // extremes in row 0
+      std::vector<const int8_t*> rows(m);
+      for (int i = 0; i < m; ++i) rows[i] = x.data() + size_t(i) * kp;
+      std::vector<int32_t> exact(size_t(m) * 32);
+      for (int i = 0; i < m; ++i)
+        for (int n = 0; n < 32; ++n) {
+          int64_t s = 0;
+          for (int k = 0; k < kp; ++k) s += int64_t(x[size_t(i) * kp + k]) * w[size_t(n) * kp + k];
+          exact[size_t(i) * 32 + n] = int32_t(s);
+        }
+      for (const I8Kernel& k : ks) {
+        std::vector<int32_t> acc(size_t(m) * 32, 0x5a5a5a5a);
+        k.gemm(L, rows.data(), m, block.data(), kp, colsum.data(), acc.data());
+        size_t bad = 0;
+        for (size_t i = 0; i < acc.size(); ++i) bad += acc[i] != exact[i];
+        check(bad == 0, "%-10s int8 block accumulators m=%d kp=%d: %zu of %zu differ from the exact dot products",
+              k.name.c_str(), m, kp, bad, acc.size());
+      }
+    }
+  }
+}
+
+void test_i8_fused(const std::vector<I8Kernel>& ks) {
+  const LayoutDesc& L = kLayout_i8_n32k4_x86;
+  const Activation acts[4] = {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::swigluoai};
+  const DType dts[3] = {DType::f32, DType::bf16, DType::f16};
+  const int shapes[3][2] = {{200, 88}, {93, 40}, {68, 20}};
+  uint64_t seed = 5000;
+  int variant = 0, equal = 0, cases = 0;
+  double worst = 0;
+  for (const auto& sh : shapes) {
+    for (int T : {1, 3, 67}) {
+      for (const Activation act : acts) {
+        for (const DType dt : dts) {
+          ++variant;
+          const int E = 5, H = sh[0], I = sh[1], k = variant % 3 == 0 ? 1 : variant % 3 == 1 ? 2 : E;
+          const bool bias = variant % 2, inter = act == Activation::swigluoai;
+          std::mt19937_64 rng(seed++);
+          std::normal_distribution<float> nd(0.0f, 1.0f);
+          std::uniform_int_distribution<int> wq(-128, 127);
+          std::uniform_real_distribution<float> ud(0.5f, 1.5f);
+          const int Ip = int(round_up(I, L.i_align)), Kp = int(round_up(H, L.k_pack)), Np = int(round_up(H, L.block_n));
+          // packed row order: gate [0, I) -> [0, I), up -> [Ip, Ip + I); interleaved pairs stay
+          auto prow = [&](int r) { return inter ? r : (r < I ? r : Ip + (r - I)); };
+          std::vector<int8_t> w13p(size_t(E) * 2 * Ip * Kp), w2p(size_t(E) * Np * Ip);
+          std::vector<float> s13(size_t(E) * 2 * Ip, 0.0f), s2(size_t(E) * Np, 0.0f), b13, b2;
+          std::vector<int32_t> c13(size_t(E) * 2 * Ip, 0), c2(size_t(E) * Np, 0);
+          std::vector<int8_t> m13(size_t(2) * Ip * H), m2(size_t(H) * Ip);
+          for (int e = 0; e < E; ++e) {
+            std::fill(m13.begin(), m13.end(), 0);
+            std::fill(m2.begin(), m2.end(), 0);
+            for (int r = 0; r < 2 * I; ++r) {
+              const int pr = prow(r);
+              for (int h = 0; h < H; ++h) {
+                const int8_t q = int8_t(wq(rng));
+                m13[size_t(pr) * H + h] = q;
+                c13[size_t(e) * 2 * Ip + pr] += q;
+              }
+              s13[size_t(e) * 2 * Ip + pr] = 1.5f * ud(rng) / (127.0f * std::sqrt(float(H)) * 0.6f);
+            }
+            for (int n = 0; n < H; ++n) {
+              for (int i = 0; i < I; ++i) {
+                const int8_t q = int8_t(wq(rng));
+                m2[size_t(n) * Ip + i] = q;
+                c2[size_t(e) * Np + n] += q;
+              }
+              s2[size_t(e) * Np + n] = ud(rng) / (127.0f * std::sqrt(float(I)) * 0.6f);
+            }
+            pack_matrix_i8(m13.data(), 2 * Ip, H, 2 * Ip, Kp, L, &w13p[size_t(e) * 2 * Ip * Kp]);
+            pack_matrix_i8(m2.data(), H, Ip, Np, Ip, L, &w2p[size_t(e) * Np * Ip]);
+          }
+          if (bias) {
+            b13.assign(size_t(E) * 2 * Ip, 0.0f);
+            b2.assign(size_t(E) * Np, 0.0f);
+            for (int e = 0; e < E; ++e) {
+              for (int r = 0; r < 2 * I; ++r) b13[size_t(e) * 2 * Ip + prow(r)] = 0.5f * nd(rng);
+              for (int n = 0; n < H; ++n) b2[size_t(e) * Np + n] = 0.1f * nd(rng);
+            }
+          }
+          std::vector<uint8_t> x(size_t(T) * H * elem_size(dt));
+          for (int i = 0; i < T * H; ++i) store_elem(dt, x.data(), i, nd(rng));
+          std::vector<int32_t> ids(size_t(T) * k);
+          std::vector<float> tw(size_t(T) * k);
+          std::vector<int32_t> perm(E);
+          for (int t = 0; t < T; ++t) {
+            for (int i = 0; i < E; ++i) perm[i] = i;
+            std::shuffle(perm.begin(), perm.end(), rng);
+            for (int j = 0; j < k; ++j) {
+              ids[size_t(t) * k + j] = perm[j];
+              tw[size_t(t) * k + j] = 0.05f + 0.95f * float(rng() % 1000) / 1000.0f;
+            }
+          }
+          FusedMoeArgs a;
+          a.x = x.data();
+          a.x_stride = H;
+          a.dtype = dt;
+          a.tokens = T;
+          a.hidden = H;
+          a.w13 = w13p.data();
+          a.w2 = w2p.data();
+          a.b13 = bias ? b13.data() : nullptr;
+          a.b2 = bias ? b2.data() : nullptr;
+          a.s13 = s13.data();
+          a.s2 = s2.data();
+          a.c13 = c13.data();
+          a.c2 = c2.data();
+          a.topk_weights = tw.data();
+          a.topk_ids = ids.data();
+          a.topk = k;
+          a.num_global_experts = E;
+          a.num_experts = E;
+          a.inter_padded = Ip;
+          a.layout = &L;
+          a.act = act;
+          a.par = make_parallel(variant % 3);
+          char name[160];
+          std::snprintf(name, sizeof(name), "T=%d H=%d I=%d k=%d %s %s%s", T, H, I, k, act_name(act), dtype_name(dt),
+                        bias ? " bias" : "");
+          std::vector<std::vector<float>> outs;
+          for (const I8Kernel& kk : ks) {
+            std::vector<uint8_t> buf(size_t(T) * H * elem_size(dt), 0xff);  // NaN in every dtype
+            a.out = buf.data();
+            kk.fused(a);
+            std::vector<float> o(size_t(T) * H);
+            bool finite = true;
+            for (int i = 0; i < T * H; ++i) finite &= std::isfinite(o[i] = load_elem(dt, buf.data(), i));
+            check(finite, "%-10s int8 %s: every output written and finite", kk.name.c_str(), name);
+            outs.push_back(std::move(o));
+          }
+          for (size_t i = 1; i < ks.size(); ++i) {
+            const Cmp m = compare(outs[i], outs[0]);
+            ++cases;
+            equal += m.ndiff == 0;
+            worst = std::max(worst, m.rel);
+            check(m.rel <= 1e-2, "%-10s int8 %s vs scalar: rel %.3g (bound 1e-2: int8-code flips only), %zu/%zu differ",
+                  ks[i].name.c_str(), name, m.rel, m.ndiff, outs[i].size());
+          }
+        }
+      }
+    }
+  }
+  std::printf("int8 fused kernels vs scalar: %d comparisons, %d bitwise equal, worst rel %.3g\n", cases, equal, worst);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -665,6 +864,11 @@ int main(int argc, char** argv) {
   test_pack();
   test_routing_check();
   test_empty();
+  {
+    const std::vector<I8Kernel> i8 = collect_i8_kernels();
+    test_i8_accumulators(i8);
+    test_i8_fused(i8);
+  }
 
   const Activation acts[4] = {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::swigluoai};
   const DType dts[3] = {DType::f32, DType::bf16, DType::f16};
