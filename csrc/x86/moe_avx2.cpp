@@ -133,6 +133,9 @@ struct MK {
   static inline __m256i dot4(__m256i w, __m256i xb, __m256i ones) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xb, w)), ones);
   }
+  // One-row (decode) kernel: software prefetch 64 ymm = 2 KiB ahead in the block stream (measured
+  // ~+10% GB/s at M = 1 on Zen 3; past a block's end it touches the next task's block).
+  static constexpr int kPrefetchVectors = 64;
   static inline __m256i bcast4(const int8_t* p) {
     int32_t v;
     std::memcpy(&v, p, 4);
@@ -144,6 +147,8 @@ struct MK {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
     const __m256i* b = reinterpret_cast<const __m256i*>(B);
     for (int64_t kq = 0; kq < kp / 4; ++kq, b += 4) {
+      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchVectors), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchVectors + 2), _MM_HINT_T0);
       const __m256i xb = bcast4(x + 4 * kq);
       a0 = _mm256_add_epi32(a0, dot4(_mm256_loadu_si256(b + 0), xb, ones));
       a1 = _mm256_add_epi32(a1, dot4(_mm256_loadu_si256(b + 1), xb, ones));
