@@ -309,3 +309,68 @@ def test_quantize_option_is_checked(tmp_path):
     with pytest.raises(MoepackError, match="quantize='fp8'"):
         moepack.convert(fixture_dir("qwen3_moe"), tmp_path / "dst", quantize="fp8")
     assert not (tmp_path / "dst").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Other families' names: the reader uses the dense reader's per-expert patterns
+# ---------------------------------------------------------------------------------------------
+
+
+def _renamed_copy(tmp_path: Path, rename, config_update: dict, extra=None) -> Path:
+    d = tmp_path / "renamed"
+    shutil.copytree(fixture_dir(CT), d)
+    sd = load_file(str(d / "model.safetensors"))
+    sd = {rename(k): v for k, v in sd.items()}
+    if extra:
+        extra(sd)
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(config_update)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_mixtral_names(tmp_path):
+    """w1 / w3 / w2 under block_sparse_moe (Mixtral, Phi-3.5-MoE)."""
+    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+    def rename(k):
+        k = k.replace(".mlp.", ".block_sparse_moe.")
+        for a, b in names.items():
+            k = k.replace(f".{a}.", f".{b}.")
+        return k
+
+    src = _renamed_copy(tmp_path, rename, {"model_type": "mixtral"})
+    ckpt, reader = open_source(src)
+    s = reader.layers(ckpt)[0]
+    assert reader.name == "compressed-tensors" and s.prefix.endswith("block_sparse_moe")
+    assert s.names[(3, "up", "scale")].endswith("experts.3.w3.weight_scale")
+    moepack.convert(src, tmp_path / "dst")
+    report = moepack.verify(tmp_path / "dst", source=src)
+    assert report.ok and all(c.weights_exact for c in report.layers), report.failures()
+
+
+def test_gpt_oss_rows_are_reinterleaved(tmp_path):
+    """gpt-oss linearized by llm-compressor: per-expert gate_proj / up_proj (de-interleaved) +
+    biases; swigluoai wants rows 2j = gate_j, 2j+1 = up_j, and the biases likewise."""
+    g = torch.Generator().manual_seed(9)
+
+    def biases(sd):
+        for k in [k for k in sd if ".experts." in k and k.endswith(".weight")]:
+            sd[k[: -len(".weight")] + ".bias"] = torch.randn(sd[k].shape[0], generator=g).to(torch.bfloat16)
+
+    src = _renamed_copy(tmp_path, lambda k: k, {"model_type": "gpt_oss"}, extra=biases)
+    ckpt, reader = open_source(src)
+    s = reader.layers(ckpt)[1]
+    assert s.interleaved and s.activation == "swigluoai" and s.has_bias
+    sd = load_file(str(src / "model.safetensors"))
+    q, sc = reader.read_expert_w13_q(ckpt, s, 6)
+    p = f"{s.prefix}.experts.6"
+    assert torch.equal(q[0::2], sd[f"{p}.gate_proj.weight"]) and torch.equal(q[1::2], sd[f"{p}.up_proj.weight"])
+    assert torch.equal(sc[0::2], sd[f"{p}.gate_proj.weight_scale"].float().view(-1))
+    b13, _ = reader.read_biases(ckpt, s)
+    assert torch.equal(b13[6, 0::2], sd[f"{p}.gate_proj.bias"]) and torch.equal(b13[6, 1::2], sd[f"{p}.up_proj.bias"])
+    moepack.convert(src, tmp_path / "dst")
+    report = moepack.verify(tmp_path / "dst", source=src)
+    assert report.ok, report.failures()
+    assert moepack.open(tmp_path / "dst").layers[1].activation == "swigluoai"
