@@ -1,7 +1,7 @@
 """Build of the moepack._C extension against the installed torch.
 
 Each ISA translation unit gets its own flags (ISA_FLAGS below); everything else is compiled
-for the baseline target. Nothing is built with -march=native: what runs is decided at run
+for the baseline target. Nothing is built with a native-CPU -march: what runs is decided at run
 time by csrc/dispatch.cpp.
 """
 
