@@ -208,6 +208,33 @@ def pack_bias2(b2: torch.Tensor, *, layout: int | str | PackedLayout = DEFAULT_L
     return out
 
 
+def _expert_dims(w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
+    """(E, H, I) of w13 [E, 2I, H] and w2 [E, H, I], which must agree."""
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise LayoutError(f"w13 {list(w13.shape)} and w2 {list(w2.shape)}: both must be 3-D [E, out, in]")
+    e, two_i, h = w13.shape
+    if two_i % 2:
+        raise LayoutError(f"w13 has shape {list(w13.shape)}: dim 1 is 2*I and must be even")
+    i = two_i // 2
+    if tuple(w2.shape) != (e, h, i):
+        raise LayoutError(f"w2 has shape {list(w2.shape)}: must be [E, H, I] = {[e, h, i]} to match w13 {list(w13.shape)}")
+    return e, h, i
+
+
+def _pack_biases(w13_bias, w2_bias, e: int, h: int, i: int, interleaved: bool, lay: PackedLayout):
+    """Optional biases [E, 2I] / [E, H] -> packed fp32 (or None)."""
+    b13 = b2 = None
+    if w13_bias is not None:
+        if tuple(w13_bias.shape) != (e, 2 * i):
+            raise LayoutError(f"w13_bias has shape {list(w13_bias.shape)}: must be [E, 2I] = {[e, 2 * i]}")
+        b13 = pack_bias13(w13_bias, interleaved=interleaved, layout=lay)
+    if w2_bias is not None:
+        if tuple(w2_bias.shape) != (e, h):
+            raise LayoutError(f"w2_bias has shape {list(w2_bias.shape)}: must be [E, H] = {[e, h]}")
+        b2 = pack_bias2(w2_bias, layout=lay)
+    return b13, b2
+
+
 def pack_experts(
     w13: torch.Tensor,
     w2: torch.Tensor,
@@ -229,32 +256,16 @@ def pack_experts(
                 f"w13/w2 have dtypes {w13.dtype}/{w2.dtype}: pack_experts quantizes float weights for layout "
                 f"{lay.name}; pack int8 codes with their scales through pack_experts_int8"
             )
-        if w13.dim() != 3 or w2.dim() != 3:
-            raise LayoutError(f"w13 {list(w13.shape)} and w2 {list(w2.shape)}: both must be 3-D [E, out, in]")
+        _expert_dims(w13, w2)
         _check_float("w13", w13)
         _check_float("w2", w2)
         q13, s13 = quantize_int8_per_channel(w13)
         q2, s2 = quantize_int8_per_channel(w2)
         return pack_experts_int8(q13, s13, q2, s2, w13_bias, w2_bias, interleaved=interleaved, layout=lay, use_cpp=use_cpp)
-    if w13.dim() != 3 or w2.dim() != 3:
-        raise LayoutError(f"w13 {list(w13.shape)} and w2 {list(w2.shape)}: both must be 3-D [E, out, in]")
-    e, two_i, h = w13.shape
-    if two_i % 2:
-        raise LayoutError(f"w13 has shape {list(w13.shape)}: dim 1 is 2*I and must be even")
-    i = two_i // 2
-    if tuple(w2.shape) != (e, h, i):
-        raise LayoutError(f"w2 has shape {list(w2.shape)}: must be [E, H, I] = {[e, h, i]} to match w13 {list(w13.shape)}")
+    e, h, i = _expert_dims(w13, w2)
     shapes = layout_expert_shapes(lay, e, h, i)
     ip = shapes.padded_intermediate
-    b13 = b2 = None
-    if w13_bias is not None:
-        if tuple(w13_bias.shape) != (e, two_i):
-            raise LayoutError(f"w13_bias has shape {list(w13_bias.shape)}: must be [E, 2I] = {[e, two_i]}")
-        b13 = pack_bias13(w13_bias, interleaved=interleaved, layout=lay)
-    if w2_bias is not None:
-        if tuple(w2_bias.shape) != (e, h):
-            raise LayoutError(f"w2_bias has shape {list(w2_bias.shape)}: must be [E, H] = {[e, h]}")
-        b2 = pack_bias2(w2_bias, layout=lay)
+    b13, b2 = _pack_biases(w13_bias, w2_bias, e, h, i, interleaved, lay)
     w13_packed = pack_w13(w13, interleaved=interleaved, layout=lay, use_cpp=use_cpp)
     w2_packed = pack_w2(w2, layout=lay, use_cpp=use_cpp)
     assert tuple(w13_packed.shape) == shapes.w13_shape and tuple(w2_packed.shape) == shapes.w2_shape
@@ -334,29 +345,14 @@ def pack_experts_int8(
     lay = layout_get(layout)
     if not lay.quantized:
         raise LayoutError(f"layout {lay.name} is not an int8 layout")
-    if w13_q.dim() != 3 or w2_q.dim() != 3:
-        raise LayoutError(f"w13 {list(w13_q.shape)} and w2 {list(w2_q.shape)}: both must be 3-D [E, out, in]")
-    e, two_i, h = w13_q.shape
-    if two_i % 2:
-        raise LayoutError(f"w13 has shape {list(w13_q.shape)}: dim 1 is 2*I and must be even")
-    i = two_i // 2
-    if tuple(w2_q.shape) != (e, h, i):
-        raise LayoutError(f"w2 has shape {list(w2_q.shape)}: must be [E, H, I] = {[e, h, i]} to match w13 {list(w13_q.shape)}")
+    e, h, i = _expert_dims(w13_q, w2_q)
     _check_weight_dtype("w13", w13_q, lay)
     _check_weight_dtype("w2", w2_q, lay)
-    s13 = _check_scale("w13_scale", w13_scale, (e, two_i))
+    s13 = _check_scale("w13_scale", w13_scale, (e, 2 * i))
     s2 = _check_scale("w2_scale", w2_scale, (e, h))
     shapes = layout_expert_shapes(lay, e, h, i)
     ip, np2 = shapes.padded_intermediate, shapes.w2_shape[1]
-    b13 = b2 = None
-    if w13_bias is not None:
-        if tuple(w13_bias.shape) != (e, two_i):
-            raise LayoutError(f"w13_bias has shape {list(w13_bias.shape)}: must be [E, 2I] = {[e, two_i]}")
-        b13 = pack_bias13(w13_bias, interleaved=interleaved, layout=lay)
-    if w2_bias is not None:
-        if tuple(w2_bias.shape) != (e, h):
-            raise LayoutError(f"w2_bias has shape {list(w2_bias.shape)}: must be [E, H] = {[e, h]}")
-        b2 = pack_bias2(w2_bias, layout=lay)
+    b13, b2 = _pack_biases(w13_bias, w2_bias, e, h, i, interleaved, lay)
 
     def pad_n(v: torch.Tensor) -> torch.Tensor:  # [E, H] -> [E, Np(H)] with zeros
         out = v.new_zeros(e, np2)
