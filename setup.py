@@ -16,10 +16,19 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 # Per-file flags, keyed by the source file name.
 # ops.cpp instantiates at::parallel_for, whose OpenMP body is inline in the ATen headers: without
 # -fopenmp it silently runs on one thread.
+_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
+# GCC 12 warns about its own AVX-512 headers (_mm512_undefined_*): not our code.
+_GCC_AVX512_HEADERS = ["-Wno-maybe-uninitialized"]
 ISA_FLAGS = {
     "ops.cpp": ["-fopenmp"],
-    "moe_avx2.cpp": ["-mavx2", "-mfma", "-mf16c"],
-    "moe_avx512.cpp": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"],
+    # one translation unit per ISA level (csrc/include/moepack/kernel.h: Isa), each with exactly
+    # the extensions its level requires
+    "moe_avx2.cpp": _AVX2,
+    "moe_avx_vnni.cpp": _AVX2 + ["-mavxvnni"],
+    "moe_avx512.cpp": _AVX512 + _GCC_AVX512_HEADERS,
+    "moe_avx512_vnni.cpp": _AVX512 + ["-mavx512vnni"] + _GCC_AVX512_HEADERS,
+    "moe_avx512_bf16.cpp": _AVX512 + ["-mavx512bf16"] + _GCC_AVX512_HEADERS,
 }
 COMMON_FLAGS = ["-O3", "-std=c++20", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
 
@@ -58,7 +67,11 @@ def _sources():
     import platform
 
     if platform.machine().lower() in ("x86_64", "amd64"):
-        files += sorted(glob.glob("csrc/x86/*.cpp"))
+        isa_files = sorted(glob.glob("csrc/x86/*.cpp"))
+        unflagged = [f for f in isa_files if os.path.basename(f) not in ISA_FLAGS]
+        if unflagged:  # a kernel file compiled for the baseline target would be a silent slow path
+            raise SystemExit(f"setup.py: {unflagged} have no entry in ISA_FLAGS (every csrc/x86 file needs its ISA flags)")
+        files += isa_files
     return files
 
 

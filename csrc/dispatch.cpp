@@ -20,7 +20,10 @@ const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::scalar: return "scalar";
     case Isa::avx2: return "avx2";
+    case Isa::avx_vnni: return "avx_vnni";
     case Isa::avx512: return "avx512";
+    case Isa::avx512_vnni: return "avx512_vnni";
+    case Isa::avx512_bf16: return "avx512_bf16";
   }
   return "?";
 }
@@ -70,27 +73,41 @@ const CpuFeatures& cpu_features() {
 }
 
 const char* isa_unavailable_reason(Isa isa) {
+#ifndef MOEPACK_X86
+  if (isa != Isa::scalar) return "not an x86 CPU";
+#endif
   const CpuFeatures& f = cpu_features();
   switch (isa) {
     case Isa::scalar: return nullptr;
     case Isa::avx2:
-#ifndef MOEPACK_X86
-      return "not an x86 CPU";
-#endif
       if (!(f.avx2 && f.fma && f.f16c)) return "the CPU lacks AVX2/FMA/F16C";
       if (!f.os_avx) return "the OS does not enable AVX state (XCR0)";
       return nullptr;
+    case Isa::avx_vnni:
+      if (!f.avx_vnni) return "the CPU lacks AVX-VNNI";
+      return isa_unavailable_reason(Isa::avx2);
     case Isa::avx512:
-#ifndef MOEPACK_X86
-      return "not an x86 CPU";
-#endif
       if (!(f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq)) return "the CPU lacks AVX-512 F/BW/VL/DQ";
-      if (!f.avx512bf16) return "the CPU lacks AVX512_BF16 (vdpbf16ps)";
       if (!f.os_avx512) return "the OS does not enable AVX-512 state (XCR0 opmask/ZMM)";
-      if (isa_unavailable_reason(Isa::avx2)) return isa_unavailable_reason(Isa::avx2);
-      return nullptr;
+      return isa_unavailable_reason(Isa::avx2);
+    case Isa::avx512_vnni:
+      if (!f.avx512vnni) return "the CPU lacks AVX512_VNNI";
+      return isa_unavailable_reason(Isa::avx512);
+    case Isa::avx512_bf16:
+      if (!f.avx512bf16) return "the CPU lacks AVX512_BF16";
+      return isa_unavailable_reason(Isa::avx512);
   }
   return "unknown ISA";
+}
+
+bool isa_serves(Isa isa, const LayoutDesc& L) {
+  if (L.family != kFamily_x86) return isa == Isa::scalar;
+  switch (isa) {
+    case Isa::avx_vnni:
+    case Isa::avx512_vnni: return L.weight_dtype == kWeight_i8;
+    case Isa::avx512_bf16: return L.weight_dtype == kWeight_bf16;
+    default: return true;
+  }
 }
 
 Isa host_isa() {
@@ -107,7 +124,8 @@ Isa env_max_isa() {
     if (std::strcmp(v, isa_name(Isa(i))) == 0) return Isa(i);
   }
   throw std::invalid_argument(std::string("MOEPACK_MAX_ISA='") + v +
-                              "' is not one of scalar, avx2, avx512 (it can only lower the ISA moepack uses)");
+                              "' is not one of scalar, avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16 (it can only "
+                              "lower the ISA level moepack uses)");
 }
 
 static const KernelTable& table() {
@@ -116,7 +134,10 @@ static const KernelTable& table() {
     register_scalar(k);
 #ifdef MOEPACK_X86
     if (!isa_unavailable_reason(Isa::avx2)) register_avx2(k);
+    if (!isa_unavailable_reason(Isa::avx_vnni)) register_avx_vnni(k);
     if (!isa_unavailable_reason(Isa::avx512)) register_avx512(k);
+    if (!isa_unavailable_reason(Isa::avx512_vnni)) register_avx512_vnni(k);
+    if (!isa_unavailable_reason(Isa::avx512_bf16)) register_avx512_bf16(k);
 #endif
     return k;
   }();
@@ -130,36 +151,57 @@ const LayoutDesc* layout_find(int32_t id) {
   return nullptr;
 }
 
-Selection select_fused(int32_t layout_id, Isa max_isa) {
+Selection select_kernel(const KernelTable& t, const char* const unavailable[kNumIsa], int32_t layout_id, Isa max_isa) {
   Selection s;
   const LayoutDesc* L = layout_find(layout_id);
   if (L == nullptr) {
     std::snprintf(s.reason, sizeof(s.reason), "layout id %d is unknown to this build", int(layout_id));
     return s;
   }
-  const Isa host = host_isa();
-  const Isa cap = int(max_isa) < int(host) ? max_isa : host;
-  const KernelTable& t = table();
-  for (int i = int(cap); i >= 0; --i) {
-    if (t.fused[layout_id][i] == nullptr) continue;
+  int best_host = -1;  // best level the host has that serves the layout (ignoring the cap)
+  int missing = -1;    // best allowed, available, serving level that has no kernel
+  for (int i = kNumIsa - 1; i >= 0; --i) {
+    if (!isa_serves(Isa(i), *L) || unavailable[i] != nullptr) continue;
+    if (best_host < 0) best_host = i;
+    if (i > int(max_isa)) continue;
+    if (t.fused[layout_id][i] == nullptr) {
+      if (missing < 0) missing = i;
+      continue;
+    }
     s.fn = t.fused[layout_id][i];
     s.isa = Isa(i);
-    if (i < int(cap)) {
-      std::snprintf(s.reason, sizeof(s.reason), "%s: no %s kernel is registered for layout %s", isa_name(s.isa),
-                    isa_name(cap), L->name);
-    } else if (int(cap) < int(host)) {
-      std::snprintf(s.reason, sizeof(s.reason), "%s: MOEPACK_MAX_ISA=%s lowers the CPU's %s", isa_name(s.isa),
-                    isa_name(cap), isa_name(host));
-    } else if (i + 1 < kNumIsa) {
-      std::snprintf(s.reason, sizeof(s.reason), "%s: best ISA of this CPU (%s: %s)", isa_name(s.isa),
-                    isa_name(Isa(i + 1)), isa_unavailable_reason(Isa(i + 1)));
+    if (missing >= 0) {
+      s.fallback = true;
+      std::snprintf(s.reason, sizeof(s.reason), "%s: fallback: this build has no %s kernel for layout %s", isa_name(s.isa),
+                    isa_name(Isa(missing)), L->name);
+      return s;
+    }
+    if (i < best_host) {
+      std::snprintf(s.reason, sizeof(s.reason), "%s: MOEPACK_MAX_ISA=%s lowers the CPU's %s for layout %s",
+                    isa_name(s.isa), isa_name(max_isa), isa_name(Isa(best_host)), L->name);
+      return s;
+    }
+    // Best for this CPU: name the next level up that would serve the layout, and why not.
+    int next = -1;
+    for (int j = i + 1; j < kNumIsa && next < 0; ++j) {
+      if (isa_serves(Isa(j), *L)) next = j;
+    }
+    if (next >= 0) {
+      std::snprintf(s.reason, sizeof(s.reason), "%s: best ISA of this CPU for layout %s (%s: %s)", isa_name(s.isa),
+                    L->name, isa_name(Isa(next)), unavailable[next]);
     } else {
-      std::snprintf(s.reason, sizeof(s.reason), "%s: best ISA of this CPU", isa_name(s.isa));
+      std::snprintf(s.reason, sizeof(s.reason), "%s: best ISA of this CPU for layout %s", isa_name(s.isa), L->name);
     }
     return s;
   }
   std::snprintf(s.reason, sizeof(s.reason), "no kernel is registered for layout %s", L->name);
   return s;
+}
+
+Selection select_fused(int32_t layout_id, Isa max_isa) {
+  const char* unavailable[kNumIsa];
+  for (int i = 0; i < kNumIsa; ++i) unavailable[i] = isa_unavailable_reason(Isa(i));
+  return select_kernel(table(), unavailable, layout_id, max_isa);
 }
 
 Int8BlockGemmFn find_gemm_i8(int32_t layout_id, Isa isa) {

@@ -2,13 +2,17 @@
 how MOEPACK_MAX_ISA / MOEPACK_STRICT change it.
 
 The contract as implemented:
-* the host ISA is the best of scalar < avx2 < avx512 that cpuid AND xgetbv allow;
-* MOEPACK_MAX_ISA (read on every call) can only LOWER it; a value above the host is the host;
-  an unknown value is a ValueError;
-* the chosen kernel is the best REGISTERED one at or below min(cap, host); if that is below
-  min(cap, host) (no kernel for the layout at the wanted ISA) it is a fallback, reported in the
-  reason, and MOEPACK_STRICT=1 turns exactly that into an error. A cap the user asked for is
-  not a fallback, so MOEPACK_STRICT=1 with a cap below the host still runs.
+* ISA levels scalar < avx2 < avx_vnni < avx512 < avx512_vnni < avx512_bf16 (moepack.isa), each
+  available when cpuid AND xgetbv allow its own requirements (they do not nest); the host ISA
+  is the best available one;
+* a layout runs on the best available level that SERVES it (the dot-product levels serve one
+  weight kind: moepack.isa.KERNEL_ISAS) at or below MOEPACK_MAX_ISA (read on every call; it can
+  only LOWER the choice; an unknown value is a ValueError);
+* if the build has no kernel for such a level, the next one down runs and that is a fallback,
+  reported in the reason ("<isa>: fallback: ..."), which MOEPACK_STRICT=1 turns into an error.
+  A cap the user asked for is not a fallback. This host never has a fallback; tests/cpp checks
+  the rule on simulated CPUs (Alder Lake, Skylake-SP, Ice Lake, Sapphire Rapids, Zen 5) and a
+  table with a kernel missing.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import pytest
 import torch
 
 import moepack
-from moepack.isa import ISAS, available_isas, host_isa, max_isa
+from moepack.isa import ISAS, KERNEL_ISAS, available_isas, host_isa, is_fallback, max_isa
 from moepack.layout import LAYOUTS
 from tests.conftest import make_moe_inputs, run_packed
 
@@ -30,19 +34,38 @@ def _clean_env(monkeypatch):
     monkeypatch.delenv("MOEPACK_STRICT", raising=False)
 
 
-def expected_host_isa(flags: set[str]) -> str:
-    avx2 = {"avx2", "fma", "f16c", "os_avx"} <= flags
-    avx512 = avx2 and {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "os_avx512"} <= flags
-    return "avx512" if avx512 else "avx2" if avx2 else "scalar"
+LEVEL_NEEDS = {
+    "avx2": {"avx2", "fma", "f16c", "os_avx"},
+    "avx_vnni": {"avx2", "fma", "f16c", "os_avx", "avx_vnni"},
+    "avx512": {"avx2", "fma", "f16c", "os_avx", "avx512f", "avx512bw", "avx512vl", "avx512dq", "os_avx512"},
+}
+LEVEL_NEEDS["avx512_vnni"] = LEVEL_NEEDS["avx512"] | {"avx512_vnni"}
+LEVEL_NEEDS["avx512_bf16"] = LEVEL_NEEDS["avx512"] | {"avx512_bf16"}
+
+
+def expected_levels(flags: set[str]) -> list[str]:
+    return ["scalar"] + [lv for lv in ISAS[1:] if LEVEL_NEEDS[lv] <= flags]
+
+
+def expected_choice(layout, cap: str) -> str:
+    """The best available level at or below cap that has a kernel for the layout's weight kind."""
+    serving = KERNEL_ISAS[layout.weight_dtype]
+    return [lv for lv in available_isas() if lv in serving and ISAS.index(lv) <= ISAS.index(cap)][-1]
 
 
 def test_host_isa_matches_cpu_flags():
     flags = moepack.cpu_flags()
     host_flags = [f for f in flags if f.startswith("host_isa=")]
     assert len(host_flags) == 1
-    assert host_isa() == host_flags[0].split("=", 1)[1] == expected_host_isa(set(flags))
-    assert available_isas() == list(ISAS[: ISAS.index(host_isa()) + 1])
+    assert available_isas() == expected_levels(set(flags))
+    assert host_isa() == host_flags[0].split("=", 1)[1] == available_isas()[-1]
     assert available_isas()[0] == "scalar"
+
+
+def test_levels_table_is_complete():
+    assert set(LEVEL_NEEDS) == set(ISAS[1:])
+    assert {lv for levels in KERNEL_ISAS.values() for lv in levels} == set(ISAS)
+    assert set(KERNEL_ISAS) == {lay.weight_dtype for lay in LAYOUTS}
 
 
 def test_cpu_flags_agree_with_the_kernel():
@@ -55,52 +78,70 @@ def test_cpu_flags_agree_with_the_kernel():
         pytest.skip("/proc/cpuinfo has no flags line (not x86?)")
     linux = set(line.split(":", 1)[1].split())
     ours = set(moepack.cpu_flags())
-    for flag in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni"):
+    for flag in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
+                 "avx_vnni"):
         assert (flag in ours) == (flag in linux), f"{flag}: extension {'has' if flag in ours else 'lacks'} it, /proc/cpuinfo disagrees"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
-def test_default_choice_is_the_host_isa(layout):
+def test_default_choice_is_the_best_serving_level(layout):
     isa, reason = moepack.kernel_choice(layout)
-    assert isa == host_isa() == max_isa()
-    assert reason.startswith(f"{isa}: best ISA of this CPU")
-    if isa != "avx512":  # says why not the next one up
-        nxt = ISAS[ISAS.index(isa) + 1]
-        assert f"({nxt}: " in reason
+    assert isa == expected_choice(layout, host_isa())
+    assert reason.startswith(f"{isa}: best ISA of this CPU for layout {layout.name}")
+    serving = KERNEL_ISAS[layout.weight_dtype]
+    if isa != serving[-1]:  # says why not the next level up that has a kernel for the layout
+        nxt = serving[serving.index(isa) + 1]
+        assert f"({nxt}: the CPU lacks" in reason or f"({nxt}: the OS" in reason
 
 
 @pytest.mark.parametrize("cap", ISAS)
-def test_max_isa_can_only_lower(monkeypatch, cap):
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
+def test_max_isa_can_only_lower(monkeypatch, cap, layout):
     monkeypatch.setenv("MOEPACK_MAX_ISA", cap)
-    isa, reason = moepack.kernel_choice()
-    host = host_isa()
-    want = ISAS[min(ISAS.index(cap), ISAS.index(host))]
-    assert isa == want == max_isa()
-    if ISAS.index(cap) < ISAS.index(host):
-        assert reason == f"{cap}: MOEPACK_MAX_ISA={cap} lowers the CPU's {host}"
-    else:  # at or above the host: not lowered, no mention of the cap
+    isa, reason = moepack.kernel_choice(layout)
+    best = expected_choice(layout, ISAS[-1])
+    want = expected_choice(layout, cap)
+    assert isa == want
+    assert max_isa() == ISAS[min(ISAS.index(cap), ISAS.index(host_isa()))]
+    if want != best:
+        assert reason == f"{want}: MOEPACK_MAX_ISA={cap} lowers the CPU's {best} for layout {layout.name}"
+    else:  # the cap does not change the choice: no mention of it
         assert "best ISA of this CPU" in reason and "MOEPACK_MAX_ISA" not in reason
+    assert not is_fallback(reason)
 
 
 def test_empty_max_isa_means_unset(monkeypatch):
     monkeypatch.setenv("MOEPACK_MAX_ISA", "")
-    assert moepack.kernel_choice()[0] == host_isa() == max_isa()
+    assert moepack.kernel_choice()[0] == expected_choice(LAYOUTS[0], host_isa())
+    assert max_isa() == host_isa()
 
 
-@pytest.mark.parametrize("bad", ["bogus", "AVX2", "avx", " scalar", "avx512bf16"])
+@pytest.mark.parametrize("bad", ["bogus", "AVX2", "avx", " scalar", "avx512bf16", "avxvnni"])
 def test_invalid_max_isa(monkeypatch, bad):
     monkeypatch.setenv("MOEPACK_MAX_ISA", bad)
-    with pytest.raises(ValueError, match=f"MOEPACK_MAX_ISA='{bad}' is not one of scalar, avx2, avx512"):
+    with pytest.raises(ValueError, match=f"MOEPACK_MAX_ISA='{bad}' is not one of scalar, avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16"):
         moepack.kernel_choice()
 
 
+def test_is_fallback_reads_the_reason_wording():
+    assert is_fallback("avx2: fallback: this build has no avx512 kernel for layout i8_n32k4_x86")
+    assert not is_fallback("avx2: best ISA of this CPU for layout i8_n32k4_x86 (avx_vnni: the CPU lacks AVX-VNNI)")
+    assert not is_fallback("avx2: MOEPACK_MAX_ISA=avx2 lowers the CPU's avx512 for layout bf16_n32k2_x86")
+    assert not is_fallback("bogus: fallback: x")
+
+
+def BF16_LEVELS() -> list[str]:  # noqa: N802 - reads like the constant it stands for
+    """The levels with a kernel for the default (bf16) layout that this host runs."""
+    return [lv for lv in available_isas() if lv in KERNEL_ISAS["bf16"]]
+
+
 def test_env_is_read_on_every_call(monkeypatch):
-    if len(available_isas()) < 2:
+    if len(BF16_LEVELS()) < 2:
         pytest.skip("one ISA only: nothing to switch between")
     inp = make_moe_inputs(tokens=67, hidden=130, intermediate=88, topk=2, seed=60)
     packed = inp.pack()
     outs = {}
-    for cap in available_isas():
+    for cap in BF16_LEVELS():
         monkeypatch.setenv("MOEPACK_MAX_ISA", cap)
         assert moepack.kernel_choice()[0] == cap
         outs[cap] = run_packed(packed, inp)
@@ -108,14 +149,14 @@ def test_env_is_read_on_every_call(monkeypatch):
     assert torch.equal(run_packed(packed, inp), outs["scalar"])
     # fp32 results of different kernels differ in the last bits (summation order), so equal
     # outputs would mean the cap was ignored; 67x130 outputs never all agree by chance.
-    assert not torch.equal(outs["scalar"], outs[available_isas()[-1]])
+    assert not torch.equal(outs["scalar"], outs[BF16_LEVELS()[-1]])
 
 
 @pytest.mark.parametrize("strict", ["1", "yes"])
 def test_strict_with_a_cap_is_not_a_fallback(monkeypatch, strict):
     inp = make_moe_inputs(tokens=5, hidden=72, intermediate=40, topk=2, dtype=torch.bfloat16, bias=True, seed=61)
     packed = inp.pack()
-    for cap in available_isas():
+    for cap in BF16_LEVELS():
         monkeypatch.setenv("MOEPACK_MAX_ISA", cap)
         monkeypatch.delenv("MOEPACK_STRICT", raising=False)
         relaxed = run_packed(packed, inp)
@@ -133,14 +174,13 @@ def test_strict_off_values(monkeypatch, value):
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
 def test_strict_never_refuses_on_this_host(monkeypatch, layout):
-    """Every layout has a kernel at every ISA this host runs (no fallback to refuse): a strict
-    run succeeds at each cap and the reason never reports a missing kernel. (The refusal path
-    itself needs a layout without a SIMD kernel; none exists yet.)"""
+    """Every layout has a kernel at every level this host runs that serves it (no fallback to
+    refuse): a strict run succeeds at each cap and the reason never reports a fallback. (The
+    refusal rule itself is checked on simulated CPUs and kernel tables in tests/cpp: test_select.)"""
     monkeypatch.setenv("MOEPACK_STRICT", "1")
     for cap in available_isas():
         monkeypatch.setenv("MOEPACK_MAX_ISA", cap)
         isa, reason = moepack.kernel_choice(layout)
-        assert isa == cap and "kernel is registered" not in reason  # the fallback wording
+        assert isa == expected_choice(layout, cap) and not is_fallback(reason)
         inp = make_moe_inputs(tokens=2, hidden=72, intermediate=40, topk=1, seed=64)
         assert run_packed(inp.pack(layout=layout), inp).shape == (2, 72)
-

@@ -139,11 +139,11 @@ def test_bogus_max_isa_env(s, monkeypatch):
         with pytest.raises(ValueError) as ei:
             call()
         assert type(ei.value) is ValueError
-        assert "MOEPACK_MAX_ISA='bogus'" in str(ei.value) and "scalar, avx2, avx512" in str(ei.value)
+        assert "MOEPACK_MAX_ISA='bogus'" in str(ei.value) and "scalar, avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16" in str(ei.value)
     # the Python mirror (moepack.isa) refuses it too, as an UnsupportedError
     from moepack.isa import max_isa
 
-    with pytest.raises(UnsupportedError, match=r"MOEPACK_MAX_ISA='bogus' is not one of scalar, avx2, avx512"):
+    with pytest.raises(UnsupportedError, match=r"MOEPACK_MAX_ISA='bogus' is not one of scalar, avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16"):
         max_isa()
 
 

@@ -23,7 +23,7 @@ import torch
 
 import moepack
 from moepack.errors import LayoutError
-from moepack.isa import available_isas
+from moepack.isa import KERNEL_ISAS, available_isas
 from moepack.layout import INT8_LAYOUT, layout_element_offset, layout_expert_shapes
 from moepack.pack import (
     dequantize_int8,
@@ -71,7 +71,7 @@ def int8_isas() -> list[str]:
     return out
 
 
-SIMD = ["avx2", "avx512"]
+SIMD = list(KERNEL_ISAS["i8"][1:])  # the levels with an int8 kernel
 
 
 def need_int8_isa(isa: str) -> None:

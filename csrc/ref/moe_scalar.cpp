@@ -80,7 +80,7 @@ struct MK {
 void register_scalar(KernelTable& t) {
   // The scalar kernel reads any bf16-valued or int8 layout through its LayoutDesc.
   for (const LayoutDesc& L : kLayouts) {
-    if (L.weight_dtype == kWeight_bf16) t.fused[L.id][int(Isa::scalar)] = scalar::fused_moe;
+    if (L.weight_dtype == kWeight_bf16) t.fused[L.id][int(Isa::scalar)] = scalar::fused_moe<>;
     if (L.weight_dtype == kWeight_i8) {
       t.fused[L.id][int(Isa::scalar)] = scalar::fused_moe_i8<>;
       t.gemm_i8[L.id][int(Isa::scalar)] = scalar::gemm_i8_block<>;

@@ -166,8 +166,7 @@ Selection select_or_throw(int64_t layout) {
   }
   Selection sel = select_fused(int32_t(layout), cap);
   TORCH_CHECK_VALUE(sel.fn != nullptr, sel.reason);
-  const Isa want = int(cap) < int(host_isa()) ? cap : host_isa();
-  TORCH_CHECK(!strict_mode() || sel.isa == want, "MOEPACK_STRICT=1 refuses a fallback: ", sel.reason);
+  TORCH_CHECK(!strict_mode() || !sel.fallback, "MOEPACK_STRICT=1 refuses a fallback: ", sel.reason);
   return sel;
 }
 
@@ -297,7 +296,7 @@ Isa parse_isa(std::string_view name) {
   for (int i = 0; i < kNumIsa; ++i) {
     if (name == isa_name(Isa(i))) return Isa(i);
   }
-  TORCH_CHECK_VALUE(false, "isa='", name, "' is not one of scalar, avx2, avx512");
+  TORCH_CHECK_VALUE(false, "isa='", name, "' is not one of scalar, avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16");
 }
 
 // Test hook (SEMANTICS.md §4: SIMD integer dot products identical to scalar): the int32
@@ -362,6 +361,11 @@ std::vector<std::string> cpu_flags() {
   add(f.os_avx, "os_avx");
   add(f.os_avx512, "os_avx512");
   out.emplace_back(std::string("host_isa=") + isa_name(host_isa()));
+  std::string avail = "available_isas=";
+  for (int i = 0; i < kNumIsa; ++i) {
+    if (isa_unavailable_reason(Isa(i)) == nullptr) avail += std::string(i ? "," : "") + isa_name(Isa(i));
+  }
+  out.push_back(avail);
   return out;
 }
 

@@ -21,6 +21,7 @@
 
 #include "moepack/kernel.h"
 #include "moepack/numeric.h"
+#include "avx2_common.h"
 
 namespace moepack {
 namespace avx2 {
@@ -29,30 +30,7 @@ namespace {
 static inline __m256 even_f32(__m256i w) { return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)); }
 static inline __m256 odd_f32(__m256i w, __m256i hi_mask) { return _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask)); }
 
-// exp(x) for x in [-87.3, 88.3] (clamped), Cephes-style: 2^n * p(r), ~1 ulp.
-static inline __m256 exp_ps(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-static inline __m256 sigmoid_ps(__m256 x) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  return _mm256_div_ps(one, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-}
-
-struct MK {
+struct MK : x86_avx2::Avx2Elementwise {
   static RowFormat row_format(DType) { return RowFormat::f32; }
 
   static void gemm1(const float* x, const uint16_t* B, int64_t kp, float* C) {
@@ -199,54 +177,6 @@ struct MK {
     for (; i + 2 <= m; i += 2) gemm_i8_2(rows[i], rows[i + 1], B, kp, acc + i * 32);
     if (i < m) gemm_i8_1(rows[i], B, kp, acc + i * 32);
   }
-
-  static void activation(const FusedMoeArgs& a, const float* g, const float* u, int n, float* out) {
-    int j = 0;
-    switch (a.act) {
-      case Activation::silu:
-        for (; j + 8 <= n; j += 8) {
-          const __m256 gv = _mm256_loadu_ps(g + j), uv = _mm256_loadu_ps(u + j);
-          _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(gv, sigmoid_ps(gv)), uv));
-        }
-        for (; j < n; ++j) out[j] = act_silu(g[j], u[j]);
-        break;
-      case Activation::gelu_tanh: {
-        // 0.5 * (1 + tanh(z)) == sigmoid(2z)
-        const __m256 c2 = _mm256_set1_ps(2.0f * 0.7978845608028654f), c3 = _mm256_set1_ps(0.044715f);
-        for (; j + 8 <= n; j += 8) {
-          const __m256 gv = _mm256_loadu_ps(g + j), uv = _mm256_loadu_ps(u + j);
-          const __m256 inner = _mm256_fmadd_ps(_mm256_mul_ps(c3, gv), _mm256_mul_ps(gv, gv), gv);
-          _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_mul_ps(gv, sigmoid_ps(_mm256_mul_ps(c2, inner))), uv));
-        }
-        for (; j < n; ++j) out[j] = act_gelu_tanh(g[j], u[j]);
-        break;
-      }
-      case Activation::swigluoai: {
-        const __m256 lim = _mm256_set1_ps(a.limit), nlim = _mm256_set1_ps(-a.limit);
-        const __m256 alpha = _mm256_set1_ps(a.alpha), one = _mm256_set1_ps(1.0f);
-        for (; j + 8 <= n; j += 8) {
-          const __m256 gv = _mm256_min_ps(_mm256_loadu_ps(g + j), lim);
-          const __m256 uv = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(u + j), lim), nlim);
-          const __m256 glu = _mm256_mul_ps(gv, sigmoid_ps(_mm256_mul_ps(alpha, gv)));
-          _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_add_ps(uv, one), glu));
-        }
-        for (; j < n; ++j) out[j] = act_swigluoai(g[j], u[j], a.alpha, a.limit);
-        break;
-      }
-      case Activation::gelu:  // erf: scalar libm (exact GELU is rare in MoE models)
-        for (; j < n; ++j) out[j] = act_gelu(g[j], u[j]);
-        break;
-    }
-  }
-
-  static void axpy(float w, const float* y, float* acc, int64_t n) {
-    const __m256 wv = _mm256_set1_ps(w);
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) {
-      _mm256_storeu_ps(acc + i, _mm256_add_ps(_mm256_loadu_ps(acc + i), _mm256_mul_ps(wv, _mm256_loadu_ps(y + i))));
-    }
-    for (; i < n; ++i) acc[i] += w * y[i];
-  }
 };
 
 #include "../kernels/fused_moe_driver.inc"
@@ -255,7 +185,7 @@ struct MK {
 }  // namespace avx2
 
 void register_avx2(KernelTable& t) {
-  t.fused[kLayoutId_bf16_n32k2_x86][int(Isa::avx2)] = avx2::fused_moe;
+  t.fused[kLayoutId_bf16_n32k2_x86][int(Isa::avx2)] = avx2::fused_moe<>;
   t.fused[kLayoutId_i8_n32k4_x86][int(Isa::avx2)] = avx2::fused_moe_i8<>;
   t.gemm_i8[kLayoutId_i8_n32k4_x86][int(Isa::avx2)] = avx2::gemm_i8_block<>;
 }

@@ -17,7 +17,7 @@ import torch
 from .._ops import kernel_choice
 from ..container.reader import open_shard
 from ..errors import MoepackError, PackedDirError, UnsupportedError
-from ..isa import host_isa, max_isa
+from ..isa import host_isa, is_fallback
 from ..layout import LAYOUTS, layout_expert_shapes, layout_get
 from ..pack import PackedExperts
 from .experts import run_experts
@@ -86,7 +86,7 @@ class PackedMoELayer(torch.nn.Module):
 
     def check_strict(self) -> None:
         isa, reason = self.kernel
-        if (self._model.strict or _strict_env()) and isa != max_isa():
+        if (self._model.strict or _strict_env()) and is_fallback(reason):
             raise UnsupportedError(f"layer {self.index}: strict mode refuses a fallback: {reason}")
 
     def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

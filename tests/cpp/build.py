@@ -4,15 +4,18 @@
     python tests/cpp/build.py [--build-dir DIR] [--run [-- ARGS...]]
 
 Translation units (each with the flags setup.py gives it, -O2):
-  scalar     csrc/ref/moe_scalar.cpp      no ISA flags
-  pack       csrc/pack.cpp                no ISA flags
-  dispatch   csrc/dispatch.cpp            no ISA flags (cpu detection, fused_moe_check_routing)
-  avx2       csrc/x86/moe_avx2.cpp        -mavx2 -mfma -mf16c
-  avx512emu  csrc/x86/moe_avx512.cpp      -DMOEPACK_EMULATE_AVX512 (SIMDe), NO AVX-512 flags;
-                                          -mavx2 -mfma -mf16c when the build host has them
-  avx512     csrc/x86/moe_avx512.cpp      native AVX-512 flags, register_avx512 renamed to
-                                          register_avx512_native; run only on AVX-512 CPUs
-  test       tests/cpp/test_kernels.cpp   no ISA flags
+  scalar        csrc/ref/moe_scalar.cpp     no ISA flags
+  pack          csrc/pack.cpp               no ISA flags
+  dispatch      csrc/dispatch.cpp           no ISA flags (cpu detection, fused_moe_check_routing)
+  avx2          csrc/x86/moe_avx2.cpp       -mavx2 -mfma -mf16c
+  for each level L in avx_vnni, avx512, avx512_vnni, avx512_bf16 (csrc/x86/moe_L.cpp):
+    L_emu       the file against SIMDe's portable intrinsics (-DMOEPACK_EMULATE_AVX512 or
+                -DMOEPACK_EMULATE_AVX_VNNI), NO flags of the level; -mavx2 -mfma -mf16c when the
+                build host has them (avx_vnni: only then). Exports register_L, so the binary runs
+                it on any x86-64 host.
+    L_native    the file with the level's own flags, register_L renamed register_L_native; run
+                only on CPUs that have the level.
+  test          tests/cpp/test_kernels.cpp  no ISA flags
 
 After compiling it checks that the emulated object contains no AVX-512 instruction (no zmm, opmask
 or EVEX-only register) and that every ISA object exports nothing but its register_* function
@@ -39,9 +42,17 @@ DEFAULT_BUILD = os.path.join(HERE, "build")
 
 COMMON = ["-std=c++20", "-O2", "-fno-math-errno", "-Wall", "-Wno-unused-function", "-I" + os.path.join(CSRC, "include")]
 AVX2 = ["-mavx2", "-mfma", "-mf16c"]
-AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mavx512vnni", "-mfma", "-mf16c"]
-# AVX-512 encodings: zmm registers, opmask registers, xmm/ymm 16-31 (EVEX only)
-AVX512_INSN = re.compile(r"%?\bzmm\d+|%k[0-7]\b|\b[xy]mm(1[6-9]|2\d|3[01])\b")
+AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-Wno-maybe-uninitialized"]
+# The levels built twice (emulated and native): name -> (source, native flags, emulation define)
+LEVELS = {
+    "avx_vnni": ("csrc/x86/moe_avx_vnni.cpp", AVX2 + ["-mavxvnni"], "-DMOEPACK_EMULATE_AVX_VNNI"),
+    "avx512": ("csrc/x86/moe_avx512.cpp", AVX512, "-DMOEPACK_EMULATE_AVX512"),
+    "avx512_vnni": ("csrc/x86/moe_avx512_vnni.cpp", AVX512 + ["-mavx512vnni"], "-DMOEPACK_EMULATE_AVX512"),
+    "avx512_bf16": ("csrc/x86/moe_avx512_bf16.cpp", AVX512 + ["-mavx512bf16"], "-DMOEPACK_EMULATE_AVX512"),
+}
+# What an emulated object must not contain: AVX-512 encodings (zmm registers, opmask registers,
+# xmm/ymm 16-31: EVEX only) and the dot-product instructions (VEX AVX-VNNI included).
+EMULATED_INSN = re.compile(r"%?\bzmm\d+|%k[0-7]\b|\b[xy]mm(1[6-9]|2\d|3[01])\b|\bv(pdpbus|pdpws|dpbf16)")
 
 
 def cxx() -> list[str]:
@@ -123,16 +134,16 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "") -> str:
         raise RuntimeError(why)
     os.makedirs(build_dir, exist_ok=True)
     emu_avx2 = host_has("avx2", "fma", "f16c")
-    emu_flags = ["-DMOEPACK_EMULATE_AVX512", "-Wno-psabi"] + (AVX2 if emu_avx2 else [])
     units = {
         "scalar": ("csrc/ref/moe_scalar.cpp", []),
         "pack": ("csrc/pack.cpp", []),
         "dispatch": ("csrc/dispatch.cpp", []),
         "avx2": ("csrc/x86/moe_avx2.cpp", AVX2),
-        "avx512emu": ("csrc/x86/moe_avx512.cpp", emu_flags),
-        # GCC 12 warns about its own avx512 headers at -O2 (_mm512_undefined_*): not our code
-        "avx512": ("csrc/x86/moe_avx512.cpp", AVX512 + ["-Dregister_avx512=register_avx512_native", "-Wno-maybe-uninitialized"]),
     }
+    for lv, (src, native, emu_define) in LEVELS.items():
+        if lv != "avx_vnni" or emu_avx2:  # the AVX-VNNI kernel is AVX2 code around one emulated instruction
+            units[lv + "_emu"] = (src, [emu_define, "-Wno-psabi"] + (AVX2 if emu_avx2 else []))
+        units[lv + "_native"] = (src, native + [f"-Dregister_{lv}=register_{lv}_native"])
     t0 = time.time()
     results = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as ex:
@@ -140,39 +151,52 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "") -> str:
                 for name, (src, fl) in units.items()}
         for name, fut in futs.items():
             results[name] = fut.result()
-    native512 = results["avx512"][1] == 0
-    if not native512:
-        log("note: native AVX-512 object not built (compiler lacks the flags?); only the emulated one runs\n"
-            + results["avx512"][2][-2000:])
+    native = {lv: results[lv + "_native"][1] == 0 for lv in LEVELS}
+    for lv, ok in native.items():
+        if not ok:
+            log(f"note: native {lv} object not built (compiler lacks the flags?); only the emulated one runs\n"
+                + results[lv + "_native"][2][-2000:])
     for name, (obj, rc, out) in results.items():
-        if rc != 0 and name != "avx512":
+        if rc != 0 and not name.endswith("_native"):
             raise RuntimeError(f"compiling {name} failed:\n{out}")
-    test_flags = [f"-DMOEPACK_TEST_NATIVE_AVX512={int(native512)}", f"-DMOEPACK_TEST_EMU_NEEDS_AVX2={int(emu_avx2)}"]
+    emulated = [lv for lv in LEVELS if lv + "_emu" in units]
+    test_flags = [f"-DMOEPACK_TEST_NATIVE_{lv.upper()}={int(ok)}" for lv, ok in native.items()]
+    test_flags += [f"-DMOEPACK_TEST_EMU_NEEDS_AVX2={int(emu_avx2)}", f"-DMOEPACK_TEST_EMU_AVX_VNNI={int('avx_vnni' in emulated)}"]
     obj, rc, out = _compile(os.path.join(build_dir, "test_kernels.o"), os.path.join(HERE, "test_kernels.cpp"), test_flags, extra)
     if rc != 0:
         raise RuntimeError(f"compiling test_kernels.cpp failed:\n{out}")
 
-    # The emulated object must not contain a single AVX-512 instruction.
-    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", results["avx512emu"][0]], capture_output=True, text=True,
-                         check=True).stdout
-    bad = [ln.strip() for ln in dis.splitlines() if AVX512_INSN.search(ln)]
-    if bad:
-        raise RuntimeError("the emulated AVX-512 object contains AVX-512 instructions:\n" + "\n".join(bad[:20]))
+    # An emulated object must not contain a single instruction of the level it emulates.
+    for lv in emulated:
+        dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", results[lv + "_emu"][0]], capture_output=True,
+                             text=True, check=True).stdout
+        bad = [ln.strip() for ln in dis.splitlines() if EMULATED_INSN.search(ln)]
+        if bad:
+            raise RuntimeError(f"the emulated {lv} object contains instructions of the level:\n" + "\n".join(bad[:20]))
     # ISA objects export exactly their register function.
-    for name, want in [("avx2", "register_avx2"), ("avx512emu", "register_avx512"), ("avx512", "register_avx512_native")]:
-        if name == "avx512" and not native512:
-            continue
+    want = {"avx2": "register_avx2"}
+    want.update({lv + "_emu": f"register_{lv}" for lv in emulated})
+    want.update({lv + "_native": f"register_{lv}_native" for lv, ok in native.items() if ok})
+    for name, fn in want.items():
         syms = _exported(results[name][0])
-        if syms != [f"moepack::{want}(moepack::KernelTable&)"]:
-            raise RuntimeError(f"{name} object must export only moepack::{want}, it exports: {syms}")
+        if syms != [f"moepack::{fn}(moepack::KernelTable&)"]:
+            raise RuntimeError(f"{name} object must export only moepack::{fn}, it exports: {syms}")
 
-    objs = [results[n][0] for n in units if n != "avx512" or native512] + [obj]
+    objs = [results[n][0] for n in units if not n.endswith("_native") or native[n[: -len("_native")]]] + [obj]
+    if "avx_vnni" not in emulated:  # dispatch.cpp names register_avx_vnni; it never calls it on such a host
+        stub = os.path.join(build_dir, "avx_vnni_stub.o")
+        r = subprocess.run(cxx() + COMMON + ["-x", "c++", "-c", "-", "-o", stub],
+                           input='#include "moepack/kernel.h"\nnamespace moepack { void register_avx_vnni(KernelTable&) {} }\n',
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError("compiling the avx_vnni stub failed:\n" + r.stderr)
+        objs.append(stub)
     exe = os.path.join(build_dir, "test_kernels")
     r = subprocess.run(cxx() + extra + objs + ["-pthread", "-o", exe], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError("link failed:\n" + r.stdout + r.stderr)
-    log(f"built {exe} in {time.time() - t0:.1f}s (emulated AVX-512 over {'AVX2' if emu_avx2 else 'portable SIMDe'}, "
-        f"native AVX-512 object {'linked' if native512 else 'absent'})")
+    log(f"built {exe} in {time.time() - t0:.1f}s (emulated {', '.join(emulated)} over {'AVX2' if emu_avx2 else 'portable SIMDe'}; "
+        f"native objects linked: {', '.join(lv for lv, ok in native.items() if ok) or 'none'})")
     return exe
 
 

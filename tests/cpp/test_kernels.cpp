@@ -3,10 +3,12 @@
 // reference written from SEMANTICS.md §2 (the driver is shared by every ISA, so SIMD-vs-scalar
 // alone cannot see a driver bug).
 //
-// Kernels: scalar (oracle), avx2 (native, when the CPU has it), avx512-emu (csrc/x86/
-// moe_avx512.cpp built with -DMOEPACK_EMULATE_AVX512 against SIMDe, runs on any x86-64 with
-// AVX2, or anywhere when built without -mavx2) and avx512 (the same file built natively, run
-// only when the CPU and OS have AVX-512 F/BW/VL/DQ + BF16).
+// Kernels: scalar (oracle), avx2 (native, when the CPU has it), and for each level L of
+// avx_vnni, avx512, avx512_vnni, avx512_bf16: L-emu (csrc/x86/moe_L.cpp built against SIMDe's
+// portable intrinsics, runs on any x86-64 with AVX2, the AVX-512 ones anywhere when built
+// without -mavx2) and L (the same file built natively, run only when the CPU and OS have the
+// level). Each kernel runs on the layouts its level serves (bf16: avx512, avx512_bf16; int8:
+// avx_vnni, avx512, avx512_vnni).
 //
 // Build and run: python tests/cpp/build.py --run   (options: -v prints every case)
 // Last line: "N passed, M failed"; exit status 1 when anything failed.
@@ -26,16 +28,38 @@
 #include "moepack/kernel.h"
 #include "moepack/numeric.h"
 
+#ifndef MOEPACK_TEST_NATIVE_AVX_VNNI
+#define MOEPACK_TEST_NATIVE_AVX_VNNI 0
+#endif
 #ifndef MOEPACK_TEST_NATIVE_AVX512
 #define MOEPACK_TEST_NATIVE_AVX512 0
+#endif
+#ifndef MOEPACK_TEST_NATIVE_AVX512_VNNI
+#define MOEPACK_TEST_NATIVE_AVX512_VNNI 0
+#endif
+#ifndef MOEPACK_TEST_NATIVE_AVX512_BF16
+#define MOEPACK_TEST_NATIVE_AVX512_BF16 0
 #endif
 #ifndef MOEPACK_TEST_EMU_NEEDS_AVX2
 #define MOEPACK_TEST_EMU_NEEDS_AVX2 0
 #endif
+#ifndef MOEPACK_TEST_EMU_AVX_VNNI
+#define MOEPACK_TEST_EMU_AVX_VNNI 0
+#endif
 
 namespace moepack {
+// moe_L.cpp built natively with -Dregister_L=register_L_native
+#if MOEPACK_TEST_NATIVE_AVX_VNNI
+void register_avx_vnni_native(KernelTable& t);
+#endif
 #if MOEPACK_TEST_NATIVE_AVX512
-void register_avx512_native(KernelTable& t);  // moe_avx512.cpp built with -Dregister_avx512=...
+void register_avx512_native(KernelTable& t);
+#endif
+#if MOEPACK_TEST_NATIVE_AVX512_VNNI
+void register_avx512_vnni_native(KernelTable& t);
+#endif
+#if MOEPACK_TEST_NATIVE_AVX512_BF16
+void register_avx512_bf16_native(KernelTable& t);
 #endif
 }  // namespace moepack
 
@@ -104,7 +128,61 @@ struct Kernel {
   FusedMoeFn fn;
 };
 
-std::vector<Kernel> g_simd;  // everything but scalar
+// Every kernel object linked into this binary that this CPU can run: name, register function, level.
+struct Registrar {
+  std::string name;
+  void (*reg)(KernelTable&);
+  Isa isa;
+};
+
+std::vector<Registrar> find_registrars() {
+  std::vector<Registrar> out;
+  const bool has_avx2 = isa_unavailable_reason(Isa::avx2) == nullptr && __builtin_cpu_supports("avx2") &&
+                        __builtin_cpu_supports("fma");
+  if (has_avx2) {
+    out.push_back({"avx2", register_avx2, Isa::avx2});
+  } else {
+    std::printf("note: avx2 kernel not run: %s\n", isa_unavailable_reason(Isa::avx2) ? isa_unavailable_reason(Isa::avx2) : "cpu");
+  }
+  if (!MOEPACK_TEST_EMU_NEEDS_AVX2 || has_avx2) {  // the SIMDe builds
+#if MOEPACK_TEST_EMU_AVX_VNNI
+    out.push_back({"avx_vnni-emu", register_avx_vnni, Isa::avx_vnni});
+#endif
+    out.push_back({"avx512-emu", register_avx512, Isa::avx512});
+    out.push_back({"avx512_vnni-emu", register_avx512_vnni, Isa::avx512_vnni});
+    out.push_back({"avx512_bf16-emu", register_avx512_bf16, Isa::avx512_bf16});
+  } else {
+    std::printf("note: emulated kernels not run: they were built with -mavx2 and this CPU lacks AVX2\n");
+  }
+  auto native = [&](const char* name, void (*reg)(KernelTable&), Isa isa) {
+    if (const char* why = isa_unavailable_reason(isa)) {
+      std::printf("note: native %s kernel not run: %s\n", name, why);
+    } else {
+      out.push_back({name, reg, isa});
+    }
+  };
+#if MOEPACK_TEST_NATIVE_AVX_VNNI
+  native("avx_vnni", register_avx_vnni_native, Isa::avx_vnni);
+#endif
+#if MOEPACK_TEST_NATIVE_AVX512
+  native("avx512", register_avx512_native, Isa::avx512);
+#endif
+#if MOEPACK_TEST_NATIVE_AVX512_VNNI
+  native("avx512_vnni", register_avx512_vnni_native, Isa::avx512_vnni);
+#endif
+#if MOEPACK_TEST_NATIVE_AVX512_BF16
+  native("avx512_bf16", register_avx512_bf16_native, Isa::avx512_bf16);
+#endif
+  (void)native;
+  return out;
+}
+
+const std::vector<Registrar>& runnable_registrars() {
+  static const std::vector<Registrar> v = find_registrars();
+  return v;
+}
+
+std::vector<Kernel> g_simd;  // everything but scalar (bf16 layout)
 FusedMoeFn g_scalar = nullptr;
 
 void collect_kernels() {
@@ -114,32 +192,13 @@ void collect_kernels() {
     register_scalar(t);
     g_scalar = t.fused[L][int(Isa::scalar)];
   }
-  const bool has_avx2 = isa_unavailable_reason(Isa::avx2) == nullptr;
-  if (has_avx2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+  for (const Registrar& r : runnable_registrars()) {
     KernelTable t;
-    register_avx2(t);
-    g_simd.push_back({"avx2", t.fused[L][int(Isa::avx2)]});
-  } else {
-    std::printf("note: avx2 kernel not run: %s\n", isa_unavailable_reason(Isa::avx2) ? isa_unavailable_reason(Isa::avx2) : "cpu");
+    r.reg(t);
+    if (t.fused[L][int(r.isa)]) g_simd.push_back({r.name, t.fused[L][int(r.isa)]});
+    check(isa_serves(r.isa, kLayout_bf16_n32k2_x86) == (t.fused[L][int(r.isa)] != nullptr),
+          "%s registers a bf16 kernel exactly when its level serves bf16 layouts", r.name.c_str());
   }
-  if (!MOEPACK_TEST_EMU_NEEDS_AVX2 || has_avx2) {
-    KernelTable t;
-    register_avx512(t);  // the SIMDe build of moe_avx512.cpp
-    g_simd.push_back({"avx512-emu", t.fused[L][int(Isa::avx512)]});
-  } else {
-    std::printf("note: avx512-emu not run: it was built with -mavx2 and this CPU lacks AVX2\n");
-  }
-#if MOEPACK_TEST_NATIVE_AVX512
-  if (const char* why = isa_unavailable_reason(Isa::avx512)) {
-    std::printf("note: native avx512 kernel not run: %s\n", why);
-  } else {
-    KernelTable t;
-    register_avx512_native(t);
-    g_simd.push_back({"avx512", t.fused[L][int(Isa::avx512)]});
-  }
-#else
-  std::printf("note: native avx512 kernel not built\n");
-#endif
   std::printf("kernels:");
   for (const Kernel& k : g_simd) std::printf(" %s", k.name.c_str());
   std::printf("  (each vs scalar)\n");
@@ -654,6 +713,81 @@ void test_empty() {
   }
 }
 
+// ---- kernel selection for CPUs this host is not -------------------------------------------------
+// select_kernel on simulated CPUs (which levels they have) and tables (which kernels a build
+// has): the best level that serves the layout, the cap, and the fallback flag.
+void dummy_kernel(const FusedMoeArgs&) {}
+
+void test_select() {
+  const char* kNo = "not on this simulated CPU";
+  struct Cpu {
+    const char* name;
+    std::vector<Isa> has;
+    Isa bf16, i8;  // expected choice with the full table and no cap
+  };
+  const std::vector<Cpu> cpus = {
+      {"zen3", {Isa::avx2}, Isa::avx2, Isa::avx2},
+      {"alder-lake", {Isa::avx2, Isa::avx_vnni}, Isa::avx2, Isa::avx_vnni},
+      {"skylake-sp", {Isa::avx2, Isa::avx512}, Isa::avx512, Isa::avx512},
+      {"ice-lake", {Isa::avx2, Isa::avx512, Isa::avx512_vnni}, Isa::avx512, Isa::avx512_vnni},
+      {"sapphire-rapids", {Isa::avx2, Isa::avx512, Isa::avx512_vnni, Isa::avx512_bf16}, Isa::avx512_bf16, Isa::avx512_vnni},
+      {"zen5", {Isa::avx2, Isa::avx_vnni, Isa::avx512, Isa::avx512_vnni, Isa::avx512_bf16}, Isa::avx512_bf16,
+       Isa::avx512_vnni},
+      {"no-simd", {}, Isa::scalar, Isa::scalar},
+  };
+  KernelTable full;
+  for (const LayoutDesc& L : kLayouts)
+    for (int i = 0; i < kNumIsa; ++i)
+      if (isa_serves(Isa(i), L)) full.fused[L.id][i] = dummy_kernel;
+  auto unavailable_of = [&](const Cpu& c, const char** u) {
+    for (int i = 0; i < kNumIsa; ++i) u[i] = kNo;
+    u[0] = nullptr;
+    for (Isa i : c.has) u[int(i)] = nullptr;
+  };
+  for (const Cpu& c : cpus) {
+    const char* u[kNumIsa];
+    unavailable_of(c, u);
+    const Selection b = select_kernel(full, u, kLayoutId_bf16_n32k2_x86, Isa(kNumIsa - 1));
+    const Selection q = select_kernel(full, u, kLayoutId_i8_n32k4_x86, Isa(kNumIsa - 1));
+    check(b.fn && b.isa == c.bf16 && !b.fallback && std::strstr(b.reason, "best ISA of this CPU for layout bf16_n32k2_x86"),
+          "select %-15s bf16 -> %s (%s)", c.name, isa_name(b.isa), b.reason);
+    check(q.fn && q.isa == c.i8 && !q.fallback && std::strstr(q.reason, "best ISA of this CPU for layout i8_n32k4_x86"),
+          "select %-15s int8 -> %s (%s)", c.name, isa_name(q.isa), q.reason);
+    // every cap: the best serving level at or below it; "lowers" exactly when below the uncapped choice
+    for (int cap = 0; cap < kNumIsa; ++cap) {
+      for (const LayoutDesc* L : {&kLayout_bf16_n32k2_x86, &kLayout_i8_n32k4_x86}) {
+        int want = 0;
+        for (int i = cap; i > 0 && want == 0; --i)
+          if (u[i] == nullptr && isa_serves(Isa(i), *L)) want = i;
+        const Selection s = select_kernel(full, u, L->id, Isa(cap));
+        const Isa top = L == &kLayout_bf16_n32k2_x86 ? c.bf16 : c.i8;
+        const bool lowered = want < int(top);
+        check(int(s.isa) == want && !s.fallback && (std::strstr(s.reason, "lowers the CPU's") != nullptr) == lowered,
+              "select %-15s %s cap %s -> %s (%s)", c.name, L->name, isa_name(Isa(cap)), isa_name(s.isa), s.reason);
+      }
+    }
+  }
+  // A build without the avx512 int8 kernel on Skylake-SP: avx2, flagged as a fallback.
+  KernelTable partial = full;
+  partial.fused[kLayoutId_i8_n32k4_x86][int(Isa::avx512)] = nullptr;
+  const char* u[kNumIsa];
+  unavailable_of(cpus[2], u);
+  const Selection f = select_kernel(partial, u, kLayoutId_i8_n32k4_x86, Isa(kNumIsa - 1));
+  check(f.isa == Isa::avx2 && f.fallback &&
+            std::strcmp(f.reason, "avx2: fallback: this build has no avx512 kernel for layout i8_n32k4_x86") == 0,
+        "select skylake-sp without an avx512 int8 kernel -> %s (%s)", isa_name(f.isa), f.reason);
+  // ... and capped to avx2 it is no fallback
+  const Selection g = select_kernel(partial, u, kLayoutId_i8_n32k4_x86, Isa::avx2);
+  check(g.isa == Isa::avx2 && !g.fallback, "select skylake-sp capped to avx2 is not a fallback (%s)", g.reason);
+  // unknown layout id, and a table with nothing for the layout
+  const Selection x = select_kernel(full, u, 99, Isa(kNumIsa - 1));
+  check(x.fn == nullptr && std::strstr(x.reason, "layout id 99 is unknown"), "select unknown layout (%s)", x.reason);
+  const KernelTable empty;
+  const Selection y = select_kernel(empty, u, kLayoutId_bf16_n32k2_x86, Isa(kNumIsa - 1));
+  check(y.fn == nullptr && std::strstr(y.reason, "no kernel is registered for layout bf16_n32k2_x86"),
+        "select with an empty table (%s)", y.reason);
+}
+
 // ---- int8 layout i8_n32k4_x86 (W8A8) -----------------------------------------------------------
 // (1) every ISA's int32 block accumulators == exact int64 dot products, bitwise (SEMANTICS §4:
 // integer dot products identical); the VNNI kernel (avx512-emu: SIMDe's vpdpbusd) sees u8 rows
@@ -671,23 +805,16 @@ struct I8Kernel {
 std::vector<I8Kernel> collect_i8_kernels() {
   const int L = kLayoutId_i8_n32k4_x86;
   std::vector<I8Kernel> out;
-  auto add = [&](const char* name, void (*reg)(KernelTable&), Isa isa) {
+  auto add = [&](const std::string& name, void (*reg)(KernelTable&), Isa isa) {
     KernelTable t;
     reg(t);
-    if (t.fused[L][int(isa)] && t.gemm_i8[L][int(isa)]) {
-      out.push_back({name, t.fused[L][int(isa)], t.gemm_i8[L][int(isa)]});
-    } else {
-      std::printf("note: no %s int8 kernel registered\n", name);
-    }
+    const bool has = t.fused[L][int(isa)] && t.gemm_i8[L][int(isa)];
+    check(has == isa_serves(isa, kLayout_i8_n32k4_x86), "%s registers an int8 kernel exactly when its level serves int8",
+          name.c_str());
+    if (has) out.push_back({name, t.fused[L][int(isa)], t.gemm_i8[L][int(isa)]});
   };
   add("scalar", register_scalar, Isa::scalar);
-  for (const Kernel& k : g_simd) {  // the same availability rules as the bf16 kernels
-    if (k.name == "avx2") add("avx2", register_avx2, Isa::avx2);
-    if (k.name == "avx512-emu") add("avx512-emu", register_avx512, Isa::avx512);
-#if MOEPACK_TEST_NATIVE_AVX512
-    if (k.name == "avx512") add("avx512", register_avx512_native, Isa::avx512);
-#endif
-  }
+  for (const Registrar& r : runnable_registrars()) add(r.name, r.reg, r.isa);
   std::printf("int8 kernels:");
   for (const I8Kernel& k : out) std::printf(" %s", k.name.c_str());
   std::printf("\n");
@@ -864,6 +991,7 @@ int main(int argc, char** argv) {
   test_pack();
   test_routing_check();
   test_empty();
+  test_select();
   {
     const std::vector<I8Kernel> i8 = collect_i8_kernels();
     test_i8_accumulators(i8);

@@ -9,9 +9,18 @@
 
 namespace moepack {
 
-// Order is preference: a higher value is a better kernel when the CPU supports it.
-enum class Isa : int32_t { scalar = 0, avx2 = 1, avx512 = 2 };
-constexpr int kNumIsa = 3;
+// Kernel ISA levels. Order is preference: a higher value is a better kernel when the CPU supports
+// it and a kernel exists for the layout. Each level has its own CPU requirements, which do not
+// nest (a CPU can have AVX-512 BF16 without AVX-VNNI):
+//   avx2         AVX2 + FMA + F16C
+//   avx_vnni     avx2 + AVX-VNNI (VEX vpdpbusd on ymm: Alder Lake and later client cores, Zen 5)
+//   avx512       avx2 + AVX-512 F/BW/VL/DQ (Skylake-SP and later)
+//   avx512_vnni  avx512 + AVX512_VNNI (Cascade Lake, Ice Lake, Zen 4 and later)
+//   avx512_bf16  avx512 + AVX512_BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later)
+// The dot-product levels serve one weight kind: avx_vnni and avx512_vnni int8 layouts,
+// avx512_bf16 bf16 layouts (isa_serves).
+enum class Isa : int32_t { scalar = 0, avx2 = 1, avx_vnni = 2, avx512 = 3, avx512_vnni = 4, avx512_bf16 = 5 };
+constexpr int kNumIsa = 6;
 const char* isa_name(Isa isa);
 
 enum class DType : int32_t { f32 = 0, bf16 = 1, f16 = 2 };
@@ -92,7 +101,10 @@ struct KernelTable {
 // CPU and the OS are known to support the ISA.
 void register_scalar(KernelTable& t);
 void register_avx2(KernelTable& t);
+void register_avx_vnni(KernelTable& t);
 void register_avx512(KernelTable& t);
+void register_avx512_vnni(KernelTable& t);
+void register_avx512_bf16(KernelTable& t);
 
 struct CpuFeatures {
   bool avx2 = false, fma = false, f16c = false;
@@ -101,18 +113,27 @@ struct CpuFeatures {
   bool os_avx = false, os_avx512 = false;  // XCR0 says the OS saves the registers
 };
 const CpuFeatures& cpu_features();
-// Best ISA the CPU and OS support (ignores MOEPACK_MAX_ISA).
+// Best (highest) ISA level the CPU and OS support (ignores MOEPACK_MAX_ISA).
 Isa host_isa();
 // Why `isa` is not available on this host, or nullptr if it is.
 const char* isa_unavailable_reason(Isa isa);
+// Whether ISA level `isa` is meant for layouts like L (the dot-product levels serve one weight kind).
+bool isa_serves(Isa isa, const LayoutDesc& L);
 
 struct Selection {
   FusedMoeFn fn = nullptr;
   Isa isa = Isa::scalar;
+  // True when a better level that serves the layout is available (and allowed by the cap) but
+  // this build has no kernel for it: MOEPACK_STRICT refuses such a choice.
+  bool fallback = false;
   char reason[256] = {0};  // why this kernel (and not a better one) was chosen
 };
-// Best registered kernel for `layout_id` at or below `max_isa` and the host's ISA.
+// Best registered kernel for `layout_id` among the levels at or below `max_isa` that the host
+// supports and that serve the layout.
 Selection select_fused(int32_t layout_id, Isa max_isa);
+// The same rule for any CPU and kernel table: unavailable[i] says why level i cannot run on that
+// CPU (nullptr = it can). select_fused = select_kernel(this build's table, this host, ...).
+Selection select_kernel(const KernelTable& t, const char* const unavailable[kNumIsa], int32_t layout_id, Isa max_isa);
 // The registered int8 block GEMM of exactly `isa` for `layout_id` (null when none: not an int8
 // layout, no such kernel, or the host cannot run `isa`).
 Int8BlockGemmFn find_gemm_i8(int32_t layout_id, Isa isa);

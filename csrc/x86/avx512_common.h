@@ -1,0 +1,207 @@
+// [NOTE] What the AVX-512 kernels share (moe_avx512.cpp, moe_avx512_vnni.cpp, moe_avx512_bf16.cpp):
+// the intrinsics (native, or SIMDe's portable ones under MOEPACK_EMULATE_AVX512), exp/sigmoid,
+// the fp32-row GEMM that widens bf16 weights in registers, the activations and the combine's
+// axpy. Include it only in a translation unit compiled with at least -mavx512f -mavx512bw
+// -mavx512vl -mavx512dq -mfma -mf16c (or emulated); everything here has internal linkage, and
+// needs nothing beyond AVX-512 F/BW/VL/DQ.
+//
+// fp32 rows (all dtypes at the avx512 level; fp32/fp16 at avx512_bf16): weights widened in
+// registers (even = w << 16, odd = w & 0xffff0000, both exact fp32) and fp32 FMAs, like the
+// AVX2 kernel with twice the width. Tiles (32 zmm): MR=4 x 2 x (combined even/odd) = 8
+// accumulators; MR=1 splits accumulators further so that 8 FMA chains are in flight.
+//
+// MOEPACK_EMULATE_AVX512: tests/cpp builds these files against SIMDe, so the kernel logic runs
+// on hosts without AVX-512.
+#pragma once
+
+#if defined(MOEPACK_EMULATE_AVX512)
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+// SIMDe 0.7.x (Debian libsimde-dev) has no _mm512_cvtps_epi32: without this shim the name binds
+// to GCC's native intrinsic, which does not compile without -mavx512f. Two 256-bit halves
+// (current rounding mode, like the instruction); replaces SIMDe's alias where a newer one has it.
+static inline simde__m512i moepack_emu_mm512_cvtps_epi32(simde__m512 a) {
+  simde__m512_private a_ = simde__m512_to_private(a);
+  simde__m512i_private r_;
+  r_.m256i[0] = simde_mm256_cvtps_epi32(a_.m256[0]);
+  r_.m256i[1] = simde_mm256_cvtps_epi32(a_.m256[1]);
+  return simde__m512i_from_private(r_);
+}
+#undef _mm512_cvtps_epi32
+#define _mm512_cvtps_epi32(a) moepack_emu_mm512_cvtps_epi32(a)
+// SIMDe 0.7.x aliases _mm512_madd_epi16 with the masked form's four parameters.
+#undef _mm512_madd_epi16
+#define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
+#ifndef _MM_FROUND_NO_EXC  // SIMDe aliases it only where SSE4.1 is native
+#define _MM_FROUND_NO_EXC SIMDE_MM_FROUND_NO_EXC
+#endif
+#else
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "moepack/kernel.h"
+#include "moepack/numeric.h"
+
+namespace moepack {
+namespace x86_avx512 {
+namespace {
+
+static inline __m512 even_f32(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
+static inline __m512 odd_f32(__m512i w, __m512i hi) { return _mm512_castsi512_ps(_mm512_and_si512(w, hi)); }
+
+static inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+static inline __m512 sigmoid_ps(__m512 x) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  return _mm512_div_ps(one, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
+static inline uint32_t load_u32(const void* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---- fp32 rows: widen weights in registers ---------------------------------------------------
+template <int MR>
+static inline void gemm_f32_tile(const float* const* x, const uint16_t* B, int64_t kp, float* C) {
+  const __m512i hi = _mm512_set1_epi32(int(0xffff0000u));
+  __m512 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  const __m512i* b = reinterpret_cast<const __m512i*>(B);
+  for (int64_t kk = 0; kk < kp / 2; ++kk, b += 2) {
+    const __m512i w0 = _mm512_loadu_si512(b), w1 = _mm512_loadu_si512(b + 1);
+    const __m512 e0 = even_f32(w0), o0 = odd_f32(w0, hi), e1 = even_f32(w1), o1 = odd_f32(w1, hi);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 x0 = _mm512_set1_ps(x[r][2 * kk]), x1 = _mm512_set1_ps(x[r][2 * kk + 1]);
+      acc[r][0] = _mm512_fmadd_ps(e0, x0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(e1, x0, acc[r][1]);
+      acc[r][0] = _mm512_fmadd_ps(o0, x1, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(o1, x1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm512_storeu_ps(C + r * 32, acc[r][0]);
+    _mm512_storeu_ps(C + r * 32 + 16, acc[r][1]);
+  }
+}
+
+static inline void gemm_f32_row(const float* x, const uint16_t* B, int64_t kp, float* C) {
+  const __m512i hi = _mm512_set1_epi32(int(0xffff0000u));
+  __m512 a[2][4];
+  for (int u = 0; u < 2; ++u)
+    for (int v = 0; v < 4; ++v) a[u][v] = _mm512_setzero_ps();
+  const __m512i* b = reinterpret_cast<const __m512i*>(B);
+  const int64_t npairs = kp / 2;
+  int64_t kk = 0;
+  for (; kk + 2 <= npairs; kk += 2, b += 4) {
+    for (int u = 0; u < 2; ++u) {
+      const __m512i w0 = _mm512_loadu_si512(b + 2 * u), w1 = _mm512_loadu_si512(b + 2 * u + 1);
+      const __m512 x0 = _mm512_set1_ps(x[2 * (kk + u)]), x1 = _mm512_set1_ps(x[2 * (kk + u) + 1]);
+      a[u][0] = _mm512_fmadd_ps(even_f32(w0), x0, a[u][0]);
+      a[u][1] = _mm512_fmadd_ps(odd_f32(w0, hi), x1, a[u][1]);
+      a[u][2] = _mm512_fmadd_ps(even_f32(w1), x0, a[u][2]);
+      a[u][3] = _mm512_fmadd_ps(odd_f32(w1, hi), x1, a[u][3]);
+    }
+  }
+  for (; kk < npairs; ++kk, b += 2) {
+    const __m512i w0 = _mm512_loadu_si512(b), w1 = _mm512_loadu_si512(b + 1);
+    const __m512 x0 = _mm512_set1_ps(x[2 * kk]), x1 = _mm512_set1_ps(x[2 * kk + 1]);
+    a[0][0] = _mm512_fmadd_ps(even_f32(w0), x0, a[0][0]);
+    a[0][1] = _mm512_fmadd_ps(odd_f32(w0, hi), x1, a[0][1]);
+    a[0][2] = _mm512_fmadd_ps(even_f32(w1), x0, a[0][2]);
+    a[0][3] = _mm512_fmadd_ps(odd_f32(w1, hi), x1, a[0][3]);
+  }
+  _mm512_storeu_ps(C, _mm512_add_ps(_mm512_add_ps(a[0][0], a[0][1]), _mm512_add_ps(a[1][0], a[1][1])));
+  _mm512_storeu_ps(C + 16, _mm512_add_ps(_mm512_add_ps(a[0][2], a[0][3]), _mm512_add_ps(a[1][2], a[1][3])));
+}
+
+// The MK members every AVX-512 kernel shares (a kernel's MK derives from it and may hide
+// row_format / gemm with its own).
+struct Avx512Base {
+  static RowFormat row_format(DType) { return RowFormat::f32; }
+
+  // C[m, 32] = A[m, :kp] . B^T for one 32-column block of fp32 rows; m <= kChunkM.
+  static void gemm(const LayoutDesc&, RowFormat, const void* const* rows, int m, const uint16_t* B, int64_t kp, float* C) {
+    const float* const* x = reinterpret_cast<const float* const*>(rows);
+    if (m == 1) return gemm_f32_row(x[0], B, kp, C);
+    int i = 0;
+    for (; i + 4 <= m; i += 4) gemm_f32_tile<4>(x + i, B, kp, C + i * 32);
+    switch (m - i) {
+      case 3: gemm_f32_tile<3>(x + i, B, kp, C + i * 32); break;
+      case 2: gemm_f32_tile<2>(x + i, B, kp, C + i * 32); break;
+      case 1: gemm_f32_row(x[i], B, kp, C + i * 32); break;
+      default: break;
+    }
+  }
+
+  static void activation(const FusedMoeArgs& a, const float* g, const float* u, int n, float* out) {
+    int j = 0;
+    switch (a.act) {
+      case Activation::silu:
+        for (; j + 16 <= n; j += 16) {
+          const __m512 gv = _mm512_loadu_ps(g + j), uv = _mm512_loadu_ps(u + j);
+          _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_mul_ps(gv, sigmoid_ps(gv)), uv));
+        }
+        for (; j < n; ++j) out[j] = act_silu(g[j], u[j]);
+        break;
+      case Activation::gelu_tanh: {
+        const __m512 c2 = _mm512_set1_ps(2.0f * 0.7978845608028654f), c3 = _mm512_set1_ps(0.044715f);
+        for (; j + 16 <= n; j += 16) {
+          const __m512 gv = _mm512_loadu_ps(g + j), uv = _mm512_loadu_ps(u + j);
+          const __m512 inner = _mm512_fmadd_ps(_mm512_mul_ps(c3, gv), _mm512_mul_ps(gv, gv), gv);
+          _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_mul_ps(gv, sigmoid_ps(_mm512_mul_ps(c2, inner))), uv));
+        }
+        for (; j < n; ++j) out[j] = act_gelu_tanh(g[j], u[j]);
+        break;
+      }
+      case Activation::swigluoai: {
+        const __m512 lim = _mm512_set1_ps(a.limit), nlim = _mm512_set1_ps(-a.limit);
+        const __m512 alpha = _mm512_set1_ps(a.alpha), one = _mm512_set1_ps(1.0f);
+        for (; j + 16 <= n; j += 16) {
+          const __m512 gv = _mm512_min_ps(_mm512_loadu_ps(g + j), lim);
+          const __m512 uv = _mm512_max_ps(_mm512_min_ps(_mm512_loadu_ps(u + j), lim), nlim);
+          const __m512 glu = _mm512_mul_ps(gv, sigmoid_ps(_mm512_mul_ps(alpha, gv)));
+          _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_add_ps(uv, one), glu));
+        }
+        for (; j < n; ++j) out[j] = act_swigluoai(g[j], u[j], a.alpha, a.limit);
+        break;
+      }
+      case Activation::gelu:
+        for (; j < n; ++j) out[j] = act_gelu(g[j], u[j]);
+        break;
+    }
+  }
+
+  static void axpy(float w, const float* y, float* acc, int64_t n) {
+    const __m512 wv = _mm512_set1_ps(w);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), _mm512_mul_ps(wv, _mm512_loadu_ps(y + i))));
+    }
+    for (; i < n; ++i) acc[i] += w * y[i];
+  }
+};
+
+}  // namespace
+}  // namespace x86_avx512
+}  // namespace moepack

@@ -1,0 +1,124 @@
+// [NOTE] AVX-VNNI fused-MoE kernel for the int8 layout i8_n32k4_x86, ISA level `avx_vnni`: the
+// VEX-encoded vpdpbusd on ymm, for CPUs that have it without AVX-512 (Alder Lake and later
+// client cores; also Zen 5, where avx512_vnni ranks higher). Compiled with -mavx2 -mfma -mf16c
+// -mavxvnni only; registered by dispatch.cpp after cpuid + xgetbv.
+//
+// One block of i8_n32k4_x86 is [Kp/4][32 columns][4] int8: per K quad 128 bytes = 4 ymm whose
+// 32-bit lanes hold w[n][k..k+3], vpdpbusd's signed operand. Its unsigned operand is the row's
+// 4 codes broadcast; the driver stores rows as u8 = q + 128 (MK::kI8RowsU8), so
+//   acc = sum (q + 128) w = sum q w + 128 colsum[n],  and the exact result is acc - (colsum << 7).
+// vpdpbusd adds the four u8 x s8 products into the i32 lane without saturating (vpdpbusds is the
+// saturating one); int32 wraparound cancels in the subtraction.
+//
+// MOEPACK_EMULATE_AVX_VNNI: tests/cpp builds this file with SIMDe's portable vpdpbusd (same
+// semantics as the EVEX ymm form), so the kernel runs on AVX2 hosts without AVX-VNNI.
+#include <immintrin.h>
+#if defined(MOEPACK_EMULATE_AVX_VNNI)
+#include <simde/x86/avx512/dpbusd.h>
+#endif
+
+#include <cstdint>
+#include <cstring>
+
+#include "avx2_common.h"
+#include "moepack/kernel.h"
+
+namespace moepack {
+namespace avx_vnni {
+namespace {
+
+// acc + sum over the 4 bytes of each i32 lane of u8[i] * s8[i]
+static inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) {
+#if defined(MOEPACK_EMULATE_AVX_VNNI)
+  return simde_mm256_dpbusd_epi32(acc, u8, s8);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u8, s8);
+#endif
+}
+
+static inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+static inline void store_corrected(int32_t* C, const __m256i* acc, const int32_t* colsum) {
+  for (int v = 0; v < 4; ++v) {
+    const __m256i c = _mm256_slli_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(colsum) + v), 7);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(C) + v, _mm256_sub_epi32(acc[v], c));
+  }
+}
+
+// Software prefetch distance for the one-row (decode) kernel, as in the AVX2 kernel.
+constexpr int kPrefetchVectors = 64;
+
+// One row: two K quads per step on separate accumulators (8 chains hide vpdpbusd's latency).
+static inline void gemm_i8_row(const int8_t* x, const int8_t* B, int64_t kp, const int32_t* colsum, int32_t* C) {
+  __m256i a[2][4];
+  for (int u = 0; u < 2; ++u)
+    for (int v = 0; v < 4; ++v) a[u][v] = _mm256_setzero_si256();
+  const __m256i* b = reinterpret_cast<const __m256i*>(B);
+  const int64_t nq = kp / 4;
+  int64_t kq = 0;
+  for (; kq + 2 <= nq; kq += 2, b += 8) {
+    _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchVectors), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchVectors + 2), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchVectors + 4), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchVectors + 6), _MM_HINT_T0);
+    for (int u = 0; u < 2; ++u) {
+      const __m256i xb = bcast4(x + 4 * (kq + u));
+      for (int v = 0; v < 4; ++v) a[u][v] = dpbusd(a[u][v], xb, _mm256_loadu_si256(b + 4 * u + v));
+    }
+  }
+  for (; kq < nq; ++kq, b += 4) {
+    const __m256i xb = bcast4(x + 4 * kq);
+    for (int v = 0; v < 4; ++v) a[0][v] = dpbusd(a[0][v], xb, _mm256_loadu_si256(b + v));
+  }
+  __m256i s[4];
+  for (int v = 0; v < 4; ++v) s[v] = _mm256_add_epi32(a[0][v], a[1][v]);
+  store_corrected(C, s, colsum);
+}
+
+// Two rows: 8 accumulators, each weight vector loaded once for both.
+static inline void gemm_i8_2(const int8_t* x, const int8_t* z, const int8_t* B, int64_t kp, const int32_t* colsum,
+                             int32_t* C) {
+  __m256i a[4], c[4];
+  for (int v = 0; v < 4; ++v) a[v] = c[v] = _mm256_setzero_si256();
+  const __m256i* b = reinterpret_cast<const __m256i*>(B);
+  for (int64_t kq = 0; kq < kp / 4; ++kq, b += 4) {
+    const __m256i xb = bcast4(x + 4 * kq), zb = bcast4(z + 4 * kq);
+    for (int v = 0; v < 4; ++v) {
+      const __m256i w = _mm256_loadu_si256(b + v);
+      a[v] = dpbusd(a[v], xb, w);
+      c[v] = dpbusd(c[v], zb, w);
+    }
+  }
+  store_corrected(C, a, colsum);
+  store_corrected(C + 32, c, colsum);
+}
+
+struct MK : x86_avx2::Avx2Elementwise {
+  // int8 layouts: the driver stores quantized rows as u8 = q + 128 (vpdpbusd's unsigned operand).
+  static constexpr bool kI8RowsU8 = true;
+
+  // acc[m, 32] = exact int32 dot products of one 32-column int8 block (rows u8 = q + 128).
+  static void gemm_i8(const LayoutDesc&, const int8_t* const* rows, int m, const int8_t* B, int64_t kp,
+                      const int32_t* colsum, int32_t* acc) {
+    if (m == 1) return gemm_i8_row(rows[0], B, kp, colsum, acc);
+    int i = 0;
+    for (; i + 2 <= m; i += 2) gemm_i8_2(rows[i], rows[i + 1], B, kp, colsum, acc + i * 32);
+    if (i < m) gemm_i8_row(rows[i], B, kp, colsum, acc + i * 32);
+  }
+};
+
+#include "../kernels/fused_moe_driver.inc"
+
+}  // namespace
+}  // namespace avx_vnni
+
+void register_avx_vnni(KernelTable& t) {
+  t.fused[kLayoutId_i8_n32k4_x86][int(Isa::avx_vnni)] = avx_vnni::fused_moe_i8<>;
+  t.gemm_i8[kLayoutId_i8_n32k4_x86][int(Isa::avx_vnni)] = avx_vnni::gemm_i8_block<>;
+}
+
+}  // namespace moepack
