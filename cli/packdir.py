@@ -108,6 +108,8 @@ def verify(
     tokens: int = typer.Option(7, "--tokens", help="Seeded random tokens per layer for the output check."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
+    from rich.markup import escape
+
     from moepack.verify_dir import verify as do_verify
 
     if tokens <= 0:
@@ -126,21 +128,33 @@ def verify(
         if report.layers:
             if report.fingerprint_match is False:
                 err_console.print("[yellow]note:[/] the source's fingerprint differs from the one recorded at convert time")
+            (eq, n), (seq, sn) = report.weights_checked(), report.weights_checked(shared=True)
+            console.print(
+                f"weights: {eq}/{n} packed expert tensors equal the source" + (f" (shared experts: {seq}/{sn})" if sn else ""),
+                style="green" if eq == n else "red",
+            )
             t = Table(title=f"layers against {report.source}")
             int8 = any(c.rel_err_fp32 is not None for c in report.layers)
-            cols = ["layer", "weights == source (int8 codes)" if int8 else "weights == source (bf16)", "output rel. error", "tolerance"]
-            for col in cols + (["vs fp32 reference (3e-2)"] if int8 else []) + ["result"]:
+            shared = any(c.shared_exact is not None for c in report.layers)
+            cols = ["layer", "weights == source (int8 codes)" if int8 else "weights == source (bf16)"]
+            cols += ["shared expert == source"] if shared else []
+            for col in cols + ["output rel. error", "tolerance"] + (["vs fp32 reference (3e-2)"] if int8 else []) + ["result"]:
                 t.add_column(col)
+            yes_no = {True: "yes", False: "[red]no[/]", None: "-"}
             for c in report.layers:
                 t.add_row(
                     str(c.index),
-                    "yes" if c.weights_exact else "[red]no[/]",
+                    yes_no[c.weights_exact],
+                    *([yes_no[c.shared_exact]] if shared else []),
                     f"{c.rel_err:.2e}",
                     f"{c.tol:.1e}" if int8 else f"{c.tol:.0e}",
                     *(["-" if c.rel_err_fp32 is None else f"{c.rel_err_fp32:.2e}"] if int8 else []),
-                    "[green]ok[/]" if c.ok else f"[red]FAIL[/] {c.detail}",
+                    "[green]ok[/]" if c.ok else "[red]FAIL[/]",
                 )
             console.print(t)
+            for c in report.layers:  # on lines of their own: a table cell would cut tensor names short
+                if not c.ok:
+                    console.print(f"  [red]FAIL[/] layer {c.index}: {escape(c.detail)}", highlight=False)
     if not report.ok:
         raise typer.Exit(EXIT_MISMATCH)
 

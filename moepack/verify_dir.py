@@ -5,13 +5,19 @@
 2. Integrity: the sha256 of every tensor's bytes against the manifest (a flipped byte names the
    tensor).
 3. With the source: every layer's packed weights unpacked equal the source's weights rounded
-   to bf16, exactly; and the packed layer's output on seeded random tokens matches
-   ``moepack.reference`` run on the source's own weights.
+   to bf16, exactly, padding included (zero); and the packed layer's output on seeded random
+   tokens matches ``moepack.reference`` run on the source's own weights.
    int8 layers (scheme int8_channel): the packed codes, scales and column sums equal the
    source's own int8 codes and scales (or, for a dense source quantized by moepack,
    ``quantize_int8_per_channel`` of its weights) exactly; the output matches
    ``moe_reference_int8`` on those codes (1e-5, up to two intermediate-code flips: see
    tests/reference/tolerances.py) and the fp32 reference on the source's weights (3e-2).
+   The shared expert (DeepSeek/GLM ``shared_experts``, Qwen2-MoE ``shared_expert`` with its
+   ``shared_expert_gate``, Llama-4 ``shared_expert``) is held to the same rules as a one-expert
+   set: ``shared_w13`` / ``shared_w2`` (and, int8, their scales and column sums) exactly, its
+   gate bit for bit, and its gated output is part of the layer output compared.
+   A differing tensor is named with its first differing element ([expert, row, col] of the
+   unpacked values), both values and the rule; the report counts the tensors compared.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Callable
 import torch
 
 from .errors import MoepackError
-from .pack import pad_intermediate, quantize_int8_per_channel, unpack_weight_reference
+from .pack import PackedExperts, pad_intermediate, quantize_int8_per_channel, unpack_weight_reference
 from .reference import moe_reference, moe_reference_int8
 from .runtime.model import PackedModel, open_packed
 
@@ -58,6 +64,9 @@ class LayerCheck:
     ok: bool
     detail: str = ""
     rel_err_fp32: float | None = None  # int8 layers: vs the fp32 reference on the source's weights
+    shared_exact: bool | None = None  # the shared expert's tensors (and gate) equal the source's; None: none
+    tensors: dict = field(default_factory=dict)  # routed experts: packed tensor name -> equal to the source
+    shared_tensors: dict = field(default_factory=dict)  # the shared expert's, likewise
 
 
 @dataclass
@@ -72,6 +81,14 @@ class VerifyReport:
     def ok(self) -> bool:
         return all(t.ok for t in self.tensors) and all(layer.ok for layer in self.layers)
 
+    def weights_checked(self, shared: bool = False) -> tuple[int, int]:
+        """(equal, checked): packed expert tensors compared with the source (``shared``: only
+        the shared experts')."""
+        res = [v for c in self.layers for v in c.shared_tensors.values()]
+        if not shared:
+            res += [v for c in self.layers for v in c.tensors.values()]
+        return sum(res), len(res)
+
     def failures(self) -> list[str]:
         out = [f"tensor {t.name!r} in {t.file}: {t.detail}" for t in self.tensors if not t.ok]
         out += [f"layer {c.index}: {c.detail}" for c in self.layers if not c.ok]
@@ -84,6 +101,8 @@ class VerifyReport:
             "source": self.source,
             "fingerprint_match": self.fingerprint_match,
             "tensors_checked": len(self.tensors),
+            "weights_checked": self.weights_checked()[1],
+            "shared_weights_checked": self.weights_checked(shared=True)[1],
             "failures": self.failures(),
             "layers": [c.__dict__ for c in self.layers],
         }
@@ -113,93 +132,206 @@ def _tokens(model: PackedModel, layer_index: int, e: int, h: int, tokens: int, s
     return x, w.contiguous(), ids.to(torch.int32).contiguous()
 
 
-def _check_layer_int8(model: PackedModel, layer_index: int, canon, tokens: int, seed: int) -> LayerCheck:
-    layer = model.layers[layer_index]
-    p = layer.packed
-    e, h, i, ip = p.num_experts, p.hidden, p.intermediate, p.padded_intermediate
-    if canon.w13_q is not None:  # the source's own int8 codes and scales
-        q13, s13, q2, s2 = canon.w13_q, canon.w13_scale.float(), canon.w2_q, canon.w2_scale.float()
-    else:  # a dense source quantized by moepack: the same quantization, recomputed
-        q13, s13 = quantize_int8_per_channel(canon.w13)
-        q2, s2 = quantize_int8_per_channel(canon.w2)
-    np2 = p.w2.shape[1]
+@dataclass
+class _Want:
+    """What one packed expert set (a layer's routed experts, or its shared expert as a one-expert
+    set) must hold, from the source."""
 
-    def padn(v):
-        out = v.new_zeros(e, np2)
-        out[:, :h] = v
-        return out
+    w13: torch.Tensor  # canonical [E, 2I, H], source dtype (int8 sources: q * scale in fp32)
+    w2: torch.Tensor  # [E, H, I]
+    rule: str  # where the packed values come from, for messages
+    q: tuple | None = None  # int8 layouts: (w13_q, w13_scale, w2_q, w2_scale), as packed
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
 
-    checks = {
-        "w13 codes": torch.equal(unpack_weight_reference(p.w13, 2 * ip, h, p.layout), pad_intermediate(q13, ip, p.interleaved)),
-        "w2 codes": torch.equal(unpack_weight_reference(p.w2, h, ip, p.layout)[:, :, :i], q2)
-        and bool((unpack_weight_reference(p.w2, h, ip, p.layout)[:, :, i:] == 0).all()),
-        "w13_scale": torch.equal(p.w13_scale, pad_intermediate(s13, ip, p.interleaved)),
-        "w2_scale": torch.equal(p.w2_scale, padn(s2)),
-        "w13_colsum": torch.equal(p.w13_colsum, pad_intermediate(q13.int().sum(-1, dtype=torch.int32), ip, p.interleaved)),
-        "w2_colsum": torch.equal(p.w2_colsum, padn(q2.int().sum(-1, dtype=torch.int32))),
+
+def _want(w13, w2, q, quantized: bool, w13_bias=None, w2_bias=None) -> _Want:
+    """``q``: the source's own int8 codes and scales, or None (a dense source, which an int8
+    layout holds as ``quantize_int8_per_channel`` of its weights, recomputed here)."""
+    if not quantized:
+        return _Want(w13, w2, "the source rounded to bf16", None, w13_bias, w2_bias)
+    if q is not None:
+        return _Want(w13, w2, "the source's own int8 codes and scales", tuple(q), w13_bias, w2_bias)
+    (q13, s13), (q2, s2) = quantize_int8_per_channel(w13), quantize_int8_per_channel(w2)
+    return _Want(w13, w2, "quantize_int8_per_channel of the source", (q13, s13, q2, s2), w13_bias, w2_bias)
+
+
+def _zero_padded(t: torch.Tensor, shape) -> torch.Tensor:
+    out = t.new_zeros(tuple(shape))
+    out[tuple(slice(0, n) for n in t.shape)] = t
+    return out
+
+
+def _expected_tensors(p: PackedExperts, want: _Want) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """role -> (the packed tensor's values, every padding element included: weights unpacked to
+    [E, N, K]; what they must be). Padding must be zero."""
+    ip, il = p.padded_intermediate, p.interleaved
+    if want.q is None:
+        w13, w2 = want.w13.to(torch.bfloat16), want.w2.to(torch.bfloat16)
+    else:
+        w13, s13, w2, s2 = want.q
+    out = {
+        "w13": (unpack_weight_reference(p.w13, *p.w13.shape[1:], p.layout), _zero_padded(pad_intermediate(w13, ip, il), p.w13.shape)),
+        "w2": (unpack_weight_reference(p.w2, *p.w2.shape[1:], p.layout), _zero_padded(w2, p.w2.shape)),
     }
-    exact = all(checks.values())
-    x, w, ids = _tokens(model, layer_index, e, h, tokens, seed)
-    out = layer.experts(x, w, ids)
-    kw = dict(activation=layer.activation, alpha=layer.alpha, limit=layer.limit, w13_bias=canon.w13_bias, w2_bias=canon.w2_bias)
-    ref, flip = moe_reference_int8(x, q13, s13, q2, s2, w, ids, return_flip=True, **kw)
-    norm = float(ref.norm().clamp_min(1e-30))
-    rel = float((out - ref).norm()) / norm
-    tol = max(INT8_TOL, INT8_FLIPS * flip / norm)
-    ref32 = moe_reference(x, canon.w13, canon.w2, w, ids, **kw)
-    rel32 = float((out - ref32).norm() / ref32.norm().clamp_min(1e-30))
-    ok = exact and rel <= tol and rel32 <= INT8_FP32_TOL
-    detail = []
-    if not exact:
-        detail.append("packed int8 tensors differ from the source's codes/scales: " + ", ".join(k for k, v in checks.items() if not v))
-    if rel > tol:
-        detail.append(f"output differs from the int8 reference: relative error {rel:.3g} > {tol:.3g}")
-    if rel32 > INT8_FP32_TOL:
-        detail.append(f"output differs from the fp32 reference on the source's weights: {rel32:.3g} > {INT8_FP32_TOL:g}")
-    return LayerCheck(layer_index, exact, rel, tol, ok, "; ".join(detail), rel32)
+    if want.q is not None:
+        out["w13_scale"] = (p.w13_scale, pad_intermediate(s13.float(), ip, il))
+        out["w2_scale"] = (p.w2_scale, _zero_padded(s2.float(), p.w2_scale.shape))
+        out["w13_colsum"] = (p.w13_colsum, pad_intermediate(w13.int().sum(-1, dtype=torch.int32), ip, il))
+        out["w2_colsum"] = (p.w2_colsum, _zero_padded(w2.int().sum(-1, dtype=torch.int32), p.w2_colsum.shape))
+    return out
+
+
+def _where(role: str, idx: list[int], p: PackedExperts) -> str:
+    """Element ``idx`` of ``role``'s unpacked values in words: [expert, row (output channel), col]."""
+    if not role.startswith(("w13", "w2")):
+        return str(idx)
+    i, ip, h = p.intermediate, p.padded_intermediate, p.hidden
+    parts = [f"expert {idx[0]}"]
+    r = idx[1]
+    if role.startswith("w13"):
+        if p.interleaved:
+            parts.append(f"{'gate' if r % 2 == 0 else 'up'} row {r // 2}" if r < 2 * i else f"padding row {r}")
+        else:
+            parts.append(f"gate row {r}" if r < i else f"up row {r - ip}" if ip <= r < ip + i else f"padding row {r}")
+        if len(idx) > 2:
+            parts.append(f"col {idx[2]}" if idx[2] < h else f"padding col {idx[2]}")
+    else:
+        parts.append(f"row {r}" if r < h else f"padding row {r}")
+        if len(idx) > 2:
+            parts.append(f"col {idx[2]}" if idx[2] < i else f"padding col {idx[2]}")
+    return "[" + ", ".join(parts) + "]"
+
+
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def _difference(name: str, role: str, got: torch.Tensor, want: torch.Tensor, p: PackedExperts, rule: str) -> str | None:
+    """None when ``got`` equals ``want`` bit for bit; else the first differing element named."""
+    if got.dtype != want.dtype:  # the manifest's shapes and dtypes were checked by open
+        return f"tensor {name!r} is {got.dtype}, {rule} is {want.dtype}"
+    bits = _BITS.get(got.dtype)
+    diff = (got.view(bits) != want.view(bits)) if bits else (got != want)
+    n = int(diff.sum())
+    if n == 0:
+        return None
+    idx = diff.nonzero()[0].tolist()
+    g, w = got[tuple(idx)].item(), want[tuple(idx)].item()
+    return (
+        f"tensor {name!r} {_where(role, idx, p)} is {g!r}, {rule} gives {w!r} "
+        f"({n} of {got.numel()} elements differ; packed values must equal it exactly)"
+    )
+
+
+def _compare(p: PackedExperts, names: dict, want: _Want, what: str, results: dict, problems: list) -> bool:
+    """Every packed tensor of ``p`` (``names``: role -> tensor name) against ``want``: results
+    ``{name: equal}``, a message per differing tensor. False when the shapes do not even agree."""
+    e, h, i = p.num_experts, p.hidden, p.intermediate
+    if tuple(want.w13.shape) != (e, 2 * i, h) or tuple(want.w2.shape) != (e, h, i):
+        problems.append(
+            f"the source's {what}: w13 {list(want.w13.shape)}, w2 {list(want.w2.shape)}; the packed {what}: "
+            f"E={e}, H={h}, I={i} (w13 [{e}, {2 * i}, {h}], w2 [{e}, {h}, {i}]): shapes must agree"
+        )
+        results.update({names[r]: False for r in ("w13", "w2")})
+        return False
+    for role, (got, exp) in _expected_tensors(p, want).items():
+        msg = _difference(names[role], role, got, exp, p, want.rule)
+        results[names[role]] = msg is None
+        if msg:
+            problems.append(msg)
+    return True
+
+
+def _shared_want(ckpt, reader, spec, quantized: bool) -> _Want:
+    """The source's shared expert as convert packs it (convert_dir: float, or the int8 source's
+    own codes, or quantized by moepack when the source's shared expert is float)."""
+    w13, w2 = reader.read_shared(ckpt, spec)
+    q = reader.read_shared_q(ckpt, spec) if quantized and reader.read_shared_q is not None else None
+    return _want(w13, w2, None if q is None else (q[0][0], q[0][1].float(), q[1][0], q[1][1].float()), quantized)
+
+
+def _check_shared(ckpt, reader, spec, layer, results: dict, problems: list) -> tuple[_Want | None, torch.Tensor | None]:
+    """The layer's shared expert (its packed tensors and its gate) against the source's: returns
+    (what it must hold, the source's gate or None) when both sides have one of the same shape,
+    for the output check; else (None, None)."""
+    sh = layer.entry.get("shared") or {}
+    if not spec.shared and layer.shared is None:
+        return None, None
+    if not spec.shared or layer.shared is None:
+        have, lack = ("packed layer", "source") if sh else ("source", "packed layer")
+        names = [sh["w13"], sh["w2"]] if sh else [spec.shared[r] for r in ("gate_proj", "up_proj", "down_proj")]
+        problems.append(f"the {have} has a shared expert ({', '.join(map(repr, names))}), the {lack} has none")
+        results.update(dict.fromkeys(names, False))
+        return None, None
+    want = _shared_want(ckpt, reader, spec, layer.packed.layout.quantized)
+    if not _compare(layer.shared, sh, want, "shared expert", results, problems):
+        return None, None
+    gate = ckpt.read(spec.shared["gate"]) if spec.shared.get("gate") else None
+    if (gate is None) != (layer.shared_gate is None):
+        problems.append(f"shared-expert gate: the source has {spec.shared.get('gate')!r}, the packed layer has {sh.get('gate')!r}")
+        results[sh.get("gate") or spec.shared["gate"]] = False
+        return None, None
+    if gate is not None:
+        if tuple(layer.shared_gate.shape) != tuple(gate.shape):
+            msg = f"tensor {sh['gate']!r} has shape {list(layer.shared_gate.shape)}, the source's {list(gate.shape)}"
+        else:
+            msg = _difference(sh["gate"], "gate", layer.shared_gate, gate, layer.shared, f"the source's {spec.shared['gate']!r}")
+        results[sh["gate"]] = msg is None
+        if msg:
+            problems.append(msg)
+    return want, gate
 
 
 def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, tokens: int, seed: int) -> LayerCheck:
     layer = model.layers[layer_index]
     p = layer.packed
+    quantized = p.layout.quantized
     canon = reader.read_layer(ckpt, spec)
-    if p.layout.quantized:
-        return _check_layer_int8(model, layer_index, canon, tokens, seed)
-    e, h, i = p.num_experts, p.hidden, p.intermediate
-    # exact weights: unpack(packed) == source rounded to bf16, padding included
-    w13_want = pad_intermediate(canon.w13.to(torch.bfloat16), p.padded_intermediate, p.interleaved)
-    w13_got = unpack_weight_reference(p.w13, 2 * p.padded_intermediate, h, p.layout)
-    w2_got = unpack_weight_reference(p.w2, h, p.padded_intermediate, p.layout)
-    exact = torch.equal(w13_got.view(torch.int16), w13_want.view(torch.int16)) and torch.equal(
-        w2_got[:, :, :i].contiguous().view(torch.int16), canon.w2.to(torch.bfloat16).view(torch.int16)
-    )
-    exact = exact and bool((w2_got[:, :, i:] == 0).all())
-    # numerics on seeded tokens against the fp32 reference on the source's own weights
-    x, w, ids = _tokens(model, layer_index, e, h, tokens, seed)
+    q = None if canon.w13_q is None else (canon.w13_q, canon.w13_scale.float(), canon.w2_q, canon.w2_scale.float())
+    routed = _want(canon.w13, canon.w2, q, quantized, canon.w13_bias, canon.w2_bias)
+    tensors, shared_tensors, problems = {}, {}, []
+    shapes_ok = _compare(p, layer.entry["tensors"], routed, "experts", tensors, problems)
+    exact = shapes_ok and all(tensors.values())
+    shared, gate = _check_shared(ckpt, reader, spec, layer, shared_tensors, problems)
+    shared_exact = all(shared_tensors.values()) if shared_tensors else None
+    if not shapes_ok:  # another model: no output to compare
+        nan = float("nan")
+        detail = "packed weights differ from the source: " + "; ".join(problems)
+        return LayerCheck(layer_index, False, nan, nan, False, detail, None, shared_exact, tensors, shared_tensors)
+
+    # numerics on seeded tokens: the packed layer's experts (+ its shared expert, gated as the
+    # block gates it) against the references on the source's own weights
+    x, w, ids = _tokens(model, layer_index, p.num_experts, p.hidden, tokens, seed)
+    kw = dict(activation=layer.activation, alpha=layer.alpha, limit=layer.limit, w13_bias=routed.w13_bias, w2_bias=routed.w2_bias)
     out = layer.experts(x, w, ids)
-    ref = moe_reference(
-        x,
-        canon.w13,
-        canon.w2,
-        w,
-        ids,
-        activation=layer.activation,
-        alpha=layer.alpha,
-        limit=layer.limit,
-        w13_bias=canon.w13_bias,
-        w2_bias=canon.w2_bias,
-    )
+    ref = moe_reference(x, routed.w13, routed.w2, w, ids, **kw)
+    ref8, flip = moe_reference_int8(x, *routed.q, w, ids, return_flip=True, **kw) if quantized else (None, 0.0)
+    if shared is not None:
+        sw = torch.ones(x.shape[0], 1) if gate is None else torch.sigmoid(torch.nn.functional.linear(x, gate.float()))
+        sid = torch.zeros(x.shape[0], 1, dtype=torch.int32)
+        out = out + layer.shared_expert(x)
+        ref = ref + moe_reference(x, shared.w13, shared.w2, sw, sid)
+        if quantized:
+            r8, f8 = moe_reference_int8(x, *shared.q, sw, sid, return_flip=True)
+            ref8, flip = ref8 + r8, max(flip, f8)
     rel = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-    # bf16 sources are packed exactly, so fp32 tokens agree to fp32 rounding; fp16/fp32 sources
-    # are rounded to bf16 when packed (SEMANTICS.md §3 dense), which bounds the error at ~1e-2.
-    tol = 1e-5 if spec.dtype == "BF16" else 1e-2
-    ok = exact and rel <= tol
-    detail = []
-    if not exact:
-        detail.append("unpacked weights differ from the source rounded to bf16")
+    if quantized:  # vs the int8 reference (1e-5 + flips), and vs the fp32 one on the source's weights
+        rel32, norm = rel, float(ref8.norm().clamp_min(1e-30))
+        rel = float((out - ref8).norm()) / norm
+        tol = max(INT8_TOL, INT8_FLIPS * flip / norm)
+    else:
+        # bf16 sources are packed exactly, so fp32 tokens agree to fp32 rounding; fp16/fp32 sources
+        # are rounded to bf16 when packed (SEMANTICS.md §3 dense), which bounds the error at ~1e-2.
+        dtypes = {spec.dtype} | ({ckpt.info(spec.shared["gate_proj"]).dtype_str} if shared is not None else set())
+        rel32, tol = None, 1e-5 if dtypes == {"BF16"} else 1e-2
+    ok = exact and shared_exact is not False and rel <= tol and (rel32 is None or rel32 <= INT8_FP32_TOL)
+    detail = ["packed weights differ from the source: " + "; ".join(problems)] if problems else []
     if rel > tol:
-        detail.append(f"output differs from the reference: relative error {rel:.3g} > {tol:g}")
-    return LayerCheck(layer_index, exact, rel, tol, ok, "; ".join(detail))
+        ref_name = "the int8 reference" if quantized else "the reference"
+        detail.append(f"output differs from {ref_name}: relative error {rel:.3g} > {tol:.3g}")
+    if rel32 is not None and rel32 > INT8_FP32_TOL:
+        detail.append(f"output differs from the fp32 reference on the source's weights: {rel32:.3g} > {INT8_FP32_TOL:g}")
+    return LayerCheck(layer_index, exact, rel, tol, ok, "; ".join(detail), rel32, shared_exact, tensors, shared_tensors)
 
 
 def verify(

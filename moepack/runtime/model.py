@@ -143,15 +143,22 @@ class PackedMoELayer(torch.nn.Module):
 
             x, weights = apply_router_weight_on_input(hidden_states, weights, ids)
         out = self.experts(x, weights, ids)
-        if self.shared is None:
+        shared = self.shared_expert(hidden_states)
+        if shared is None:
             return out
+        return (out.float() + shared.float()).to(hidden_states.dtype)
+
+    def shared_expert(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's part of the block output ``[T, H]`` (Qwen2-MoE: scaled by
+        ``sigmoid(x . gate)``), run for every token; None when the layer has no shared expert."""
+        if self.shared is None:
+            return None
         t = hidden_states.shape[0]
         if self.shared_gate is not None:
             sw = torch.sigmoid(torch.nn.functional.linear(hidden_states.float(), self.shared_gate.float()))
         else:
             sw = torch.ones(t, 1, dtype=torch.float32)
-        shared = run_experts(self.shared, hidden_states, sw.contiguous(), torch.zeros(t, 1, dtype=torch.int32))
-        return (out.float() + shared.float()).to(hidden_states.dtype)
+        return run_experts(self.shared, hidden_states, sw.contiguous(), torch.zeros(t, 1, dtype=torch.int32))
 
     def extra_repr(self) -> str:
         return (
@@ -241,14 +248,22 @@ def validate_manifest(path: Path, m: dict) -> None:
             want = {"w13": list(sh.w13_shape), "w2": list(sh.w2_shape)}
             if lay.quantized:  # int8: per-channel scales and column sums in packed row order
                 want.update({r: [e, 2 * sh.padded_intermediate if r.startswith("w13") else sh.w2_shape[1]] for r in QUANT_ROLES})
-                sh_e = entry.get("shared")
-                if sh_e:
-                    ss = layout_expert_shapes(lay, 1, h, int(sh_e["intermediate"]))
-                    for r in QUANT_ROLES:
-                        got = m["tensors"][sh_e[r]]["shape"]
-                        w_ = [1, 2 * ss.padded_intermediate if r.startswith("w13") else ss.w2_shape[1]]
-                        if list(got) != w_:
-                            _fail(path, f"layer {entry['index']}: shared tensor {sh_e[r]!r} has shape {got}, layout math says {w_}")
+            sh_e = entry.get("shared")
+            if sh_e:  # a one-expert set of the same layout
+                ss = layout_expert_shapes(lay, 1, h, int(sh_e["intermediate"]))
+                sw = {"w13": list(ss.w13_shape), "w2": list(ss.w2_shape)}
+                if lay.quantized:
+                    sw.update({r: [1, 2 * ss.padded_intermediate if r.startswith("w13") else ss.w2_shape[1]] for r in QUANT_ROLES})
+                for r, w_ in sw.items():
+                    got = m["tensors"][sh_e[r]]["shape"]
+                    if list(got) != w_:
+                        _fail(path, f"layer {entry['index']}: shared tensor {sh_e[r]!r} has shape {got}, layout math says {w_}")
+                if int(sh_e["padded_intermediate"]) != ss.padded_intermediate:
+                    _fail(
+                        path,
+                        f"layer {entry['index']}: shared padded_intermediate={sh_e['padded_intermediate']}, "
+                        f"layout math says {ss.padded_intermediate}",
+                    )
             for role, shape in want.items():
                 tname = entry["tensors"][role]
                 got = m["tensors"][tname]["shape"]
