@@ -755,8 +755,9 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
     if cfg.scheme == "int8":
         notes.append(
             "--scheme int8: GFLOP/s is int8 GOP/s and '% FMA peak' is against the fp32 FMA peak; "
-            f"the int8 kernel here is {moepack.kernel_choice('i8_n32k4_x86')[0]} (AVX2: vpmaddubsw + vpmaddwd, 32 int8 "
-            "multiply-adds per 4 ops per row; AVX-512 VNNI: vpdpbusd, 64 per op)"
+            f"the int8 kernel here is {moepack.kernel_choice('i8_n32k4_x86')[0]} (avx2: vpsignb + vpmaddubsw + vpmaddwd "
+            "+ vpaddd, 32 int8 multiply-adds per 4 ops per row; avx512: the same on zmm, 64; avx_vnni: vpdpbusd on ymm, "
+            "32 per op; avx512_vnni: vpdpbusd on zmm, 64 per op)"
         )
         if not cfg.skip_torch:
             notes.append("--scheme int8: the torch loop runs the bf16 weights (the check column includes the int8 quantization error)")
