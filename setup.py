@@ -33,14 +33,41 @@ ISA_FLAGS = {
 COMMON_FLAGS = ["-O3", "-std=c++20", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
 
 
+# Levels whose kernels a compiler may lack the flags for (older GCC/Clang): built empty instead
+# (-DMOEPACK_OMIT_LEVEL: the file registers nothing), so the dispatcher reports that level as a
+# fallback ("<isa>: fallback: this build has no ... kernel") and MOEPACK_STRICT=1 refuses it.
+OPTIONAL_LEVELS = ("moe_avx_vnni.cpp", "moe_avx512.cpp", "moe_avx512_vnni.cpp", "moe_avx512_bf16.cpp")
+
+
+def _compiler_accepts(cmd: list[str], flags: list[str]) -> bool:
+    import subprocess
+
+    try:
+        r = subprocess.run(cmd[:1] + flags + ["-x", "c++", "-c", "-", "-o", os.devnull], input="int moepack_probe;\n",
+                           capture_output=True, text=True, timeout=120)
+    except OSError:
+        return False
+    return r.returncode == 0
+
+
 class IsaBuildExt(BuildExtension):
     """BuildExtension (no ninja) that appends ISA_FLAGS to the files named there."""
 
     def build_extension(self, ext):
         compile_one = self.compiler._compile
+        accepted: dict[str, bool] = {}
 
         def _compile(obj, src, ext_, cc_args, extra_postargs, pp_opts):
-            extra = ISA_FLAGS.get(os.path.basename(src), [])
+            name = os.path.basename(src)
+            extra = ISA_FLAGS.get(name, [])
+            if name in OPTIONAL_LEVELS:
+                if name not in accepted:
+                    accepted[name] = _compiler_accepts(self.compiler.compiler_so, extra)
+                    if not accepted[name]:
+                        print(f"moepack: WARNING: the compiler does not accept {' '.join(extra)}: {name} is built "
+                              "without its kernels (that ISA level is reported as a fallback at run time)")
+                if not accepted[name]:
+                    extra = ["-DMOEPACK_OMIT_LEVEL"]
             post = list(extra_postargs["cxx"] if isinstance(extra_postargs, dict) else extra_postargs)
             if isinstance(extra_postargs, dict):
                 extra_postargs = dict(extra_postargs, cxx=post + extra)

@@ -11,6 +11,14 @@
 //   s8 = x, negated where w < 0  (vpmovb2m + masked vpsubb; x in [-127, 127]: exact)
 //   vpmaddubsw(u8, s8) = w0 x0 + w1 x1, |.| <= 2 * 128 * 127 = 32512 < 2^15: never saturates,
 //   vpmaddwd(., 1) adds the pairs into i32: exact integers, no column-sum correction.
+#if defined(MOEPACK_OMIT_LEVEL)
+// setup.py found no compiler support for this level's flags: register nothing (the dispatcher
+// then reports the level as a fallback).
+#include "moepack/kernel.h"
+namespace moepack {
+void register_avx512(KernelTable&) {}
+}  // namespace moepack
+#else
 #include "avx512_common.h"
 
 namespace moepack {
@@ -102,3 +110,4 @@ void register_avx512(KernelTable& t) {
 }
 
 }  // namespace moepack
+#endif  // MOEPACK_OMIT_LEVEL

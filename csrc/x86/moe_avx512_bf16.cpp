@@ -11,6 +11,14 @@
 //  * fp32 / fp16 inputs: fp32 rows and the widening GEMM of avx512_common.h.
 // Register tile: MR=8 rows x 2 zmm = 16 accumulators (+2 B, broadcasts from memory); MR=1 keeps
 // four K pairs in flight (8 chains).
+#if defined(MOEPACK_OMIT_LEVEL)
+// setup.py found no compiler support for this level's flags: register nothing (the dispatcher
+// then reports the level as a fallback).
+#include "moepack/kernel.h"
+namespace moepack {
+void register_avx512_bf16(KernelTable&) {}
+}  // namespace moepack
+#else
 #include "avx512_common.h"
 
 namespace moepack {
@@ -101,3 +109,4 @@ void register_avx512_bf16(KernelTable& t) {
 }
 
 }  // namespace moepack
+#endif  // MOEPACK_OMIT_LEVEL

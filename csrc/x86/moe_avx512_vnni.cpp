@@ -3,6 +3,14 @@
 // -mavx512dq -mavx512vnni -mfma -mf16c only; registered by dispatch.cpp after cpuid + xgetbv.
 // Everything but the integer block GEMM (fp32 dequantization, activations, combine) is the
 // shared driver plus avx512_common.h.
+#if defined(MOEPACK_OMIT_LEVEL)
+// setup.py found no compiler support for this level's flags: register nothing (the dispatcher
+// then reports the level as a fallback).
+#include "moepack/kernel.h"
+namespace moepack {
+void register_avx512_vnni(KernelTable&) {}
+}  // namespace moepack
+#else
 #include "avx512_common.h"
 
 namespace moepack {
@@ -106,3 +114,4 @@ void register_avx512_vnni(KernelTable& t) {
 }
 
 }  // namespace moepack
+#endif  // MOEPACK_OMIT_LEVEL

@@ -12,6 +12,14 @@
 //
 // MOEPACK_EMULATE_AVX_VNNI: tests/cpp builds this file with SIMDe's portable vpdpbusd (same
 // semantics as the EVEX ymm form), so the kernel runs on AVX2 hosts without AVX-VNNI.
+#if defined(MOEPACK_OMIT_LEVEL)
+// setup.py found no compiler support for this level's flags: register nothing (the dispatcher
+// then reports the level as a fallback).
+#include "moepack/kernel.h"
+namespace moepack {
+void register_avx_vnni(KernelTable&) {}
+}  // namespace moepack
+#else
 #include <immintrin.h>
 #if defined(MOEPACK_EMULATE_AVX_VNNI)
 #include <simde/x86/avx512/dpbusd.h>
@@ -122,3 +130,4 @@ void register_avx_vnni(KernelTable& t) {
 }
 
 }  // namespace moepack
+#endif  // MOEPACK_OMIT_LEVEL

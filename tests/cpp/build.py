@@ -15,6 +15,8 @@ Translation units (each with the flags setup.py gives it, -O2):
                 it on any x86-64 host.
     L_native    the file with the level's own flags, register_L renamed register_L_native; run
                 only on CPUs that have the level.
+    L_omit      the file with -DMOEPACK_OMIT_LEVEL (what setup.py builds when the compiler lacks
+                the level's flags): compiled and its exports checked, not linked.
   test          tests/cpp/test_kernels.cpp  no ISA flags
 
 After compiling it checks that the emulated object contains no AVX-512 instruction (no zmm, opmask
@@ -141,6 +143,8 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "") -> str:
         "avx2": ("csrc/x86/moe_avx2.cpp", AVX2),
     }
     for lv, (src, native, emu_define) in LEVELS.items():
+        # what setup.py builds when the compiler lacks the level's flags: an empty register_<lv>
+        units[lv + "_omit"] = (src, ["-DMOEPACK_OMIT_LEVEL"])
         if lv != "avx_vnni" or emu_avx2:  # the AVX-VNNI kernel is AVX2 code around one emulated instruction
             units[lv + "_emu"] = (src, [emu_define, "-Wno-psabi"] + (AVX2 if emu_avx2 else []))
         units[lv + "_native"] = (src, native + [f"-Dregister_{lv}=register_{lv}_native"])
@@ -175,6 +179,7 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "") -> str:
             raise RuntimeError(f"the emulated {lv} object contains instructions of the level:\n" + "\n".join(bad[:20]))
     # ISA objects export exactly their register function.
     want = {"avx2": "register_avx2"}
+    want.update({lv + "_omit": f"register_{lv}" for lv in LEVELS})
     want.update({lv + "_emu": f"register_{lv}" for lv in emulated})
     want.update({lv + "_native": f"register_{lv}_native" for lv, ok in native.items() if ok})
     for name, fn in want.items():
@@ -182,7 +187,8 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "") -> str:
         if syms != [f"moepack::{fn}(moepack::KernelTable&)"]:
             raise RuntimeError(f"{name} object must export only moepack::{fn}, it exports: {syms}")
 
-    objs = [results[n][0] for n in units if not n.endswith("_native") or native[n[: -len("_native")]]] + [obj]
+    objs = [results[n][0] for n in units
+            if not n.endswith(("_native", "_omit")) or (n.endswith("_native") and native[n[: -len("_native")]])] + [obj]
     if "avx_vnni" not in emulated:  # dispatch.cpp names register_avx_vnni; it never calls it on such a host
         stub = os.path.join(build_dir, "avx_vnni_stub.o")
         r = subprocess.run(cxx() + COMMON + ["-x", "c++", "-c", "-", "-o", stub],
