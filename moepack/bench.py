@@ -463,6 +463,7 @@ class Timing:
     times_s: list[float]
     bytes_touched: int  # sum over the timed calls
     warmup_s: float
+    raw_times_s: list[float] | None = None  # read_experts of the same experts right after each call
 
     @property
     def mean_ms(self) -> float:
@@ -482,16 +483,29 @@ class Timing:
     def gbs(self) -> float:
         return self.bytes_touched / self.total_s / 1e9
 
+    @property
+    def raw_total_s(self) -> float | None:
+        return sum(self.raw_times_s) if self.raw_times_s else None
 
-def _time_calls(fn: Callable[[torch.Tensor, torch.Tensor], object], routings, bytes_per_expert: int, warmup_s: float) -> Timing:
+
+def _time_calls(fn: Callable[[torch.Tensor, torch.Tensor], object], routings, bytes_per_expert: int, warmup_s: float,
+                raw: Callable[[torch.Tensor], object] | None = None) -> Timing:
+    """Times fn on each routing; with ``raw``, also times raw(unique expert ids) right after each
+    call (a plain read of the same weight bytes: the baseline for '% raw read')."""
     times = []
+    raw_times = [] if raw is not None else None
     touched = 0
     for w, ids, uniq in routings:
         t0 = time.perf_counter()
         fn(w, ids)
         times.append(time.perf_counter() - t0)
         touched += uniq * bytes_per_expert
-    return Timing(len(times), sum(times), times, touched, warmup_s)
+        if raw is not None:
+            experts = ids.unique()
+            t0 = time.perf_counter()
+            raw(experts)
+            raw_times.append(time.perf_counter() - t0)
+    return Timing(len(times), sum(times), times, touched, warmup_s, raw_times)
 
 
 BUSY_CPUS = 0.25  # other processes above this many CPUs during a measurement: flagged (and retried)
@@ -552,6 +566,9 @@ class Row:
     moepack_bg_cpus: float | None = None  # CPUs other processes used while moepack was timed
     moepack_waited_s: float | None = None  # seconds waited for other processes to go idle (--wait-quiet)
     moepack_attempts: int = 1  # timings made (--retries)
+    raw_read_ms: float | None = None  # mean time of a plain read of the same experts' packed bytes (interleaved)
+    raw_read_gbs: float | None = None
+    moepack_raw_frac: float | None = None  # raw_read time / moepack time: moepack's rate as a fraction of the plain read's
     torch_calls: int | None = None
     torch_ms: float | None = None
     torch_ms_median: float | None = None
@@ -603,6 +620,7 @@ def make_weights(shape: MoeShape, seed: int) -> tuple[torch.Tensor, torch.Tensor
 def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> BenchResult:
     """Run every (shape, T) of ``cfg``; ``log`` gets one line per step (progress)."""
     import moepack
+    from ._ops import ops
     from .reference import torch_loop_moe
 
     cfg.validate()
@@ -693,8 +711,11 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
             routings = stream.take(max(n_m, n_t))
             label = f"{shape.name} T={tokens} {cfg.dtype}" + (" int8" if cfg.scheme == "int8" else "")
 
-            log(f"{label}: moepack x{n_m}")
-            tm, bg_m, waited_m, att_m = _measure(cfg, lambda: _time_calls(mp, routings[:n_m], packed_bpe, mw))
+            def raw(experts):
+                return ops().read_experts(packed.w13, packed.w2, experts)
+
+            log(f"{label}: moepack x{n_m} (each followed by a plain read of the same experts' bytes)")
+            tm, bg_m, waited_m, att_m = _measure(cfg, lambda: _time_calls(mp, routings[:n_m], packed_bpe, mw, raw))
             tt = bg_t = waited_t = att_t = None
             if base13 is not None:
                 log(f"{label}: torch loop x{n_t}")
@@ -723,6 +744,9 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
                 moepack_gflops=m_gflops,
                 moepack_bw_frac=tm.gbs / probe.read_gbs if probe.read_gbs else None,
                 moepack_peak_frac=m_gflops / probe.fma_gflops if probe.fma_gflops else None,
+                raw_read_ms=tm.raw_total_s / tm.calls * 1e3,
+                raw_read_gbs=tm.bytes_touched / tm.raw_total_s / 1e9,
+                moepack_raw_frac=tm.raw_total_s / tm.total_s,
                 moepack_bg_cpus=bg_m,
                 moepack_waited_s=waited_m,
                 moepack_attempts=att_m,
@@ -789,7 +813,7 @@ def _pct(v: float | None) -> str:
 
 TABLE_COLUMNS = (
     "shape", "T", "dtype", "moepack ms", "torch ms", "speedup",
-    "moepack GB/s", "% read BW", "moepack GFLOP/s", "% FMA peak", "torch GB/s", "torch GFLOP/s", "experts/call",
+    "moepack GB/s", "% read BW", "% raw read", "moepack GFLOP/s", "% FMA peak", "torch GB/s", "torch GFLOP/s", "experts/call",
 )
 
 
@@ -803,6 +827,7 @@ def table_cells(row: Row) -> list[str]:
         "-" if row.speedup is None else f"{row.speedup:.2f}x",
         _f(row.moepack_gbs, ".1f"),
         _pct(row.moepack_bw_frac),
+        _pct(row.moepack_raw_frac),
         _f(row.moepack_gflops, ".1f"),
         _pct(row.moepack_peak_frac),
         _f(row.torch_gbs, ".1f"),

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -323,6 +324,54 @@ at::Tensor gemm_i8_block_cpu(const at::Tensor& rows, const at::Tensor& block, co
   return out;
 }
 
+// Benchmark baseline (moepack bench): reads every byte of experts `ids` of the packed w13 and
+// w2 ([E, ...], contiguous) on the extension's threads, in 64 KiB pieces, and returns a checksum
+// (so the reads cannot be elided). Timed next to fused_experts on the same experts, it says how
+// close the kernel is to merely reading its weights on this machine at this moment.
+int64_t read_experts_cpu(const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& ids) {
+  TORCH_CHECK_VALUE(w13.device().is_cpu() && w2.device().is_cpu() && ids.device().is_cpu(),
+                    "read_experts: every tensor must be on the CPU");
+  TORCH_CHECK_VALUE(w13.is_contiguous() && w2.is_contiguous() && w13.dim() >= 1 && w2.dim() >= 1 &&
+                        w13.size(0) == w2.size(0),
+                    "read_experts: w13 ", shape_str(w13), " and w2 ", shape_str(w2),
+                    " must be contiguous with the same leading expert dimension");
+  TORCH_CHECK_VALUE(ids.dim() == 1 && (ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong),
+                    "read_experts: ids must be a 1-D int32 or int64 tensor, got ", shape_str(ids), " ", ids.scalar_type());
+  const int64_t E = w13.size(0);
+  const at::Tensor id64 = ids.to(at::kLong).contiguous();
+  constexpr int64_t kPiece = 65536;
+  std::vector<std::pair<const char*, int64_t>> pieces;
+  for (int64_t i = 0; i < id64.numel(); ++i) {
+    const int64_t e = id64.data_ptr<int64_t>()[i];
+    TORCH_CHECK_INDEX(e >= 0 && e < E, "read_experts: ids[", i, "] = ", e, " is out of range [0, ", E, ")");
+    for (const at::Tensor* w : {&w13, &w2}) {
+      const int64_t per = w->nbytes() / E;
+      const char* base = static_cast<const char*>(w->data_ptr()) + e * per;
+      for (int64_t off = 0; off < per; off += kPiece) pieces.emplace_back(base + off, std::min(kPiece, per - off));
+    }
+  }
+  std::atomic<uint64_t> total{0};
+  at::parallel_for(0, int64_t(pieces.size()), 1, [&](int64_t b, int64_t e) {
+    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+    for (int64_t p = b; p < e; ++p) {
+      const char* q = pieces[size_t(p)].first;
+      const int64_t n = pieces[size_t(p)].second;
+      int64_t k = 0;
+      for (; k + 32 <= n; k += 32) {
+        uint64_t v[4];
+        std::memcpy(v, q + k, 32);
+        a0 += v[0];
+        a1 += v[1];
+        a2 += v[2];
+        a3 += v[3];
+      }
+      for (; k < n; ++k) a0 += uint8_t(q[k]);
+    }
+    total.fetch_add(a0 + a1 + a2 + a3, std::memory_order_relaxed);
+  });
+  return int64_t(total.load());
+}
+
 std::tuple<std::string, std::vector<int64_t>> layout_desc(int64_t id) {
   const LayoutDesc& L = layout_or_throw(id);
   return {L.name,
@@ -380,6 +429,7 @@ TORCH_LIBRARY(moepack, m) {
       "Tensor? w13_colsum=None, Tensor? w2_colsum=None) -> Tensor");
   m.def("pack_weight(Tensor weight, int layout, int n_padded=0, int k_padded=0) -> Tensor");
   m.def("gemm_i8_block(Tensor rows, Tensor block, Tensor colsum, int layout, str isa) -> Tensor");
+  m.def("read_experts(Tensor w13, Tensor w2, Tensor ids) -> int");
   m.def("layout_desc(int layout) -> (str, int[])", &moepack::layout_desc);
   m.def("kernel_choice(int layout) -> (str, str)", &moepack::kernel_choice);
   m.def("cpu_flags() -> str[]", &moepack::cpu_flags);
@@ -389,6 +439,7 @@ TORCH_LIBRARY_IMPL(moepack, CPU, m) {
   m.impl("fused_experts", &moepack::fused_experts_cpu);
   m.impl("pack_weight", &moepack::pack_weight_cpu);
   m.impl("gemm_i8_block", &moepack::gemm_i8_block_cpu);
+  m.impl("read_experts", &moepack::read_experts_cpu);
 }
 
 TORCH_LIBRARY_IMPL(moepack, Meta, m) {
