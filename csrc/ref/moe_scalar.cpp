@@ -78,6 +78,7 @@ struct MK {
 }  // namespace scalar
 
 void register_scalar(KernelTable& t) {
+  t.quantize_i8[int(Isa::scalar)] = scalar::quantize_row<>;
   // The scalar kernel reads any bf16-valued or int8 layout through its LayoutDesc.
   for (const LayoutDesc& L : kLayouts) {
     if (L.weight_dtype == kWeight_bf16) t.fused[L.id][int(Isa::scalar)] = scalar::fused_moe<>;

@@ -9,6 +9,7 @@
 
 #include "moepack/kernel.h"
 #include "moepack/numeric.h"
+#include "quant_i8_avx2.h"
 
 namespace moepack {
 namespace x86_avx2 {
@@ -39,6 +40,10 @@ static inline __m256 sigmoid_ps(__m256 x) {
 
 // The MK members every AVX2-level kernel shares (a kernel's MK derives from it).
 struct Avx2Elementwise {
+  static float quantize_row_i8(const float* v, int64_t n, int64_t np, int8_t* q, uint8_t flip) {
+    return x86_quant::quantize_row_i8_avx2(v, n, np, q, flip);
+  }
+
   static void activation(const FusedMoeArgs& a, const float* g, const float* u, int n, float* out) {
     int j = 0;
     switch (a.act) {

@@ -45,6 +45,7 @@ static inline simde__m512i moepack_emu_mm512_cvtps_epi32(simde__m512 a) {
 
 #include "moepack/kernel.h"
 #include "moepack/numeric.h"
+#include "quant_i8_avx2.h"
 
 namespace moepack {
 namespace x86_avx512 {
@@ -139,6 +140,10 @@ static inline void gemm_f32_row(const float* x, const uint16_t* B, int64_t kp, f
 // row_format / gemm with its own).
 struct Avx512Base {
   static RowFormat row_format(DType) { return RowFormat::f32; }
+
+  static float quantize_row_i8(const float* v, int64_t n, int64_t np, int8_t* q, uint8_t flip) {
+    return x86_quant::quantize_row_i8_avx2(v, n, np, q, flip);
+  }
 
   // C[m, 32] = A[m, :kp] . B^T for one 32-column block of fp32 rows; m <= kChunkM.
   static void gemm(const LayoutDesc&, RowFormat, const void* const* rows, int m, const uint16_t* B, int64_t kp, float* C) {

@@ -111,6 +111,7 @@ struct MK : Avx512Base {
 void register_avx512_vnni(KernelTable& t) {
   t.fused[kLayoutId_i8_n32k4_x86][int(Isa::avx512_vnni)] = avx512_vnni::fused_moe_i8<>;
   t.gemm_i8[kLayoutId_i8_n32k4_x86][int(Isa::avx512_vnni)] = avx512_vnni::gemm_i8_block<>;
+  t.quantize_i8[int(Isa::avx512_vnni)] = avx512_vnni::quantize_row<>;
 }
 
 }  // namespace moepack

@@ -821,6 +821,59 @@ std::vector<I8Kernel> collect_i8_kernels() {
   return out;
 }
 
+// Every ISA's per-row activation quantizer == the scalar one, bit for bit (codes, padding codes
+// and scale), on rows with exact ties (amax = 127 makes scale 1, so k + 0.5 is a tie), NaN, +-inf,
+// -0, denormals, all-zero rows, and lengths around the 8- and 32-lane steps, both encodings.
+void test_i8_quantizer() {
+  KernelTable st;
+  register_scalar(st);
+  const Int8QuantizeFn ref = st.quantize_i8[int(Isa::scalar)];
+  std::mt19937_64 rng(99);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  int cases = 0;
+  for (const Registrar& r : runnable_registrars()) {
+    KernelTable t;
+    r.reg(t);
+    const Int8QuantizeFn fn = t.quantize_i8[int(r.isa)];
+    check((fn != nullptr) == isa_serves(r.isa, kLayout_i8_n32k4_x86), "%s registers a quantizer exactly when it serves int8",
+          r.name.c_str());
+    if (fn == nullptr) continue;
+    int bad = 0, n_cases = 0;
+    for (int n : {1, 5, 8, 9, 31, 32, 33, 63, 100, 768, 2049}) {
+      for (int kind = 0; kind < 6; ++kind) {
+        for (uint8_t flip : {uint8_t(0), uint8_t(0x80)}) {
+          std::vector<float> v(static_cast<size_t>(n));
+          for (float& x : v) x = nd(rng) * 3.0f;
+          if (kind == 1) {  // ties: amax 127 -> scale exactly 1
+            for (int i = 0; i < n; ++i) v[size_t(i)] = float(int(rng() % 254) - 127) + ((i & 1) ? 0.5f : -0.5f);
+            v[0] = 127.0f;
+          } else if (kind == 2) {  // specials
+            const float sp[6] = {std::nanf(""), INFINITY, -INFINITY, -0.0f, 1e-40f, -1e-39f};
+            for (int i = 0; i < n; i += 3) v[size_t(i)] = sp[(i / 3) % 6];
+          } else if (kind == 3) {
+            std::fill(v.begin(), v.end(), 0.0f);
+          } else if (kind == 4) {  // a NaN but otherwise finite (NaN is ignored by amax)
+            v[size_t(n / 2)] = std::nanf("");
+          } else if (kind == 5) {  // tiny values: scale clamps at 1e-7 / 127
+            for (float& x : v) x *= 1e-12f;
+          }
+          const int np = n + (kind % 3) * 4;
+          std::vector<int8_t> qa(static_cast<size_t>(np), 7), qb(static_cast<size_t>(np), 9);
+          const float sa = ref(v.data(), n, np, qa.data(), flip);
+          const float sb = fn(v.data(), n, np, qb.data(), flip);
+          ++n_cases;
+          if (std::memcmp(&sa, &sb, 4) != 0 || qa != qb) {
+            if (bad++ < 3) std::printf("  %s quantizer differs: n=%d kind=%d flip=%d scale %g vs %g\n", r.name.c_str(), n, kind, flip, sa, sb);
+          }
+        }
+      }
+    }
+    cases += n_cases;
+    check(bad == 0, "%-16s int8 row quantizer == scalar bitwise (%d rows, %d differ)", r.name.c_str(), n_cases, bad);
+  }
+  std::printf("int8 quantizer: %d rows compared bitwise against scalar\n", cases);
+}
+
 void test_i8_accumulators(const std::vector<I8Kernel>& ks) {
   const LayoutDesc& L = kLayout_i8_n32k4_x86;
   std::mt19937_64 rng(77);
@@ -994,6 +1047,7 @@ int main(int argc, char** argv) {
   test_select();
   {
     const std::vector<I8Kernel> i8 = collect_i8_kernels();
+    test_i8_quantizer();
     test_i8_accumulators(i8);
     test_i8_fused(i8);
   }

@@ -92,9 +92,15 @@ const char* fused_moe_check_routing(const FusedMoeArgs& a, char* buf, size_t buf
 using Int8BlockGemmFn = void (*)(const LayoutDesc& L, const int8_t* const* rows, int m, const int8_t* B, int64_t kp,
                                  const int32_t* colsum, int32_t* acc);
 
+// The int8 path's per-row activation quantizer of one ISA (SEMANTICS.md §3), for tests: codes
+// q[0, np) (q[n, np) = the zero code) XOR `flip`, returns the scale. Every ISA's must equal the
+// scalar one bit for bit.
+using Int8QuantizeFn = float (*)(const float* v, int64_t n, int64_t np, int8_t* q, uint8_t flip);
+
 struct KernelTable {
   FusedMoeFn fused[kMaxLayoutId + 1][kNumIsa] = {};
   Int8BlockGemmFn gemm_i8[kMaxLayoutId + 1][kNumIsa] = {};
+  Int8QuantizeFn quantize_i8[kNumIsa] = {};
 };
 
 // Each ISA translation unit exports exactly one of these; dispatch.cpp calls it only after the
