@@ -18,11 +18,12 @@ from .app import app, command, console, err_console
 __all__ = ["app"]
 
 
-@command(help="Show what moepack sees on this machine: CPU, flags, host ISA, the kernel it picks and why.")
+@command(help="Show what moepack sees on this machine: CPU, flags, ISA levels, the kernel it picks per layout and why.")
 def info(
     as_json: bool = typer.Option(False, "--json", help="Print the information as JSON."),
 ) -> None:
     from moepack.bench import machine_info
+    from moepack import kernel_choice
     from moepack.isa import available_isas
     from moepack.layout import DEFAULT_LAYOUT, LAYOUTS
 
@@ -31,6 +32,10 @@ def info(
     info["max_isa_env"] = os.environ.get("MOEPACK_MAX_ISA") or None
     info["default_layout"] = DEFAULT_LAYOUT.name
     info["layouts"] = [f"{x.name} (id {x.id})" for x in LAYOUTS]
+    info["kernels"] = {}  # per layout: the ISA level its kernel runs at here, and why
+    for lay in LAYOUTS:
+        isa, reason = kernel_choice(lay)
+        info["kernels"][lay.name] = {"isa": isa, "reason": reason}
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
@@ -47,10 +52,10 @@ def info(
         ("host ISA", info["host_isa"]),
         ("ISAs usable", ", ".join(info["available_isas"])),
         ("MOEPACK_MAX_ISA", info["max_isa_env"] or "(unset)"),
-        ("kernel", f"{info['kernel_isa']} for layout {info['default_layout']}"),
-        ("why", info["kernel_reason"]),
-        ("layouts", ", ".join(info["layouts"])),
     ]
+    for name, k in info["kernels"].items():
+        rows.append((f"kernel {name}", k["reason"]))
+    rows.append(("layouts", ", ".join(info["layouts"])))
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t, highlight=False)

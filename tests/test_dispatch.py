@@ -184,3 +184,25 @@ def test_strict_never_refuses_on_this_host(monkeypatch, layout):
         assert isa == expected_choice(layout, cap) and not is_fallback(reason)
         inp = make_moe_inputs(tokens=2, hidden=72, intermediate=40, topk=1, seed=64)
         assert run_packed(inp.pack(layout=layout), inp).shape == (2, 72)
+
+
+def test_info_names_the_kernel_of_every_layout(monkeypatch):
+    """`moepack info` (and --json) reports, per layout, the level its kernel runs at and why."""
+    import json
+
+    from moepack.cli.main import app
+    from typer.testing import CliRunner
+
+    r = CliRunner().invoke(app, ["info", "--json"])
+    assert r.exit_code == 0, r.output
+    kernels = json.loads(r.output)["kernels"]
+    assert set(kernels) == {lay.name for lay in LAYOUTS}
+    for lay in LAYOUTS:
+        assert kernels[lay.name]["isa"] == expected_choice(lay, host_isa())
+        assert kernels[lay.name]["reason"] == moepack.kernel_choice(lay)[1]
+    monkeypatch.setenv("MOEPACK_MAX_ISA", "scalar")
+    r = CliRunner().invoke(app, ["info"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    for lay in LAYOUTS:
+        line = next(ln for ln in r.output.splitlines() if ln.startswith(f"kernel {lay.name}"))
+        assert "scalar: " in line and ("MOEPACK_MAX_ISA=scalar" in line or host_isa() == "scalar")
