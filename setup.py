@@ -33,20 +33,32 @@ ISA_FLAGS = {
 COMMON_FLAGS = ["-O3", "-std=c++20", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
 
 
-# Levels whose kernels a compiler may lack the flags for (older GCC/Clang): built empty instead
-# (-DMOEPACK_OMIT_LEVEL: the file registers nothing), so the dispatcher reports that level as a
-# fallback ("<isa>: fallback: this build has no ... kernel") and MOEPACK_STRICT=1 refuses it.
-OPTIONAL_LEVELS = ("moe_avx_vnni.cpp", "moe_avx512.cpp", "moe_avx512_vnni.cpp", "moe_avx512_bf16.cpp")
+# Levels whose kernels a toolchain may be unable to build (an older GCC/Clang without the flag,
+# or an assembler without the instruction): built empty instead (-DMOEPACK_OMIT_LEVEL: the file
+# registers nothing), so the dispatcher reports that level as a fallback ("<isa>: fallback: this
+# build has no ... kernel") and MOEPACK_STRICT=1 refuses it. The probe compiles and assembles the
+# level's key instruction with the level's flags.
+_PROBES = {
+    "moe_avx_vnni.cpp": "__m256i f(__m256i a, __m256i b, __m256i c) { return _mm256_dpbusd_avx_epi32(a, b, c); }",
+    "moe_avx512.cpp": "__mmask64 f(__m512i a) { return _mm512_movepi8_mask(_mm512_abs_epi8(a)); }",
+    "moe_avx512_vnni.cpp": "__m512i f(__m512i a, __m512i b, __m512i c) { return _mm512_dpbusd_epi32(a, b, c); }",
+    "moe_avx512_bf16.cpp": "__m512 f(__m512 a, __m512i b, __m512i c) { return _mm512_dpbf16_ps(a, (__m512bh)b, (__m512bh)c); }",
+}
+OPTIONAL_LEVELS = tuple(_PROBES)
 
 
-def _compiler_accepts(cmd: list[str], flags: list[str]) -> bool:
+def _toolchain_builds(cmd: list[str], flags: list[str], body: str) -> bool:
+    """Whether `cmd` (the compiler command, wrapper included) compiles and assembles `body` with `flags`."""
     import subprocess
+    import tempfile
 
-    try:
-        r = subprocess.run(cmd[:1] + flags + ["-x", "c++", "-c", "-", "-o", os.devnull], input="int moepack_probe;\n",
-                           capture_output=True, text=True, timeout=120)
-    except OSError:
-        return False
+    src = "#include <immintrin.h>\n" + body + "\n"
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            r = subprocess.run(list(cmd) + ["-O2"] + flags + ["-x", "c++", "-c", "-", "-o", os.path.join(d, "probe.o")],
+                               input=src, capture_output=True, text=True, timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            return False
     return r.returncode == 0
 
 
@@ -62,10 +74,10 @@ class IsaBuildExt(BuildExtension):
             extra = ISA_FLAGS.get(name, [])
             if name in OPTIONAL_LEVELS:
                 if name not in accepted:
-                    accepted[name] = _compiler_accepts(self.compiler.compiler_so, extra)
+                    accepted[name] = _toolchain_builds(self.compiler.compiler_so, extra, _PROBES[name])
                     if not accepted[name]:
-                        print(f"moepack: WARNING: the compiler does not accept {' '.join(extra)}: {name} is built "
-                              "without its kernels (that ISA level is reported as a fallback at run time)")
+                        print(f"moepack: WARNING: this toolchain cannot build {' '.join(extra)} code: {name} is "
+                              "built without its kernels (that ISA level is reported as a fallback at run time)")
                 if not accepted[name]:
                     extra = ["-DMOEPACK_OMIT_LEVEL"]
             post = list(extra_postargs["cxx"] if isinstance(extra_postargs, dict) else extra_postargs)

@@ -53,15 +53,18 @@ static CpuFeatures detect() {
   unsigned max_leaf = __get_cpuid_max(0, nullptr);
   if (max_leaf >= 7) {
     __cpuid_count(7, 0, a, b, c, d);
+    const unsigned max_subleaf = a;
     f.avx2 = (b >> 5) & 1;
     f.avx512f = (b >> 16) & 1;
     f.avx512dq = (b >> 17) & 1;
     f.avx512bw = (b >> 30) & 1;
     f.avx512vl = (b >> 31) & 1;
     f.avx512vnni = (c >> 11) & 1;
-    __cpuid_count(7, 1, a, b, c, d);
-    f.avx512bf16 = (a >> 5) & 1;
-    f.avx_vnni = (a >> 4) & 1;
+    if (max_subleaf >= 1) {  // leaf 7 subleaf 1 exists only when subleaf 0 says so
+      __cpuid_count(7, 1, a, b, c, d);
+      f.avx512bf16 = (a >> 5) & 1;
+      f.avx_vnni = (a >> 4) & 1;
+    }
   }
 #endif
   return f;

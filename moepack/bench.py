@@ -489,9 +489,11 @@ class Timing:
 
 
 def _time_calls(fn: Callable[[torch.Tensor, torch.Tensor], object], routings, bytes_per_expert: int, warmup_s: float,
-                raw: Callable[[torch.Tensor], object] | None = None) -> Timing:
-    """Times fn on each routing; with ``raw``, also times raw(unique expert ids) right after each
-    call (a plain read of the same weight bytes: the baseline for '% raw read')."""
+                raw: Callable[[torch.Tensor], object] | None = None, evict: Callable[[], object] | None = None) -> Timing:
+    """Times fn on each routing; with ``raw``, also times raw(unique expert ids) after each call
+    (a plain read of the same weight bytes: the baseline for '% raw read'), after ``evict()`` (a read
+    of an unrelated buffer larger than the last-level cache, untimed) so that the plain read does
+    not find what the call left in the cache."""
     times = []
     raw_times = [] if raw is not None else None
     touched = 0
@@ -502,10 +504,25 @@ def _time_calls(fn: Callable[[torch.Tensor, torch.Tensor], object], routings, by
         touched += uniq * bytes_per_expert
         if raw is not None:
             experts = ids.unique()
+            if evict is not None:
+                evict()
             t0 = time.perf_counter()
             raw(experts)
             raw_times.append(time.perf_counter() - t0)
     return Timing(len(times), sum(times), times, touched, warmup_s, raw_times)
+
+
+def _eviction_bytes() -> int:
+    """Twice the largest CPU cache sysfs reports (at least 16 MiB, at most 512 MiB; 64 MiB when unknown)."""
+    largest = 0
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = size.read_text().strip().upper()
+            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+            largest = max(largest, int(text.rstrip("KMG")) * mult)
+        except (OSError, ValueError):
+            continue
+    return min(max(2 * largest, 16 * 2**20), 512 * 2**20) if largest else 64 * 2**20
 
 
 BUSY_CPUS = 0.25  # other processes above this many CPUs during a measurement: flagged (and retried)
@@ -649,6 +666,9 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
         probe = MachineProbe(threads=cfg.threads, note="disabled (--no-probe)")
 
     act_dtype = DTYPES[cfg.dtype]
+    # read before each plain read of the experts (untimed): evicts what the call left in the cache
+    evict_buf = torch.ones(1, _eviction_bytes(), dtype=torch.uint8)
+    evict_id = torch.zeros(1, dtype=torch.int32)
     rows: list[Row] = []
     for si, shape in enumerate(cfg.shapes):
         log(f"{shape.name} ({shape.describe()}): making and packing random bf16 weights" + (" as int8" if cfg.scheme == "int8" else ""))
@@ -660,6 +680,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
         else:
             packed = moepack.pack_experts(w13, w2)
         packed_bpe = packed.nbytes // shape.num_experts
+        raw_bpe = (packed.w13.nbytes + packed.w2.nbytes) / shape.num_experts  # what read_experts reads (no scales)
         if cfg.skip_torch:
             del w13, w2
             base13 = base2 = None
@@ -714,8 +735,11 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
             def raw(experts):
                 return ops().read_experts(packed.w13, packed.w2, experts)
 
+            def evict():
+                return ops().read_experts(evict_buf, evict_buf[:, :64], evict_id)
+
             log(f"{label}: moepack x{n_m} (each followed by a plain read of the same experts' bytes)")
-            tm, bg_m, waited_m, att_m = _measure(cfg, lambda: _time_calls(mp, routings[:n_m], packed_bpe, mw, raw))
+            tm, bg_m, waited_m, att_m = _measure(cfg, lambda: _time_calls(mp, routings[:n_m], packed_bpe, mw, raw, evict))
             tt = bg_t = waited_t = att_t = None
             if base13 is not None:
                 log(f"{label}: torch loop x{n_t}")
@@ -745,7 +769,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
                 moepack_bw_frac=tm.gbs / probe.read_gbs if probe.read_gbs else None,
                 moepack_peak_frac=m_gflops / probe.fma_gflops if probe.fma_gflops else None,
                 raw_read_ms=tm.raw_total_s / tm.calls * 1e3,
-                raw_read_gbs=tm.bytes_touched / tm.raw_total_s / 1e9,
+                raw_read_gbs=tm.bytes_touched * (raw_bpe / packed_bpe) / tm.raw_total_s / 1e9,
                 moepack_raw_frac=tm.raw_total_s / tm.total_s,
                 moepack_bg_cpus=bg_m,
                 moepack_waited_s=waited_m,

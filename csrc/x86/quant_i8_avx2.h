@@ -4,8 +4,10 @@
 //   amax  = max |v|  (NaN ignored: vmaxps returns its second operand when either is NaN, and the
 //                     running maximum is that operand, like fmax)
 //   scale = fmax(amax, 1e-7) / 127                      (scalar, as in the driver)
-//   q     = clamp(round_half_even(v / scale), -127, 127) (vdivps, vroundps nearest, vmaxps with
-//                     -127 first: a NaN quotient becomes -127, like fmin(fmax(NaN, -127), 127))
+//   q     = clamp(round_half_even(v / scale), -127, 127) (vdivps, vroundps nearest, then
+//                     vmaxps(q, -127) with -127 as the SECOND operand, which vmaxps returns when
+//                     q is NaN: a NaN quotient becomes -127, like fmin(fmax(NaN, -127), 127).
+//                     Keep that operand order.)
 // Include after the intrinsics of a translation unit compiled with AVX2 (or SIMDe's aliases);
 // internal linkage.
 #pragma once

@@ -85,7 +85,7 @@ class PackedMoELayer(torch.nn.Module):
         return kernel_choice(self.packed.layout)
 
     def check_strict(self) -> None:
-        isa, reason = self.kernel
+        _, reason = self.kernel
         if (self._model.strict or _strict_env()) and is_fallback(reason):
             raise UnsupportedError(f"layer {self.index}: strict mode refuses a fallback: {reason}")
 

@@ -886,7 +886,7 @@ void test_i8_accumulators(const std::vector<I8Kernel>& ks) {
     std::vector<int32_t> colsum(32, 0);
     for (int n = 0; n < 32; ++n)
       for (int k = 0; k < kp; ++k) colsum[n] += w[size_t(n) * kp + k];
-    for (int m : {1, 2, 3, 7, 8, 9, 17, 64}) {
+    for (int m : {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 64}) {  // every tile remainder
       std::vector<int8_t> x(size_t(m) * kp);
       for (auto& v : x) v = int8_t(xq(rng));
       for (int k = 0; k < kp; ++k) x[k] = (k % 3) ? int8_t(127) : int8_t(-127);  // extremes in row 0
