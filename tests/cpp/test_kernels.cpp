@@ -790,8 +790,8 @@ void test_select() {
 
 // ---- int8 layout i8_n32k4_x86 (W8A8) -----------------------------------------------------------
 // (1) every ISA's int32 block accumulators == exact int64 dot products, bitwise (SEMANTICS §4:
-// integer dot products identical); the VNNI kernel (avx512-emu: SIMDe's vpdpbusd) sees u8 rows
-// and subtracts 128 x the column sums. (2) the whole fused kernel vs scalar on awkward shapes.
+// integer dot products identical); the VNNI kernels (avx_vnni, avx512_vnni: vpdpbusd) see u8 rows
+// and subtract 128 x the column sums. (2) the whole fused kernel vs scalar on awkward shapes.
 // Their outputs differ only where an activation computed by another exp moves an intermediate
 // across an int8 code boundary (tests/reference/tolerances.py: "flips"), so (2) bounds the
 // difference loosely (a wrong column-sum correction or scale is an O(1) error) and counts
