@@ -174,6 +174,11 @@ def _expected_tensors(p: PackedExperts, want: _Want) -> dict[str, tuple[torch.Te
         "w13": (unpack_weight_reference(p.w13, *p.w13.shape[1:], p.layout), _zero_padded(pad_intermediate(w13, ip, il), p.w13.shape)),
         "w2": (unpack_weight_reference(p.w2, *p.w2.shape[1:], p.layout), _zero_padded(w2, p.w2.shape)),
     }
+    # biases: fp32 in packed row order (source values widened exactly), zero padding
+    if want.w13_bias is not None and p.w13_bias is not None:
+        out["w13_bias"] = (p.w13_bias, pad_intermediate(want.w13_bias.float(), ip, il))
+    if want.w2_bias is not None and p.w2_bias is not None:
+        out["w2_bias"] = (p.w2_bias, _zero_padded(want.w2_bias.float(), p.w2_bias.shape))
     if want.q is not None:
         out["w13_scale"] = (p.w13_scale, pad_intermediate(s13.float(), ip, il))
         out["w2_scale"] = (p.w2_scale, _zero_padded(s2.float(), p.w2_scale.shape))
@@ -234,6 +239,12 @@ def _compare(p: PackedExperts, names: dict, want: _Want, what: str, results: dic
         )
         results.update({names[r]: False for r in ("w13", "w2")})
         return False
+    for role, src_b, packed_b in (("w13_bias", want.w13_bias, p.w13_bias), ("w2_bias", want.w2_bias, p.w2_bias)):
+        if (src_b is None) != (packed_b is None):
+            has, lacks = ("the source", "the packed " + what) if packed_b is None else ("the packed " + what, "the source")
+            problems.append(f"{role}: {has} has one and {lacks} does not: biases must be packed exactly when the source has them")
+            if packed_b is not None:
+                results[names[role]] = False
     for role, (got, exp) in _expected_tensors(p, want).items():
         msg = _difference(names[role], role, got, exp, p, want.rule)
         results[names[role]] = msg is None
