@@ -463,7 +463,7 @@ class Timing:
     times_s: list[float]
     bytes_touched: int  # sum over the timed calls
     warmup_s: float
-    raw_times_s: list[float] | None = None  # read_experts of the same experts right after each call
+    raw_times_s: list[float] | None = None  # read_experts of the same experts after each call (and an untimed cache eviction)
 
     @property
     def mean_ms(self) -> float:
