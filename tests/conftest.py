@@ -15,7 +15,9 @@
 from __future__ import annotations
 
 import math
+import os
 import random
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -40,6 +42,20 @@ X_SCALES = {
     "1": lambda h: 1.0,
     "4": lambda h: 4.0,
 }
+
+
+@contextmanager
+def isa_cap(isa: str):
+    """MOEPACK_MAX_ISA=isa inside the block, whatever it was (the op reads it on every call)."""
+    before = os.environ.get("MOEPACK_MAX_ISA")
+    os.environ["MOEPACK_MAX_ISA"] = isa
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["MOEPACK_MAX_ISA"]
+        else:
+            os.environ["MOEPACK_MAX_ISA"] = before
 
 
 @pytest.fixture(autouse=True)

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -33,7 +31,7 @@ from moepack.pack import (
     unpack_weight_reference,
 )
 from moepack.reference import moe_reference, moe_reference_int8
-from tests.conftest import make_moe_inputs
+from tests.conftest import isa_cap, make_moe_inputs
 from tests.reference.tolerances import TOL, assert_close_int8
 from tests.test_kernels import CASES, Case
 
@@ -44,19 +42,6 @@ E = 5
 
 # opcheck's internals (not moepack) still call torch.jit.script_method
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
-
-
-@contextmanager
-def isa_cap(isa: str):
-    before = os.environ.get("MOEPACK_MAX_ISA")
-    os.environ["MOEPACK_MAX_ISA"] = isa
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["MOEPACK_MAX_ISA"]
-        else:
-            os.environ["MOEPACK_MAX_ISA"] = before
 
 
 def int8_isas() -> list[str]:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -22,7 +20,7 @@ import torch
 
 import moepack
 from moepack.reference import moe_reference
-from tests.conftest import MoeInputs, make_moe_inputs, reference, run_packed
+from tests.conftest import MoeInputs, isa_cap, make_moe_inputs, reference, run_packed
 from tests.reference.tolerances import TOL, assert_close
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -169,20 +167,6 @@ def test_matrix_is_what_it_claims():
     seen = {tuple(r[n] for n in FULL_PRODUCT_AXES) for r in ROWS}
     assert len(seen) == 3 * 5 * 3
     assert len(ACTIVATIONS) == 5 and {v["activation"] for v in ACTIVATIONS.values()} == set(moepack._ops.ACTIVATIONS)
-
-
-@contextmanager
-def isa_cap(isa: str):
-    """MOEPACK_MAX_ISA=isa inside the block, whatever it was (the op reads it on every call)."""
-    before = os.environ.get("MOEPACK_MAX_ISA")
-    os.environ["MOEPACK_MAX_ISA"] = isa
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["MOEPACK_MAX_ISA"]
-        else:
-            os.environ["MOEPACK_MAX_ISA"] = before
 
 
 @dataclass
