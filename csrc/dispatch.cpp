@@ -202,9 +202,16 @@ Selection select_kernel(const KernelTable& t, const char* const unavailable[kNum
 }
 
 Selection select_fused(int32_t layout_id, Isa max_isa) {
-  const char* unavailable[kNumIsa];
-  for (int i = 0; i < kNumIsa; ++i) unavailable[i] = isa_unavailable_reason(Isa(i));
-  return select_kernel(table(), unavailable, layout_id, max_isa);
+  // The host does not change: its reasons are worked out once (this runs on every op call).
+  struct Reasons {
+    const char* r[kNumIsa];
+  };
+  static const Reasons host = [] {
+    Reasons x;
+    for (int i = 0; i < kNumIsa; ++i) x.r[i] = isa_unavailable_reason(Isa(i));
+    return x;
+  }();
+  return select_kernel(table(), host.r, layout_id, max_isa);
 }
 
 Int8BlockGemmFn find_gemm_i8(int32_t layout_id, Isa isa) {
