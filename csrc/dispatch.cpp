@@ -197,7 +197,9 @@ Selection select_kernel(const KernelTable& t, const char* const unavailable[kNum
     }
     return s;
   }
-  std::snprintf(s.reason, sizeof(s.reason), "no kernel is registered for layout %s", L->name);
+  const char* why = t.refused[layout_id][int(Isa::scalar)];
+  std::snprintf(s.reason, sizeof(s.reason), "no kernel is registered for layout %s%s%s", L->name, why ? ": " : "",
+                why ? why : "");
   return s;
 }
 

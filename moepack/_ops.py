@@ -7,6 +7,8 @@ argument, the value and the rule.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from .errors import ExtensionError
@@ -37,50 +39,55 @@ def ops():
     return torch.ops.moepack
 
 
+def _weight_list(name: str, w) -> list[torch.Tensor]:
+    if isinstance(w, torch.Tensor):
+        return [w]
+    if isinstance(w, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in w):
+        return list(w)
+    raise TypeError(f"{name} is a {type(w).__name__}: must be a tensor or a list of the layout's tensors")
+
+
 def fused_experts(
     hidden_states: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Sequence[torch.Tensor],
+    w2: torch.Tensor | Sequence[torch.Tensor],
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
     layout: int | str | PackedLayout = DEFAULT_LAYOUT,
+    interleaved: bool | None = None,
     activation: str = "silu",
     alpha: float = 1.702,
     limit: float = 7.0,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
-    w13_scale: torch.Tensor | None = None,
-    w2_scale: torch.Tensor | None = None,
-    w13_colsum: torch.Tensor | None = None,
-    w2_colsum: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run the experts of one MoE layer on packed weights (SEMANTICS.md §2).
+    """Run the experts of one MoE layer on packed weights (docs/SEMANTICS.md §2).
 
-    hidden_states [T, H] fp32/bf16/fp16; w13 [E, 2*Ip, Kp] and w2 [E, Np, Ip] packed by
-    ``moepack.pack.pack_experts``; topk_weights [T, k] fp32; topk_ids [T, k] int32 (global ids
-    when ``expert_map`` [E_global] int32 maps them to local ids or -1). Returns [T, H] in the
-    input dtype. int8 layouts (W8A8, SEMANTICS.md §3) also take the per-channel scales and
-    column sums that ``moepack.pack.pack_experts_int8`` makes (``PackedExperts.quant_kwargs()``).
-    """
+    hidden_states [T, H] fp32/bf16/fp16; ``w13`` and ``w2`` are the layout's declared tensors of
+    each packed weight in declared order (``PackedLayout.tensors``; ``PackedExperts.weight("w13")``
+    gives them), or a single tensor for layouts that are codes only; topk_weights [T, k] fp32;
+    topk_ids [T, k] int32 (global ids when ``expert_map`` [E_global] int32 maps them to local ids
+    or -1). ``interleaved`` is w13's row order as packed (``PackedExperts.interleaved``); when
+    not given, the checkpoints' convention: interleaved for swigluoai, gate-then-up otherwise.
+    Returns [T, H] in the input dtype."""
+    if interleaved is None:
+        interleaved = activation == "swigluoai"
     return ops().fused_experts(
         hidden_states,
-        w13,
-        w2,
-        w13_bias,
-        w2_bias,
+        _weight_list("w13", w13),
+        _weight_list("w2", w2),
         topk_weights,
         topk_ids,
         layout_get(layout).id,
-        activation,
-        float(alpha),
-        float(limit),
-        expert_map,
-        w13_scale,
-        w2_scale,
-        w13_colsum,
-        w2_colsum,
+        interleaved=bool(interleaved),
+        activation=activation,
+        alpha=float(alpha),
+        limit=float(limit),
+        w13_bias=w13_bias,
+        w2_bias=w2_bias,
+        expert_map=expert_map,
     )
 
 

@@ -14,6 +14,7 @@ one expert at a time. Each layer's manifest entry records ``scheme`` and ``schem
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import shutil
@@ -27,12 +28,12 @@ import torch
 from ._version import __version__
 from .container.writer import ShardPlan, ShardWriter, atomic_directory
 from .errors import ConvertError, LayoutError, MoepackError
-from .layout import DEFAULT_LAYOUT, LAYOUTS, PackedLayout, layout_expert_shapes, layout_get
-from .pack import pack_bias2, pack_bias13, pack_experts_int8, pack_w2, pack_w13, pad_intermediate, quantize_int8_per_channel
+from .errors import UnsupportedError
+from .layout import DEFAULT_LAYOUT, PackedLayout, layout_expert_shapes, layout_get, layout_tensor_plan
+from .runtime.model import FORMAT_VERSION, MANIFEST
+from .schemes import LayerSource, Scheme, get_scheme, schemes
 from .sources import Checkpoint, LayerSpec, SourceReader, open_source, text_config
 
-MANIFEST = "moepack.json"
-FORMAT_VERSION = 1
 DEFAULT_SHARD_BYTES = 2 << 30
 
 ProgressFn = Callable[..., None]
@@ -74,115 +75,46 @@ def _routing_for(config: dict) -> tuple[dict | None, str]:
         return None, str(e)
 
 
-QUANT_ROLES = ("w13_scale", "w2_scale", "w13_colsum", "w2_colsum")  # int8 layouts, in write order
-
-
-def _quant_plan(layout: PackedLayout, e: int, sh, prefix: str = "") -> list[tuple[str, torch.dtype, tuple]]:
-    """The [E, N] scale / column-sum tensors of an int8 layout (none for bf16 layouts)."""
-    if not layout.quantized:
-        return []
-    n13, n2 = (e, 2 * sh.padded_intermediate), (e, sh.w2_shape[1])
-    dts = {"scale": torch.float32, "colsum": torch.int32}
-    return [(prefix + r, dts[r.split("_")[1]], n13 if r.startswith("w13") else n2) for r in QUANT_ROLES]
-
-
 def _plan_layer_tensors(spec: LayerSpec, layout: PackedLayout) -> list[tuple[str, torch.dtype, tuple]]:
-    sh = layout_expert_shapes(layout, spec.num_experts, spec.hidden, spec.intermediate)
-    wdt = torch.int8 if layout.quantized else torch.bfloat16
-    out = [
-        (expert_tensor_name(spec.index, "w13"), wdt, sh.w13_shape),
-        (expert_tensor_name(spec.index, "w2"), wdt, sh.w2_shape),
-    ]
-    if spec.has_bias:
-        out.append((expert_tensor_name(spec.index, "w13_bias"), torch.float32, (spec.num_experts, 2 * sh.padded_intermediate)))
-        out.append((expert_tensor_name(spec.index, "w2_bias"), torch.float32, (spec.num_experts, sh.w2_shape[1])))
-    out += [(expert_tensor_name(spec.index, r), d, shp) for r, d, shp in _quant_plan(layout, spec.num_experts, sh)]
+    """(stored name, dtype, shape) of every packed tensor of one layer, in write order: the
+    layout's tensor plan (moepack.layout.layout_tensor_plan) for the routed experts (+ biases),
+    then the shared expert's."""
+    plan = layout_tensor_plan(layout, spec.num_experts, spec.hidden, spec.intermediate, bias=spec.has_bias)
     if spec.shared:
-        ss = layout_expert_shapes(layout, 1, spec.hidden, spec.shared["intermediate"])
-        out.append((expert_tensor_name(spec.index, "shared_w13"), wdt, ss.w13_shape))
-        out.append((expert_tensor_name(spec.index, "shared_w2"), wdt, ss.w2_shape))
-        out += [(expert_tensor_name(spec.index, r), d, shp) for r, d, shp in _quant_plan(layout, 1, ss, "shared_")]
-    return out
+        plan += layout_tensor_plan(layout, 1, spec.hidden, spec.shared["intermediate"], prefix="shared_")
+    return [(expert_tensor_name(spec.index, t.name), getattr(torch, t.dtype), t.shape) for t in plan]
 
 
-def _target_layout(lay: PackedLayout, quantize: str | None, reader: SourceReader) -> PackedLayout:
-    """The layout a convert writes: ``lay``, or its family's int8 layout for an int8 source or
-    ``quantize="int8"`` (an int8 source is never dequantized: A8 checkpoints stay A8)."""
-    if quantize not in (None, "int8"):
-        raise ConvertError(f"quantize={quantize!r}: moepack quantizes to 'int8' (W8A8, per output channel) only")
-    if reader.scheme not in ("dense", "int8_channel"):
-        raise ConvertError(f"source reader {reader.name!r} has scheme {reader.scheme!r}, which convert cannot pack")
-    if not (quantize == "int8" or reader.scheme == "int8_channel" or lay.quantized):
+def _target_scheme(lay: PackedLayout, quantize: str | None, reader: SourceReader) -> Scheme:
+    """The scheme a convert packs into: ``quantize`` when given, else the source's own (an int8
+    source stays int8: A8 checkpoints are never dequantized), else the layout's."""
+    if quantize is not None:
+        try:
+            scheme = get_scheme(quantize)
+        except UnsupportedError:
+            scheme = None
+        if scheme is None or scheme.name == "dense":
+            known = ", ".join(f"{x.name!r}" + (f" (or {', '.join(map(repr, x.aliases))})" if x.aliases else "")
+                              for x in schemes() if x.name != "dense")  # fmt: skip
+            raise ConvertError(f"quantize={quantize!r}: moepack quantizes to {known}")
+        if reader.scheme not in ("dense", scheme.name):
+            raise ConvertError(f"quantize={quantize!r} with a {reader.scheme} source: moepack never re-quantizes a quantized checkpoint")
+        return scheme
+    try:
+        source = get_scheme(reader.scheme)
+    except UnsupportedError:
+        raise ConvertError(f"source reader {reader.name!r} has scheme {reader.scheme!r}, which convert cannot pack") from None
+    return source if source.name != "dense" else get_scheme(lay)
+
+
+def _target_layout(lay: PackedLayout, scheme: Scheme) -> PackedLayout:
+    """``lay`` when it is of ``scheme``, else the scheme's layout of ``lay``'s ISA family."""
+    if lay.scheme == scheme.name:
         return lay
-    if lay.quantized:
-        return lay
-    cands = [x for x in LAYOUTS if x.family == lay.family and x.weight_dtype == "i8"]
-    if not cands:
-        raise ConvertError(f"no int8 layout for the {lay.family} family in this build")
-    return cands[0]
-
-
-def _scheme_of(lay: PackedLayout, reader: SourceReader, source_dtype: str) -> tuple[str, str]:
-    """(scheme, where its values come from) for a manifest entry; ``source_dtype`` is the
-    safetensors dtype of the source weights (I8: the source's own int8 codes)."""
-    if not lay.quantized:
-        return "dense", f"{source_dtype} weights packed as bf16"
-    if source_dtype == "I8":
-        from .sources.compressed_tensors import SOURCE_NOTE
-
-        return "int8_channel", SOURCE_NOTE if reader.name == "compressed-tensors" else f"int8 codes and scales of {reader.name}"
-    return "int8_channel", f"quantized by moepack from {source_dtype}"
-
-
-class _Int8Layer:
-    """One layer's experts into an int8 layout, one expert at a time: the codes stream out as
-    parts of w13 / w2 while each expert's padded scales and column sums are gathered into
-    [E, N] tensors, which are written after (plan order: codes, biases, scales, column sums)."""
-
-    def __init__(self, ckpt: Checkpoint, reader: SourceReader, s: LayerSpec, lay: PackedLayout):
-        self.ckpt, self.reader, self.s, self.lay = ckpt, reader, s, lay
-        sh = layout_expert_shapes(lay, s.num_experts, s.hidden, s.intermediate)
-        self.ip, self.np2 = sh.padded_intermediate, sh.w2_shape[1]
-        e = s.num_experts
-        self.w13_scale, self.w13_colsum = torch.zeros(e, 2 * self.ip), torch.zeros(e, 2 * self.ip, dtype=torch.int32)
-        self.w2_scale, self.w2_colsum = torch.zeros(e, self.np2), torch.zeros(e, self.np2, dtype=torch.int32)
-
-    def _codes(self, role: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        r, s = self.reader, self.s
-        if r.scheme == "int8_channel":
-            return (r.read_expert_w13_q if role == "w13" else r.read_expert_w2_q)(self.ckpt, s, e)
-        w = (r.read_expert_w13 if role == "w13" else r.read_expert_w2)(self.ckpt, s, e)
-        return _pack_checked(quantize_int8_per_channel, w[None], s, role, e)
-
-    def w13_parts(self):
-        for e in range(self.s.num_experts):
-            q, sc = self._codes("w13", e)
-            q, sc = q.reshape(1, *q.shape[-2:]), sc.reshape(1, -1)
-            self.w13_scale[e] = pad_intermediate(sc.float(), self.ip, self.s.interleaved)[0]
-            self.w13_colsum[e] = pad_intermediate(q.int().sum(-1, dtype=torch.int32), self.ip, self.s.interleaved)[0]
-            yield pack_w13(q, interleaved=self.s.interleaved, layout=self.lay)
-
-    def w2_parts(self):
-        h = self.s.hidden
-        for e in range(self.s.num_experts):
-            q, sc = self._codes("w2", e)
-            q, sc = q.reshape(1, *q.shape[-2:]), sc.reshape(1, -1)
-            self.w2_scale[e, :h] = sc[0].float()
-            self.w2_colsum[e, :h] = q[0].int().sum(-1, dtype=torch.int32)
-            yield pack_w2(q, layout=self.lay)
-
-    def shared(self):
-        """The shared expert packed (codes, scales and column sums) as one-expert PackedExperts."""
-        r, s = self.reader, self.s
-        q = r.read_shared_q(self.ckpt, s) if r.read_shared_q is not None else None
-        if q is None:
-            sw13, sw2 = r.read_shared(self.ckpt, s)
-            q = (
-                _pack_checked(quantize_int8_per_channel, sw13, s, "shared_w13"),
-                _pack_checked(quantize_int8_per_channel, sw2, s, "shared_w2"),
-            )
-        (q13, s13), (q2, s2) = q
-        return pack_experts_int8(q13, s13, q2, s2, layout=self.lay)
+    try:
+        return scheme.layout_for(lay.family)
+    except UnsupportedError as e:
+        raise ConvertError(str(e)) from None
 
 
 def _source_element(s: LayerSpec, role: str, e: int, idx: list[int]) -> tuple[str, list[int]]:
@@ -272,28 +204,36 @@ def convert(
         raise ConvertError(f"destination {dst} already exists: choose another path or pass overwrite=True (--overwrite)")
     if dst.resolve() == src.resolve():
         raise ConvertError(f"destination {dst} is the source: write the packed directory somewhere else")
-    if threads is not None:
-        if threads <= 0:
-            raise ConvertError(f"threads={threads}: must be a positive integer")
-        # torch's thread count is process-wide: set it for this convert only
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            return convert(
-                src, dst, layout=lay, quantize=quantize, overwrite=overwrite, threads=None, shard_bytes=shard_bytes, progress=progress
-            )
-        finally:
-            torch.set_num_threads(before)
+    if threads is not None and threads <= 0:
+        raise ConvertError(f"threads={threads}: must be a positive integer")
+    with torch_threads(threads):
+        return _convert(src, dst, lay, quantize, overwrite, shard_bytes, progress, t0)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int | None):
+    """torch's thread count (process-wide) set to ``n`` for the block, restored after; None
+    leaves it alone."""
+    if n is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _convert(src: Path, dst: Path, lay: PackedLayout, quantize, overwrite: bool, shard_bytes: int, progress, t0: float):
     notify = progress or (lambda *a, **k: None)
 
     # ---- plan everything from headers (nothing is written yet) ----
     ckpt, reader = open_source(src)
-    lay = _target_layout(lay, quantize, reader)
+    scheme = _target_scheme(lay, quantize, reader)
+    lay = _target_layout(lay, scheme)
     specs = reader.layers(ckpt)
     config = text_config(ckpt.config)
-    for s in specs:
-        if s.activation == "swigluoai" and not s.interleaved:
-            raise ConvertError(f"layer {s.index}: swigluoai experts must have interleaved gate/up rows")
     expert_names = {n for s in specs for n in s.expert_tensors}
     other = [n for n in ckpt.tensors if n not in expert_names]
     # Layer entries in order; tensors planned per layer.
@@ -322,81 +262,35 @@ def convert(
             with ShardWriter(tmp / fname, plan) as w:
                 for s in shard_specs:
                     notify("layer_start", layer=s.index, num_experts=s.num_experts)
-                    # one expert at a time: peak memory is one expert, not one layer
-                    e_count = s.num_experts
-                    q8 = _Int8Layer(ckpt, reader, s, lay) if lay.quantized else None
-                    parts13 = (
-                        _pack_checked(
-                            lambda t, s=s: pack_w13(t, interleaved=s.interleaved, layout=lay), reader.read_expert_w13(ckpt, s, e)[None], s, "w13", e
-                        )
-                        for e in range(e_count)
-                    )
-                    parts2 = (
-                        _pack_checked(lambda t: pack_w2(t, layout=lay), reader.read_expert_w2(ckpt, s, e)[None], s, "w2", e)
-                        for e in range(e_count)
-                    )
-                    b13, b2 = reader.read_biases(ckpt, s)
+                    # the scheme's streaming packer: one expert at a time, so peak memory is
+                    # one expert, not one layer
+                    checked = lambda pack, t, role, e, s=s: _pack_checked(pack, t, s, role, e)  # noqa: E731
+                    packer = scheme.layer_packer(LayerSource(ckpt, reader, s, lay, checked))
                     sh = layout_expert_shapes(lay, s.num_experts, s.hidden, s.intermediate)
                     entry_tensors = {}
-                    wdt = "int8" if q8 else "bfloat16"
-                    if q8:  # the scale / column-sum tensors are filled while w13 / w2 stream out
-                        parts13, parts2 = q8.w13_parts(), q8.w2_parts()
-                    for role, dtype, parts in (
-                        ("w13", wdt, parts13),
-                        ("w2", wdt, parts2),
-                        (
-                            "w13_bias",
-                            "float32",
-                            None if b13 is None else [_pack_checked(lambda t, s=s: pack_bias13(t, interleaved=s.interleaved, layout=lay), b13, s, "w13_bias")],
-                        ),
-                        ("w2_bias", "float32", None if b2 is None else [_pack_checked(lambda t: pack_bias2(t, layout=lay), b2, s, "w2_bias")]),
-                        *(
-                            (r, "int32" if r.endswith("colsum") else "float32", [getattr(q8, r)]) for r in (QUANT_ROLES if q8 else ())
-                        ),
-                    ):
-                        if parts is None:
-                            continue
-                        name = expert_tensor_name(s.index, role)
-                        entry = plan.entry(name)
-                        digest = w.write_parts(name, parts)
-                        tensors[name] = {"file": fname, "dtype": dtype, "shape": list(entry.shape), "sha256": digest}
-                        entry_tensors[role] = name
-                        report.experts_bytes += entry.nbytes
+                    for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias):
+                        name = expert_tensor_name(s.index, t.name)
+                        digest = w.write_parts(name, packer.parts(t.name))
+                        tensors[name] = {"file": fname, "dtype": t.dtype, "shape": list(t.shape), "sha256": digest}
+                        entry_tensors[t.name] = name
+                        report.experts_bytes += plan.entry(name).nbytes
                     shared_entry = None
-                    shared = None if q8 else reader.read_shared(ckpt, s)
-                    if q8 and s.shared:
-                        sp = q8.shared()
+                    sp = packer.shared() if s.shared else None
+                    if sp is not None:
                         shared_entry = {
                             "intermediate": s.shared["intermediate"],
                             "padded_intermediate": sp.padded_intermediate,
                             "gate": s.shared.get("gate"),
                             "source_tensors": [s.shared[p] for p in ("gate_proj", "up_proj", "down_proj")],
-                            "scheme_source": _scheme_of(lay, reader, ckpt.info(s.shared["gate_proj"]).dtype_str)[1],
+                            "scheme_source": scheme.source_note(ckpt.info(s.shared["gate_proj"]).dtype_str, reader.name),
                         }
-                        for role in ("w13", "w2") + QUANT_ROLES:
-                            t = getattr(sp, role)
+                        for role, t in sp.tensors.items():
                             name = expert_tensor_name(s.index, "shared_" + role)
                             dt = str(t.dtype).replace("torch.", "")
                             tensors[name] = {"file": fname, "dtype": dt, "shape": list(t.shape), "sha256": w.write(name, t)}
                             shared_entry[role] = name
                             report.experts_bytes += t.numel() * t.element_size()
-                    if shared is not None:
-                        sw13, sw2 = shared
-                        shared_entry = {
-                            "intermediate": s.shared["intermediate"],
-                            "padded_intermediate": layout_expert_shapes(lay, 1, s.hidden, s.shared["intermediate"]).padded_intermediate,
-                            "gate": s.shared.get("gate"),
-                            "source_tensors": [s.shared[p] for p in ("gate_proj", "up_proj", "down_proj")],
-                        }
-                        for role, t in (
-                            ("shared_w13", _pack_checked(lambda t: pack_w13(t, layout=lay), sw13, s, "shared_w13")),
-                            ("shared_w2", _pack_checked(lambda t: pack_w2(t, layout=lay), sw2, s, "shared_w2")),
-                        ):
-                            name = expert_tensor_name(s.index, role)
-                            tensors[name] = {"file": fname, "dtype": "bfloat16", "shape": list(t.shape), "sha256": w.write(name, t)}
-                            shared_entry[role[len("shared_"):]] = name
-                            report.experts_bytes += t.numel() * t.element_size()
-                        del shared, sw13, sw2
+                        del sp
                     layer_bytes = sum(_nbytes(d, shp) for _, d, shp in layer_tensors[s.index])
                     layers_manifest.append(
                         {
@@ -413,8 +307,8 @@ def convert(
                             "limit": limit,
                             "interleaved": s.interleaved,
                             "layout_id": lay.id,
-                            "scheme": _scheme_of(lay, reader, s.dtype)[0],
-                            "scheme_source": _scheme_of(lay, reader, s.dtype)[1],
+                            "scheme": scheme.name,
+                            "scheme_source": scheme.source_note(s.dtype, reader.name),
                             "tensors": entry_tensors,
                             "router": dict(s.router),
                             "shared": shared_entry,

@@ -33,9 +33,45 @@ from .errors import LayoutError
 # Values of ``PackedLayout.family``: which ISA family the blocking was chosen for. A layout of
 # any family runs everywhere through the scalar kernel; SIMD kernels register per family.
 FAMILIES = ("x86", "arm")
-WEIGHT_DTYPES = {"bf16": 2, "f32": 4, "i8": 1}  # dtype name -> bytes per element
+# Element type of the stored codes/values -> bits per element. Sub-byte codes (4 bits) are stored
+# two to a byte in a uint8 tensor (TensorSpec.dtype), low nibble first.
+WEIGHT_DTYPES = {"bf16": 16, "f32": 32, "i8": 8, "u4": 4}
 SCALE_DTYPES = ("none", "f32", "bf16", "e8m0")
 ZERO_KINDS = ("none", "u4", "bf16")
+# The packed weight schemes (docs/SEMANTICS.md §3): one name everywhere (CLI, manifest, Python
+# API, docs); moepack/schemes/ has one module per scheme.
+SCHEMES = ("dense", "int8_channel")
+# Activation modes a layout serves (docs/SEMANTICS.md §3): a16 = activations in their own dtype,
+# a8 = per-token dynamic int8.
+ACT_MODES = ("a16", "a8")
+
+# The tensors one packed weight consists of (PackedLayout.tensors), and their vocabulary:
+TENSOR_ROLES = ("codes", "scale", "zero", "sum")  # what the driver hands a micro-kernel
+TENSOR_DTYPES = {"bfloat16": 2, "int8": 1, "uint8": 1, "float32": 4, "int32": 4}  # torch names -> bytes
+# How a tensor's shape follows from one expert matrix [N, K] padded to [Np, Kp]:
+#   packed   [E, Np, Kp * weight_bits / (8 * element bytes)]   the codes, block-interleaved
+#   channel  [E, Np]                                           one value per output channel
+#   group    [E, ceil(Kp / group_size), Np]                    one value per (K group, channel)
+TENSOR_SHAPES = ("packed", "channel", "group")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a packed weight. It is stored as ``<weight><suffix>`` (``w13``, ``w13_scale``).
+
+    Every tensor is in packed row order (row ``n`` of ``w13`` is gate row ``n`` for ``n < Ip``,
+    up row ``n - Ip`` after it, or interleaved pairs) and zero in its padding rows/columns,
+    unless ``pad`` says otherwise."""
+
+    role: str  # TENSOR_ROLES
+    suffix: str  # "" for the codes, else "_<name>"
+    dtype: str  # TENSOR_DTYPES
+    shape: str  # TENSOR_SHAPES
+    pad: str = "zero"  # what padding holds
+    note: str = ""  # what one element is, for docs and error messages
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -53,33 +89,104 @@ class PackedLayout:
     zero_kind: str  # "none" for dense and symmetric layouts
     family: str  # ISA family the blocking targets ("x86" | "arm")
     i_align: int  # the intermediate size I is zero-padded to a multiple of this
+    scheme: str = "dense"  # SCHEMES: what a packed weight means
+    act_modes: tuple[str, ...] = ("a16",)  # ACT_MODES this layout's kernels serve
+    tensors: tuple[TensorSpec, ...] = ()  # one packed weight's tensors; tensors[0] is the codes
 
     def __post_init__(self) -> None:
+        where = f"layout {self.name}"
         if self.family not in FAMILIES:
-            raise LayoutError(f"layout {self.name}: family={self.family!r} is not one of {FAMILIES}")
+            raise LayoutError(f"{where}: family={self.family!r} is not one of {FAMILIES}")
         if self.weight_dtype not in WEIGHT_DTYPES:
-            raise LayoutError(f"layout {self.name}: weight_dtype={self.weight_dtype!r} is unknown")
-        if self.weight_bits != 8 * WEIGHT_DTYPES[self.weight_dtype]:
-            raise LayoutError(f"layout {self.name}: weight_bits={self.weight_bits} does not match {self.weight_dtype}")
-        if self.block_n <= 0 or self.k_pack <= 0 or self.i_align % self.block_n:
-            raise LayoutError(f"layout {self.name}: i_align={self.i_align} must be a multiple of block_n={self.block_n}")
+            raise LayoutError(f"{where}: weight_dtype={self.weight_dtype!r} is not one of {tuple(WEIGHT_DTYPES)}")
+        if self.weight_bits != WEIGHT_DTYPES[self.weight_dtype]:
+            raise LayoutError(f"{where}: weight_bits={self.weight_bits} does not match {self.weight_dtype}")
+        if self.block_n <= 0 or self.k_pack <= 0 or self.i_align % self.block_n or self.i_align % self.k_pack:
+            raise LayoutError(
+                f"{where}: i_align={self.i_align} must be a multiple of block_n={self.block_n} and k_pack={self.k_pack}"
+            )
+        if self.block_n % 2:
+            raise LayoutError(f"{where}: block_n={self.block_n} must be even (interleaved gate/up pairs)")
+        if (self.k_pack * self.weight_bits) % 8:
+            raise LayoutError(f"{where}: k_pack={self.k_pack} x {self.weight_bits} bits is not a whole number of bytes")
         if self.scale_dtype not in SCALE_DTYPES or self.zero_kind not in ZERO_KINDS:
-            raise LayoutError(f"layout {self.name}: scale_dtype/zero_kind {self.scale_dtype}/{self.zero_kind} unknown")
-        if self.quantized and self.scale_dtype == "none":
-            raise LayoutError(f"layout {self.name}: integer weights ({self.weight_dtype}) need a scale_dtype")
+            raise LayoutError(f"{where}: scale_dtype/zero_kind {self.scale_dtype}/{self.zero_kind} unknown")
+        if self.scheme not in SCHEMES:
+            raise LayoutError(f"{where}: scheme={self.scheme!r} is not one of {SCHEMES}")
+        if not self.act_modes or any(m not in ACT_MODES for m in self.act_modes):
+            raise LayoutError(f"{where}: act_modes={self.act_modes!r} must be a non-empty subset of {ACT_MODES}")
+        if self.weight_bits < 16 and self.scale_dtype == "none":
+            raise LayoutError(f"{where}: integer weights ({self.weight_dtype}) need a scale_dtype")
+        if self.group_size < 0 or (self.group_size and self.group_size % self.k_pack):
+            raise LayoutError(f"{where}: group_size={self.group_size} must be 0 or a positive multiple of k_pack={self.k_pack}")
+        self._check_tensors(where)
+
+    def _check_tensors(self, where: str) -> None:
+        if not self.tensors or self.tensors[0].role != "codes" or self.tensors[0].suffix != "":
+            raise LayoutError(f"{where}: tensors[0] must be the codes (role 'codes', suffix '')")
+        if len(self.tensors) > MAX_LAYOUT_TENSORS:
+            raise LayoutError(f"{where}: {len(self.tensors)} tensors; a layout declares at most {MAX_LAYOUT_TENSORS}")
+        seen_roles, seen_suffix = set(), set()
+        for i, t in enumerate(self.tensors):
+            tw = f"{where}: tensors[{i}] ({t.role!r})"
+            if t.role not in TENSOR_ROLES or t.dtype not in TENSOR_DTYPES or t.shape not in TENSOR_SHAPES:
+                raise LayoutError(f"{tw}: role/dtype/shape {t.role}/{t.dtype}/{t.shape} must be in {TENSOR_ROLES}/{tuple(TENSOR_DTYPES)}/{TENSOR_SHAPES}")
+            if t.role in seen_roles or t.suffix in seen_suffix:
+                raise LayoutError(f"{tw}: role {t.role!r} or suffix {t.suffix!r} declared twice")
+            seen_roles.add(t.role)
+            seen_suffix.add(t.suffix)
+            if (t.role == "codes") != (t.shape == "packed"):
+                raise LayoutError(f"{tw}: the codes and only the codes have shape 'packed'")
+            if i and not t.suffix.startswith("_"):
+                raise LayoutError(f"{tw}: suffix {t.suffix!r} must start with '_'")
+            if t.shape == "group" and not self.group_size:
+                raise LayoutError(f"{tw}: shape 'group' needs group_size > 0")
+        codes = self.tensors[0]
+        if (self.weight_bits * self.k_pack) % (8 * TENSOR_DTYPES[codes.dtype]):
+            raise LayoutError(f"{where}: codes dtype {codes.dtype} does not hold k_pack={self.k_pack} x {self.weight_bits} bits")
 
     @property
     def quantized(self) -> bool:
-        """Integer codes that need scales (W8A8 int8), as opposed to float values."""
-        return self.weight_dtype == "i8"
+        """Integer codes with scales, as opposed to float values (kept for callers outside the
+        package; inside it, look the scheme up: moepack.schemes)."""
+        return self.scheme != "dense"
 
     @property
-    def elem_bytes(self) -> int:
-        return WEIGHT_DTYPES[self.weight_dtype]
+    def elem_bytes(self) -> float:
+        """Bytes per stored weight element (0.5 for 4-bit codes)."""
+        return self.weight_bits / 8
+
+    def tensor_names(self, weight: str) -> tuple[str, ...]:
+        """The stored names of one packed weight's tensors (``weight`` = "w13", "w2",
+        "shared_w13", ...), in declared order: the order the op takes them in."""
+        return tuple(weight + t.suffix for t in self.tensors)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["act_modes"] = list(self.act_modes)
+        d["tensors"] = [t.to_dict() for t in self.tensors]
+        return d
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "PackedLayout":
+        d = dict(d)
+        d["act_modes"] = tuple(d.get("act_modes", ("a16",)))
+        d["tensors"] = tuple(TensorSpec(**t) for t in d.get("tensors", ()))
+        return cls(**d)
+
+
+MAX_LAYOUT_TENSORS = 4
+# The fields of a layout descriptor in a format-version-1 manifest (before layouts declared their
+# tensors); moepack.runtime compares only these for such a manifest.
+V1_FIELDS = ("id", "name", "weight_dtype", "weight_bits", "group_size", "block_n", "k_pack", "scale_dtype",
+             "zero_kind", "family", "i_align")  # fmt: skip
+
+_BF16_CODES = TensorSpec("codes", "", "bfloat16", "packed", note="bf16 weight values")
+_I8_TENSORS = (
+    TensorSpec("codes", "", "int8", "packed", note="int8 codes, -128..127"),
+    TensorSpec("scale", "_scale", "float32", "channel", note="fp32 per-output-channel scale (0 in padding)"),
+    TensorSpec("sum", "_colsum", "int32", "channel", note="int32 sum over K of the channel's codes"),
+)
 
 LAYOUTS: tuple[PackedLayout, ...] = (
     PackedLayout(
@@ -94,6 +201,9 @@ LAYOUTS: tuple[PackedLayout, ...] = (
         zero_kind="none",
         family="x86",
         i_align=32,
+        scheme="dense",
+        act_modes=("a16",),
+        tensors=(_BF16_CODES,),
     ),
     # W8A8 (SEMANTICS.md §3 "int8 channel"): int8 codes, one fp32 scale per output channel
     # (separate [E, N] tensors, plus int32 column sums for the VNNI kernel's u8 activations).
@@ -111,6 +221,9 @@ LAYOUTS: tuple[PackedLayout, ...] = (
         zero_kind="none",
         family="x86",
         i_align=32,
+        scheme="int8_channel",
+        act_modes=("a8",),
+        tensors=_I8_TENSORS,
     ),
 )
 
@@ -154,8 +267,8 @@ def layout_padded_i(layout: PackedLayout, intermediate: int) -> int:
 
 
 def layout_matrix_bytes(layout: PackedLayout, n: int, k: int) -> int:
-    """Bytes of one packed ``[n, k]`` matrix (one expert's weight), padding included."""
-    return layout_padded_n(layout, n) * layout_padded_k(layout, k) * layout.elem_bytes
+    """Bytes of one packed ``[n, k]`` matrix's codes (one expert's weight), padding included."""
+    return layout_padded_n(layout, n) * layout_padded_k(layout, k) * layout.weight_bits // 8
 
 
 def layout_element_offset(layout: PackedLayout, n: int, k: int, kp: int) -> int:
@@ -177,7 +290,8 @@ class ExpertShapes:
 
 
 def layout_expert_shapes(layout: PackedLayout, num_experts: int, hidden: int, intermediate: int) -> ExpertShapes:
-    """The packed tensor shapes for a layer; all padding decisions are made here."""
+    """The packed matrix shapes for a layer (logical [N, K] of the codes); all padding decisions
+    are made here."""
     if num_experts <= 0 or hidden <= 0 or intermediate <= 0:
         raise LayoutError(
             f"expert shapes E={num_experts}, H={hidden}, I={intermediate}: every size must be positive"
@@ -193,6 +307,45 @@ def layout_expert_shapes(layout: PackedLayout, num_experts: int, hidden: int, in
     )
 
 
+def tensor_shape(layout: PackedLayout, spec: TensorSpec, e: int, np_: int, kp: int) -> tuple[int, ...]:
+    """The shape of one declared tensor of a packed [E, np_, kp] weight (TENSOR_SHAPES). The C++
+    twin is ``tensor_shape`` in csrc/include/moepack/layout_shapes.h (tests/test_layout_sync.py)."""
+    if spec.shape == "packed":
+        return (e, np_, kp * layout.weight_bits // (8 * TENSOR_DTYPES[spec.dtype]))
+    if spec.shape == "channel":
+        return (e, np_)
+    return (e, -(-kp // layout.group_size), np_)  # "group"
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One stored tensor of a layer's packed experts: its name (``w13_scale``), shape and dtype."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name (TENSOR_DTYPES)
+    weight: str  # the weight it belongs to: "w13" or "w2" (with the prefix)
+    role: str  # TENSOR_ROLES, or "bias"
+
+
+def layout_tensor_plan(
+    layout: PackedLayout, num_experts: int, hidden: int, intermediate: int, *, bias: bool = False, prefix: str = ""
+) -> list[TensorPlan]:
+    """THE shape function: every tensor of one layer's packed experts, in the order the op takes
+    them (w13's declared tensors, then w2's; then the fp32 biases w13_bias [E, 2*Ip] and w2_bias
+    [E, Np(H)] when ``bias``). convert's plan, the manifest check, ``moepack.open``, verify and
+    the packers use it; the op checks the same shapes in C++ (layout_shapes.h)."""
+    sh = layout_expert_shapes(layout, num_experts, hidden, intermediate)
+    out = []
+    for w, (e, np_, kp) in (("w13", sh.w13_shape), ("w2", sh.w2_shape)):
+        for spec in layout.tensors:
+            out.append(TensorPlan(prefix + w + spec.suffix, tensor_shape(layout, spec, e, np_, kp), spec.dtype, prefix + w, spec.role))
+    if bias:
+        out.append(TensorPlan(prefix + "w13_bias", (num_experts, sh.w13_shape[1]), "float32", prefix + "w13", "bias"))
+        out.append(TensorPlan(prefix + "w2_bias", (num_experts, sh.w2_shape[1]), "float32", prefix + "w2", "bias"))
+    return out
+
+
 def layout_flops(tokens: int, topk: int, hidden: int, intermediate: int) -> int:
     """Useful multiply-adds x 2 of one fused MoE call (padding not counted)."""
     return 2 * tokens * topk * 3 * hidden * intermediate
@@ -204,6 +357,12 @@ __all__ = [
     "INT8_LAYOUT",
     "PackedLayout",
     "ExpertShapes",
+    "TensorSpec",
+    "TensorPlan",
+    "SCHEMES",
+    "ACT_MODES",
+    "tensor_shape",
+    "layout_tensor_plan",
     "layout_get",
     "layout_padded_n",
     "layout_padded_k",

@@ -15,22 +15,28 @@ import torch.nn.functional as F
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 
 
-def activation_reference(h: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
-    """act(h) for h [..., 2I] fp32 -> [..., I] (SEMANTICS.md §2 table)."""
+def activation_reference(
+    h: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0, interleaved: bool | None = None
+) -> torch.Tensor:
+    """act(h) for h [..., 2I] fp32 -> [..., I] (docs/SEMANTICS.md §2 table). ``interleaved``: h's
+    row order, (gate, up) pairs or gate then up; default: pairs for swigluoai, as checkpoints
+    store it."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
+    if interleaved is None:
+        interleaved = activation == "swigluoai"
+    i = h.shape[-1] // 2
+    gate, up = (h[..., 0::2], h[..., 1::2]) if interleaved else (h[..., :i], h[..., i:])
     if activation == "swigluoai":
-        gate, up = h[..., 0::2], h[..., 1::2]
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
         return (up + 1.0) * gate * torch.sigmoid(alpha * gate)
-    i = h.shape[-1] // 2
-    gate, up = h[..., :i], h[..., i:]
     if activation == "silu":
         return F.silu(gate) * up
     if activation == "gelu":
         return 0.5 * gate * (1.0 + torch.erf(gate / math.sqrt(2.0))) * up
     if activation == "gelu_tanh":
         return 0.5 * gate * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (gate + 0.044715 * gate**3))) * up
-    raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
 
 
 def moe_reference(
@@ -43,6 +49,7 @@ def moe_reference(
     activation: str = "silu",
     alpha: float = 1.702,
     limit: float = 7.0,
+    interleaved: bool | None = None,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
@@ -66,7 +73,7 @@ def moe_reference(
         if tok.numel() == 0:
             continue
         hh = F.linear(x[tok], w13[e].float(), None if w13_bias is None else w13_bias[e].float())
-        a = activation_reference(hh, activation, alpha, limit).to(dtype).float()  # stored in the activation dtype
+        a = activation_reference(hh, activation, alpha, limit, interleaved).to(dtype).float()  # stored in the activation dtype
         y[tok, slot] = F.linear(a, w2[e].float(), None if w2_bias is None else w2_bias[e].float())
     w = topk_weights.float()
     if expert_map is not None:
@@ -108,6 +115,7 @@ def moe_reference_int8(
     activation: str = "silu",
     alpha: float = 1.702,
     limit: float = 7.0,
+    interleaved: bool | None = None,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
@@ -143,7 +151,7 @@ def moe_reference_int8(
         if tok.numel() == 0:
             continue
         hh = int8_linear_reference(xq[tok], xs[tok], w13_q[e], s13[e], None if w13_bias is None else w13_bias[e])
-        a = activation_reference(hh, activation, alpha, limit).to(dtype).float()
+        a = activation_reference(hh, activation, alpha, limit, interleaved).to(dtype).float()
         aq, as_ = quantize_rows_int8(a)
         y[tok, slot] = int8_linear_reference(aq, as_, w2_q[e], s2[e], None if w2_bias is None else w2_bias[e])
         if return_flip:

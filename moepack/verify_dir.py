@@ -30,8 +30,9 @@ from typing import Callable
 import torch
 
 from .errors import MoepackError
-from .pack import PackedExperts, pad_intermediate, quantize_int8_per_channel, unpack_weight_reference
-from .reference import moe_reference, moe_reference_int8
+from .pack import PackedExperts, unpack_weight_reference
+from .reference import moe_reference
+from .schemes import get_scheme
 from .runtime.model import PackedModel, open_packed
 
 CHUNK = 64 << 20
@@ -118,9 +119,6 @@ def _check_tensors(model: PackedModel, report: VerifyReport, notify) -> None:
         notify("tensor", name=name, ok=ok)
 
 
-INT8_TOL = 1e-5  # vs moe_reference_int8 on the same codes (plus flips)
-INT8_FP32_TOL = 3e-2  # vs the fp32 reference on the source's weights (SEMANTICS.md §4, A8)
-INT8_FLIPS = 2.0
 
 
 def _tokens(model: PackedModel, layer_index: int, e: int, h: int, tokens: int, seed: int):
@@ -140,51 +138,41 @@ class _Want:
     w13: torch.Tensor  # canonical [E, 2I, H], source dtype (int8 sources: q * scale in fp32)
     w2: torch.Tensor  # [E, H, I]
     rule: str  # where the packed values come from, for messages
-    q: tuple | None = None  # int8 layouts: (w13_q, w13_scale, w2_q, w2_scale), as packed
+    canonical: dict  # the scheme's canonical tensors (moepack.schemes: Scheme.canonical), as packed
     w13_bias: torch.Tensor | None = None
     w2_bias: torch.Tensor | None = None
 
 
-def _want(w13, w2, q, quantized: bool, w13_bias=None, w2_bias=None) -> _Want:
-    """``q``: the source's own int8 codes and scales, or None (a dense source, which an int8
-    layout holds as ``quantize_int8_per_channel`` of its weights, recomputed here)."""
-    if not quantized:
-        return _Want(w13, w2, "the source rounded to bf16", None, w13_bias, w2_bias)
-    if q is not None:
-        return _Want(w13, w2, "the source's own int8 codes and scales", tuple(q), w13_bias, w2_bias)
-    (q13, s13), (q2, s2) = quantize_int8_per_channel(w13), quantize_int8_per_channel(w2)
-    return _Want(w13, w2, "quantize_int8_per_channel of the source", (q13, s13, q2, s2), w13_bias, w2_bias)
+def _want(scheme, w13, w2, q: dict | None, reader_name: str, w13_bias=None, w2_bias=None) -> _Want:
+    """``q``: the source's own canonical tensors of ``scheme`` (an int8 source's codes and
+    scales), or None: the scheme makes them from the float weights, as convert did."""
+    if q is not None and scheme.name != "dense":
+        return _Want(w13, w2, scheme.rule("I8", reader_name), dict(q), w13_bias, w2_bias)
+    return _Want(w13, w2, scheme.rule("", reader_name), scheme.from_float(w13, w2), w13_bias, w2_bias)
 
 
-def _zero_padded(t: torch.Tensor, shape) -> torch.Tensor:
-    out = t.new_zeros(tuple(shape))
-    out[tuple(slice(0, n) for n in t.shape)] = t
-    return out
+def _unpacked(t: torch.Tensor, name: str, p: PackedExperts) -> torch.Tensor:
+    """Codes in logical [E, N, K] order, padding included (other tensors as they are)."""
+    if name in ("w13", "w2"):
+        return unpack_weight_reference(t, *t.shape[1:], p.layout)
+    return t
 
 
-def _expected_tensors(p: PackedExperts, want: _Want) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """role -> (the packed tensor's values, every padding element included: weights unpacked to
-    [E, N, K]; what they must be). Padding must be zero."""
-    ip, il = p.padded_intermediate, p.interleaved
-    if want.q is None:
-        w13, w2 = want.w13.to(torch.bfloat16), want.w2.to(torch.bfloat16)
-    else:
-        w13, s13, w2, s2 = want.q
-    out = {
-        "w13": (unpack_weight_reference(p.w13, *p.w13.shape[1:], p.layout), _zero_padded(pad_intermediate(w13, ip, il), p.w13.shape)),
-        "w2": (unpack_weight_reference(p.w2, *p.w2.shape[1:], p.layout), _zero_padded(w2, p.w2.shape)),
-    }
-    # biases: fp32 in packed row order (source values widened exactly), zero padding
+def _expected_tensors(p: PackedExperts, want: _Want, scheme) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """name -> (the packed tensor's values, every padding element included: codes unpacked to
+    [E, N, K]; what they must be): the scheme's Python spec packer run on the source's canonical
+    tensors (padding must be zero, as it packs it)."""
+    c = dict(want.canonical)
     if want.w13_bias is not None and p.w13_bias is not None:
-        out["w13_bias"] = (p.w13_bias, pad_intermediate(want.w13_bias.float(), ip, il))
+        c["w13_bias"] = want.w13_bias
     if want.w2_bias is not None and p.w2_bias is not None:
-        out["w2_bias"] = (p.w2_bias, _zero_padded(want.w2_bias.float(), p.w2_bias.shape))
-    if want.q is not None:
-        out["w13_scale"] = (p.w13_scale, pad_intermediate(s13.float(), ip, il))
-        out["w2_scale"] = (p.w2_scale, _zero_padded(s2.float(), p.w2_scale.shape))
-        out["w13_colsum"] = (p.w13_colsum, pad_intermediate(w13.int().sum(-1, dtype=torch.int32), ip, il))
-        out["w2_colsum"] = (p.w2_colsum, _zero_padded(w2.int().sum(-1, dtype=torch.int32), p.w2_colsum.shape))
-    return out
+        c["w2_bias"] = want.w2_bias
+    spec = scheme.pack(c, interleaved=p.interleaved, layout=p.layout, use_cpp=False)
+    return {
+        name: (_unpacked(got, name, p), _unpacked(spec.tensors[name], name, p))
+        for name, got in p.tensors.items()
+        if name in spec.tensors
+    }
 
 
 def _where(role: str, idx: list[int], p: PackedExperts) -> str:
@@ -228,7 +216,7 @@ def _difference(name: str, role: str, got: torch.Tensor, want: torch.Tensor, p: 
     )
 
 
-def _compare(p: PackedExperts, names: dict, want: _Want, what: str, results: dict, problems: list) -> bool:
+def _compare(p: PackedExperts, names: dict, want: _Want, what: str, results: dict, problems: list, scheme) -> bool:
     """Every packed tensor of ``p`` (``names``: role -> tensor name) against ``want``: results
     ``{name: equal}``, a message per differing tensor. False when the shapes do not even agree."""
     e, h, i = p.num_experts, p.hidden, p.intermediate
@@ -245,7 +233,7 @@ def _compare(p: PackedExperts, names: dict, want: _Want, what: str, results: dic
             problems.append(f"{role}: {has} has one and {lacks} does not: biases must be packed exactly when the source has them")
             if packed_b is not None:
                 results[names[role]] = False
-    for role, (got, exp) in _expected_tensors(p, want).items():
+    for role, (got, exp) in _expected_tensors(p, want, scheme).items():
         msg = _difference(names[role], role, got, exp, p, want.rule)
         results[names[role]] = msg is None
         if msg:
@@ -253,12 +241,14 @@ def _compare(p: PackedExperts, names: dict, want: _Want, what: str, results: dic
     return True
 
 
-def _shared_want(ckpt, reader, spec, quantized: bool) -> _Want:
+def _shared_want(ckpt, reader, spec, scheme) -> _Want:
     """The source's shared expert as convert packs it (convert_dir: float, or the int8 source's
     own codes, or quantized by moepack when the source's shared expert is float)."""
     w13, w2 = reader.read_shared(ckpt, spec)
-    q = reader.read_shared_q(ckpt, spec) if quantized and reader.read_shared_q is not None else None
-    return _want(w13, w2, None if q is None else (q[0][0], q[0][1].float(), q[1][0], q[1][1].float()), quantized)
+    q = reader.read_shared_q(ckpt, spec) if scheme.name != "dense" and reader.read_shared_q is not None else None
+    if q is not None:
+        q = {"w13_q": q[0][0], "w13_scale": q[0][1].float(), "w2_q": q[1][0], "w2_scale": q[1][1].float()}
+    return _want(scheme, w13, w2, q, reader.name)
 
 
 def _check_shared(ckpt, reader, spec, layer, results: dict, problems: list) -> tuple[_Want | None, torch.Tensor | None]:
@@ -274,8 +264,9 @@ def _check_shared(ckpt, reader, spec, layer, results: dict, problems: list) -> t
         problems.append(f"the {have} has a shared expert ({', '.join(map(repr, names))}), the {lack} has none")
         results.update(dict.fromkeys(names, False))
         return None, None
-    want = _shared_want(ckpt, reader, spec, layer.packed.layout.quantized)
-    if not _compare(layer.shared, sh, want, "shared expert", results, problems):
+    scheme = get_scheme(layer.packed.layout)
+    want = _shared_want(ckpt, reader, spec, scheme)
+    if not _compare(layer.shared, sh, want, "shared expert", results, problems, scheme):
         return None, None
     gate = ckpt.read(spec.shared["gate"]) if spec.shared.get("gate") else None
     if (gate is None) != (layer.shared_gate is None):
@@ -296,12 +287,14 @@ def _check_shared(ckpt, reader, spec, layer, results: dict, problems: list) -> t
 def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, tokens: int, seed: int) -> LayerCheck:
     layer = model.layers[layer_index]
     p = layer.packed
-    quantized = p.layout.quantized
+    scheme = get_scheme(p.layout)
     canon = reader.read_layer(ckpt, spec)
-    q = None if canon.w13_q is None else (canon.w13_q, canon.w13_scale.float(), canon.w2_q, canon.w2_scale.float())
-    routed = _want(canon.w13, canon.w2, q, quantized, canon.w13_bias, canon.w2_bias)
+    q = None
+    if canon.w13_q is not None:
+        q = {"w13_q": canon.w13_q, "w13_scale": canon.w13_scale.float(), "w2_q": canon.w2_q, "w2_scale": canon.w2_scale.float()}
+    routed = _want(scheme, canon.w13, canon.w2, q, reader.name, canon.w13_bias, canon.w2_bias)
     tensors, shared_tensors, problems = {}, {}, []
-    shapes_ok = _compare(p, layer.entry["tensors"], routed, "experts", tensors, problems)
+    shapes_ok = _compare(p, layer.entry["tensors"], routed, "experts", tensors, problems, scheme)
     exact = shapes_ok and all(tensors.values())
     shared, gate = _check_shared(ckpt, reader, spec, layer, shared_tensors, problems)
     shared_exact = all(shared_tensors.values()) if shared_tensors else None
@@ -311,39 +304,35 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
         return LayerCheck(layer_index, False, nan, nan, False, detail, None, shared_exact, tensors, shared_tensors)
 
     # numerics on seeded tokens: the packed layer's experts (+ its shared expert, gated as the
-    # block gates it) against the references on the source's own weights
+    # block gates it) against the scheme's reference on the canonical tensors, and (schemes
+    # with an fp32 tolerance) the fp32 reference on the source's own weights
     x, w, ids = _tokens(model, layer_index, p.num_experts, p.hidden, tokens, seed)
-    kw = dict(activation=layer.activation, alpha=layer.alpha, limit=layer.limit, w13_bias=routed.w13_bias, w2_bias=routed.w2_bias)
+    kw = dict(activation=layer.activation, alpha=layer.alpha, limit=layer.limit, interleaved=p.interleaved,
+              w13_bias=routed.w13_bias, w2_bias=routed.w2_bias)  # fmt: skip
     out = layer.experts(x, w, ids)
-    ref = moe_reference(x, routed.w13, routed.w2, w, ids, **kw)
-    ref8, flip = moe_reference_int8(x, *routed.q, w, ids, return_flip=True, **kw) if quantized else (None, 0.0)
+    ref32 = moe_reference(x, routed.w13, routed.w2, w, ids, **kw)
+    ref, flip = scheme.reference(x, routed.canonical, w, ids, **kw)
     if shared is not None:
         sw = torch.ones(x.shape[0], 1) if gate is None else torch.sigmoid(torch.nn.functional.linear(x, gate.float()))
         sid = torch.zeros(x.shape[0], 1, dtype=torch.int32)
         out = out + layer.shared_expert(x)
-        ref = ref + moe_reference(x, shared.w13, shared.w2, sw, sid)
-        if quantized:
-            r8, f8 = moe_reference_int8(x, *shared.q, sw, sid, return_flip=True)
-            ref8, flip = ref8 + r8, max(flip, f8)
-    rel = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-    if quantized:  # vs the int8 reference (1e-5 + flips), and vs the fp32 one on the source's weights
-        rel32, norm = rel, float(ref8.norm().clamp_min(1e-30))
-        rel = float((out - ref8).norm()) / norm
-        tol = max(INT8_TOL, INT8_FLIPS * flip / norm)
-    else:
-        # bf16 sources are packed exactly, so fp32 tokens agree to fp32 rounding; fp16/fp32 sources
-        # are rounded to bf16 when packed (SEMANTICS.md §3 dense), which bounds the error at ~1e-2.
-        dtypes = {spec.dtype} | ({ckpt.info(spec.shared["gate_proj"]).dtype_str} if shared is not None else set())
-        rel32, tol = None, 1e-5 if dtypes == {"BF16"} else 1e-2
-    ok = exact and shared_exact is not False and rel <= tol and (rel32 is None or rel32 <= INT8_FP32_TOL)
+        ref32 = ref32 + moe_reference(x, shared.w13, shared.w2, sw, sid)
+        r, f = scheme.reference(x, shared.canonical, sw, sid)
+        ref, flip = ref + r, max(flip, f)
+    dtypes = {spec.dtype} | ({ckpt.info(spec.shared["gate_proj"]).dtype_str} if shared is not None else set())
+    orule = scheme.output_rule(dtypes)
+    norm = float(ref.norm().clamp_min(1e-30))
+    rel = float((out - ref).norm()) / norm
+    tol = max(orule.base, orule.flips * flip / norm)
+    rel32 = float((out - ref32).norm() / ref32.norm().clamp_min(1e-30)) if orule.fp32_tol is not None else None
+    ok = exact and shared_exact is not False and rel <= tol and (rel32 is None or rel32 <= orule.fp32_tol)
     detail = ["packed weights differ from the source: " + "; ".join(problems)] if problems else []
     if rel > tol:
-        ref_name = "the int8 reference" if quantized else "the reference"
+        ref_name = "the reference" if scheme.name == "dense" else f"the {scheme.name} reference"
         detail.append(f"output differs from {ref_name}: relative error {rel:.3g} > {tol:.3g}")
-    if rel32 is not None and rel32 > INT8_FP32_TOL:
-        detail.append(f"output differs from the fp32 reference on the source's weights: {rel32:.3g} > {INT8_FP32_TOL:g}")
+    if rel32 is not None and rel32 > orule.fp32_tol:
+        detail.append(f"output differs from the fp32 reference on the source's weights: {rel32:.3g} > {orule.fp32_tol:g}")
     return LayerCheck(layer_index, exact, rel, tol, ok, "; ".join(detail), rel32, shared_exact, tensors, shared_tensors)
-
 
 def verify(
     dst: str | Path,

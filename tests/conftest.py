@@ -161,20 +161,21 @@ def run_packed(
     """moepack.fused_experts on ``packed`` with ``inp``'s activations/routing (overridable)."""
     return moepack.fused_experts(
         inp.x if x is None else x,
-        packed.w13,
-        packed.w2,
+        packed.weight("w13"),
+        packed.weight("w2"),
         inp.topk_weights if topk_weights is None else topk_weights,
         inp.topk_ids if topk_ids is None else topk_ids,
         layout=packed.layout,
+        interleaved=packed.interleaved,
         w13_bias=packed.w13_bias,
         w2_bias=packed.w2_bias,
-        **packed.quant_kwargs(),
         **kw,
     )
 
 
 def reference(inp: MoeInputs, **kw) -> torch.Tensor:
     """moepack.reference.moe_reference on ``inp``'s canonical weights."""
+    kw.setdefault("interleaved", inp.interleaved)
     return moe_reference(
         inp.x, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids, w13_bias=inp.w13_bias, w2_bias=inp.w2_bias, **kw
     )

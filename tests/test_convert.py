@@ -146,7 +146,7 @@ def test_manifest_describes_the_fixture(packed, name):
     info = fixture_info(name)
     dst = packed[name]
     m = json.loads((dst / MANIFEST).read_text())
-    assert m["format"] == "moepack" and m["format_version"] == 1
+    assert m["format"] == "moepack" and m["format_version"] == 2
     assert m["source"]["reader"] == "dense" and m["source"]["path"] == str(fixture_dir(name).resolve())
     assert m["model"]["model_type"] == info["routing_config"]["model_type"]
     assert [e["index"] for e in m["layers"]] == info["moe_layers"]

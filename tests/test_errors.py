@@ -79,8 +79,8 @@ CASES = {
     "limit <= 0": (lambda s: fe(s, limit=0.0), ValueError, ["limit=0", "limit > 0"]),
     "unknown layout id (wrapper)": (lambda s: fe(s, layout=99), LayoutError, ["layout 99 is unknown", "bf16_n32k2_x86 (id 1)"]),
     "unknown layout name (wrapper)": (lambda s: fe(s, layout="int4_g128"), LayoutError, ["'int4_g128' is unknown", "known layouts"]),
-    "unknown layout id (raw op)": (lambda s: OPS.fused_experts(s.x, s.p.w13, s.p.w2, None, None, s.w, s.ids, 99), ValueError, ["layout=99", "unknown"]),
-    "layout 0 (raw op)": (lambda s: OPS.fused_experts(s.x, s.p.w13, s.p.w2, None, None, s.w, s.ids, 0), ValueError, ["layout=0", "unknown"]),
+    "unknown layout id (raw op)": (lambda s: OPS.fused_experts(s.x, [s.p.w13], [s.p.w2], s.w, s.ids, 99), ValueError, ["layout=99", "unknown"]),
+    "layout 0 (raw op)": (lambda s: OPS.fused_experts(s.x, [s.p.w13], [s.p.w2], s.w, s.ids, 0), ValueError, ["layout=0", "unknown"]),
     "pack_weight unknown layout": (lambda s: OPS.pack_weight(s.inp.w2, 99), ValueError, ["layout=99", "unknown"]),
     "layout_desc unknown": (lambda s: OPS.layout_desc(-1), ValueError, ["layout=-1", "unknown"]),
     "pack_weight 2-D": (lambda s: moepack.pack_weight(s.inp.w2[0]), ValueError, ["weight", "3-D [E, N, K]"]),
@@ -100,10 +100,6 @@ CASES = {
     "pack w2_bias shape": (lambda s: pack_experts(s.inp.w13, s.inp.w2, None, s.inp.w2_bias[:, :71]), LayoutError, ["w2_bias", "[5, 71]", "[E, H] = [5, 72]"]),
     "pack unknown layout": (lambda s: pack_experts(s.inp.w13, s.inp.w2, layout="nope"), LayoutError, ["'nope' is unknown"]),
     # run_experts
-    "run swigluoai on gate-then-up": (lambda s: moepack.run_experts(s.p, s.x, s.w, s.ids, activation="swigluoai"),
-                                      UnsupportedError, ["activation='swigluoai'", "gate-then-up", "needs interleaved"]),  # fmt: skip
-    "run silu on interleaved": (lambda s: moepack.run_experts(s.pi, s.x, s.w, s.ids, activation="silu"),
-                                UnsupportedError, ["activation='silu'", "interleaved", "gate-then-up"]),  # fmt: skip
     # H = 71 pads to the same Kp (72) and Np (96) as H = 72: the op cannot tell, run_experts can
     "run hidden off by one": (lambda s: moepack.run_experts(s.p, s.x[:, :71].contiguous(), s.w, s.ids),
                               LayoutError, ["hidden_states", "[3, 71]", "H = 72"]),  # fmt: skip

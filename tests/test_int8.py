@@ -153,8 +153,8 @@ def test_pack_experts_int8_tensors(interleaved):
     shapes = layout_expert_shapes(L, e, h, i)
     ip, np2 = shapes.padded_intermediate, shapes.w2_shape[1]
     assert p.layout is L and p.w13.shape == shapes.w13_shape and p.w2.shape == shapes.w2_shape
-    for name, t in p.tensors().items():
-        assert torch.equal(t, py.tensors()[name]), f"{name}: C++ and Python packers differ"
+    for name, t in p.tensors.items():
+        assert torch.equal(t, py.tensors[name]), f"{name}: C++ and Python packers differ"
     rows = torch.arange(2 * i) if interleaved else torch.cat([torch.arange(i), ip + torch.arange(i)])
     pad = torch.ones(2 * ip, dtype=torch.bool)
     pad[rows] = False
@@ -167,7 +167,7 @@ def test_pack_experts_int8_tensors(interleaved):
     # the packed codes are the canonical ones in packed row order
     assert torch.equal(unpack_weight_reference(p.w13, 2 * ip, h, L)[:, rows], q13)
     assert torch.equal(unpack_weight_reference(p.w2, h, ip, L)[:, :, :i], q2)
-    assert p.nbytes == sum(t.numel() * t.element_size() for t in p.tensors().values())
+    assert p.nbytes == sum(t.numel() * t.element_size() for t in p.tensors.values())
 
 
 @pytest.mark.parametrize(
@@ -199,9 +199,9 @@ def test_pack_experts_quantizes_for_an_int8_layout():
     q13, s13 = quantize_int8_per_channel(inp.w13)
     q2, s2 = quantize_int8_per_channel(inp.w2)
     ref = pack_experts_int8(q13, s13, q2, s2)
-    for name, t in ref.tensors().items():
-        assert torch.equal(p.tensors()[name], t), name
-    with pytest.raises(LayoutError, match="pack_experts_int8"):
+    for name, t in ref.tensors.items():
+        assert torch.equal(p.tensors[name], t), name
+    with pytest.raises(LayoutError, match=r"get_scheme\(.int8_channel.\)\.pack"):
         moepack.pack_experts(q13, q2, layout=L)
 
 
@@ -234,7 +234,7 @@ def test_block_accumulators_are_identical(m, kp):
 
 def test_block_gemm_refuses():
     rows, block, cs = torch.zeros(2, 8, dtype=torch.int8), torch.zeros(256, dtype=torch.int8), torch.zeros(32, dtype=torch.int32)
-    with pytest.raises(ValueError, match="not an int8 layout"):
+    with pytest.raises(ValueError, match="not an int8_channel layout"):
         OPS.gemm_i8_block(rows, block, cs, moepack.DEFAULT_LAYOUT.id, "scalar")
     with pytest.raises(ValueError, match="isa='sse' is not one of"):
         OPS.gemm_i8_block(rows, block, cs, L.id, "sse")
@@ -261,8 +261,8 @@ class Int8Computed:
 
 def run_int8(p: moepack.PackedExperts, inp, **kw) -> torch.Tensor:
     x = kw.pop("x", inp.x)
-    return moepack.fused_experts(x, p.w13, p.w2, inp.topk_weights, inp.topk_ids, layout=p.layout,
-                                 w13_bias=p.w13_bias, w2_bias=p.w2_bias, **p.quant_kwargs(), **kw)  # fmt: skip
+    return moepack.fused_experts(x, p.weight("w13"), p.weight("w2"), inp.topk_weights, inp.topk_ids, layout=p.layout,
+                                 w13_bias=p.w13_bias, w2_bias=p.w2_bias, **kw)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=None)
@@ -328,8 +328,8 @@ def test_activation_quantization_is_pinned(dtype):
     ids = torch.zeros(2, 1, dtype=torch.int32)
     for isa in every_isa():
         with isa_cap(isa):
-            out = moepack.fused_experts(x.to(dtype), p.w13, p.w2, torch.ones(2, 1), ids, layout=L,
-                                        w13_bias=p.w13_bias, **p.quant_kwargs())  # fmt: skip
+            out = moepack.fused_experts(x.to(dtype), p.weight("w13"), p.weight("w2"), torch.ones(2, 1), ids, layout=L,
+                                        w13_bias=p.w13_bias)  # fmt: skip
         assert torch.equal(out.float(), expected), f"{isa} {dtype}: {out.float()} != {expected}"
     ref = moe_reference_int8(x.to(dtype), q13, s13, q2, torch.ones(1, n), torch.ones(2, 1), ids, w13_bias=b13)
     assert torch.equal(ref.float(), expected)
@@ -371,51 +371,50 @@ def small_packed():
     return inp, moepack.pack_experts(inp.w13, inp.w2, inp.w13_bias, inp.w2_bias, layout=L)
 
 
+# One weight = the layout's declared tensors in order: [codes, scale, colsum] (moepack/layout.py).
 @pytest.mark.parametrize(
-    "change,exc,match",
+    "weight,index,change,exc,match",
     [
-        (dict(w13_scale=None), ValueError, "needs w13_scale, w2_scale, w13_colsum and w2_colsum.*missing: w13_scale"),
-        (dict(w2_colsum=None), ValueError, "missing: w2_colsum"),
-        (dict(w13_scale="f64"), TypeError, "w13_scale has dtype Double: must be Float"),
-        (dict(w2_scale="short"), ValueError, r"w2_scale has shape \[5, 95\]"),
-        (dict(w13_colsum="f32"), TypeError, "w13_colsum has dtype Float: must be Int"),
-        (dict(w13="bf16"), TypeError, "w13 has dtype BFloat16: must be Char"),
+        ("w13", 1, None, ValueError, r"w13 is a list of 2 tensors: layout i8_n32k4_x86 packs a weight as 3 \(w13, w13_scale, w13_colsum\)"),
+        ("w2", 2, None, ValueError, "w2 is a list of 2 tensors"),
+        ("w13", 1, "f64", TypeError, r"w13\[1\] \(w13_scale\) has dtype Double: must be Float"),
+        ("w2", 1, "short", ValueError, r"w2\[1\] \(w2_scale\) has shape \[5, 95\]: must be \[5, 96\] \(float32 scales of layout i8_n32k4_x86"),
+        ("w13", 2, "f32", TypeError, r"w13\[2\] \(w13_colsum\) has dtype Float: must be Int"),
+        ("w13", 0, "bf16", TypeError, r"w13\[0\] \(w13\) has dtype BFloat16: must be Char"),
     ],
 )
-def test_fused_experts_int8_refuses(change, exc, match):
+def test_fused_experts_int8_refuses(weight, index, change, exc, match):
     inp, p = small_packed()
-    kw = dict(p.quant_kwargs(), w13=p.w13)
-    for k, v in change.items():
-        if v == "f64":
-            kw[k] = kw[k].double()
-        elif v == "short":
-            kw[k] = kw[k][:, :95].contiguous()
-        elif v == "f32":
-            kw[k] = kw[k].float()
-        elif v == "bf16":
-            kw[k] = kw[k].to(BF16)
-        else:
-            kw[k] = v
-    w13 = kw.pop("w13")
+    ws = {"w13": p.weight("w13"), "w2": p.weight("w2")}
+    t = ws[weight][index]
+    if change is None:
+        del ws[weight][index]
+    else:
+        ws[weight][index] = {"f64": t.double(), "short": t[:, :95].contiguous(), "f32": t.float(), "bf16": t.to(BF16)}[change]
     with pytest.raises(exc, match=match):
-        moepack.fused_experts(inp.x, w13, p.w2, inp.topk_weights, inp.topk_ids, layout=L, **kw)
+        moepack.fused_experts(inp.x, ws["w13"], ws["w2"], inp.topk_weights, inp.topk_ids, layout=L)
 
 
 def test_bf16_layout_refuses_scales():
     inp, p = small_packed()
     bp = moepack.pack_experts(inp.w13, inp.w2)
-    with pytest.raises(ValueError, match="only int8 layouts take scales"):
-        moepack.fused_experts(inp.x, bp.w13, bp.w2, inp.topk_weights, inp.topk_ids, w13_scale=p.w13_scale)
+    with pytest.raises(ValueError, match=r"w13 is a list of 3 tensors: layout bf16_n32k2_x86 packs a weight as 1 \(w13\)"):
+        moepack.fused_experts(inp.x, [bp.w13, p.w13_scale, p.w13_colsum], bp.w2, inp.topk_weights, inp.topk_ids)
 
 
 def test_meta_and_opcheck_int8():
     inp, p = small_packed()
-    args = (inp.x, p.w13, p.w2, p.w13_bias, p.w2_bias, inp.topk_weights, inp.topk_ids, L.id)
-    kwargs = dict(activation="gelu_tanh", **p.quant_kwargs())
+    args = (inp.x, p.weight("w13"), p.weight("w2"), inp.topk_weights, inp.topk_ids, L.id)
+    kwargs = dict(activation="gelu_tanh", interleaved=False, w13_bias=p.w13_bias, w2_bias=p.w2_bias)
     result = torch.library.opcheck(OPS.fused_experts.default, args, kwargs)
     assert set(result.values()) == {"SUCCESS"}, result
-    meta = [t.to("meta") if isinstance(t, torch.Tensor) else t for t in args]
-    out = OPS.fused_experts(*meta, **{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+
+    def meta(v):
+        if isinstance(v, list):
+            return [meta(t) for t in v]
+        return v.to("meta") if isinstance(v, torch.Tensor) else v
+
+    out = OPS.fused_experts(*meta(list(args)), **{k: meta(v) for k, v in kwargs.items()})
     assert out.shape == inp.x.shape and out.device.type == "meta"
     result = torch.library.opcheck(OPS.pack_weight.default, (random_codes(2, 45, 93, 9), L.id))
     assert set(result.values()) == {"SUCCESS"}, result

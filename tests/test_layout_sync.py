@@ -80,7 +80,7 @@ def enum_index(values, name: str) -> int:
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
 def test_compiled_table_equals_python_table(layout):
-    name, fields = torch.ops.moepack.layout_desc(layout.id)
+    name, fields, tensors = torch.ops.moepack.layout_desc(layout.id)
     assert name == layout.name
     expected = [
         layout.id,
@@ -93,12 +93,20 @@ def test_compiled_table_equals_python_table(layout):
         enum_index(lay.ZERO_KINDS, layout.zero_kind),
         enum_index(lay.FAMILIES, layout.family),
         layout.i_align,
+        enum_index(lay.SCHEMES, layout.scheme),
+        sum(1 << enum_index(lay.ACT_MODES, m) for m in layout.act_modes),
     ]
     names = ["id", "weight_dtype", "weight_bits", "group_size", "block_n", "k_pack", "scale_dtype", "zero_kind",
-             "family", "i_align"]  # fmt: skip
+             "family", "i_align", "scheme", "act_modes"]  # fmt: skip
     assert len(fields) == len(expected) == len(names)
     for field, got, want in zip(names, fields, expected):
         assert got == want, f"{layout.name}.{field}: extension says {got}, moepack/layout.py says {want}"
+    want_tensors = [
+        f"{enum_index(lay.TENSOR_ROLES, t.role)}:{t.suffix}:{enum_index(lay.TENSOR_DTYPES, t.dtype)}:"
+        f"{enum_index(lay.TENSOR_SHAPES, t.shape)}"
+        for t in layout.tensors
+    ]
+    assert list(tensors) == want_tensors, f"{layout.name}: compiled tensor declaration {tensors} != {want_tensors}"
 
 
 def test_compiled_table_has_no_other_layouts():
@@ -115,9 +123,10 @@ def test_layout_table_invariants():
     for x in LAYOUTS:
         assert x.name.startswith(f"{x.weight_dtype}_n{x.block_n}k{x.k_pack}_{x.family}")
         assert x.i_align % x.block_n == 0
-        assert x.weight_bits == 8 * lay.WEIGHT_DTYPES[x.weight_dtype] == 8 * x.elem_bytes
+        assert x.weight_bits == lay.WEIGHT_DTYPES[x.weight_dtype] == 8 * x.elem_bytes
         assert layout_get(x.id) is x and layout_get(x.name) is x and layout_get(x) is x
-        assert lay.PackedLayout(**x.to_dict()) == x
+        assert lay.PackedLayout.from_dict(x.to_dict()) == x
+        assert x.tensor_names("w13")[0] == "w13" and x.tensors[0].role == "codes"
 
 
 @pytest.mark.parametrize("key", [0, 3, -1, 10**6, "bf16_n32k2_arm", "", "BF16_N32K2_X86", "i8_n32k4_arm"])
@@ -142,7 +151,44 @@ def test_unknown_layout_lookup_raises_layout_error(key):
 )
 def test_invalid_layout_records_are_refused(bad):
     with pytest.raises(LayoutError, match="layout bf16_n32k2_x86"):
-        lay.PackedLayout(**{**DEFAULT_LAYOUT.to_dict(), **bad})
+        lay.PackedLayout.from_dict({**DEFAULT_LAYOUT.to_dict(), **bad})
+
+
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(tensors=()), "tensors\\[0\\] must be the codes"),
+        (dict(tensors=(lay.TensorSpec("scale", "_scale", "float32", "channel"),)), "tensors\\[0\\] must be the codes"),
+        (dict(tensors=(lay.TensorSpec("codes", "", "bfloat16", "channel"),)), "only the codes have shape 'packed'"),
+        (dict(tensors=(lay.TensorSpec("codes", "", "bfloat16", "packed"), lay.TensorSpec("zero", "_z", "uint8", "group"))),
+         "shape 'group' needs group_size > 0"),
+        (dict(scheme="int3_group"), "scheme='int3_group' is not one of"),
+        (dict(act_modes=("a4",)), "act_modes"),
+    ],
+)
+def test_invalid_tensor_declarations_are_refused(bad, match):
+    with pytest.raises(LayoutError, match=match):
+        lay.PackedLayout(**{**{f.name: getattr(DEFAULT_LAYOUT, f.name) for f in lay.dataclasses.fields(lay.PackedLayout)}, **bad})
+
+
+def test_sub_byte_codes_are_expressible():
+    """A 4-bit grouped layout (the INT4 work's shape) is a valid record, and the one shape function
+    gives its tensors: codes two per byte, per-group scales / zero points [E, ceil(Kp/G), Np]."""
+    u4 = lay.PackedLayout(
+        id=99, name="u4_n32k8_x86", weight_dtype="u4", weight_bits=4, group_size=32, block_n=32, k_pack=8,
+        scale_dtype="bf16", zero_kind="u4", family="x86", i_align=32, scheme="dense", act_modes=("a16", "a8"),
+        tensors=(
+            lay.TensorSpec("codes", "", "uint8", "packed", note="two 4-bit codes per byte"),
+            lay.TensorSpec("scale", "_scale", "float32", "group"),
+            lay.TensorSpec("zero", "_zero", "uint8", "group"),
+        ),
+    )  # fmt: skip
+    plan = {t.name: t.shape for t in lay.layout_tensor_plan(u4, 3, 100, 40)}
+    assert plan == {
+        "w13": (3, 128, 52), "w13_scale": (3, 4, 128), "w13_zero": (3, 4, 128),  # H=100 -> Kp 104 -> 52 bytes, 4 groups
+        "w2": (3, 128, 32), "w2_scale": (3, 2, 128), "w2_zero": (3, 2, 128),  # Ip=64: 2 groups; Np(H)=128
+    }  # fmt: skip
+    assert lay.layout_matrix_bytes(u4, 128, 104) == 128 * 52
 
 
 # (E, H, I) -> Ip, packed w13 shape, packed w2 shape (bf16_n32k2_x86: block_n 32, k_pack 2, i_align 32)

@@ -322,7 +322,7 @@ def test_compressed_tensors_source_with_a_shared_expert(tmp_path, shared_dtype):
 @pytest.mark.parametrize(
     "field,value,words",
     [
-        ("intermediate", 100, ["shared tensor 'moepack.layers.1.shared_w13' has shape [1, 128, 72]", "layout math says [1, 256, 72]"]),
+        ("intermediate", 100, ["shared tensor 'moepack.layers.1.shared_w13' is bfloat16 [1, 128, 72]", "layout math says bfloat16 [1, 256, 72]"]),
         ("padded_intermediate", 96, ["shared padded_intermediate=96", "layout math says 64"]),
     ],
 )

@@ -47,6 +47,30 @@ def render() -> str:
         out.append(f"enum {name} : int32_t {{ {members} }};")
     wd = ", ".join(f"kWeight_{v} = {i}" for i, v in enumerate(lay.WEIGHT_DTYPES))
     out.append(f"enum WeightDtype : int32_t {{ {wd} }};")
+    for name, prefix, values in (
+        ("Scheme", "kScheme", lay.SCHEMES),
+        ("TensorRole", "kRole", lay.TENSOR_ROLES),
+        ("TensorDtype", "kTensor", tuple(lay.TENSOR_DTYPES)),
+        ("TensorShape", "kShape", lay.TENSOR_SHAPES),
+    ):
+        members = ", ".join(f"{prefix}_{v} = {i}" for i, v in enumerate(values))
+        out.append(f"enum {name} : int32_t {{ {members} }};")
+    am = ", ".join(f"kAct_{v} = {1 << i}" for i, v in enumerate(lay.ACT_MODES))
+    out.append(f"enum ActMode : int32_t {{ {am} }};  // bits of LayoutDesc::act_modes")
+    out.append("constexpr int32_t kTensorDtypeBytes[] = {" + ", ".join(str(b) for b in lay.TENSOR_DTYPES.values()) + "};")
+    out.append("constexpr const char* kTensorDtypeNames[] = {" + ", ".join(f'"{d}"' for d in lay.TENSOR_DTYPES) + "};")
+    out.append(f"constexpr int32_t kMaxLayoutTensors = {lay.MAX_LAYOUT_TENSORS};")
+    out += [
+        "",
+        "// One tensor of a packed weight (moepack/layout.py: TensorSpec), stored as <weight><suffix>.",
+        "struct TensorDesc {",
+        "  int32_t role;         // TensorRole",
+        "  const char* suffix;   // \"\" for the codes",
+        "  int32_t dtype;        // TensorDtype",
+        "  int32_t shape;        // TensorShape (csrc/include/moepack/layout_shapes.h: tensor_shape)",
+        "  const char* note;     // what one element is",
+        "};",
+    ]
     out += [
         "",
         "struct LayoutDesc {",
@@ -61,6 +85,10 @@ def render() -> str:
         "  int32_t zero_kind;     // ZeroKind",
         "  int32_t family;        // Family",
         "  int32_t i_align;       // intermediate size padded to a multiple of this",
+        "  int32_t scheme;        // Scheme",
+        "  int32_t act_modes;     // ActMode bits",
+        "  int32_t num_tensors;   // tensors of one packed weight, in the order the op takes them",
+        "  TensorDesc tensors[kMaxLayoutTensors];",
         "};",
         "",
     ]
@@ -72,7 +100,12 @@ def render() -> str:
         out.append(
             f"constexpr LayoutDesc {const} = {{{L.id}, \"{L.name}\", kWeight_{L.weight_dtype} /*{wnames.index(L.weight_dtype)}*/, "
             f"{L.weight_bits}, {L.group_size}, {L.block_n}, {L.k_pack}, kScaleDtype_{L.scale_dtype}, "
-            f"kZeroKind_{L.zero_kind}, kFamily_{L.family}, {L.i_align}}};"
+            f"kZeroKind_{L.zero_kind}, kFamily_{L.family}, {L.i_align}, kScheme_{L.scheme}, "
+            f"{' | '.join('kAct_' + m for m in L.act_modes)}, {len(L.tensors)}, {{"
+            + ", ".join(
+                f"{{kRole_{t.role}, \"{t.suffix}\", kTensor_{t.dtype}, kShape_{t.shape}, \"{t.note}\"}}" for t in L.tensors
+            )
+            + "}};"
         )
         out.append(f"constexpr int32_t kLayoutId_{L.name} = {L.id};")
         out.append(

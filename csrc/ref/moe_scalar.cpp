@@ -78,13 +78,14 @@ struct MK {
 }  // namespace scalar
 
 void register_scalar(KernelTable& t) {
-  t.quantize_i8[int(Isa::scalar)] = scalar::quantize_row<>;
-  // The scalar kernel reads any bf16-valued or int8 layout through its LayoutDesc.
+  // The scalar kernel reads every layout of the schemes it has through its LayoutDesc (any
+  // block_n up to the driver's kMaxBlockN, any k_pack), so a packed file of any family runs.
+  using scalar::MK;
   for (const LayoutDesc& L : kLayouts) {
-    if (L.weight_dtype == kWeight_bf16) t.fused[L.id][int(Isa::scalar)] = scalar::fused_moe<>;
-    if (L.weight_dtype == kWeight_i8) {
-      t.fused[L.id][int(Isa::scalar)] = scalar::fused_moe_i8<>;
-      t.gemm_i8[L.id][int(Isa::scalar)] = scalar::gemm_i8_block<>;
+    switch (L.scheme) {
+      case kScheme_dense: scalar::register_scheme<scalar::DenseA16<MK>>(t, L, Isa::scalar); break;
+      case kScheme_int8_channel: scalar::register_scheme<scalar::Int8A8<MK>>(t, L, Isa::scalar); break;
+      default: t.refused[L.id][int(Isa::scalar)] = "the scalar kernels do not know this layout's scheme"; break;
     }
   }
 }

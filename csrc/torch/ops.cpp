@@ -64,27 +64,60 @@ void check_exact(const at::Tensor& t, const char* name, at::ScalarType st, std::
   TORCH_CHECK_VALUE(t.is_contiguous(), name, " with shape ", shape_str(t), " is not contiguous: must be contiguous");
 }
 
-// Tensors only int8 layouts take (fused_experts' trailing optional arguments).
-struct QuantTensors {
-  const std::optional<at::Tensor>& s13;
-  const std::optional<at::Tensor>& s2;
-  const std::optional<at::Tensor>& c13;
-  const std::optional<at::Tensor>& c2;
-};
-
-// int32 accumulators of int8 layouts: |acc| <= 128 * 127 * K must fit.
+// int32 accumulators of A8 layouts: |acc| <= 128 * 127 * K must fit.
 constexpr int64_t kMaxI8K = (int64_t(1) << 31) / (128 * 127);
 
+at::ScalarType scalar_type_of(int32_t tensor_dtype) {
+  switch (tensor_dtype) {
+    case kTensor_bfloat16: return at::kBFloat16;
+    case kTensor_int8: return at::kChar;
+    case kTensor_uint8: return at::kByte;
+    case kTensor_float32: return at::kFloat;
+    default: return at::kInt;  // kTensor_int32
+  }
+}
+
+const char* role_name(int32_t role) {
+  switch (role) {
+    case kRole_codes: return "codes";
+    case kRole_scale: return "scales";
+    case kRole_zero: return "zero points";
+    default: return "sums";
+  }
+}
+
+// One packed weight given as a tensor list: exactly the layout's declared tensors, in declared
+// order, each with the declared dtype and the shape layout_shapes.h computes (docs/PACKED_FORMAT.md).
+void check_weight(const at::TensorList& ts, const char* weight, const LayoutDesc& L, int64_t E, const WeightDims& d,
+                  const std::string& note, PackedWeight* out) {
+  std::string names;
+  for (int i = 0; i < L.num_tensors; ++i) names += std::string(i ? ", " : "") + weight + L.tensors[i].suffix;
+  TORCH_CHECK_VALUE(int64_t(ts.size()) == L.num_tensors, weight, " is a list of ", ts.size(), " tensors: layout ",
+                    L.name, " packs a weight as ", L.num_tensors, " (", names, ")");
+  for (int i = 0; i < L.num_tensors; ++i) {
+    const TensorDesc& td = L.tensors[i];
+    const std::string name = std::string(weight) + "[" + std::to_string(i) + "] (" + weight + td.suffix + ")";
+    int64_t shape[3];
+    const int nd = tensor_shape(L, td, E, d, shape);
+    const std::string rule = std::string(kTensorDtypeNames[td.dtype]) + " " + role_name(td.role) + " of layout " + L.name +
+                             ": " + td.note + "; " + note;
+    check_exact(ts[size_t(i)], name.c_str(), scalar_type_of(td.dtype), std::vector<int64_t>(shape, shape + nd),
+                rule.c_str());
+    if (out) out->t[i] = ts[size_t(i)].data_ptr();
+  }
+}
+
 // Validates every shape/dtype rule and fills the kernel arguments (pointers only when `data`).
-FusedMoeArgs check_fused(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                         const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
-                         const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t layout,
+FusedMoeArgs check_fused(const at::Tensor& x, const at::TensorList& w13, const at::TensorList& w2,
+                         const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t layout, bool interleaved,
                          const std::string& activation, double alpha, double limit,
-                         const std::optional<at::Tensor>& expert_map, const QuantTensors& q) {
+                         const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
+                         const std::optional<at::Tensor>& expert_map, bool data) {
   FusedMoeArgs a;
   const LayoutDesc& L = layout_or_throw(layout);
   a.layout = &L;
   a.act = parse_activation(activation);
+  a.interleaved = interleaved;
   check_cpu(x, "hidden_states");
   a.dtype = dtype_of(x, "hidden_states");
   TORCH_CHECK_VALUE(x.dim() == 2, "hidden_states has shape ", shape_str(x), ": must be 2-D [tokens, hidden]");
@@ -92,40 +125,35 @@ FusedMoeArgs check_fused(const at::Tensor& x, const at::Tensor& w13, const at::T
                     ": the hidden dimension must be contiguous (stride 1)");
   a.tokens = x.size(0);
   a.hidden = x.size(1);
-  a.x_stride = x.dim() == 2 ? x.stride(0) : 0;
+  a.x_stride = x.stride(0);
   TORCH_CHECK_VALUE(a.hidden > 0, "hidden_states has shape ", shape_str(x), ": hidden size must be positive");
-  check_cpu(w13, "w13");
-  TORCH_CHECK_VALUE(w13.dim() == 3, "w13 has shape ", shape_str(w13), ": must be packed 3-D [E, 2*Ip, Kp]");
-  const bool i8 = L.weight_dtype == kWeight_i8;
-  TORCH_CHECK_VALUE(L.weight_dtype == kWeight_bf16 || i8, "layout ", L.name, " is neither a bf16 nor an int8 layout");
-  const int64_t E = w13.size(0);
-  TORCH_CHECK_VALUE(E > 0, "w13 has shape ", shape_str(w13), ": needs at least one expert");
-  TORCH_CHECK_VALUE(w13.size(1) % (2 * L.i_align) == 0 && w13.size(1) > 0, "w13 has shape ", shape_str(w13),
+  // E and Ip come from the codes of w13 ([E, 2*Ip, ...] for every layout); everything else is
+  // then determined by the layout's declaration.
+  TORCH_CHECK_VALUE(!w13.empty() && !w2.empty(), "w13 / w2 are lists of ", w13.size(), " / ", w2.size(),
+                    " tensors: each needs the layout's tensors, the codes first");
+  const at::Tensor& c13 = w13[0];
+  check_cpu(c13, "w13[0] (w13)");
+  TORCH_CHECK_VALUE(c13.dim() == 3, "w13[0] (w13) has shape ", shape_str(c13), ": must be packed 3-D [E, 2*Ip, ...]");
+  const int64_t E = c13.size(0);
+  TORCH_CHECK_VALUE(E > 0, "w13[0] (w13) has shape ", shape_str(c13), ": needs at least one expert");
+  TORCH_CHECK_VALUE(c13.size(1) % (2 * L.i_align) == 0 && c13.size(1) > 0, "w13[0] (w13) has shape ", shape_str(c13),
                     ": dim 1 is 2*Ip and Ip must be a positive multiple of ", L.i_align, " for layout ", L.name);
   a.num_experts = E;
-  a.inter_padded = w13.size(1) / 2;
-  const int64_t kp1 = round_up(a.hidden, L.k_pack), np2 = round_up(a.hidden, L.block_n);
-  const std::string hnote = "with H=" + std::to_string(a.hidden) + " taken from hidden_states";
-  const at::ScalarType wdt = i8 ? at::kChar : at::kBFloat16;
-  check_exact(w13, "w13", wdt, {E, 2 * a.inter_padded, kp1}, ("packed [E, 2*Ip, H padded to k_pack] " + hnote).c_str());
-  check_exact(w2, "w2", wdt, {E, np2, a.inter_padded}, ("packed [E, H padded to block_n, Ip] " + hnote).c_str());
-  if (i8) {
-    TORCH_CHECK_VALUE(q.s13 && q.s2 && q.c13 && q.c2, "layout ", L.name,
-                      " needs w13_scale, w2_scale, w13_colsum and w2_colsum (moepack.pack.pack_experts_int8 makes "
-                      "them); missing:", q.s13 ? "" : " w13_scale", q.s2 ? "" : " w2_scale", q.c13 ? "" : " w13_colsum",
-                      q.c2 ? "" : " w2_colsum");
-    check_exact(*q.s13, "w13_scale", at::kFloat, {E, 2 * a.inter_padded}, "fp32 [E, 2*Ip] in packed row order");
-    check_exact(*q.s2, "w2_scale", at::kFloat, {E, np2}, ("fp32 [E, H padded to block_n] " + hnote).c_str());
-    check_exact(*q.c13, "w13_colsum", at::kInt, {E, 2 * a.inter_padded}, "int32 [E, 2*Ip], like w13_scale");
-    check_exact(*q.c2, "w2_colsum", at::kInt, {E, np2}, ("int32 [E, H padded to block_n] " + hnote).c_str());
-    TORCH_CHECK_VALUE(kp1 <= kMaxI8K && a.inter_padded <= kMaxI8K, "int8 layout ", L.name, " with H=", a.hidden,
-                      ", Ip=", a.inter_padded, ": both must be <= ", kMaxI8K, " (int32 accumulators)");
-  } else {
-    TORCH_CHECK_VALUE(!q.s13 && !q.s2 && !q.c13 && !q.c2, "w13_scale/w2_scale/w13_colsum/w2_colsum given with layout ",
-                      L.name, ": only int8 layouts take scales and column sums");
+  a.inter_padded = c13.size(1) / 2;
+  const std::string hnote = "H=" + std::to_string(a.hidden) + " from hidden_states, Ip=" +
+                            std::to_string(a.inter_padded) + " from w13[0]";
+  check_weight(w13, "w13", L, E, w13_dims(L, a.hidden, a.inter_padded), "w13 is [E, 2*Ip, H padded to k_pack], " + hnote,
+               data ? &a.w13 : nullptr);
+  check_weight(w2, "w2", L, E, w2_dims(L, a.hidden, a.inter_padded), "w2 is [E, H padded to block_n, Ip], " + hnote,
+               data ? &a.w2 : nullptr);
+  if (L.act_modes & kAct_a8) {
+    const int64_t kp1 = w13_dims(L, a.hidden, a.inter_padded).kp;
+    TORCH_CHECK_VALUE(kp1 <= kMaxI8K && a.inter_padded <= kMaxI8K, "layout ", L.name, " (int8 activations) with H=",
+                      a.hidden, ", Ip=", a.inter_padded, ": both must be <= ", kMaxI8K, " (int32 accumulators)");
   }
+  const int64_t np2 = w2_dims(L, a.hidden, a.inter_padded).np;
   if (b13) check_exact(*b13, "w13_bias", at::kFloat, {E, 2 * a.inter_padded}, "fp32 [E, 2*Ip] in packed row order");
-  if (b2) check_exact(*b2, "w2_bias", at::kFloat, {E, np2}, ("fp32 [E, H padded to block_n] " + hnote).c_str());
+  if (b2) check_exact(*b2, "w2_bias", at::kFloat, {E, np2}, ("fp32 [E, H padded to block_n], " + hnote).c_str());
   TORCH_CHECK_VALUE(topk_ids.dim() == 2 && topk_ids.size(0) == a.tokens && topk_ids.size(1) > 0, "topk_ids has shape ",
                     shape_str(topk_ids), ": must be [tokens=", a.tokens, ", k] with k >= 1");
   a.topk = topk_ids.size(1);
@@ -146,6 +174,10 @@ FusedMoeArgs check_fused(const at::Tensor& x, const at::Tensor& w13, const at::T
                     ", limit=", limit, ": both must be finite and limit > 0");
   a.alpha = float(alpha);
   a.limit = float(limit);
+  if (data) {
+    a.b13 = b13 ? b13->data_ptr<float>() : nullptr;
+    a.b2 = b2 ? b2->data_ptr<float>() : nullptr;
+  }
   return a;
 }
 
@@ -171,27 +203,16 @@ Selection select_or_throw(int64_t layout) {
   return sel;
 }
 
-at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                             const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
-                             const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t layout,
-                             std::string_view activation, double alpha, double limit,
-                             const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& s13,
-                             const std::optional<at::Tensor>& s2, const std::optional<at::Tensor>& c13,
-                             const std::optional<at::Tensor>& c2) {
-  FusedMoeArgs a = check_fused(x, w13, w2, b13, b2, topk_weights, topk_ids, layout, std::string(activation), alpha,
-                               limit, expert_map, QuantTensors{s13, s2, c13, c2});
+at::Tensor fused_experts_cpu(const at::Tensor& x, at::TensorList w13, at::TensorList w2, const at::Tensor& topk_weights,
+                             const at::Tensor& topk_ids, int64_t layout, bool interleaved, std::string_view activation,
+                             double alpha, double limit, const std::optional<at::Tensor>& b13,
+                             const std::optional<at::Tensor>& b2, const std::optional<at::Tensor>& expert_map) {
+  FusedMoeArgs a = check_fused(x, w13, w2, topk_weights, topk_ids, layout, interleaved, std::string(activation), alpha,
+                               limit, b13, b2, expert_map, /*data=*/true);
   at::Tensor out = at::empty({a.tokens, a.hidden}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (a.tokens == 0) return out;
   a.x = x.data_ptr();
   a.out = out.data_ptr();
-  a.w13 = w13.data_ptr();
-  a.w2 = w2.data_ptr();
-  a.b13 = b13 ? b13->data_ptr<float>() : nullptr;
-  a.b2 = b2 ? b2->data_ptr<float>() : nullptr;
-  a.s13 = s13 ? s13->data_ptr<float>() : nullptr;
-  a.s2 = s2 ? s2->data_ptr<float>() : nullptr;
-  a.c13 = c13 ? c13->data_ptr<int32_t>() : nullptr;
-  a.c2 = c2 ? c2->data_ptr<int32_t>() : nullptr;
   a.topk_weights = topk_weights.data_ptr<float>();
   a.topk_ids = topk_ids.data_ptr<int32_t>();
   a.expert_map = expert_map ? expert_map->data_ptr<int32_t>() : nullptr;
@@ -208,15 +229,13 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   return out;
 }
 
-at::Tensor fused_experts_meta(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                              const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
-                              const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t layout,
-                              std::string_view activation, double alpha, double limit,
-                              const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& s13,
-                              const std::optional<at::Tensor>& s2, const std::optional<at::Tensor>& c13,
-                              const std::optional<at::Tensor>& c2) {
-  FusedMoeArgs a = check_fused(x, w13, w2, b13, b2, topk_weights, topk_ids, layout, std::string(activation), alpha,
-                               limit, expert_map, QuantTensors{s13, s2, c13, c2});
+// The Meta kernel: the same declaration-driven checks, no data.
+at::Tensor fused_experts_meta(const at::Tensor& x, at::TensorList w13, at::TensorList w2, const at::Tensor& topk_weights,
+                              const at::Tensor& topk_ids, int64_t layout, bool interleaved, std::string_view activation,
+                              double alpha, double limit, const std::optional<at::Tensor>& b13,
+                              const std::optional<at::Tensor>& b2, const std::optional<at::Tensor>& expert_map) {
+  FusedMoeArgs a = check_fused(x, w13, w2, topk_weights, topk_ids, layout, interleaved, std::string(activation), alpha,
+                               limit, b13, b2, expert_map, /*data=*/false);
   return at::empty({a.tokens, a.hidden}, x.options());
 }
 
@@ -253,7 +272,9 @@ at::Tensor pack_weight_i8(const at::Tensor& w, const LayoutDesc& L, int64_t n_pa
 at::Tensor pack_weight_cpu(const at::Tensor& w, int64_t layout, int64_t n_padded, int64_t k_padded) {
   const LayoutDesc& L = layout_or_throw(layout);
   check_cpu(w, "weight");
-  if (L.weight_dtype == kWeight_i8) return pack_weight_i8(w, L, n_padded, k_padded);
+  TORCH_CHECK_VALUE(L.tensors[0].dtype == kTensor_int8 || L.tensors[0].dtype == kTensor_bfloat16, "layout ", L.name,
+                    " stores ", kTensorDtypeNames[L.tensors[0].dtype], " codes: pack_weight packs bfloat16 and int8 codes");
+  if (L.tensors[0].dtype == kTensor_int8) return pack_weight_i8(w, L, n_padded, k_padded);
   const DType dt = dtype_of(w, "weight");
   auto shape = packed_shape(w, L, n_padded, k_padded);
   at::Tensor src = w.contiguous();
@@ -284,7 +305,7 @@ at::Tensor pack_weight_cpu(const at::Tensor& w, int64_t layout, int64_t n_padded
 
 at::Tensor pack_weight_meta(const at::Tensor& w, int64_t layout, int64_t n_padded, int64_t k_padded) {
   const LayoutDesc& L = layout_or_throw(layout);
-  if (L.weight_dtype == kWeight_i8) {
+  if (L.tensors[0].dtype == kTensor_int8) {
     TORCH_CHECK_TYPE(w.scalar_type() == at::kChar, "weight has dtype ", w.scalar_type(), ": layout ", L.name,
                      " packs int8 codes (quantize first: moepack.pack.quantize_int8_per_channel)");
     return at::empty(packed_shape(w, L, n_padded, k_padded), w.options());
@@ -306,7 +327,7 @@ Isa parse_isa(std::string_view name) {
 at::Tensor gemm_i8_block_cpu(const at::Tensor& rows, const at::Tensor& block, const at::Tensor& colsum, int64_t layout,
                              std::string_view isa) {
   const LayoutDesc& L = layout_or_throw(layout);
-  TORCH_CHECK_VALUE(L.weight_dtype == kWeight_i8, "layout ", L.name, " is not an int8 layout");
+  TORCH_CHECK_VALUE(L.scheme == kScheme_int8_channel, "layout ", L.name, " is not an int8_channel layout");
   TORCH_CHECK_VALUE(rows.dim() == 2 && rows.size(1) % L.k_pack == 0 && rows.size(1) <= kMaxI8K, "rows has shape ",
                     shape_str(rows), ": must be [m, kp] with kp a multiple of k_pack=", L.k_pack, " and <= ", kMaxI8K);
   const int64_t m = rows.size(0), kp = rows.size(1);
@@ -372,11 +393,19 @@ int64_t read_experts_cpu(const at::Tensor& w13, const at::Tensor& w2, const at::
   return int64_t(total.load());
 }
 
-std::tuple<std::string, std::vector<int64_t>> layout_desc(int64_t id) {
+// The compiled layout table, for tests/test_layout_sync.py: (name, numbers, tensors as
+// "role:suffix:dtype:shape" with the enums' indices).
+std::tuple<std::string, std::vector<int64_t>, std::vector<std::string>> layout_desc(int64_t id) {
   const LayoutDesc& L = layout_or_throw(id);
+  std::vector<std::string> tensors;
+  for (int i = 0; i < L.num_tensors; ++i) {
+    const TensorDesc& t = L.tensors[i];
+    tensors.push_back(std::to_string(t.role) + ":" + t.suffix + ":" + std::to_string(t.dtype) + ":" + std::to_string(t.shape));
+  }
   return {L.name,
           {L.id, L.weight_dtype, L.weight_bits, L.group_size, L.block_n, L.k_pack, L.scale_dtype, L.zero_kind, L.family,
-           L.i_align}};
+           L.i_align, L.scheme, L.act_modes},
+          tensors};
 }
 
 std::tuple<std::string, std::string> kernel_choice(int64_t layout) {
@@ -423,14 +452,13 @@ std::vector<std::string> cpu_flags() {
 
 TORCH_LIBRARY(moepack, m) {
   m.def(
-      "fused_experts(Tensor hidden_states, Tensor w13, Tensor w2, Tensor? w13_bias, Tensor? w2_bias, "
-      "Tensor topk_weights, Tensor topk_ids, int layout, str activation=\"silu\", float alpha=1.702, "
-      "float limit=7.0, Tensor? expert_map=None, Tensor? w13_scale=None, Tensor? w2_scale=None, "
-      "Tensor? w13_colsum=None, Tensor? w2_colsum=None) -> Tensor");
+      "fused_experts(Tensor hidden_states, Tensor[] w13, Tensor[] w2, Tensor topk_weights, Tensor topk_ids, "
+      "int layout, *, bool interleaved=False, str activation=\"silu\", float alpha=1.702, float limit=7.0, "
+      "Tensor? w13_bias=None, Tensor? w2_bias=None, Tensor? expert_map=None) -> Tensor");
   m.def("pack_weight(Tensor weight, int layout, int n_padded=0, int k_padded=0) -> Tensor");
   m.def("gemm_i8_block(Tensor rows, Tensor block, Tensor colsum, int layout, str isa) -> Tensor");
   m.def("read_experts(Tensor w13, Tensor w2, Tensor ids) -> int");
-  m.def("layout_desc(int layout) -> (str, int[])", &moepack::layout_desc);
+  m.def("layout_desc(int layout) -> (str, int[], str[])", &moepack::layout_desc);
   m.def("kernel_choice(int layout) -> (str, str)", &moepack::kernel_choice);
   m.def("cpu_flags() -> str[]", &moepack::cpu_flags);
 }

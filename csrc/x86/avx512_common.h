@@ -139,6 +139,7 @@ static inline void gemm_f32_row(const float* x, const uint16_t* B, int64_t kp, f
 // The MK members every AVX-512 kernel shares (a kernel's MK derives from it and may hide
 // row_format / gemm with its own).
 struct Avx512Base {
+  static constexpr int kBlockN = 32;  // every x86 kernel is written for 32-column blocks
   static RowFormat row_format(DType) { return RowFormat::f32; }
 
   static float quantize_row_i8(const float* v, int64_t n, int64_t np, int8_t* q, uint8_t flip) {

@@ -185,10 +185,9 @@ struct MK : x86_avx2::Avx2Elementwise {
 }  // namespace avx2
 
 void register_avx2(KernelTable& t) {
-  t.fused[kLayoutId_bf16_n32k2_x86][int(Isa::avx2)] = avx2::fused_moe<>;
-  t.fused[kLayoutId_i8_n32k4_x86][int(Isa::avx2)] = avx2::fused_moe_i8<>;
-  t.gemm_i8[kLayoutId_i8_n32k4_x86][int(Isa::avx2)] = avx2::gemm_i8_block<>;
-  t.quantize_i8[int(Isa::avx2)] = avx2::quantize_row<>;
+  using avx2::MK;
+  avx2::register_scheme<avx2::DenseA16<MK>>(t, kLayout_bf16_n32k2_x86, Isa::avx2);
+  avx2::register_scheme<avx2::Int8A8<MK>>(t, kLayout_i8_n32k4_x86, Isa::avx2);
 }
 
 }  // namespace moepack

@@ -104,10 +104,9 @@ struct MK : Avx512Base {
 }  // namespace avx512
 
 void register_avx512(KernelTable& t) {
-  t.fused[kLayoutId_bf16_n32k2_x86][int(Isa::avx512)] = avx512::fused_moe<>;
-  t.fused[kLayoutId_i8_n32k4_x86][int(Isa::avx512)] = avx512::fused_moe_i8<>;
-  t.gemm_i8[kLayoutId_i8_n32k4_x86][int(Isa::avx512)] = avx512::gemm_i8_block<>;
-  t.quantize_i8[int(Isa::avx512)] = avx512::quantize_row<>;
+  using avx512::MK;
+  avx512::register_scheme<avx512::DenseA16<MK>>(t, kLayout_bf16_n32k2_x86, Isa::avx512);
+  avx512::register_scheme<avx512::Int8A8<MK>>(t, kLayout_i8_n32k4_x86, Isa::avx512);
 }
 
 }  // namespace moepack

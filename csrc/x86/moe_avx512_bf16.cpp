@@ -105,7 +105,7 @@ struct MK : Avx512Base {
 }  // namespace avx512_bf16
 
 void register_avx512_bf16(KernelTable& t) {
-  t.fused[kLayoutId_bf16_n32k2_x86][int(Isa::avx512_bf16)] = avx512_bf16::fused_moe<>;
+  avx512_bf16::register_scheme<avx512_bf16::DenseA16<avx512_bf16::MK>>(t, kLayout_bf16_n32k2_x86, Isa::avx512_bf16);
 }
 
 }  // namespace moepack

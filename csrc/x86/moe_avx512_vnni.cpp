@@ -109,9 +109,7 @@ struct MK : Avx512Base {
 }  // namespace avx512_vnni
 
 void register_avx512_vnni(KernelTable& t) {
-  t.fused[kLayoutId_i8_n32k4_x86][int(Isa::avx512_vnni)] = avx512_vnni::fused_moe_i8<>;
-  t.gemm_i8[kLayoutId_i8_n32k4_x86][int(Isa::avx512_vnni)] = avx512_vnni::gemm_i8_block<>;
-  t.quantize_i8[int(Isa::avx512_vnni)] = avx512_vnni::quantize_row<>;
+  avx512_vnni::register_scheme<avx512_vnni::Int8A8<avx512_vnni::MK>>(t, kLayout_i8_n32k4_x86, Isa::avx512_vnni);
 }
 
 }  // namespace moepack

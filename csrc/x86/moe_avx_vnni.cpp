@@ -125,9 +125,7 @@ struct MK : x86_avx2::Avx2Elementwise {
 }  // namespace avx_vnni
 
 void register_avx_vnni(KernelTable& t) {
-  t.fused[kLayoutId_i8_n32k4_x86][int(Isa::avx_vnni)] = avx_vnni::fused_moe_i8<>;
-  t.gemm_i8[kLayoutId_i8_n32k4_x86][int(Isa::avx_vnni)] = avx_vnni::gemm_i8_block<>;
-  t.quantize_i8[int(Isa::avx_vnni)] = avx_vnni::quantize_row<>;
+  avx_vnni::register_scheme<avx_vnni::Int8A8<avx_vnni::MK>>(t, kLayout_i8_n32k4_x86, Isa::avx_vnni);
 }
 
 }  // namespace moepack

@@ -35,6 +35,7 @@ from ..layout import (
     PackedLayout,
     layout_expert_shapes,
     layout_get,
+    layout_tensor_plan,
     layout_padded_i,
     layout_padded_k,
     layout_padded_n,
@@ -45,36 +46,69 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 @dataclass(frozen=True)
 class PackedExperts:
-    """One MoE layer's experts in a packed layout, ready for ``moepack.fused_experts``."""
+    """One MoE layer's experts in a packed layout, ready for ``moepack.fused_experts``: the
+    layout plus its tensors by stored name (``layout_tensor_plan``: w13's declared tensors,
+    w2's, then the optional fp32 biases ``w13_bias`` [E, 2*Ip] / ``w2_bias`` [E, Np(H)])."""
 
     layout: PackedLayout
     num_experts: int
     hidden: int
     intermediate: int
     padded_intermediate: int
-    interleaved: bool  # gate/up rows interleaved (swigluoai checkpoints)
-    w13: torch.Tensor  # [E, 2*Ip, Kp(H)] bf16
-    w2: torch.Tensor  # [E, Np(H), Ip] bf16
-    w13_bias: torch.Tensor | None  # [E, 2*Ip] fp32
-    w2_bias: torch.Tensor | None  # [E, Np(H)] fp32
-    # int8 layouts only (None otherwise), in packed row order:
-    w13_scale: torch.Tensor | None = None  # [E, 2*Ip] fp32 per-channel scales
-    w2_scale: torch.Tensor | None = None  # [E, Np(H)] fp32
-    w13_colsum: torch.Tensor | None = None  # [E, 2*Ip] int32 sum_k q[n, k]
-    w2_colsum: torch.Tensor | None = None  # [E, Np(H)] int32
+    interleaved: bool  # w13's row order: (gate, up) pairs (swigluoai checkpoints) or gate then up
+    tensors: dict[str, torch.Tensor]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every packed tensor by name (the None ones left out)."""
-        names = ("w13", "w2", "w13_bias", "w2_bias", "w13_scale", "w2_scale", "w13_colsum", "w2_colsum")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+    def __post_init__(self) -> None:
+        want = layout_tensor_plan(self.layout, self.num_experts, self.hidden, self.intermediate, bias=True)
+        declared = {t.name for t in want}
+        for name in self.tensors:
+            if name not in declared:
+                raise LayoutError(f"packed tensor {name!r}: layout {self.layout.name} declares {sorted(declared)}")
+        for t in want:
+            if t.role == "bias" and t.name not in self.tensors:
+                continue
+            got = self.tensors.get(t.name)
+            if got is None:
+                raise LayoutError(f"packed experts of layout {self.layout.name} lack tensor {t.name!r}")
+            if tuple(got.shape) != t.shape or str(got.dtype).replace("torch.", "") != t.dtype:
+                raise LayoutError(
+                    f"packed tensor {t.name!r} is {str(got.dtype).replace('torch.', '')} {list(got.shape)}: "
+                    f"layout {self.layout.name} says {t.dtype} {list(t.shape)}"
+                )
+
+    def weight(self, name: str) -> list[torch.Tensor]:
+        """One packed weight ("w13" or "w2") as the op takes it: the layout's tensors in order."""
+        return [self.tensors[n] for n in self.layout.tensor_names(name)]
+
+    @property
+    def w13(self) -> torch.Tensor:
+        """w13's codes [E, 2*Ip, Kp(H)] (the whole weight for dense layouts)."""
+        return self.tensors["w13"]
+
+    @property
+    def w2(self) -> torch.Tensor:
+        """w2's codes [E, Np(H), Ip]."""
+        return self.tensors["w2"]
+
+    @property
+    def w13_bias(self) -> torch.Tensor | None:
+        return self.tensors.get("w13_bias")
+
+    @property
+    def w2_bias(self) -> torch.Tensor | None:
+        return self.tensors.get("w2_bias")
+
+    def __getattr__(self, name: str):
+        # The layout's other declared tensors by name (w13_scale, w2_colsum, ...); None when the
+        # name is one of the known roles' but this layout has no such tensor.
+        if name.startswith(("w13_", "w2_")):
+            tensors = self.__dict__.get("tensors", {})
+            return tensors.get(name)
+        raise AttributeError(name)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors().values())
-
-    def quant_kwargs(self) -> dict[str, torch.Tensor]:
-        """The scale / column-sum keyword arguments of ``fused_experts`` (empty for bf16)."""
-        return {n: t for n, t in self.tensors().items() if n.endswith(("_scale", "_colsum"))}
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
 def pack_weight_reference(
@@ -88,8 +122,9 @@ def pack_weight_reference(
     lay = layout_get(layout)
     if weight.dim() != 3:
         raise LayoutError(f"weight has shape {list(weight.shape)}: must be 3-D [E, N, K]")
-    if lay.quantized and weight.dtype != torch.int8:
-        raise LayoutError(f"weight has dtype {weight.dtype}: layout {lay.name} packs int8 codes")
+    dtype = codes_dtype(lay)
+    if dtype != torch.bfloat16 and weight.dtype != dtype:
+        raise LayoutError(f"weight has dtype {weight.dtype}: layout {lay.name} packs {dtype} codes")
     e, n, k = weight.shape
     bn, kpk = lay.block_n, lay.k_pack
     np_, kp = layout_padded_n(lay, n), layout_padded_k(lay, k)
@@ -101,7 +136,6 @@ def pack_weight_reference(
         if k_padded < kp or k_padded % kpk:
             raise LayoutError(f"k_padded={k_padded} for weight {list(weight.shape)}: must be a multiple of k_pack={kpk} >= {kp}")
         kp = k_padded
-    dtype = torch.int8 if lay.quantized else torch.bfloat16
     w = torch.zeros(e, np_, kp, dtype=dtype)
     w[:, :n, :k] = weight.to(dtype)
     # [E, Np/bn, bn, Kp/kpk, kpk] -> [E, Np/bn, Kp/kpk, bn, kpk]: K groups outer, columns inner
@@ -146,7 +180,7 @@ def _pack(weight: torch.Tensor, lay: PackedLayout, use_cpp: bool, n_padded: int 
         from .._ops import ops
 
         return ops().pack_weight(weight, lay.id, n_padded, k_padded)  # refuses non-finite values itself
-    if not lay.quantized:
+    if codes_dtype(lay) == torch.bfloat16:
         _check_float("weight", weight)
     return pack_weight_reference(weight, lay, n_padded, k_padded)
 
@@ -184,10 +218,16 @@ def pack_w2(w2: torch.Tensor, *, layout: int | str | PackedLayout = DEFAULT_LAYO
         raise LayoutError(f"w2: {e}".split("\n")[0]) from None
 
 
+def codes_dtype(lay: PackedLayout) -> torch.dtype:
+    """The torch dtype of a layout's codes tensor (its declaration's tensors[0])."""
+    return getattr(torch, lay.tensors[0].dtype)
+
+
 def _check_weight_dtype(name: str, w: torch.Tensor, lay: PackedLayout) -> None:
-    if lay.quantized:
-        if w.dtype != torch.int8:
-            raise LayoutError(f"{name} has dtype {w.dtype}: layout {lay.name} packs int8 codes")
+    dtype = codes_dtype(lay)
+    if dtype != torch.bfloat16:
+        if w.dtype != dtype:
+            raise LayoutError(f"{name} has dtype {w.dtype}: layout {lay.name} packs {dtype} codes")
     elif w.dtype not in FLOAT_DTYPES:
         raise LayoutError(f"{name} has dtype {w.dtype}: must be float32, bfloat16 or float16")
 
@@ -206,6 +246,14 @@ def pack_bias2(b2: torch.Tensor, *, layout: int | str | PackedLayout = DEFAULT_L
     out = torch.zeros(b2.shape[0], layout_padded_n(lay, b2.shape[1]), dtype=torch.float32)
     out[:, : b2.shape[1]] = b2.float()
     return out
+
+
+def _with_biases(tensors: dict, b13, b2) -> dict:
+    if b13 is not None:
+        tensors["w13_bias"] = b13
+    if b2 is not None:
+        tensors["w2_bias"] = b2
+    return tensors
 
 
 def _expert_dims(w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
@@ -245,23 +293,45 @@ def pack_experts(
     layout: int | str | PackedLayout = DEFAULT_LAYOUT,
     use_cpp: bool = True,
 ) -> PackedExperts:
-    """Pack canonical experts: w13 [E, 2I, H] (gate then up, or interleaved pairs when
-    ``interleaved``), w2 [E, H, I], optional biases [E, 2I] and [E, H].
+    """Pack canonical float experts: w13 [E, 2I, H] (gate then up, or interleaved pairs when
+    ``interleaved``), w2 [E, H, I], optional biases [E, 2I] and [E, H], into ``layout``.
 
-    With an int8 layout the float weights are quantized first (``quantize_int8_per_channel``)."""
+    The layout's scheme (moepack.schemes) turns the float weights into its canonical tensors
+    first: dense keeps them, int8_channel quantizes them per output channel."""
+    from ..schemes import get_scheme
+
     lay = layout_get(layout)
-    if lay.quantized:
-        if w13.dtype not in FLOAT_DTYPES or w2.dtype not in FLOAT_DTYPES:
-            raise LayoutError(
-                f"w13/w2 have dtypes {w13.dtype}/{w2.dtype}: pack_experts quantizes float weights for layout "
-                f"{lay.name}; pack int8 codes with their scales through pack_experts_int8"
-            )
-        _expert_dims(w13, w2)
+    scheme = get_scheme(lay)
+    if scheme.name != "dense" and (w13.dtype not in FLOAT_DTYPES or w2.dtype not in FLOAT_DTYPES):
+        raise LayoutError(
+            f"w13/w2 have dtypes {w13.dtype}/{w2.dtype}: pack_experts takes float weights (layout {lay.name}, scheme "
+            f"{scheme.name}, quantizes them); pack a scheme's own canonical tensors with moepack.schemes.get_scheme"
+            f"({scheme.name!r}).pack"
+        )
+    _expert_dims(w13, w2)
+    if scheme.name != "dense":
         _check_float("w13", w13)
         _check_float("w2", w2)
-        q13, s13 = quantize_int8_per_channel(w13)
-        q2, s2 = quantize_int8_per_channel(w2)
-        return pack_experts_int8(q13, s13, q2, s2, w13_bias, w2_bias, interleaved=interleaved, layout=lay, use_cpp=use_cpp)
+    c = scheme.from_float(w13, w2)
+    if w13_bias is not None:
+        c["w13_bias"] = w13_bias
+    if w2_bias is not None:
+        c["w2_bias"] = w2_bias
+    return scheme.pack(c, interleaved=interleaved, layout=lay, use_cpp=use_cpp)
+
+
+def pack_dense(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    *,
+    interleaved: bool = False,
+    layout: int | str | PackedLayout = DEFAULT_LAYOUT,
+    use_cpp: bool = True,
+) -> PackedExperts:
+    """Scheme dense: float w13/w2 (+ biases) rounded to bf16 and packed."""
+    lay = layout_get(layout)
     e, h, i = _expert_dims(w13, w2)
     shapes = layout_expert_shapes(lay, e, h, i)
     ip = shapes.padded_intermediate
@@ -276,10 +346,7 @@ def pack_experts(
         intermediate=i,
         padded_intermediate=ip,
         interleaved=interleaved,
-        w13=w13_packed,
-        w2=w2_packed,
-        w13_bias=b13,
-        w2_bias=b2,
+        tensors=_with_biases({"w13": w13_packed, "w2": w2_packed}, b13, b2),
     )
 
 
@@ -343,8 +410,8 @@ def pack_experts_int8(
     per-channel scales [E, 2I] and [E, H] (or with a trailing 1; fp32/bf16/fp16, finite, > 0),
     optional biases; gate/up order as in ``pack_experts``."""
     lay = layout_get(layout)
-    if not lay.quantized:
-        raise LayoutError(f"layout {lay.name} is not an int8 layout")
+    if lay.scheme != "int8_channel":
+        raise LayoutError(f"layout {lay.name} has scheme {lay.scheme}: pack_experts_int8 packs int8_channel layouts")
     e, h, i = _expert_dims(w13_q, w2_q)
     _check_weight_dtype("w13", w13_q, lay)
     _check_weight_dtype("w2", w2_q, lay)
@@ -362,6 +429,14 @@ def pack_experts_int8(
     w13_packed = pack_w13(w13_q, interleaved=interleaved, layout=lay, use_cpp=use_cpp)
     w2_packed = pack_w2(w2_q, layout=lay, use_cpp=use_cpp)
     assert tuple(w13_packed.shape) == shapes.w13_shape and tuple(w2_packed.shape) == shapes.w2_shape
+    tensors = {
+        "w13": w13_packed,
+        "w13_scale": pad_intermediate(s13, ip, interleaved).contiguous(),
+        "w13_colsum": pad_intermediate(w13_q.to(torch.int32).sum(-1, dtype=torch.int32), ip, interleaved).contiguous(),
+        "w2": w2_packed,
+        "w2_scale": pad_n(s2),
+        "w2_colsum": pad_n(w2_q.to(torch.int32).sum(-1, dtype=torch.int32)),
+    }
     return PackedExperts(
         layout=lay,
         num_experts=e,
@@ -369,15 +444,8 @@ def pack_experts_int8(
         intermediate=i,
         padded_intermediate=ip,
         interleaved=interleaved,
-        w13=w13_packed,
-        w2=w2_packed,
-        w13_bias=b13,
-        w2_bias=b2,
-        w13_scale=pad_intermediate(s13, ip, interleaved).contiguous(),
-        w2_scale=pad_n(s2),
-        w13_colsum=pad_intermediate(w13_q.to(torch.int32).sum(-1, dtype=torch.int32), ip, interleaved).contiguous(),
-        w2_colsum=pad_n(w2_q.to(torch.int32).sum(-1, dtype=torch.int32)),
+        tensors=_with_biases(tensors, b13, b2),
     )
 
 
-__all__ = ["PackedExperts", "pack_experts", "pack_experts_int8", "quantize_int8_per_channel", "dequantize_int8", "pack_w13", "pack_w2", "pack_bias13", "pack_bias2", "pack_weight_reference", "unpack_weight_reference", "pad_intermediate"]
+__all__ = ["PackedExperts", "pack_experts", "pack_dense", "codes_dtype", "pack_experts_int8", "quantize_int8_per_channel", "dequantize_int8", "pack_w13", "pack_w2", "pack_bias13", "pack_bias2", "pack_weight_reference", "unpack_weight_reference", "pad_intermediate"]

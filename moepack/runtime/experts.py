@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._ops import fused_experts
-from ..errors import LayoutError, UnsupportedError
+from ..errors import LayoutError
 from ..pack import PackedExperts
 
 
@@ -20,13 +20,8 @@ def run_experts(
     limit: float = 7.0,
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``fused_experts`` on a ``PackedExperts``; refuses an activation that does not match how
-    the gate/up rows were packed (interleaved rows are swigluoai's)."""
-    if packed.interleaved != (activation == "swigluoai"):
-        raise UnsupportedError(
-            f"activation={activation!r} with experts packed {'interleaved' if packed.interleaved else 'gate-then-up'}: "
-            "swigluoai needs interleaved gate/up rows and every other activation needs gate-then-up rows"
-        )
+    """``fused_experts`` on a ``PackedExperts``: its tensors in the layout's declared order and
+    its recorded row order (gate-then-up or interleaved, whatever the activation)."""
     # The op only sees padded weight shapes, so a hidden size that pads to the same Kp/Np as the
     # experts' (e.g. 71 for H = 72) would pass its checks and silently drop a feature.
     if hidden_states.dim() != 2 or hidden_states.shape[1] != packed.hidden:
@@ -36,16 +31,16 @@ def run_experts(
         )
     return fused_experts(
         hidden_states,
-        packed.w13,
-        packed.w2,
+        packed.weight("w13"),
+        packed.weight("w2"),
         topk_weights,
         topk_ids,
         layout=packed.layout,
+        interleaved=packed.interleaved,
         activation=activation,
         alpha=alpha,
         limit=limit,
         w13_bias=packed.w13_bias,
         w2_bias=packed.w2_bias,
         expert_map=expert_map,
-        **packed.quant_kwargs(),
     )

@@ -18,13 +18,16 @@ from .._ops import kernel_choice
 from ..container.reader import open_shard
 from ..errors import MoepackError, PackedDirError, UnsupportedError
 from ..isa import host_isa, is_fallback
-from ..layout import LAYOUTS, layout_expert_shapes, layout_get
+from ..layout import LAYOUTS, V1_FIELDS, layout_get, layout_padded_i, layout_tensor_plan
 from ..pack import PackedExperts
 from .experts import run_experts
 
 MANIFEST = "moepack.json"
-FORMAT_VERSION = 1
-QUANT_ROLES = ("w13_scale", "w2_scale", "w13_colsum", "w2_colsum")  # int8 layouts
+# The manifest's format version (docs/PACKED_FORMAT.md). 2: layouts in the manifest declare their
+# tensors (scheme, act_modes, tensors). Version 1 directories (before that) still open: their
+# layouts are the same table entries, compared on the fields version 1 had.
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -70,11 +73,7 @@ class PackedMoELayer(torch.nn.Module):
                 intermediate=int(sh["intermediate"]),
                 padded_intermediate=int(sh["padded_intermediate"]),
                 interleaved=False,
-                w13=model.tensor(sh["w13"]),
-                w2=model.tensor(sh["w2"]),
-                w13_bias=None,
-                w2_bias=None,
-                **model.quant_tensors(sh, experts.layout),
+                tensors=model.declared_tensors(sh, experts.layout, bias=False),
             )
             if sh.get("gate"):
                 self.shared_gate = model.tensor(sh["gate"])
@@ -199,18 +198,14 @@ class PackedModel:
             intermediate=int(entry["intermediate"]),
             padded_intermediate=int(entry["padded_intermediate"]),
             interleaved=bool(entry["interleaved"]),
-            w13=self.tensor(t["w13"]),
-            w2=self.tensor(t["w2"]),
-            w13_bias=self.tensor(t["w13_bias"]) if "w13_bias" in t else None,
-            w2_bias=self.tensor(t["w2_bias"]) if "w2_bias" in t else None,
-            **self.quant_tensors(t, lay),
+            tensors=self.declared_tensors(t, lay, bias=True),
         )
 
-    def quant_tensors(self, names: dict, lay) -> dict:
-        """An int8 layout's scale / column-sum tensors (``names``: role -> tensor name)."""
-        if not lay.quantized:
-            return {}
-        return {r: self.tensor(names[r]) for r in QUANT_ROLES}
+    def declared_tensors(self, names: dict, lay, *, bias: bool) -> dict[str, torch.Tensor]:
+        """The layout's declared tensors of w13 and w2 (+ the biases present) by their role names
+        (``names``: the manifest's role -> stored tensor name)."""
+        roles = [*lay.tensor_names("w13"), *lay.tensor_names("w2")] + (["w13_bias", "w2_bias"] if bias else [])
+        return {r: self.tensor(names[r]) for r in roles if r in names}
 
     def __repr__(self) -> str:
         return f"PackedModel({str(self.path)!r}, layers={sorted(self.layers)})"
@@ -224,8 +219,14 @@ def validate_manifest(path: Path, m: dict) -> None:
     """Structural checks of a manifest against this build (layouts, shapes, files)."""
     if not isinstance(m, dict) or m.get("format") != "moepack":
         _fail(path, f"{MANIFEST}: format={m.get('format') if isinstance(m, dict) else None!r}, expected 'moepack'")
-    if m.get("format_version") != FORMAT_VERSION:
-        _fail(path, f"{MANIFEST}: format_version={m.get('format_version')!r}; this moepack reads version {FORMAT_VERSION}")
+    version = m.get("format_version")
+    if version not in READABLE_VERSIONS:
+        _fail(
+            path,
+            f"{MANIFEST}: format_version={version!r}; this moepack reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}: convert the checkpoint again with this moepack "
+            "(`moepack convert SRC DST --overwrite`) or open it with the release that wrote it",
+        )
     for key, typ in (("layers", list), ("tensors", dict), ("files", dict), ("layouts", dict)):
         if not isinstance(m.get(key), typ):
             _fail(path, f"{MANIFEST}: field {key!r} must be a {typ.__name__}")
@@ -234,9 +235,10 @@ def validate_manifest(path: Path, m: dict) -> None:
         if lid not in known:
             _fail(path, f"{MANIFEST}: layout id {lid} is unknown to this build (known: {sorted(known)})")
         ours = known[lid].to_dict()
-        for k, v in ours.items():
-            if desc.get(k) != v:
-                _fail(path, f"layout {ours['name']} (id {lid}) in the file has {k}={desc.get(k)!r}, this build has {k}={v!r}")
+        fields = V1_FIELDS if version == 1 else tuple(ours)
+        for k in fields:
+            if desc.get(k) != ours[k]:
+                _fail(path, f"layout {ours['name']} (id {lid}) in the file has {k}={desc.get(k)!r}, this build has {k}={ours[k]!r}")
     for name, e in m["tensors"].items():
         if not isinstance(e, dict) or e.get("file") not in m["files"]:
             _fail(path, f"{MANIFEST}: tensor {name!r} names file {e.get('file') if isinstance(e, dict) else None!r}, not listed in 'files'")
@@ -244,33 +246,27 @@ def validate_manifest(path: Path, m: dict) -> None:
         try:
             lay = layout_get(int(entry["layout_id"]))
             e, h, i = int(entry["num_experts"]), int(entry["hidden"]), int(entry["intermediate"])
-            sh = layout_expert_shapes(lay, e, h, i)
-            want = {"w13": list(sh.w13_shape), "w2": list(sh.w2_shape)}
-            if lay.quantized:  # int8: per-channel scales and column sums in packed row order
-                want.update({r: [e, 2 * sh.padded_intermediate if r.startswith("w13") else sh.w2_shape[1]] for r in QUANT_ROLES})
+            ip = layout_padded_i(lay, i)
+            sets = [("", entry, layout_tensor_plan(lay, e, h, i, bias=True), ip)]
             sh_e = entry.get("shared")
             if sh_e:  # a one-expert set of the same layout
-                ss = layout_expert_shapes(lay, 1, h, int(sh_e["intermediate"]))
-                sw = {"w13": list(ss.w13_shape), "w2": list(ss.w2_shape)}
-                if lay.quantized:
-                    sw.update({r: [1, 2 * ss.padded_intermediate if r.startswith("w13") else ss.w2_shape[1]] for r in QUANT_ROLES})
-                for r, w_ in sw.items():
-                    got = m["tensors"][sh_e[r]]["shape"]
-                    if list(got) != w_:
-                        _fail(path, f"layer {entry['index']}: shared tensor {sh_e[r]!r} has shape {got}, layout math says {w_}")
-                if int(sh_e["padded_intermediate"]) != ss.padded_intermediate:
-                    _fail(
-                        path,
-                        f"layer {entry['index']}: shared padded_intermediate={sh_e['padded_intermediate']}, "
-                        f"layout math says {ss.padded_intermediate}",
-                    )
-            for role, shape in want.items():
-                tname = entry["tensors"][role]
-                got = m["tensors"][tname]["shape"]
-                if list(got) != shape:
-                    _fail(path, f"layer {entry['index']}: tensor {tname!r} has shape {got}, layout math says {shape}")
-            if int(entry["padded_intermediate"]) != sh.padded_intermediate:
-                _fail(path, f"layer {entry['index']}: padded_intermediate={entry['padded_intermediate']}, layout math says {sh.padded_intermediate}")
+                si = int(sh_e["intermediate"])
+                sets.append(("shared ", sh_e, layout_tensor_plan(lay, 1, h, si), layout_padded_i(lay, si)))
+            for what, names, plan, want_ip in sets:
+                names = names["tensors"] if "tensors" in names else names
+                for t in plan:
+                    if t.role == "bias" and t.name not in names:
+                        continue
+                    if t.name not in names:
+                        _fail(path, f"layer {entry['index']}: {what}tensor role {t.name!r} (layout {lay.name}) is missing")
+                    tname = names[t.name]
+                    got = m["tensors"][tname]
+                    if list(got["shape"]) != list(t.shape) or got.get("dtype") != t.dtype:
+                        _fail(path, f"layer {entry['index']}: {what}tensor {tname!r} is {got.get('dtype')} {got['shape']}, "
+                                    f"layout math says {t.dtype} {list(t.shape)}")  # fmt: skip
+            for what, src, want_ip in (("", entry, ip), ("shared ", sh_e, sets[-1][3])):
+                if src and int(src["padded_intermediate"]) != want_ip:
+                    _fail(path, f"layer {entry['index']}: {what}padded_intermediate={src['padded_intermediate']}, layout math says {want_ip}")
         except (KeyError, TypeError, ValueError) as ex:
             if isinstance(ex, MoepackError):
                 raise

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "moepack/layout_shapes.h"
 #include "moepack/layouts_gen.h"
 
 namespace moepack {
@@ -39,15 +40,19 @@ struct Parallel {
   int num_threads = 1;
 };
 
+// One packed weight (w13 or w2 of every local expert): the layout's declared tensors
+// (LayoutDesc::tensors, moepack/layout.py), in declared order; t[0] is the codes.
+struct PackedWeight {
+  const void* t[kMaxLayoutTensors] = {};
+};
+
 // Everything one fused-MoE call needs. Shapes (leading dimension in brackets):
 //   x            [T, H] (x_stride)        activations, dtype
 //   out          [T, H] (H)               result, dtype
-//   w13          [E, 2*Ip, Kp(H)]         packed per `layout`; rows gate then up (or
-//                                          interleaved gate/up pairs for swigluoai)
-//   w2           [E, Np(H), Ip]           packed per `layout`
+//   w13          per the layout over [E, 2*Ip, Kp(H)] (layout_shapes.h: w13_dims); packed rows
+//                gate then up, or interleaved (gate, up) pairs when `interleaved`
+//   w2           per the layout over [E, Np(H), Ip] (w2_dims)
 //   b13, b2      [E, 2*Ip], [E, Np(H)]    fp32 biases in packed row order, or null
-//   s13, s2      [E, 2*Ip], [E, Np(H)]    int8 layouts only: fp32 per-channel weight scales
-//   c13, c2      [E, 2*Ip], [E, Np(H)]    int8 layouts only: int32 column sums sum_k w[n, k]
 //   topk_weights [T, k] fp32, topk_ids [T, k] int32 (global expert ids)
 //   expert_map   [E_global] int32: global id -> local id or -1 (null = identity, E_global = E)
 struct FusedMoeArgs {
@@ -57,14 +62,10 @@ struct FusedMoeArgs {
   DType dtype = DType::f32;
   int64_t tokens = 0;
   int64_t hidden = 0;
-  const void* w13 = nullptr;
-  const void* w2 = nullptr;
+  PackedWeight w13;
+  PackedWeight w2;
   const float* b13 = nullptr;
   const float* b2 = nullptr;
-  const float* s13 = nullptr;
-  const float* s2 = nullptr;
-  const int32_t* c13 = nullptr;
-  const int32_t* c2 = nullptr;
   const float* topk_weights = nullptr;
   const int32_t* topk_ids = nullptr;
   int64_t topk = 0;
@@ -73,6 +74,7 @@ struct FusedMoeArgs {
   int64_t num_experts = 0;
   int64_t inter_padded = 0;  // Ip
   const LayoutDesc* layout = nullptr;
+  bool interleaved = false;  // w13's row order, as recorded when it was packed
   Activation act = Activation::silu;
   float alpha = 1.702f;  // swigluoai only
   float limit = 7.0f;    // swigluoai only
@@ -99,6 +101,9 @@ using Int8QuantizeFn = float (*)(const float* v, int64_t n, int64_t np, int8_t* 
 
 struct KernelTable {
   FusedMoeFn fused[kMaxLayoutId + 1][kNumIsa] = {};
+  // Why a level's kernel file did not register a layout it was asked to (the driver's
+  // register_scheme: the layout's blocks do not fit the kernel), or null.
+  const char* refused[kMaxLayoutId + 1][kNumIsa] = {};
   Int8BlockGemmFn gemm_i8[kMaxLayoutId + 1][kNumIsa] = {};
   Int8QuantizeFn quantize_i8[kNumIsa] = {};
 };

@@ -8,7 +8,24 @@ namespace moepack {
 enum Family : int32_t { kFamily_x86 = 0, kFamily_arm = 1 };
 enum ScaleDtype : int32_t { kScaleDtype_none = 0, kScaleDtype_f32 = 1, kScaleDtype_bf16 = 2, kScaleDtype_e8m0 = 3 };
 enum ZeroKind : int32_t { kZeroKind_none = 0, kZeroKind_u4 = 1, kZeroKind_bf16 = 2 };
-enum WeightDtype : int32_t { kWeight_bf16 = 0, kWeight_f32 = 1, kWeight_i8 = 2 };
+enum WeightDtype : int32_t { kWeight_bf16 = 0, kWeight_f32 = 1, kWeight_i8 = 2, kWeight_u4 = 3 };
+enum Scheme : int32_t { kScheme_dense = 0, kScheme_int8_channel = 1 };
+enum TensorRole : int32_t { kRole_codes = 0, kRole_scale = 1, kRole_zero = 2, kRole_sum = 3 };
+enum TensorDtype : int32_t { kTensor_bfloat16 = 0, kTensor_int8 = 1, kTensor_uint8 = 2, kTensor_float32 = 3, kTensor_int32 = 4 };
+enum TensorShape : int32_t { kShape_packed = 0, kShape_channel = 1, kShape_group = 2 };
+enum ActMode : int32_t { kAct_a16 = 1, kAct_a8 = 2 };  // bits of LayoutDesc::act_modes
+constexpr int32_t kTensorDtypeBytes[] = {2, 1, 1, 4, 4};
+constexpr const char* kTensorDtypeNames[] = {"bfloat16", "int8", "uint8", "float32", "int32"};
+constexpr int32_t kMaxLayoutTensors = 4;
+
+// One tensor of a packed weight (moepack/layout.py: TensorSpec), stored as <weight><suffix>.
+struct TensorDesc {
+  int32_t role;         // TensorRole
+  const char* suffix;   // "" for the codes
+  int32_t dtype;        // TensorDtype
+  int32_t shape;        // TensorShape (csrc/include/moepack/layout_shapes.h: tensor_shape)
+  const char* note;     // what one element is
+};
 
 struct LayoutDesc {
   int32_t id;            // stable, written to every manifest
@@ -22,13 +39,17 @@ struct LayoutDesc {
   int32_t zero_kind;     // ZeroKind
   int32_t family;        // Family
   int32_t i_align;       // intermediate size padded to a multiple of this
+  int32_t scheme;        // Scheme
+  int32_t act_modes;     // ActMode bits
+  int32_t num_tensors;   // tensors of one packed weight, in the order the op takes them
+  TensorDesc tensors[kMaxLayoutTensors];
 };
 
-constexpr LayoutDesc kLayout_bf16_n32k2_x86 = {1, "bf16_n32k2_x86", kWeight_bf16 /*0*/, 16, 0, 32, 2, kScaleDtype_none, kZeroKind_none, kFamily_x86, 32};
+constexpr LayoutDesc kLayout_bf16_n32k2_x86 = {1, "bf16_n32k2_x86", kWeight_bf16 /*0*/, 16, 0, 32, 2, kScaleDtype_none, kZeroKind_none, kFamily_x86, 32, kScheme_dense, kAct_a16, 1, {{kRole_codes, "", kTensor_bfloat16, kShape_packed, "bf16 weight values"}}};
 constexpr int32_t kLayoutId_bf16_n32k2_x86 = 1;
 static_assert(kLayout_bf16_n32k2_x86.block_n * kLayout_bf16_n32k2_x86.k_pack * kLayout_bf16_n32k2_x86.weight_bits / 8 == 128, "bf16_n32k2_x86: bytes per K group of a block");
 static_assert(kLayout_bf16_n32k2_x86.i_align % kLayout_bf16_n32k2_x86.block_n == 0, "bf16_n32k2_x86: i_align");
-constexpr LayoutDesc kLayout_i8_n32k4_x86 = {2, "i8_n32k4_x86", kWeight_i8 /*2*/, 8, 0, 32, 4, kScaleDtype_f32, kZeroKind_none, kFamily_x86, 32};
+constexpr LayoutDesc kLayout_i8_n32k4_x86 = {2, "i8_n32k4_x86", kWeight_i8 /*2*/, 8, 0, 32, 4, kScaleDtype_f32, kZeroKind_none, kFamily_x86, 32, kScheme_int8_channel, kAct_a8, 3, {{kRole_codes, "", kTensor_int8, kShape_packed, "int8 codes, -128..127"}, {kRole_scale, "_scale", kTensor_float32, kShape_channel, "fp32 per-output-channel scale (0 in padding)"}, {kRole_sum, "_colsum", kTensor_int32, kShape_channel, "int32 sum over K of the channel's codes"}}};
 constexpr int32_t kLayoutId_i8_n32k4_x86 = 2;
 static_assert(kLayout_i8_n32k4_x86.block_n * kLayout_i8_n32k4_x86.k_pack * kLayout_i8_n32k4_x86.weight_bits / 8 == 128, "i8_n32k4_x86: bytes per K group of a block");
 static_assert(kLayout_i8_n32k4_x86.i_align % kLayout_i8_n32k4_x86.block_n == 0, "i8_n32k4_x86: i_align");

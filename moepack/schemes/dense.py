@@ -1,0 +1,77 @@
+"""Scheme ``dense`` (docs/SEMANTICS.md §3): float weights stored as bf16, A16.
+
+Canonical tensors: w13 [E, 2I, H] and w2 [E, H, I] in the source's float dtype (fp32, bf16 or
+fp16); packing rounds them to bf16 (exact for bf16 sources).
+"""
+
+from __future__ import annotations
+
+from . import LayerPacker, OutputRule, Scheme, register
+
+
+class DenseLayer(LayerPacker):
+    """One layer's float experts rounded to bf16 and packed, one expert at a time."""
+
+    def parts(self, name: str):
+        from ..pack import pack_w2, pack_w13
+
+        src, s, lay = self.src, self.spec, self.layout
+        if name == "w13":
+            for e in range(s.num_experts):
+                w = src.reader.read_expert_w13(src.ckpt, s, e)[None]
+                yield src.checked(lambda t: pack_w13(t, interleaved=s.interleaved, layout=lay), w, "w13", e)
+        elif name == "w2":
+            for e in range(s.num_experts):
+                yield src.checked(lambda t: pack_w2(t, layout=lay), src.reader.read_expert_w2(src.ckpt, s, e)[None], "w2", e)
+        else:
+            yield from self.bias_parts(name)
+
+    def shared(self):
+        from ..pack import PackedExperts, pack_w2, pack_w13
+
+        src, s, lay = self.src, self.spec, self.layout
+        pair = src.reader.read_shared(src.ckpt, s)
+        if pair is None:
+            return None
+        sw13, sw2 = pair
+        w13 = src.checked(lambda t: pack_w13(t, layout=lay), sw13, "shared_w13", 0)
+        w2 = src.checked(lambda t: pack_w2(t, layout=lay), sw2, "shared_w2", 0)
+        si = sw2.shape[-1]
+        return PackedExperts(lay, 1, s.hidden, si, w2.shape[-1], False, {"w13": w13, "w2": w2})
+
+
+def _pack(c: dict, *, interleaved: bool, layout, use_cpp: bool = True):
+    from ..pack import pack_dense
+
+    return pack_dense(c["w13"], c["w2"], c.get("w13_bias"), c.get("w2_bias"), interleaved=interleaved, layout=layout, use_cpp=use_cpp)
+
+
+def _reference(x, c: dict, topk_weights, topk_ids, **kw):
+    from ..reference import moe_reference
+
+    return moe_reference(x, c["w13"], c["w2"], topk_weights, topk_ids, **kw), 0.0
+
+
+def _output_rule(source_dtypes: set) -> OutputRule:
+    # bf16 sources are packed exactly, so fp32 tokens agree to fp32 rounding; fp16/fp32 sources are
+    # rounded to bf16 when packed, which bounds the error at ~1e-2 (docs/SEMANTICS.md §4).
+    return OutputRule(base=1e-5 if source_dtypes == {"BF16"} else 1e-2)
+
+
+DENSE = register(
+    Scheme(
+        name="dense",
+        aliases=("bf16",),
+        act_mode="a16",
+        summary="float weights packed as bf16; activations in their own dtype",
+        canonical=("w13", "w2"),
+        pack=_pack,
+        from_float=lambda w13, w2: {"w13": w13, "w2": w2},
+        dequantize=lambda c: (c["w13"].float(), c["w2"].float()),
+        reference=_reference,
+        output_rule=_output_rule,
+        rule=lambda source_dtype, reader: "the source rounded to bf16",
+        source_note=lambda source_dtype, reader: f"{source_dtype} weights packed as bf16",
+        layer_packer=DenseLayer,
+    )
+)
