@@ -29,7 +29,7 @@ def convert(
     dst: Path = typer.Argument(..., help="Packed directory to create (must not exist unless --overwrite)."),
     isa: str = typer.Option("x86", "--isa", help="Target ISA family of the packed layout: x86."),
     quantize: Optional[str] = typer.Option(
-        None, "--quantize", help="Quantize a dense source's experts: int8 (W8A8, per output channel). An int8 source stays int8."
+        None, "--quantize", help="Quantize a dense source's experts into a scheme: int8_channel (alias int8: W8A8, per output channel). An int8 source stays int8."
     ),
     threads: Optional[int] = typer.Option(None, "--threads", help="Threads for packing (default: torch's)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it exists (atomically)."),

@@ -674,9 +674,9 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
         log(f"{shape.name} ({shape.describe()}): making and packing random bf16 weights" + (" as int8" if cfg.scheme == "int8" else ""))
         w13, w2 = make_weights(shape, cfg.seed + 1000 * si)
         if cfg.scheme == "int8":
-            from .layout import INT8_LAYOUT
+            from .schemes import get_scheme
 
-            packed = moepack.pack_experts(w13, w2, layout=INT8_LAYOUT)
+            packed = moepack.pack_experts(w13, w2, layout=get_scheme("int8_channel").layout_for("x86"))
         else:
             packed = moepack.pack_experts(w13, w2)
         packed_bpe = packed.nbytes // shape.num_experts

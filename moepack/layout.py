@@ -146,12 +146,6 @@ class PackedLayout:
             raise LayoutError(f"{where}: codes dtype {codes.dtype} does not hold k_pack={self.k_pack} x {self.weight_bits} bits")
 
     @property
-    def quantized(self) -> bool:
-        """Integer codes with scales, as opposed to float values (kept for callers outside the
-        package; inside it, look the scheme up: moepack.schemes)."""
-        return self.scheme != "dense"
-
-    @property
     def elem_bytes(self) -> float:
         """Bytes per stored weight element (0.5 for 4-bit codes)."""
         return self.weight_bits / 8

@@ -76,35 +76,14 @@ class PackedExperts:
                     f"layout {self.layout.name} says {t.dtype} {list(t.shape)}"
                 )
 
+        # Every declared tensor (and both bias names, None when absent) is also an attribute:
+        # packed.w13, packed.w2_scale, packed.w13_bias.
+        for t in want:
+            object.__setattr__(self, t.name, self.tensors.get(t.name))
+
     def weight(self, name: str) -> list[torch.Tensor]:
         """One packed weight ("w13" or "w2") as the op takes it: the layout's tensors in order."""
         return [self.tensors[n] for n in self.layout.tensor_names(name)]
-
-    @property
-    def w13(self) -> torch.Tensor:
-        """w13's codes [E, 2*Ip, Kp(H)] (the whole weight for dense layouts)."""
-        return self.tensors["w13"]
-
-    @property
-    def w2(self) -> torch.Tensor:
-        """w2's codes [E, Np(H), Ip]."""
-        return self.tensors["w2"]
-
-    @property
-    def w13_bias(self) -> torch.Tensor | None:
-        return self.tensors.get("w13_bias")
-
-    @property
-    def w2_bias(self) -> torch.Tensor | None:
-        return self.tensors.get("w2_bias")
-
-    def __getattr__(self, name: str):
-        # The layout's other declared tensors by name (w13_scale, w2_colsum, ...); None when the
-        # name is one of the known roles' but this layout has no such tensor.
-        if name.startswith(("w13_", "w2_")):
-            tensors = self.__dict__.get("tensors", {})
-            return tensors.get(name)
-        raise AttributeError(name)
 
     @property
     def nbytes(self) -> int:

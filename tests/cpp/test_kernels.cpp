@@ -825,6 +825,52 @@ std::vector<I8Kernel> collect_i8_kernels() {
 // Every ISA's per-row activation quantizer == the scalar one, bit for bit (codes, padding codes
 // and scale), on rows with exact ties (amax = 127 makes scale 1, so k + 0.5 is a tie), NaN, +-inf,
 // -0, denormals, all-zero rows, and lengths around the 8- and 32-lane steps, both encodings.
+// The driver's registrar (fused_moe_driver.inc: register_scheme) over a toy MK written for
+// 32-column blocks: it refuses a layout whose blocks its buffers or MK cannot hold, or of
+// another scheme, records why in the table, and registers the right one.
+namespace regtest {
+namespace {
+struct MK {
+  static constexpr int kBlockN = 32;
+  static RowFormat row_format(DType) { return RowFormat::f32; }
+  static void gemm(const LayoutDesc&, RowFormat, const void* const*, int, const uint16_t*, int64_t, float*) {}
+  static void activation(const FusedMoeArgs&, const float*, const float*, int, float*) {}
+  static void axpy(float, const float*, float*, int64_t) {}
+};
+#include "../../csrc/kernels/fused_moe_driver.inc"
+}  // namespace
+}  // namespace regtest
+
+void test_register_refusals() {
+  using S = regtest::DenseA16<regtest::MK>;
+  struct Case {
+    const char* what;
+    LayoutDesc L;
+    bool registers;
+    const char* why;
+  };
+  LayoutDesc wide = kLayout_bf16_n32k2_x86, narrow = kLayout_bf16_n32k2_x86, odd = kLayout_bf16_n32k2_x86;
+  wide.block_n = 128;  // beyond the driver's kMaxBlockN stack buffers
+  narrow.block_n = 16;  // a width MK::kBlockN does not have
+  odd.block_n = 33;
+  const Case cases[] = {
+      {"bf16_n32k2_x86", kLayout_bf16_n32k2_x86, true, nullptr},
+      {"block_n 128", wide, false, "block_n is outside"},
+      {"block_n 33", odd, false, "block_n is outside"},
+      {"block_n 16", narrow, false, "written for another block_n"},
+      {"an int8_channel layout", kLayout_i8_n32k4_x86, false, "another weight scheme"},
+  };
+  for (const Case& c : cases) {
+    KernelTable t;
+    const bool ok = regtest::register_scheme<S>(t, c.L, Isa::avx2);
+    check(ok == c.registers && (t.fused[c.L.id][int(Isa::avx2)] != nullptr) == c.registers,
+          "register_scheme %s: registered=%d, want %d", c.what, int(ok), int(c.registers));
+    const char* why = t.refused[c.L.id][int(Isa::avx2)];
+    check(c.why ? why != nullptr && std::strstr(why, c.why) != nullptr : why == nullptr,
+          "register_scheme %s: refusal reason '%s', want '%s'", c.what, why ? why : "(none)", c.why ? c.why : "(none)");
+  }
+}
+
 void test_i8_quantizer() {
   KernelTable st;
   register_scalar(st);
@@ -1047,6 +1093,7 @@ int main(int argc, char** argv) {
   test_routing_check();
   test_empty();
   test_select();
+  test_register_refusals();
   {
     const std::vector<I8Kernel> i8 = collect_i8_kernels();
     test_i8_quantizer();

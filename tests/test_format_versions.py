@@ -1,0 +1,64 @@
+"""Packed directories written by the previous release (manifest format_version 1, whose layouts
+did not yet declare their tensors) still open and verify; an unknown version is refused with
+what to do; a version-2 layout descriptor that disagrees with this build's (its tensor
+declaration included) is refused naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import moepack
+from moepack.errors import PackedDirError
+from moepack.layout import V1_FIELDS
+from moepack.runtime.model import FORMAT_VERSION, MANIFEST
+from tests.fixtures_util import fixture_dir
+
+
+def _as_v1(d) -> None:
+    """What release 1 wrote: format_version 1 and the eleven-field layout descriptor."""
+    m = json.loads((d / MANIFEST).read_text())
+    m["format_version"] = 1
+    m["layouts"] = {lid: {k: desc[k] for k in V1_FIELDS} for lid, desc in m["layouts"].items()}
+    (d / MANIFEST).write_text(json.dumps(m, indent=1))
+
+
+@pytest.mark.parametrize("fixture,quantize", [("deepseek_v3", None), ("gpt_oss", None), ("qwen3_moe", "int8"),
+                                              ("qwen3_moe_w8a8", None)])  # fmt: skip
+def test_a_version_1_directory_opens_and_verifies(tmp_path, fixture, quantize):
+    d = tmp_path / "packed"
+    moepack.convert(fixture_dir(fixture), d, quantize=quantize)
+    assert json.loads((d / MANIFEST).read_text())["format_version"] == FORMAT_VERSION == 2
+    x = torch.randn(3, moepack.open(d).layers[min(moepack.open(d).layers)].hidden_size)
+    new = {i: layer(x) for i, layer in moepack.open(d).layers.items()}
+    _as_v1(d)
+    model = moepack.open(d)
+    for i, layer in model.layers.items():
+        assert torch.equal(layer(x), new[i]), f"layer {i}: a v1 manifest runs differently"
+    report = moepack.verify(d, source=fixture_dir(fixture))
+    assert report.ok, report
+
+
+def test_an_unknown_version_is_refused_with_what_to_do(tmp_path):
+    d = tmp_path / "packed"
+    moepack.convert(fixture_dir("olmoe"), d)
+    m = json.loads((d / MANIFEST).read_text())
+    m["format_version"] = 7
+    (d / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(PackedDirError, match=r"format_version=7; this moepack reads versions 1, 2: convert the checkpoint "
+                                             r"again with this moepack \(`moepack convert SRC DST --overwrite`\)"):  # fmt: skip
+        moepack.open(d)
+
+
+@pytest.mark.parametrize("field", ["tensors", "scheme", "act_modes"])
+def test_a_version_2_layout_must_match_this_build_in_every_field(tmp_path, field):
+    d = tmp_path / "packed"
+    moepack.convert(fixture_dir("olmoe"), d)
+    m = json.loads((d / MANIFEST).read_text())
+    desc = next(iter(m["layouts"].values()))
+    desc[field] = {"tensors": [], "scheme": "int8_channel", "act_modes": ["a8"]}[field]
+    (d / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(PackedDirError, match=rf"layout bf16_n32k2_x86 \(id 1\) in the file has {field}="):
+        moepack.open(d)
