@@ -245,9 +245,7 @@ def _shared_want(ckpt, reader, spec, scheme) -> _Want:
     """The source's shared expert as convert packs it (convert_dir: float, or the int8 source's
     own codes, or quantized by moepack when the source's shared expert is float)."""
     w13, w2 = reader.read_shared(ckpt, spec)
-    q = reader.read_shared_q(ckpt, spec) if scheme.name != "dense" and reader.read_shared_q is not None else None
-    if q is not None:
-        q = {"w13_q": q[0][0], "w13_scale": q[0][1].float(), "w2_q": q[1][0], "w2_scale": q[1][1].float()}
+    q = reader.read_shared_canonical(ckpt, spec) if reader.scheme == scheme.name != "dense" else None
     return _want(scheme, w13, w2, q, reader.name)
 
 
@@ -289,9 +287,7 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
     p = layer.packed
     scheme = get_scheme(p.layout)
     canon = reader.read_layer(ckpt, spec)
-    q = None
-    if canon.w13_q is not None:
-        q = {"w13_q": canon.w13_q, "w13_scale": canon.w13_scale.float(), "w2_q": canon.w2_q, "w2_scale": canon.w2_scale.float()}
+    q = canon.canonical if reader.scheme == scheme.name else None
     routed = _want(scheme, canon.w13, canon.w2, q, reader.name, canon.w13_bias, canon.w2_bias)
     tensors, shared_tensors, problems = {}, {}, []
     shapes_ok = _compare(p, layer.entry["tensors"], routed, "experts", tensors, problems, scheme)

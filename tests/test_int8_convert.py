@@ -80,12 +80,13 @@ def test_reader_matches_compressed_tensors_decompression():
     n_min = 0
     for s in specs:
         layer = reader.read_layer(ckpt, s)
+        c = layer.canonical  # scheme int8_channel's canonical tensors
         i = s.intermediate
         for e in range(s.num_experts):
             for role, rows, q, sc in (
-                ("gate_proj", slice(0, i), layer.w13_q[e], layer.w13_scale[e]),
-                ("up_proj", slice(i, 2 * i), layer.w13_q[e], layer.w13_scale[e]),
-                ("down_proj", slice(None), layer.w2_q[e], layer.w2_scale[e]),
+                ("gate_proj", slice(0, i), c["w13_q"][e], c["w13_scale"][e]),
+                ("up_proj", slice(i, 2 * i), c["w13_q"][e], c["w13_scale"][e]),
+                ("down_proj", slice(None), c["w2_q"][e], c["w2_scale"][e]),
             ):
                 m = f"{s.prefix}.experts.{e}.{role}"
                 mod = root.get_submodule(m)
@@ -365,7 +366,8 @@ def test_gpt_oss_rows_are_reinterleaved(tmp_path):
     s = reader.layers(ckpt)[1]
     assert s.interleaved and s.activation == "swigluoai" and s.has_bias
     sd = load_file(str(src / "model.safetensors"))
-    q, sc = reader.read_expert_w13_q(ckpt, s, 6)
+    c = reader.read_expert_canonical(ckpt, s, "w13", 6)
+    q, sc = c["w13_q"], c["w13_scale"]
     p = f"{s.prefix}.experts.6"
     assert torch.equal(q[0::2], sd[f"{p}.gate_proj.weight"]) and torch.equal(q[1::2], sd[f"{p}.up_proj.weight"])
     assert torch.equal(sc[0::2], sd[f"{p}.gate_proj.weight_scale"].float().view(-1))

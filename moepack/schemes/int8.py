@@ -39,7 +39,8 @@ class Int8Layer(LayerPacker):
 
         src, r, s = self.src, self.src.reader, self.spec
         if r.scheme == "int8_channel":
-            return (r.read_expert_w13_q if role == "w13" else r.read_expert_w2_q)(src.ckpt, s, e)
+            c = r.read_expert_canonical(src.ckpt, s, role, e)
+            return c[f"{role}_q"], c[f"{role}_scale"]
         w = (r.read_expert_w13 if role == "w13" else r.read_expert_w2)(src.ckpt, s, e)
         return src.checked(quantize_int8_per_channel, w[None], role, e)
 
@@ -73,7 +74,8 @@ class Int8Layer(LayerPacker):
         src, r, s = self.src, self.src.reader, self.spec
         if not s.shared:
             return None
-        q = r.read_shared_q(src.ckpt, s) if r.read_shared_q is not None else None
+        c = r.read_shared_canonical(src.ckpt, s) if r.scheme == "int8_channel" else None
+        q = None if c is None else ((c["w13_q"], c["w13_scale"]), (c["w2_q"], c["w2_scale"]))
         if q is None:
             sw13, sw2 = r.read_shared(src.ckpt, s)
             q = (

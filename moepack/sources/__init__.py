@@ -27,12 +27,14 @@ class SourceReader:
     read_expert_w2: Callable[[Checkpoint, LayerSpec, int], "torch.Tensor"]
     read_biases: Callable[[Checkpoint, LayerSpec], tuple]
     read_shared: Callable[[Checkpoint, LayerSpec], tuple | None]
-    # What the expert weights mean (SEMANTICS.md §3): "dense" (float values) or "int8_channel"
-    # (int8 codes + per-channel scales, read as they are by the *_q functions below).
+    # What the expert weights mean (docs/SEMANTICS.md §3): a scheme name of moepack.schemes,
+    # "dense" (float values) or a quantized one, whose canonical tensors (Scheme.canonical) the
+    # two functions below read as they are stored (the float readers above dequantize them).
     scheme: str = "dense"
-    read_expert_w13_q: Callable[[Checkpoint, LayerSpec, int], tuple] | None = None  # (q [2I, H], scale [2I])
-    read_expert_w2_q: Callable[[Checkpoint, LayerSpec, int], tuple] | None = None  # (q [H, I], scale [H])
-    read_shared_q: Callable[[Checkpoint, LayerSpec], tuple | None] | None = None
+    # (ckpt, spec, "w13" | "w2", expert) -> {canonical name: tensor of that expert}
+    read_expert_canonical: Callable[[Checkpoint, LayerSpec, str, int], dict] | None = None
+    # (ckpt, spec) -> the shared expert's canonical tensors as a one-expert set, or None
+    read_shared_canonical: Callable[[Checkpoint, LayerSpec], dict | None] | None = None
 
 
 def _detect_dense(ckpt: Checkpoint) -> tuple[bool, str]:
@@ -56,9 +58,8 @@ def _ct_reader() -> SourceReader:
         ct.read_biases,
         ct.read_shared,
         scheme=ct.SCHEME,
-        read_expert_w13_q=ct.read_expert_w13_q,
-        read_expert_w2_q=ct.read_expert_w2_q,
-        read_shared_q=ct.read_shared_q,
+        read_expert_canonical=ct.read_expert_canonical,
+        read_shared_canonical=ct.read_shared_canonical,
     )
 
 

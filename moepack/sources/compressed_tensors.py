@@ -198,6 +198,23 @@ def read_biases(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor | None, to
     return b13, b2
 
 
+def read_expert_canonical(ckpt: Checkpoint, s: LayerSpec, weight: str, e: int) -> dict[str, torch.Tensor]:
+    """Scheme int8_channel's canonical tensors of expert ``e``'s ``weight`` ("w13" or "w2"):
+    {"w13_q": [2I, H] int8, "w13_scale": [2I] fp32} (or w2_q / w2_scale), as stored."""
+    q, sc = (read_expert_w13_q if weight == "w13" else read_expert_w2_q)(ckpt, s, e)
+    return {f"{weight}_q": q, f"{weight}_scale": sc}
+
+
+def read_shared_canonical(ckpt: Checkpoint, s: LayerSpec) -> dict[str, torch.Tensor] | None:
+    """The int8 shared expert's canonical tensors as a one-expert set (w13_q [1, 2Is, H], ...),
+    or None (no shared expert, or a float one)."""
+    q = read_shared_q(ckpt, s)
+    if q is None:
+        return None
+    (q13, s13), (q2, s2) = q
+    return {"w13_q": q13, "w13_scale": s13.float(), "w2_q": q2, "w2_scale": s2.float()}
+
+
 def read_layer(ckpt: Checkpoint, s: LayerSpec) -> CanonicalLayer:
     q13, s13, q2, s2 = [], [], [], []
     for e in range(s.num_experts):
@@ -215,10 +232,7 @@ def read_layer(ckpt: Checkpoint, s: LayerSpec) -> CanonicalLayer:
         w2=w2_q.float() * w2_scale.unsqueeze(-1),
         w13_bias=b13,
         w2_bias=b2,
-        w13_q=w13_q,
-        w13_scale=w13_scale,
-        w2_q=w2_q,
-        w2_scale=w2_scale,
+        canonical={"w13_q": w13_q, "w13_scale": w13_scale, "w2_q": w2_q, "w2_scale": w2_scale},
     )
 
 
@@ -243,4 +257,4 @@ def read_shared_q(ckpt: Checkpoint, s: LayerSpec):
     return (torch.cat([g, u])[None], torch.cat([gs, us])[None]), (d[None], ds[None])
 
 
-__all__ = ["SCHEME", "detect", "layers", "read_layer", "read_expert_w13_q", "read_expert_w2_q", "read_shared_q"]
+__all__ = ["SCHEME", "detect", "layers", "read_layer", "read_expert_canonical", "read_shared_canonical"]

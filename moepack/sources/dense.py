@@ -70,12 +70,10 @@ class CanonicalLayer:
     w2: torch.Tensor  # [E, H, I]
     w13_bias: torch.Tensor | None  # [E, 2I]
     w2_bias: torch.Tensor | None  # [E, H]
-    # int8 sources (scheme int8_channel): the codes and per-channel scales themselves; w13 / w2
-    # above are then their dequantized fp32 values q * scale.
-    w13_q: torch.Tensor | None = None  # [E, 2I, H] int8
-    w13_scale: torch.Tensor | None = None  # [E, 2I] fp32
-    w2_q: torch.Tensor | None = None  # [E, H, I] int8
-    w2_scale: torch.Tensor | None = None  # [E, H] fp32
+    # Quantized sources: the source scheme's canonical tensors as stored (moepack.schemes:
+    # Scheme.canonical, e.g. int8_channel's w13_q / w13_scale / w2_q / w2_scale); w13 / w2 above
+    # are then their dequantized fp32 values. None for float sources.
+    canonical: dict | None = None
 
 
 def _cfg(config: dict, *keys, default=None):
