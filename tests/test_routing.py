@@ -513,11 +513,18 @@ def test_apply_router_weight_on_input_with_fused_experts():
         apply_router_weight_on_input(inp.x[:3], w, ids)
 
 
-def test_bench_smoke(capsys):
-    from moepack.routing import _main
+def test_bench_smoke():
+    """tools/bench_routing.py (the routing benchmark, kept out of the library) runs and prints
+    every case; its numbers are not judged here."""
+    import pathlib
+    import subprocess
+    import sys
 
-    assert _main(["--bench", "--calls", "3", "--repeats", "1"]) == 0
-    assert "grouped_sigmoid E=256" in capsys.readouterr().out
+    tool = pathlib.Path(__file__).resolve().parents[1] / "tools" / "bench_routing.py"
+    r = subprocess.run([sys.executable, str(tool), "--calls", "3", "--repeats", "1"], capture_output=True, text=True,
+                       timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "grouped_sigmoid E=256" in r.stdout and "sparsemixer E=16" in r.stdout
 
 
 # --------------------------------------------------------------------------------------------
