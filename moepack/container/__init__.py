@@ -1,4 +1,4 @@
-"""Packed-directory container: 64-byte-aligned safetensors shards (see ``FORMAT.md``).
+"""Packed-directory container: 64-byte-aligned safetensors shards (docs/PACKED_FORMAT.md).
 
     from moepack.container import ShardPlan, ShardWriter, atomic_directory, open_shard
 

@@ -4,7 +4,7 @@
 moepack alignment rule) before anything else looks at the file, so a truncated or corrupt file
 -- ours or a source checkpoint written by another tool -- is refused with a ``ContainerError``
 that names the file, the tensor, the value and the rule. ``open_shard`` then maps the file
-``MAP_PRIVATE`` and hands out views into the mapping without copying. See ``FORMAT.md``.
+``MAP_PRIVATE`` and hands out views into the mapping without copying. See docs/PACKED_FORMAT.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Two phases: a ``ShardPlan`` fixes every tensor's name, dtype, shape and offset (
 be written first), then a ``ShardWriter`` streams the tensors in plan order, inserting the zero
 filler tensors, hashing each tensor's bytes as they go out, and checking the result against the
 plan on close. ``atomic_directory`` makes a whole packed directory appear under its final name
-only once it is complete. The format is specified in ``FORMAT.md``.
+only once it is complete. The format is specified in docs/PACKED_FORMAT.md.
 """
 
 from __future__ import annotations
