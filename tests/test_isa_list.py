@@ -6,6 +6,7 @@ ISA level)."""
 from __future__ import annotations
 
 import pathlib
+import platform
 import re
 import shutil
 import subprocess
@@ -90,3 +91,55 @@ def test_the_extension_knows_exactly_the_listed_levels():
             assert f"no {name} int8 block GEMM" in str(e) and "is not one of" not in str(e)
     with pytest.raises(ValueError, match=re.escape(f"isa='avx9' is not one of {', '.join(ISAS)}")):
         torch.ops.moepack.gemm_i8_block(rows, block, colsum, layout.id, "avx9")
+
+
+@pytest.mark.parametrize("arch", isa_levels.ARCHES, ids=lambda a: a.name)
+def test_every_arch_file_is_listed(arch):
+    """setup.py's rule: csrc/<arch>/*.cpp is its levels' kernel files and cpu_features.cpp, nothing else."""
+    found = {p.relative_to(ROOT).as_posix() for p in (ROOT / arch.folder).glob("*.cpp")}
+    assert found == {lv.source for lv in isa_levels.arch_levels(arch.name)} | {arch.cpu_features_source}
+    assert all((ROOT / lv.source).exists() for lv in isa_levels.LEVELS if lv.arch is None)
+
+
+@pytest.fixture
+def setup_copy(tmp_path) -> pathlib.Path:
+    """setup.py with the list and the C++ sources, in a scratch tree."""
+    shutil.copy(ROOT / "setup.py", tmp_path / "setup.py")
+    (tmp_path / "moepack").mkdir()
+    shutil.copy(ROOT / LIST, tmp_path / LIST)
+    shutil.copytree(ROOT / "csrc", tmp_path / "csrc")
+    return tmp_path
+
+
+def run_setup(root: pathlib.Path) -> subprocess.CompletedProcess:
+    # --name evaluates the extension's sources (setup.py's checks) without building anything
+    return subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, capture_output=True, text=True, timeout=300)
+
+
+def host_arch():
+    arch = isa_levels.build_arch(platform.machine())
+    if arch is None:
+        pytest.skip(f"platform.machine()={platform.machine()!r}: no architecture of moepack/isa_levels.py")
+    return arch
+
+
+def test_setup_builds_the_listed_files(setup_copy):
+    host_arch()
+    r = run_setup(setup_copy)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_setup_refuses_an_unlisted_kernel_file(setup_copy):
+    arch = host_arch()
+    (setup_copy / arch.folder / "moe_avx1024.cpp").write_text("// no level lists this file\n")
+    r = run_setup(setup_copy)
+    assert r.returncode != 0
+    assert f"['{arch.folder}/moe_avx1024.cpp'] are in {arch.folder}/ but are no ISA level's kernel file" in r.stderr
+
+
+def test_setup_refuses_a_missing_level_file(setup_copy):
+    arch = host_arch()
+    lv = isa_levels.arch_levels(arch.name)[-1]
+    (setup_copy / lv.source).unlink()
+    r = run_setup(setup_copy)
+    assert r.returncode != 0 and f"['{lv.source}'] do not exist: moepack/isa_levels.py lists them" in r.stderr

@@ -297,7 +297,7 @@ Isa parse_isa(std::string_view name) {
   for (int i = 0; i < kNumIsa; ++i) {
     if (name == isa_name(Isa(i))) return Isa(i);
   }
-  TORCH_CHECK_VALUE(false, "isa='", name, "' is not one of scalar, avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16");
+  TORCH_CHECK_VALUE(false, "isa='", name, "' is not one of ", kIsaNames);
 }
 
 // Test hook (SEMANTICS.md §4: SIMD integer dot products identical to scalar): the int32
@@ -394,21 +394,10 @@ std::tuple<std::string, std::string> kernel_choice(int64_t layout) {
 std::vector<std::string> cpu_flags() {
   const CpuFeatures& f = cpu_features();
   std::vector<std::string> out;
-  auto add = [&](bool b, const char* n) {
-    if (b) out.emplace_back(n);
-  };
-  add(f.avx2, "avx2");
-  add(f.fma, "fma");
-  add(f.f16c, "f16c");
-  add(f.avx512f, "avx512f");
-  add(f.avx512bw, "avx512bw");
-  add(f.avx512vl, "avx512vl");
-  add(f.avx512dq, "avx512dq");
-  add(f.avx512bf16, "avx512_bf16");
-  add(f.avx512vnni, "avx512_vnni");
-  add(f.avx_vnni, "avx_vnni");
-  add(f.os_avx, "os_avx");
-  add(f.os_avx512, "os_avx512");
+#define MOEPACK_ADD_FEATURE(name) \
+  if (f.name) out.emplace_back(#name);
+  MOEPACK_CPU_FEATURES(MOEPACK_ADD_FEATURE)
+#undef MOEPACK_ADD_FEATURE
   out.emplace_back(std::string("host_isa=") + isa_name(host_isa()));
   std::string avail = "available_isas=";
   for (int i = 0; i < kNumIsa; ++i) {
