@@ -62,8 +62,3 @@ def max_isa() -> str:
         raise UnsupportedError(f"MOEPACK_MAX_ISA={value!r} is not one of {', '.join(ISAS)}")
     return ISAS[min(ISAS.index(value), ISAS.index(host_isa()))]
 
-
-def is_fallback(reason: str) -> bool:
-    """Whether a ``kernel_choice`` reason says the build lacks a kernel for a better level this CPU has."""
-    head, _, rest = reason.partition(": ")
-    return head in ISAS and rest.startswith("fallback:")

@@ -70,7 +70,7 @@ def _use_isa(isa: str, monkeypatch: pytest.MonkeyPatch) -> str:
         pytest.skip(f"{isa} kernels cannot run on this host (host ISA: {host_isa()}; flags: {moepack.cpu_flags()})")
     monkeypatch.setenv("MOEPACK_MAX_ISA", isa)
     monkeypatch.delenv("MOEPACK_STRICT", raising=False)
-    chosen, reason = moepack.kernel_choice()
+    chosen, reason, _ = moepack.kernel_choice()
     assert chosen == isa, f"MOEPACK_MAX_ISA={isa} but the dispatcher picks {chosen} ({reason})"
     return isa
 

@@ -379,7 +379,8 @@ std::tuple<std::string, std::vector<int64_t>> layout_desc(int64_t id) {
            L.i_align}};
 }
 
-std::tuple<std::string, std::string> kernel_choice(int64_t layout) {
+// (isa, reason, is_fallback): is_fallback is Selection::fallback, what MOEPACK_STRICT refuses.
+std::tuple<std::string, std::string, bool> kernel_choice(int64_t layout) {
   Isa cap;
   try {
     cap = env_max_isa();
@@ -388,7 +389,7 @@ std::tuple<std::string, std::string> kernel_choice(int64_t layout) {
   }
   Selection sel = select_fused(int32_t(layout), cap);
   TORCH_CHECK_VALUE(sel.fn != nullptr, sel.reason);
-  return {isa_name(sel.isa), sel.reason};
+  return {isa_name(sel.isa), sel.reason, sel.fallback};
 }
 
 std::vector<std::string> cpu_flags() {
@@ -420,7 +421,7 @@ TORCH_LIBRARY(moepack, m) {
   m.def("gemm_i8_block(Tensor rows, Tensor block, Tensor colsum, int layout, str isa) -> Tensor");
   m.def("read_experts(Tensor w13, Tensor w2, Tensor ids) -> int");
   m.def("layout_desc(int layout) -> (str, int[])", &moepack::layout_desc);
-  m.def("kernel_choice(int layout) -> (str, str)", &moepack::kernel_choice);
+  m.def("kernel_choice(int layout) -> (str, str, bool)", &moepack::kernel_choice);
   m.def("cpu_flags() -> str[]", &moepack::cpu_flags);
 }
 
