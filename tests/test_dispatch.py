@@ -2,7 +2,7 @@
 how MOEPACK_MAX_ISA / MOEPACK_STRICT change it.
 
 The contract as implemented:
-* ISA levels scalar < avx2 < avx_vnni < avx512 < avx512_vnni < avx512_bf16 (moepack.isa), each
+* ISA levels in the order of moepack.isa.ISAS (the one list: moepack/isa_levels.py), each
   available when cpuid AND xgetbv allow its own requirements (they do not nest); the host ISA
   is the best available one;
 * a layout runs on the best available level that SERVES it (the dot-product levels serve one
@@ -19,12 +19,14 @@ The contract as implemented:
 from __future__ import annotations
 
 import pathlib
+import re
 
 import pytest
 import torch
 
 import moepack
 from moepack.isa import ISAS, KERNEL_ISAS, available_isas, host_isa, max_isa
+from moepack.isa_levels import LEVELS, features, features_of
 from moepack.layout import LAYOUTS
 from tests.conftest import make_moe_inputs, run_packed
 
@@ -35,13 +37,8 @@ def _clean_env(monkeypatch):
     monkeypatch.delenv("MOEPACK_STRICT", raising=False)
 
 
-LEVEL_NEEDS = {
-    "avx2": {"avx2", "fma", "f16c", "os_avx"},
-    "avx_vnni": {"avx2", "fma", "f16c", "os_avx", "avx_vnni"},
-    "avx512": {"avx2", "fma", "f16c", "os_avx", "avx512f", "avx512bw", "avx512vl", "avx512dq", "os_avx512"},
-}
-LEVEL_NEEDS["avx512_vnni"] = LEVEL_NEEDS["avx512"] | {"avx512_vnni"}
-LEVEL_NEEDS["avx512_bf16"] = LEVEL_NEEDS["avx512"] | {"avx512_bf16"}
+# Every cpu_flags name each level needs (its base's included), from the list.
+LEVEL_NEEDS = {lv.name: set(features_of(lv)) for lv in LEVELS if lv.arch is not None}
 
 
 def expected_levels(flags: set[str]) -> list[str]:
@@ -79,8 +76,7 @@ def test_cpu_flags_agree_with_the_kernel():
         pytest.skip("/proc/cpuinfo has no flags line (not x86?)")
     linux = set(line.split(":", 1)[1].split())
     ours = set(moepack.cpu_flags())
-    for flag in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
-                 "avx_vnni"):
+    for flag in features(by="cpu"):  # the OS-state ones (os_*) are not CPU flags
         assert (flag in ours) == (flag in linux), f"{flag}: extension {'has' if flag in ours else 'lacks'} it, /proc/cpuinfo disagrees"
 
 
@@ -120,7 +116,7 @@ def test_empty_max_isa_means_unset(monkeypatch):
 @pytest.mark.parametrize("bad", ["bogus", "AVX2", "avx", " scalar", "avx512bf16", "avxvnni"])
 def test_invalid_max_isa(monkeypatch, bad):
     monkeypatch.setenv("MOEPACK_MAX_ISA", bad)
-    with pytest.raises(ValueError, match=f"MOEPACK_MAX_ISA='{bad}' is not one of scalar, avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16"):
+    with pytest.raises(ValueError, match=re.escape(f"MOEPACK_MAX_ISA='{bad}' is not one of {', '.join(ISAS)} (")):
         moepack.kernel_choice()
 
 

@@ -93,6 +93,13 @@ def test_the_extension_knows_exactly_the_listed_levels():
         torch.ops.moepack.gemm_i8_block(rows, block, colsum, layout.id, "avx9")
 
 
+def test_isa_docstring_table_is_derived():
+    import moepack.isa
+
+    for name, needs, serves, _ in isa_levels.doc_rows():
+        assert re.search(rf"^{name}\s+{re.escape(needs)}\s+{re.escape(serves)}$", moepack.isa.__doc__, re.M), name
+
+
 @pytest.mark.parametrize("arch", isa_levels.ARCHES, ids=lambda a: a.name)
 def test_every_arch_file_is_listed(arch):
     """setup.py's rule: csrc/<arch>/*.cpp is its levels' kernel files and cpu_features.cpp, nothing else."""
