@@ -42,6 +42,7 @@ test: setup-test test-only
 
 test-only:
 	$(PYTHON) tools/gen_layouts.py --check
+	$(PYTHON) tools/gen_isa.py --check
 	$(PYTHON) -m pytest -q --durations=10
 
 bench: setup

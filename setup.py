@@ -1,58 +1,50 @@
 """Build of the moepack._C extension against the installed torch.
 
-Each ISA translation unit gets its own flags (ISA_FLAGS below); everything else is compiled
-for the baseline target. Nothing is built with a native-CPU -march: what runs is decided at run
-time by csrc/dispatch.cpp.
+Each ISA level's kernel file gets the level's flags (moepack/isa_levels.py, the one list of
+levels, keyed by the file's path); everything else is compiled for the baseline target. Nothing
+is built with a native-CPU -march: what runs is decided at run time by csrc/dispatch.cpp.
 """
 
 import glob
 import os
+import platform
+import runpy
+from types import SimpleNamespace
 
 from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
-# Per-file flags, keyed by the source file name.
+# The one list of ISA levels, run by path: importing the moepack package needs the extension built here.
+ISA = SimpleNamespace(**runpy.run_path(os.path.join(ROOT, "moepack", "isa_levels.py")))
+ARCH = ISA.build_arch(platform.machine())  # None: an architecture the list lacks (scalar only)
+
+# Per-file flags, keyed by the source file's path relative to ROOT.
 # ops.cpp instantiates at::parallel_for, whose OpenMP body is inline in the ATen headers: without
 # -fopenmp it silently runs on one thread.
-_AVX2 = ["-mavx2", "-mfma", "-mf16c"]
-_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]
-# GCC 12 warns about its own AVX-512 headers (_mm512_undefined_*): not our code.
-_GCC_AVX512_HEADERS = ["-Wno-maybe-uninitialized"]
-ISA_FLAGS = {
-    "ops.cpp": ["-fopenmp"],
-    # one translation unit per ISA level (csrc/include/moepack/kernel.h: Isa), each with exactly
-    # the extensions its level requires
-    "moe_avx2.cpp": _AVX2,
-    "moe_avx_vnni.cpp": _AVX2 + ["-mavxvnni"],
-    "moe_avx512.cpp": _AVX512 + _GCC_AVX512_HEADERS,
-    "moe_avx512_vnni.cpp": _AVX512 + ["-mavx512vnni"] + _GCC_AVX512_HEADERS,
-    "moe_avx512_bf16.cpp": _AVX512 + ["-mavx512bf16"] + _GCC_AVX512_HEADERS,
-}
+FILE_FLAGS = {"csrc/torch/ops.cpp": ["-fopenmp"]}
+FILE_FLAGS.update({lv.source: ISA.all_flags(lv) for lv in ISA.LEVELS})
 COMMON_FLAGS = ["-O3", "-std=c++20", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
-
 
 # Levels whose kernels a toolchain may be unable to build (an older GCC/Clang without the flag,
 # or an assembler without the instruction): built empty instead (-DMOEPACK_OMIT_LEVEL: the file
 # registers nothing), so the dispatcher reports that level as a fallback ("<isa>: fallback: this
 # build has no ... kernel") and MOEPACK_STRICT=1 refuses it. The probe compiles and assembles the
 # level's key instruction with the level's flags.
-_PROBES = {
-    "moe_avx_vnni.cpp": "__m256i f(__m256i a, __m256i b, __m256i c) { return _mm256_dpbusd_avx_epi32(a, b, c); }",
-    "moe_avx512.cpp": "__mmask64 f(__m512i a) { return _mm512_movepi8_mask(_mm512_abs_epi8(a)); }",
-    "moe_avx512_vnni.cpp": "__m512i f(__m512i a, __m512i b, __m512i c) { return _mm512_dpbusd_epi32(a, b, c); }",
-    "moe_avx512_bf16.cpp": "__m512 f(__m512 a, __m512i b, __m512i c) { return _mm512_dpbf16_ps(a, (__m512bh)b, (__m512bh)c); }",
-}
-OPTIONAL_LEVELS = tuple(_PROBES)
+PROBED = {lv.source: lv for lv in ISA.LEVELS if lv.probe is not None}
 
 
-def _toolchain_builds(cmd: list[str], flags: list[str], body: str) -> bool:
+def _rel(path: str) -> str:
+    return os.path.relpath(os.path.abspath(path), ROOT).replace(os.sep, "/")
+
+
+def _toolchain_builds(cmd: list[str], flags: list[str], header: str, body: str) -> bool:
     """Whether `cmd` (the compiler command, wrapper included) compiles and assembles `body` with `flags`."""
     import subprocess
     import tempfile
 
-    src = "#include <immintrin.h>\n" + body + "\n"
+    src = f"#include {header}\n" + body + "\n"
     with tempfile.TemporaryDirectory() as d:
         try:
             r = subprocess.run(list(cmd) + ["-O2"] + flags + ["-x", "c++", "-c", "-", "-o", os.path.join(d, "probe.o")],
@@ -63,22 +55,24 @@ def _toolchain_builds(cmd: list[str], flags: list[str], body: str) -> bool:
 
 
 class IsaBuildExt(BuildExtension):
-    """BuildExtension (no ninja) that appends ISA_FLAGS to the files named there."""
+    """BuildExtension (no ninja) that appends FILE_FLAGS to the files named there."""
 
     def build_extension(self, ext):
         compile_one = self.compiler._compile
         accepted: dict[str, bool] = {}
 
         def _compile(obj, src, ext_, cc_args, extra_postargs, pp_opts):
-            name = os.path.basename(src)
-            extra = ISA_FLAGS.get(name, [])
-            if name in OPTIONAL_LEVELS:
-                if name not in accepted:
-                    accepted[name] = _toolchain_builds(self.compiler.compiler_so, extra, _PROBES[name])
-                    if not accepted[name]:
-                        print(f"moepack: WARNING: this toolchain cannot build {' '.join(extra)} code: {name} is "
-                              "built without its kernels (that ISA level is reported as a fallback at run time)")
-                if not accepted[name]:
+            path = _rel(src)
+            extra = FILE_FLAGS.get(path, [])
+            if path in PROBED:
+                lv = PROBED[path]
+                if path not in accepted:
+                    accepted[path] = _toolchain_builds(self.compiler.compiler_so, extra,
+                                                       ISA.arch(lv.arch).intrinsics_header, lv.probe)
+                    if not accepted[path]:
+                        print(f"moepack: WARNING: this toolchain cannot build {' '.join(extra)} code: {path} is "
+                              f"built without its kernels (ISA level {lv.name} is reported as a fallback at run time)")
+                if not accepted[path]:
                     extra = ["-DMOEPACK_OMIT_LEVEL"]
             post = list(extra_postargs["cxx"] if isinstance(extra_postargs, dict) else extra_postargs)
             if isinstance(extra_postargs, dict):
@@ -99,18 +93,23 @@ def _sources():
         "csrc/dispatch.cpp",
         "csrc/pack.cpp",
         "csrc/routing.cpp",
-        "csrc/ref/moe_scalar.cpp",
         "csrc/torch/ops.cpp",
         "csrc/torch/module.cpp",
-    ]
-    import platform
-
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        isa_files = sorted(glob.glob("csrc/x86/*.cpp"))
-        unflagged = [f for f in isa_files if os.path.basename(f) not in ISA_FLAGS]
-        if unflagged:  # a kernel file compiled for the baseline target would be a silent slow path
-            raise SystemExit(f"setup.py: {unflagged} have no entry in ISA_FLAGS (every csrc/x86 file needs its ISA flags)")
-        files += isa_files
+    ] + [lv.source for lv in ISA.LEVELS if lv.arch is None]
+    if ARCH is not None:  # the architecture's folder: its levels' kernel files and its feature probe
+        levels = {lv.source for lv in ISA.arch_levels(ARCH.name)}
+        found = sorted(_rel(f) for f in glob.glob(os.path.join(ROOT, ARCH.folder, "*.cpp")))
+        # a kernel file compiled for the baseline target would be a silent slow path
+        unlisted = [f for f in found if f not in levels and f != ARCH.cpu_features_source]
+        if unlisted:
+            raise SystemExit(f"setup.py: {unlisted} are in {ARCH.folder}/ but are no ISA level's kernel file: every "
+                             f"{ARCH.folder}/*.cpp but cpu_features.cpp is csrc/<arch>/moe_<isa>.cpp of a level in "
+                             "moepack/isa_levels.py, which gives its flags")
+        missing = sorted(({ARCH.cpu_features_source} | levels) - set(found))
+        if missing:
+            raise SystemExit(f"setup.py: {missing} do not exist: moepack/isa_levels.py lists them for architecture "
+                             f"{ARCH.name} (each level needs its kernel file, the architecture its cpu_features.cpp)")
+        files += found
     return files
 
 

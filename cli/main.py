@@ -32,10 +32,10 @@ def info(
     info["max_isa_env"] = os.environ.get("MOEPACK_MAX_ISA") or None
     info["default_layout"] = DEFAULT_LAYOUT.name
     info["layouts"] = [f"{x.name} (id {x.id})" for x in LAYOUTS]
-    info["kernels"] = {}  # per layout: the ISA level its kernel runs at here, and why
+    info["kernels"] = {}  # per layout: the ISA level its kernel runs at here, why, and whether that is a fallback
     for lay in LAYOUTS:
-        isa, reason = kernel_choice(lay)
-        info["kernels"][lay.name] = {"isa": isa, "reason": reason}
+        choice = kernel_choice(lay)
+        info["kernels"][lay.name] = {"isa": choice.isa, "reason": choice.reason, "is_fallback": choice.is_fallback}
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return

@@ -1,6 +1,7 @@
-// CPU feature detection and kernel selection. Compiled for the baseline target, without any
-// ISA flags (and so never executes an instruction the CPU may lack): it asks cpuid what the CPU
-// has and xgetbv what the OS saves, and only then calls the ISA translation units' register_*.
+// Kernel selection. Compiled for the baseline target, without any ISA flags (and so never
+// executes an instruction the CPU may lack): csrc/<arch>/cpu_features.cpp says what the CPU has
+// and the OS saves, kIsaLevels (isa_gen.h, from moepack/isa_levels.py) what each level needs, and
+// only then are the ISA translation units' register_* called.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -9,108 +10,39 @@
 
 #include "moepack/kernel.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#define MOEPACK_X86 1
-#endif
-
 namespace moepack {
 
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::scalar: return "scalar";
-    case Isa::avx2: return "avx2";
-    case Isa::avx_vnni: return "avx_vnni";
-    case Isa::avx512: return "avx512";
-    case Isa::avx512_vnni: return "avx512_vnni";
-    case Isa::avx512_bf16: return "avx512_bf16";
-  }
-  return "?";
-}
+const char* isa_name(Isa isa) { return int(isa) >= 0 && int(isa) < kNumIsa ? kIsaLevels[int(isa)].name : "?"; }
 
-#ifdef MOEPACK_X86
-static uint64_t read_xcr0() {
-  uint32_t lo, hi;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  return (uint64_t(hi) << 32) | lo;
-}
+#if !MOEPACK_ARCH_KNOWN
+// An architecture moepack/isa_levels.py does not list: no features, the scalar level only.
+CpuFeatures detect_cpu_features() { return {}; }
 #endif
-
-static CpuFeatures detect() {
-  CpuFeatures f;
-#ifdef MOEPACK_X86
-  unsigned a, b, c, d;
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
-  const bool osxsave = (c >> 27) & 1;
-  f.fma = (c >> 12) & 1;
-  f.f16c = (c >> 29) & 1;
-  const bool avx = (c >> 28) & 1;
-  if (osxsave && avx) {
-    const uint64_t xcr0 = read_xcr0();
-    f.os_avx = (xcr0 & 0x6) == 0x6;             // SSE + AVX state
-    f.os_avx512 = f.os_avx && (xcr0 & 0xe0) == 0xe0;  // opmask, ZMM_Hi256, Hi16_ZMM
-  }
-  unsigned max_leaf = __get_cpuid_max(0, nullptr);
-  if (max_leaf >= 7) {
-    __cpuid_count(7, 0, a, b, c, d);
-    const unsigned max_subleaf = a;
-    f.avx2 = (b >> 5) & 1;
-    f.avx512f = (b >> 16) & 1;
-    f.avx512dq = (b >> 17) & 1;
-    f.avx512bw = (b >> 30) & 1;
-    f.avx512vl = (b >> 31) & 1;
-    f.avx512vnni = (c >> 11) & 1;
-    if (max_subleaf >= 1) {  // leaf 7 subleaf 1 exists only when subleaf 0 says so
-      __cpuid_count(7, 1, a, b, c, d);
-      f.avx512bf16 = (a >> 5) & 1;
-      f.avx_vnni = (a >> 4) & 1;
-    }
-  }
-#endif
-  return f;
-}
 
 const CpuFeatures& cpu_features() {
-  static const CpuFeatures f = detect();
+  static const CpuFeatures f = detect_cpu_features();
   return f;
 }
 
 const char* isa_unavailable_reason(Isa isa) {
-#ifndef MOEPACK_X86
-  if (isa != Isa::scalar) return "not an x86 CPU";
-#endif
+  if (int(isa) < 0 || int(isa) >= kNumIsa) return "unknown ISA";
+  const IsaLevel& v = kIsaLevels[int(isa)];
+  if (!v.built) return v.not_built;
   const CpuFeatures& f = cpu_features();
-  switch (isa) {
-    case Isa::scalar: return nullptr;
-    case Isa::avx2:
-      if (!(f.avx2 && f.fma && f.f16c)) return "the CPU lacks AVX2/FMA/F16C";
-      if (!f.os_avx) return "the OS does not enable AVX state (XCR0)";
-      return nullptr;
-    case Isa::avx_vnni:
-      if (!f.avx_vnni) return "the CPU lacks AVX-VNNI";
-      return isa_unavailable_reason(Isa::avx2);
-    case Isa::avx512:
-      if (!(f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq)) return "the CPU lacks AVX-512 F/BW/VL/DQ";
-      if (!f.os_avx512) return "the OS does not enable AVX-512 state (XCR0 opmask/ZMM)";
-      return isa_unavailable_reason(Isa::avx2);
-    case Isa::avx512_vnni:
-      if (!f.avx512vnni) return "the CPU lacks AVX512_VNNI";
-      return isa_unavailable_reason(Isa::avx512);
-    case Isa::avx512_bf16:
-      if (!f.avx512bf16) return "the CPU lacks AVX512_BF16";
-      return isa_unavailable_reason(Isa::avx512);
+  for (const IsaNeed& n : v.needs) {
+    if (n.reason == nullptr) break;
+    for (bool CpuFeatures::*m : n.features) {
+      if (m != nullptr && !(f.*m)) return n.reason;
+    }
   }
-  return "unknown ISA";
+  return nullptr;
 }
 
 bool isa_serves(Isa isa, const LayoutDesc& L) {
-  if (L.family != kFamily_x86) return isa == Isa::scalar;
-  switch (isa) {
-    case Isa::avx_vnni:
-    case Isa::avx512_vnni: return L.weight_dtype == kWeight_i8;
-    case Isa::avx512_bf16: return L.weight_dtype == kWeight_bf16;
-    default: return true;
-  }
+  if (int(isa) < 0 || int(isa) >= kNumIsa) return false;
+  const IsaLevel& v = kIsaLevels[int(isa)];
+  if (v.family >= 0 && L.family != v.family) return false;
+  return v.weight_kinds == 0 || ((v.weight_kinds >> L.weight_dtype) & 1u) != 0;
 }
 
 Isa host_isa() {
@@ -126,22 +58,18 @@ Isa env_max_isa() {
   for (int i = 0; i < kNumIsa; ++i) {
     if (std::strcmp(v, isa_name(Isa(i))) == 0) return Isa(i);
   }
-  throw std::invalid_argument(std::string("MOEPACK_MAX_ISA='") + v +
-                              "' is not one of scalar, avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16 (it can only "
-                              "lower the ISA level moepack uses)");
+  throw std::invalid_argument(std::string("MOEPACK_MAX_ISA='") + v + "' is not one of " + kIsaNames +
+                              " (it can only lower the ISA level moepack uses)");
 }
 
 static const KernelTable& table() {
   static const KernelTable t = [] {
     KernelTable k;
-    register_scalar(k);
-#ifdef MOEPACK_X86
-    if (!isa_unavailable_reason(Isa::avx2)) register_avx2(k);
-    if (!isa_unavailable_reason(Isa::avx_vnni)) register_avx_vnni(k);
-    if (!isa_unavailable_reason(Isa::avx512)) register_avx512(k);
-    if (!isa_unavailable_reason(Isa::avx512_vnni)) register_avx512_vnni(k);
-    if (!isa_unavailable_reason(Isa::avx512_bf16)) register_avx512_bf16(k);
-#endif
+    // scalar and the levels of the architecture this build is for (MOEPACK_BUILT_ISA_LEVELS)
+#define MOEPACK_REGISTER(isa) \
+  if (!isa_unavailable_reason(Isa::isa)) register_##isa(k);
+    MOEPACK_BUILT_ISA_LEVELS(MOEPACK_REGISTER)
+#undef MOEPACK_REGISTER
     return k;
   }();
   return t;

@@ -5,7 +5,7 @@ Importing moepack is cheap: the native extension is loaded on first use.
     import moepack
     packed = moepack.pack_experts(w13, w2)                  # canonical -> packed layout
     out = moepack.fused_experts(x, packed.w13, packed.w2, topk_weights, topk_ids)
-    moepack.kernel_choice()                                 # ('avx2', 'why')
+    moepack.kernel_choice()                                 # ('avx2', 'why', False): isa, reason, is_fallback
 """
 
 from ._ops import cpu_flags, fused_experts, kernel_choice, load_extension, pack_weight

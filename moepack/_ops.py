@@ -8,6 +8,7 @@ argument, the value and the rule.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -96,10 +97,18 @@ def pack_weight(weight: torch.Tensor, layout: int | str | PackedLayout = DEFAULT
     return ops().pack_weight(weight, layout_get(layout).id)
 
 
-def kernel_choice(layout: int | str | PackedLayout = DEFAULT_LAYOUT) -> tuple[str, str]:
-    """(isa, reason): the kernel a call with this layout runs on this CPU now, and why."""
-    isa, reason = ops().kernel_choice(layout_get(layout).id)
-    return isa, reason
+class KernelChoice(NamedTuple):
+    """The kernel a call with a layout runs on this CPU now (``kernel_choice``)."""
+
+    isa: str  # its ISA level (moepack.isa.ISAS)
+    reason: str  # why this level and not a better one
+    is_fallback: bool  # this build lacks the kernel of a better level that serves the layout: MOEPACK_STRICT=1 refuses it
+
+
+def kernel_choice(layout: int | str | PackedLayout = DEFAULT_LAYOUT) -> KernelChoice:
+    """(isa, reason, is_fallback): the kernel a call with this layout runs on this CPU now, and why."""
+    isa, reason, is_fallback = ops().kernel_choice(layout_get(layout).id)
+    return KernelChoice(isa, reason, bool(is_fallback))
 
 
 def cpu_flags() -> list[str]:

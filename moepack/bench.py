@@ -242,7 +242,7 @@ def machine_info(threads: int | None = None) -> dict:
     import moepack
     from .isa import host_isa, max_isa
 
-    isa, reason = moepack.kernel_choice()
+    isa, reason, _ = moepack.kernel_choice()
     return {
         "cpu_model": cpu_model(),
         "logical_cpus": os.cpu_count(),

@@ -1,18 +1,10 @@
 """Kernel ISA levels, as the extension's dispatcher sees them, and MOEPACK_MAX_ISA (which can only lower them).
 
-Levels (csrc/include/moepack/kernel.h, ``Isa``), in order of preference; each has its own CPU
-requirements, which do not nest:
+Levels (moepack/isa_levels.py, the one list; ``Isa`` in csrc/include/moepack/isa_gen.h is
+generated from it), in order of preference; each has its own CPU requirements, which do not
+nest:
 
-============  ==================================================  =====================
-level         the CPU needs                                       serves layouts
-============  ==================================================  =====================
-scalar        nothing                                             all
-avx2          AVX2 + FMA + F16C                                   all x86
-avx_vnni      avx2 + AVX-VNNI (VEX vpdpbusd)                      int8
-avx512        avx2 + AVX-512 F/BW/VL/DQ                           all x86
-avx512_vnni   avx512 + AVX512_VNNI                                int8
-avx512_bf16   avx512 + AVX512_BF16                                bf16
-============  ==================================================  =====================
+{table}
 
 A layout runs on the best level the CPU has that serves it and is at or below MOEPACK_MAX_ISA.
 """
@@ -22,15 +14,31 @@ from __future__ import annotations
 import os
 
 from .errors import UnsupportedError
+from .isa_levels import LEVELS, doc_rows, serves_kind
+from .layout import LAYOUTS
 
-ISAS = ("scalar", "avx2", "avx_vnni", "avx512", "avx512_vnni", "avx512_bf16")  # order = preference
+ISAS = tuple(lv.name for lv in LEVELS)  # order = preference
 
 # Which levels have a kernel for which weight kind (a layout's weight_dtype); tests check this
 # against what the dispatcher picks on the host, tests/cpp against every registered kernel.
 KERNEL_ISAS = {
-    "bf16": ("scalar", "avx2", "avx512", "avx512_bf16"),
-    "i8": ("scalar", "avx2", "avx_vnni", "avx512", "avx512_vnni"),
+    kind: tuple(lv.name for lv in LEVELS if serves_kind(lv, kind))
+    for kind in dict.fromkeys(lay.weight_dtype for lay in LAYOUTS)
 }
+
+
+def _rst_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+
+    rule = "  ".join("=" * w for w in widths)
+    return "\n".join([rule, line(header), rule, *map(line, rows), rule])
+
+
+if __doc__:  # (python -OO drops docstrings)
+    __doc__ = __doc__.format(table=_rst_table([r[:3] for r in doc_rows()], ("level", "the CPU needs", "serves")))
 
 
 def _flag(name: str) -> str | None:
@@ -43,7 +51,7 @@ def _flag(name: str) -> str | None:
 
 
 def host_isa() -> str:
-    """Best (highest) level this CPU and OS support (cpuid + xgetbv in csrc/dispatch.cpp)."""
+    """Best (highest) level this CPU and OS support (csrc/<arch>/cpu_features.cpp, csrc/dispatch.cpp)."""
     return _flag("host_isa") or "scalar"
 
 
@@ -61,9 +69,3 @@ def max_isa() -> str:
     if value not in ISAS:
         raise UnsupportedError(f"MOEPACK_MAX_ISA={value!r} is not one of {', '.join(ISAS)}")
     return ISAS[min(ISAS.index(value), ISAS.index(host_isa()))]
-
-
-def is_fallback(reason: str) -> bool:
-    """Whether a ``kernel_choice`` reason says the build lacks a kernel for a better level this CPU has."""
-    head, _, rest = reason.partition(": ")
-    return head in ISAS and rest.startswith("fallback:")

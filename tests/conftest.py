@@ -3,8 +3,8 @@
 * Every test starts from fixed seeds (``_fixed_seeds``); inputs that a test builds itself come
   from ``make_moe_inputs(seed=...)`` with its own ``torch.Generator``, so a case produces the
   same tensors whatever ran before it (``-k`` selections, reordering, xdist).
-* ``isa`` runs a test once per bf16 kernel path (scalar, avx2, avx512, avx512_bf16: the levels
-  with a bf16 kernel, ``moepack.isa.KERNEL_ISAS``) by capping the dispatcher with ``MOEPACK_MAX_ISA``; a path this host cannot run is skipped with the reason, and a path that
+* ``isa`` runs a test once per bf16 kernel path (every level with a bf16 kernel:
+  ``moepack.isa.KERNEL_ISAS["bf16"]``, from moepack/isa_levels.py) by capping the dispatcher with ``MOEPACK_MAX_ISA``; a path this host cannot run is skipped with the reason, and a path that
   the dispatcher would not actually pick fails loudly (a test must never silently run a lower
   kernel than its name says). ``simd_isa`` is the same without the scalar baseline.
 * Inputs follow SEMANTICS.md §4: canonical weights ~ N(0, 1)/sqrt(fan_in) rounded to bf16 (the
@@ -70,7 +70,7 @@ def _use_isa(isa: str, monkeypatch: pytest.MonkeyPatch) -> str:
         pytest.skip(f"{isa} kernels cannot run on this host (host ISA: {host_isa()}; flags: {moepack.cpu_flags()})")
     monkeypatch.setenv("MOEPACK_MAX_ISA", isa)
     monkeypatch.delenv("MOEPACK_STRICT", raising=False)
-    chosen, reason = moepack.kernel_choice()
+    chosen, reason, _ = moepack.kernel_choice()
     assert chosen == isa, f"MOEPACK_MAX_ISA={isa} but the dispatcher picks {chosen} ({reason})"
     return isa
 

@@ -2,14 +2,15 @@
 how MOEPACK_MAX_ISA / MOEPACK_STRICT change it.
 
 The contract as implemented:
-* ISA levels scalar < avx2 < avx_vnni < avx512 < avx512_vnni < avx512_bf16 (moepack.isa), each
+* ISA levels in the order of moepack.isa.ISAS (the one list: moepack/isa_levels.py), each
   available when cpuid AND xgetbv allow its own requirements (they do not nest); the host ISA
   is the best available one;
 * a layout runs on the best available level that SERVES it (the dot-product levels serve one
   weight kind: moepack.isa.KERNEL_ISAS) at or below MOEPACK_MAX_ISA (read on every call; it can
   only LOWER the choice; an unknown value is a ValueError);
 * if the build has no kernel for such a level, the next one down runs and that is a fallback,
-  reported in the reason ("<isa>: fallback: ..."), which MOEPACK_STRICT=1 turns into an error.
+  reported in the reason ("<isa>: fallback: ...") and as kernel_choice's is_fallback, which
+  MOEPACK_STRICT=1 turns into an error.
   A cap the user asked for is not a fallback. This host never has a fallback; tests/cpp checks
   the rule on simulated CPUs (Alder Lake, Skylake-SP, Ice Lake, Sapphire Rapids, Zen 5) and a
   table with a kernel missing.
@@ -18,12 +19,14 @@ The contract as implemented:
 from __future__ import annotations
 
 import pathlib
+import re
 
 import pytest
 import torch
 
 import moepack
-from moepack.isa import ISAS, KERNEL_ISAS, available_isas, host_isa, is_fallback, max_isa
+from moepack.isa import ISAS, KERNEL_ISAS, available_isas, host_isa, max_isa
+from moepack.isa_levels import LEVELS, features, features_of
 from moepack.layout import LAYOUTS
 from tests.conftest import make_moe_inputs, run_packed
 
@@ -34,13 +37,8 @@ def _clean_env(monkeypatch):
     monkeypatch.delenv("MOEPACK_STRICT", raising=False)
 
 
-LEVEL_NEEDS = {
-    "avx2": {"avx2", "fma", "f16c", "os_avx"},
-    "avx_vnni": {"avx2", "fma", "f16c", "os_avx", "avx_vnni"},
-    "avx512": {"avx2", "fma", "f16c", "os_avx", "avx512f", "avx512bw", "avx512vl", "avx512dq", "os_avx512"},
-}
-LEVEL_NEEDS["avx512_vnni"] = LEVEL_NEEDS["avx512"] | {"avx512_vnni"}
-LEVEL_NEEDS["avx512_bf16"] = LEVEL_NEEDS["avx512"] | {"avx512_bf16"}
+# Every cpu_flags name each level needs (its base's included), from the list.
+LEVEL_NEEDS = {lv.name: set(features_of(lv)) for lv in LEVELS if lv.arch is not None}
 
 
 def expected_levels(flags: set[str]) -> list[str]:
@@ -78,15 +76,14 @@ def test_cpu_flags_agree_with_the_kernel():
         pytest.skip("/proc/cpuinfo has no flags line (not x86?)")
     linux = set(line.split(":", 1)[1].split())
     ours = set(moepack.cpu_flags())
-    for flag in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "avx512_vnni",
-                 "avx_vnni"):
+    for flag in features(by="cpu"):  # the OS-state ones (os_*) are not CPU flags
         assert (flag in ours) == (flag in linux), f"{flag}: extension {'has' if flag in ours else 'lacks'} it, /proc/cpuinfo disagrees"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
 def test_default_choice_is_the_best_serving_level(layout):
-    isa, reason = moepack.kernel_choice(layout)
-    assert isa == expected_choice(layout, host_isa())
+    isa, reason, is_fallback = moepack.kernel_choice(layout)
+    assert isa == expected_choice(layout, host_isa()) and not is_fallback
     assert reason.startswith(f"{isa}: best ISA of this CPU for layout {layout.name}")
     serving = KERNEL_ISAS[layout.weight_dtype]
     if isa != serving[-1]:  # says why not the next level up that has a kernel for the layout
@@ -98,7 +95,7 @@ def test_default_choice_is_the_best_serving_level(layout):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
 def test_max_isa_can_only_lower(monkeypatch, cap, layout):
     monkeypatch.setenv("MOEPACK_MAX_ISA", cap)
-    isa, reason = moepack.kernel_choice(layout)
+    isa, reason, is_fallback = moepack.kernel_choice(layout)
     best = expected_choice(layout, ISAS[-1])
     want = expected_choice(layout, cap)
     assert isa == want
@@ -107,7 +104,7 @@ def test_max_isa_can_only_lower(monkeypatch, cap, layout):
         assert reason == f"{want}: MOEPACK_MAX_ISA={cap} lowers the CPU's {best} for layout {layout.name}"
     else:  # the cap does not change the choice: no mention of it
         assert "best ISA of this CPU" in reason and "MOEPACK_MAX_ISA" not in reason
-    assert not is_fallback(reason)
+    assert not is_fallback and ": fallback:" not in reason  # a cap the user asked for is no fallback
 
 
 def test_empty_max_isa_means_unset(monkeypatch):
@@ -119,15 +116,16 @@ def test_empty_max_isa_means_unset(monkeypatch):
 @pytest.mark.parametrize("bad", ["bogus", "AVX2", "avx", " scalar", "avx512bf16", "avxvnni"])
 def test_invalid_max_isa(monkeypatch, bad):
     monkeypatch.setenv("MOEPACK_MAX_ISA", bad)
-    with pytest.raises(ValueError, match=f"MOEPACK_MAX_ISA='{bad}' is not one of scalar, avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16"):
+    with pytest.raises(ValueError, match=re.escape(f"MOEPACK_MAX_ISA='{bad}' is not one of {', '.join(ISAS)} (")):
         moepack.kernel_choice()
 
 
-def test_is_fallback_reads_the_reason_wording():
-    assert is_fallback("avx2: fallback: this build has no avx512 kernel for layout i8_n32k4_x86")
-    assert not is_fallback("avx2: best ISA of this CPU for layout i8_n32k4_x86 (avx_vnni: the CPU lacks AVX-VNNI)")
-    assert not is_fallback("avx2: MOEPACK_MAX_ISA=avx2 lowers the CPU's avx512 for layout bf16_n32k2_x86")
-    assert not is_fallback("bogus: fallback: x")
+def test_kernel_choice_is_a_named_triple():
+    choice = moepack.kernel_choice()
+    assert isinstance(choice, tuple) and len(choice) == 3
+    assert (choice.isa, choice.reason, choice.is_fallback) == (choice[0], choice[1], choice[2])
+    assert isinstance(choice.is_fallback, bool)
+    assert torch.ops.moepack.kernel_choice(LAYOUTS[0].id) == tuple(choice)
 
 
 def BF16_LEVELS() -> list[str]:  # noqa: N802 - reads like the constant it stands for
@@ -180,8 +178,8 @@ def test_strict_never_refuses_on_this_host(monkeypatch, layout):
     monkeypatch.setenv("MOEPACK_STRICT", "1")
     for cap in available_isas():
         monkeypatch.setenv("MOEPACK_MAX_ISA", cap)
-        isa, reason = moepack.kernel_choice(layout)
-        assert isa == expected_choice(layout, cap) and not is_fallback(reason)
+        isa, reason, is_fallback = moepack.kernel_choice(layout)
+        assert isa == expected_choice(layout, cap) and not is_fallback and ": fallback:" not in reason
         inp = make_moe_inputs(tokens=2, hidden=72, intermediate=40, topk=1, seed=64)
         assert run_packed(inp.pack(layout=layout), inp).shape == (2, 72)
 
@@ -200,6 +198,7 @@ def test_info_names_the_kernel_of_every_layout(monkeypatch):
     for lay in LAYOUTS:
         assert kernels[lay.name]["isa"] == expected_choice(lay, host_isa())
         assert kernels[lay.name]["reason"] == moepack.kernel_choice(lay)[1]
+        assert kernels[lay.name]["is_fallback"] is moepack.kernel_choice(lay).is_fallback is False
     monkeypatch.setenv("MOEPACK_MAX_ISA", "scalar")
     r = CliRunner().invoke(app, ["info"], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output

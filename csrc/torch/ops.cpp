@@ -318,7 +318,7 @@ Isa parse_isa(std::string_view name) {
   for (int i = 0; i < kNumIsa; ++i) {
     if (name == isa_name(Isa(i))) return Isa(i);
   }
-  TORCH_CHECK_VALUE(false, "isa='", name, "' is not one of scalar, avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16");
+  TORCH_CHECK_VALUE(false, "isa='", name, "' is not one of ", kIsaNames);
 }
 
 // Test hook (SEMANTICS.md §4: SIMD integer dot products identical to scalar): the int32
@@ -408,7 +408,8 @@ std::tuple<std::string, std::vector<int64_t>, std::vector<std::string>> layout_d
           tensors};
 }
 
-std::tuple<std::string, std::string> kernel_choice(int64_t layout) {
+// (isa, reason, is_fallback): is_fallback is Selection::fallback, what MOEPACK_STRICT refuses.
+std::tuple<std::string, std::string, bool> kernel_choice(int64_t layout) {
   Isa cap;
   try {
     cap = env_max_isa();
@@ -417,27 +418,16 @@ std::tuple<std::string, std::string> kernel_choice(int64_t layout) {
   }
   Selection sel = select_fused(int32_t(layout), cap);
   TORCH_CHECK_VALUE(sel.fn != nullptr, sel.reason);
-  return {isa_name(sel.isa), sel.reason};
+  return {isa_name(sel.isa), sel.reason, sel.fallback};
 }
 
 std::vector<std::string> cpu_flags() {
   const CpuFeatures& f = cpu_features();
   std::vector<std::string> out;
-  auto add = [&](bool b, const char* n) {
-    if (b) out.emplace_back(n);
-  };
-  add(f.avx2, "avx2");
-  add(f.fma, "fma");
-  add(f.f16c, "f16c");
-  add(f.avx512f, "avx512f");
-  add(f.avx512bw, "avx512bw");
-  add(f.avx512vl, "avx512vl");
-  add(f.avx512dq, "avx512dq");
-  add(f.avx512bf16, "avx512_bf16");
-  add(f.avx512vnni, "avx512_vnni");
-  add(f.avx_vnni, "avx_vnni");
-  add(f.os_avx, "os_avx");
-  add(f.os_avx512, "os_avx512");
+#define MOEPACK_ADD_FEATURE(name) \
+  if (f.name) out.emplace_back(#name);
+  MOEPACK_CPU_FEATURES(MOEPACK_ADD_FEATURE)
+#undef MOEPACK_ADD_FEATURE
   out.emplace_back(std::string("host_isa=") + isa_name(host_isa()));
   std::string avail = "available_isas=";
   for (int i = 0; i < kNumIsa; ++i) {
@@ -459,7 +449,7 @@ TORCH_LIBRARY(moepack, m) {
   m.def("gemm_i8_block(Tensor rows, Tensor block, Tensor colsum, int layout, str isa) -> Tensor");
   m.def("read_experts(Tensor w13, Tensor w2, Tensor ids) -> int");
   m.def("layout_desc(int layout) -> (str, int[], str[])", &moepack::layout_desc);
-  m.def("kernel_choice(int layout) -> (str, str)", &moepack::kernel_choice);
+  m.def("kernel_choice(int layout) -> (str, str, bool)", &moepack::kernel_choice);
   m.def("cpu_flags() -> str[]", &moepack::cpu_flags);
 }
 

@@ -17,7 +17,7 @@ import torch
 from .._ops import kernel_choice
 from ..container.reader import open_shard
 from ..errors import MoepackError, PackedDirError, UnsupportedError
-from ..isa import host_isa, is_fallback
+from ..isa import host_isa
 from ..layout import LAYOUTS, V1_FIELDS, layout_get, layout_padded_i, layout_tensor_plan
 from ..pack import PackedExperts
 from .experts import run_experts
@@ -81,12 +81,12 @@ class PackedMoELayer(torch.nn.Module):
     @property
     def kernel(self) -> tuple[str, str]:
         """(isa, reason): the kernel this layer runs on this CPU, and why."""
-        return kernel_choice(self.packed.layout)
+        return kernel_choice(self.packed.layout)[:2]
 
     def check_strict(self) -> None:
-        _, reason = self.kernel
-        if (self._model.strict or _strict_env()) and is_fallback(reason):
-            raise UnsupportedError(f"layer {self.index}: strict mode refuses a fallback: {reason}")
+        choice = kernel_choice(self.packed.layout)
+        if (self._model.strict or _strict_env()) and choice.is_fallback:
+            raise UnsupportedError(f"layer {self.index}: strict mode refuses a fallback: {choice.reason}")
 
     def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The router's logits ``[T, E]`` in fp32 from this layer's router weight (and bias)."""

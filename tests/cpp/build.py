@@ -3,26 +3,31 @@
 
     python tests/cpp/build.py [--build-dir DIR] [--run [-- ARGS...]]
 
-Translation units (each with the flags setup.py gives it, -O2):
+Translation units (each with the flags setup.py gives it, -O2; the levels, their files, flags and
+emulation come from moepack/isa_levels.py, for the build host's architecture):
   scalar        csrc/ref/moe_scalar.cpp     no ISA flags
   pack          csrc/pack.cpp               no ISA flags
-  dispatch      csrc/dispatch.cpp           no ISA flags (cpu detection, fused_moe_check_routing)
-  avx2          csrc/x86/moe_avx2.cpp       -mavx2 -mfma -mf16c
-  for each level L in avx_vnni, avx512, avx512_vnni, avx512_bf16 (csrc/x86/moe_L.cpp):
-    L_emu       the file against SIMDe's portable intrinsics (-DMOEPACK_EMULATE_AVX512 or
-                -DMOEPACK_EMULATE_AVX_VNNI), NO flags of the level; -mavx2 -mfma -mf16c when the
-                build host has them (avx_vnni: only then). Exports register_L, so the binary runs
-                it on any x86-64 host.
+  dispatch      csrc/dispatch.cpp           no ISA flags (kernel selection, fused_moe_check_routing)
+  cpu_features  csrc/<arch>/cpu_features.cpp  no ISA flags
+  for each level L of the architecture (csrc/<arch>/moe_L.cpp):
+    L           without `emulate` (x86: avx2): the file with the level's flags
+    otherwise:
+    L_emu       the file against SIMDe's portable intrinsics (the level's `emulate` define), NO
+                flags of the level; the flags of Arch.emulate_with (x86: avx2) when the build
+                host has that level (levels with emulate_needs_host: only then). Exports
+                register_L, so the binary runs it on any host of the architecture.
     L_native    the file with the level's own flags, register_L renamed register_L_native; run
                 only on CPUs that have the level.
     L_omit      the file with -DMOEPACK_OMIT_LEVEL (what setup.py builds when the compiler lacks
-                the level's flags): compiled and its exports checked, not linked.
-  test          tests/cpp/test_kernels.cpp  no ISA flags
+                the level's flags): compiled and its exports checked; linked (an empty
+                register_L) only when L_emu is not built.
+  test          tests/cpp/test_kernels.cpp  no ISA flags; MOEPACK_TEST_REGISTRARS(X) names the
+                linked kernel objects: X(label, register function, level, level the host needs)
 
-After compiling it checks that the emulated object contains no AVX-512 instruction (no zmm, opmask
-or EVEX-only register) and that every ISA object exports nothing but its register_* function
-(an exported inline function compiled with ISA flags could be picked by the linker for baseline
-code). Needs g++ (or $CXX) and SIMDe (Debian/Ubuntu: apt-get install libsimde-dev).
+After compiling it checks that an emulated object contains no instruction of the level it emulates
+(x86: no zmm, opmask or EVEX-only register, no dot-product instruction) and that every ISA object
+exports nothing but its register_* function (an exported inline function compiled with ISA flags
+could be picked by the linker for baseline code). Needs g++ (or $CXX) and SIMDe (Debian/Ubuntu: apt-get install libsimde-dev).
 Objects are rebuilt when a source, a csrc header or this script is newer, or flags changed.
 """
 
@@ -31,11 +36,14 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
+import platform
 import re
+import runpy
 import shlex
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -43,18 +51,17 @@ CSRC = os.path.join(ROOT, "csrc")
 DEFAULT_BUILD = os.path.join(HERE, "build")
 
 COMMON = ["-std=c++20", "-O2", "-fno-math-errno", "-Wall", "-Wno-unused-function", "-I" + os.path.join(CSRC, "include")]
-AVX2 = ["-mavx2", "-mfma", "-mf16c"]
-AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c", "-Wno-maybe-uninitialized"]
-# The levels built twice (emulated and native): name -> (source, native flags, emulation define)
-LEVELS = {
-    "avx_vnni": ("csrc/x86/moe_avx_vnni.cpp", AVX2 + ["-mavxvnni"], "-DMOEPACK_EMULATE_AVX_VNNI"),
-    "avx512": ("csrc/x86/moe_avx512.cpp", AVX512, "-DMOEPACK_EMULATE_AVX512"),
-    "avx512_vnni": ("csrc/x86/moe_avx512_vnni.cpp", AVX512 + ["-mavx512vnni"], "-DMOEPACK_EMULATE_AVX512"),
-    "avx512_bf16": ("csrc/x86/moe_avx512_bf16.cpp", AVX512 + ["-mavx512bf16"], "-DMOEPACK_EMULATE_AVX512"),
+EMULATED = ["-Wno-psabi"]  # SIMDe's wide vector types in function signatures
+
+
+# The one list of ISA levels, run by path: the package itself needs the built extension, unused here.
+ISA = SimpleNamespace(**runpy.run_path(os.path.join(ROOT, "moepack", "isa_levels.py")))
+# What an emulated object of the architecture must not contain. x86: AVX-512 encodings (zmm
+# registers, opmask registers, xmm/ymm 16-31: EVEX only) and the dot-product instructions (VEX
+# AVX-VNNI included).
+EMULATED_INSN = {
+    "x86": re.compile(r"%?\bzmm\d+|%k[0-7]\b|\b[xy]mm(1[6-9]|2\d|3[01])\b|\bv(pdpbus|pdpws|dpbf16)"),
 }
-# What an emulated object must not contain: AVX-512 encodings (zmm registers, opmask registers,
-# xmm/ymm 16-31: EVEX only) and the dot-product instructions (VEX AVX-VNNI included).
-EMULATED_INSN = re.compile(r"%?\bzmm\d+|%k[0-7]\b|\b[xy]mm(1[6-9]|2\d|3[01])\b|\bv(pdpbus|pdpws|dpbf16)")
 
 
 def cxx() -> list[str]:
@@ -74,10 +81,11 @@ def simde_available() -> tuple[bool, str]:
 
 
 def host_has(*flags: str) -> bool:
+    """Whether /proc/cpuinfo lists every one of `flags` (Linux x86 "flags", aarch64 "Features")."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
+                if line.startswith(("flags", "Features")):
                     have = set(line.split(":", 1)[1].split())
                     return all(fl in have for fl in flags)
     except OSError:
@@ -135,19 +143,31 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "") -> str:
     if not ok:
         raise RuntimeError(why)
     os.makedirs(build_dir, exist_ok=True)
-    emu_avx2 = host_has("avx2", "fma", "f16c")
+    arch = ISA.build_arch(platform.machine())
+    if arch is None:
+        raise RuntimeError(f"platform.machine()={platform.machine()!r} is none of moepack/isa_levels.py's ARCHES "
+                           f"({', '.join(a.name for a in ISA.ARCHES)}): tests/cpp builds one architecture's kernels")
+    levels = ISA.arch_levels(arch.name)
+    # the emulated objects run native code of Arch.emulate_with around the emulated instructions
+    # where the build host has that level (/proc/cpuinfo: its CPU features)
+    emu_host = ISA.level(arch.emulate_with) if arch.emulate_with else None
+    emu_flags = ISA.all_flags(emu_host) if emu_host and host_has(*ISA.features_of(emu_host, "cpu")) else []
     units = {
-        "scalar": ("csrc/ref/moe_scalar.cpp", []),
+        "scalar": (ISA.level("scalar").source, []),
         "pack": ("csrc/pack.cpp", []),
         "dispatch": ("csrc/dispatch.cpp", []),
-        "avx2": ("csrc/x86/moe_avx2.cpp", AVX2),
+        "cpu_features": (arch.cpu_features_source, []),
     }
-    for lv, (src, native, emu_define) in LEVELS.items():
+    emulated = [lv.name for lv in levels if lv.emulate and (emu_flags or not lv.emulate_needs_host)]
+    for lv in levels:
+        if lv.emulate is None:
+            units[lv.name] = (lv.source, ISA.all_flags(lv))
+            continue
         # what setup.py builds when the compiler lacks the level's flags: an empty register_<lv>
-        units[lv + "_omit"] = (src, ["-DMOEPACK_OMIT_LEVEL"])
-        if lv != "avx_vnni" or emu_avx2:  # the AVX-VNNI kernel is AVX2 code around one emulated instruction
-            units[lv + "_emu"] = (src, [emu_define, "-Wno-psabi"] + (AVX2 if emu_avx2 else []))
-        units[lv + "_native"] = (src, native + [f"-Dregister_{lv}=register_{lv}_native"])
+        units[lv.name + "_omit"] = (lv.source, ["-DMOEPACK_OMIT_LEVEL"])
+        if lv.name in emulated:
+            units[lv.name + "_emu"] = (lv.source, [lv.emulate] + EMULATED + emu_flags)
+        units[lv.name + "_native"] = (lv.source, ISA.all_flags(lv) + [f"-Dregister_{lv.name}=register_{lv.name}_native"])
     t0 = time.time()
     results = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as ex:
@@ -155,7 +175,7 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "") -> str:
                 for name, (src, fl) in units.items()}
         for name, fut in futs.items():
             results[name] = fut.result()
-    native = {lv: results[lv + "_native"][1] == 0 for lv in LEVELS}
+    native = {lv.name: results[lv.name + "_native"][1] == 0 for lv in levels if lv.emulate}
     for lv, ok in native.items():
         if not ok:
             log(f"note: native {lv} object not built (compiler lacks the flags?); only the emulated one runs\n"
@@ -163,45 +183,56 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "") -> str:
     for name, (obj, rc, out) in results.items():
         if rc != 0 and not name.endswith("_native"):
             raise RuntimeError(f"compiling {name} failed:\n{out}")
-    emulated = [lv for lv in LEVELS if lv + "_emu" in units]
-    test_flags = [f"-DMOEPACK_TEST_NATIVE_{lv.upper()}={int(ok)}" for lv, ok in native.items()]
-    test_flags += [f"-DMOEPACK_TEST_EMU_NEEDS_AVX2={int(emu_avx2)}", f"-DMOEPACK_TEST_EMU_AVX_VNNI={int('avx_vnni' in emulated)}"]
+
+    # What links register_<lv> (dispatch.cpp calls every level of the architecture): the level's
+    # own object, its emulated one, else its empty omit object; the native builds come on top.
+    # X(label, register function, level, the level the host must have to run it)
+    link = {}
+    registrars = []
+    emu_needs = emu_host.name if emu_flags else "scalar"
+    for lv in levels:
+        if lv.emulate is None:
+            link[lv.name] = f"register_{lv.name}"
+            registrars.append(f'X("{lv.name}", register_{lv.name}, {lv.name}, {lv.name})')
+        elif lv.name in emulated:
+            link[lv.name + "_emu"] = f"register_{lv.name}"
+            registrars.append(f'X("{lv.name}-emu", register_{lv.name}, {lv.name}, {emu_needs})')
+        else:
+            link[lv.name + "_omit"] = f"register_{lv.name}"
+            log(f"note: {lv.name} is not emulated: it needs {emu_host.name if emu_host else '?'} code and this build host lacks it")
+    for lv, ok in native.items():
+        if ok:
+            link[lv + "_native"] = f"register_{lv}_native"
+            registrars.append(f'X("{lv}", register_{lv}_native, {lv}, {lv})')
+    test_flags = ["-DMOEPACK_TEST_REGISTRARS(X)=" + " ".join(registrars)]
     obj, rc, out = _compile(os.path.join(build_dir, "test_kernels.o"), os.path.join(HERE, "test_kernels.cpp"), test_flags, extra)
     if rc != 0:
         raise RuntimeError(f"compiling test_kernels.cpp failed:\n{out}")
 
     # An emulated object must not contain a single instruction of the level it emulates.
     for lv in emulated:
+        if arch.name not in EMULATED_INSN:
+            raise RuntimeError(f"level {lv} is emulated but EMULATED_INSN has no pattern for architecture {arch.name}")
         dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", results[lv + "_emu"][0]], capture_output=True,
                              text=True, check=True).stdout
-        bad = [ln.strip() for ln in dis.splitlines() if EMULATED_INSN.search(ln)]
+        bad = [ln.strip() for ln in dis.splitlines() if EMULATED_INSN[arch.name].search(ln)]
         if bad:
             raise RuntimeError(f"the emulated {lv} object contains instructions of the level:\n" + "\n".join(bad[:20]))
     # ISA objects export exactly their register function.
-    want = {"avx2": "register_avx2"}
-    want.update({lv + "_omit": f"register_{lv}" for lv in LEVELS})
-    want.update({lv + "_emu": f"register_{lv}" for lv in emulated})
-    want.update({lv + "_native": f"register_{lv}_native" for lv, ok in native.items() if ok})
+    want = dict(link)
+    want.update({lv.name + "_omit": f"register_{lv.name}" for lv in levels if lv.emulate})
     for name, fn in want.items():
         syms = _exported(results[name][0])
         if syms != [f"moepack::{fn}(moepack::KernelTable&)"]:
             raise RuntimeError(f"{name} object must export only moepack::{fn}, it exports: {syms}")
 
-    objs = [results[n][0] for n in units
-            if not n.endswith(("_native", "_omit")) or (n.endswith("_native") and native[n[: -len("_native")]])] + [obj]
-    if "avx_vnni" not in emulated:  # dispatch.cpp names register_avx_vnni; it never calls it on such a host
-        stub = os.path.join(build_dir, "avx_vnni_stub.o")
-        r = subprocess.run(cxx() + COMMON + ["-x", "c++", "-c", "-", "-o", stub],
-                           input='#include "moepack/kernel.h"\nnamespace moepack { void register_avx_vnni(KernelTable&) {} }\n',
-                           capture_output=True, text=True)
-        if r.returncode != 0:
-            raise RuntimeError("compiling the avx_vnni stub failed:\n" + r.stderr)
-        objs.append(stub)
+    objs = [results[n][0] for n in ("scalar", "pack", "dispatch", "cpu_features")] + [results[n][0] for n in link] + [obj]
     exe = os.path.join(build_dir, "test_kernels")
     r = subprocess.run(cxx() + extra + objs + ["-pthread", "-o", exe], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError("link failed:\n" + r.stdout + r.stderr)
-    log(f"built {exe} in {time.time() - t0:.1f}s (emulated {', '.join(emulated)} over {'AVX2' if emu_avx2 else 'portable SIMDe'}; "
+    over = emu_host.name if emu_flags else "portable SIMDe"
+    log(f"built {exe} in {time.time() - t0:.1f}s (emulated {', '.join(emulated) or 'none'} over {over}; "
         f"native objects linked: {', '.join(lv for lv, ok in native.items() if ok) or 'none'})")
     return exe
 

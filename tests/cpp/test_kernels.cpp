@@ -3,12 +3,11 @@
 // reference written from SEMANTICS.md §2 (the driver is shared by every ISA, so SIMD-vs-scalar
 // alone cannot see a driver bug).
 //
-// Kernels: scalar (oracle), avx2 (native, when the CPU has it), and for each level L of
-// avx_vnni, avx512, avx512_vnni, avx512_bf16: L-emu (csrc/x86/moe_L.cpp built against SIMDe's
-// portable intrinsics, runs on any x86-64 with AVX2, the AVX-512 ones anywhere when built
-// without -mavx2) and L (the same file built natively, run only when the CPU and OS have the
-// level). Each kernel runs on the layouts its level serves (bf16: avx512, avx512_bf16; int8:
-// avx_vnni, avx512, avx512_vnni).
+// Kernels: scalar (oracle), and for each level L of the host's architecture (moepack/isa_levels.py):
+// L (csrc/<arch>/moe_L.cpp built natively, run only when the CPU and OS have the level) and, for
+// the levels the list says how to emulate, L-emu (the same file against SIMDe's portable
+// intrinsics: runs on any CPU of the architecture, or any with the level it was built over).
+// Each kernel runs on the layouts its level serves (isa_serves).
 //
 // Build and run: python tests/cpp/build.py --run   (options: -v prints every case)
 // Last line: "N passed, M failed"; exit status 1 when anything failed.
@@ -28,39 +27,17 @@
 #include "moepack/kernel.h"
 #include "moepack/numeric.h"
 
-#ifndef MOEPACK_TEST_NATIVE_AVX_VNNI
-#define MOEPACK_TEST_NATIVE_AVX_VNNI 0
-#endif
-#ifndef MOEPACK_TEST_NATIVE_AVX512
-#define MOEPACK_TEST_NATIVE_AVX512 0
-#endif
-#ifndef MOEPACK_TEST_NATIVE_AVX512_VNNI
-#define MOEPACK_TEST_NATIVE_AVX512_VNNI 0
-#endif
-#ifndef MOEPACK_TEST_NATIVE_AVX512_BF16
-#define MOEPACK_TEST_NATIVE_AVX512_BF16 0
-#endif
-#ifndef MOEPACK_TEST_EMU_NEEDS_AVX2
-#define MOEPACK_TEST_EMU_NEEDS_AVX2 0
-#endif
-#ifndef MOEPACK_TEST_EMU_AVX_VNNI
-#define MOEPACK_TEST_EMU_AVX_VNNI 0
+// tests/cpp/build.py defines MOEPACK_TEST_REGISTRARS(X): one X(label, register function, level,
+// level the host needs to run it) per kernel object it links (moe_L.cpp natively, through SIMDe,
+// and natively again with -Dregister_L=register_L_native), from moepack/isa_levels.py.
+#ifndef MOEPACK_TEST_REGISTRARS
+#error "build with tests/cpp/build.py: it defines MOEPACK_TEST_REGISTRARS(X), the kernel objects it links"
 #endif
 
 namespace moepack {
-// moe_L.cpp built natively with -Dregister_L=register_L_native
-#if MOEPACK_TEST_NATIVE_AVX_VNNI
-void register_avx_vnni_native(KernelTable& t);
-#endif
-#if MOEPACK_TEST_NATIVE_AVX512
-void register_avx512_native(KernelTable& t);
-#endif
-#if MOEPACK_TEST_NATIVE_AVX512_VNNI
-void register_avx512_vnni_native(KernelTable& t);
-#endif
-#if MOEPACK_TEST_NATIVE_AVX512_BF16
-void register_avx512_bf16_native(KernelTable& t);
-#endif
+#define MOEPACK_DECLARE_LINKED(label, fn, level, host) void fn(KernelTable& t);
+MOEPACK_TEST_REGISTRARS(MOEPACK_DECLARE_LINKED)
+#undef MOEPACK_DECLARE_LINKED
 }  // namespace moepack
 
 using namespace moepack;
@@ -136,44 +113,23 @@ struct Registrar {
 };
 
 std::vector<Registrar> find_registrars() {
-  std::vector<Registrar> out;
-  const bool has_avx2 = isa_unavailable_reason(Isa::avx2) == nullptr && __builtin_cpu_supports("avx2") &&
-                        __builtin_cpu_supports("fma");
-  if (has_avx2) {
-    out.push_back({"avx2", register_avx2, Isa::avx2});
-  } else {
-    std::printf("note: avx2 kernel not run: %s\n", isa_unavailable_reason(Isa::avx2) ? isa_unavailable_reason(Isa::avx2) : "cpu");
-  }
-  if (!MOEPACK_TEST_EMU_NEEDS_AVX2 || has_avx2) {  // the SIMDe builds
-#if MOEPACK_TEST_EMU_AVX_VNNI
-    out.push_back({"avx_vnni-emu", register_avx_vnni, Isa::avx_vnni});
-#endif
-    out.push_back({"avx512-emu", register_avx512, Isa::avx512});
-    out.push_back({"avx512_vnni-emu", register_avx512_vnni, Isa::avx512_vnni});
-    out.push_back({"avx512_bf16-emu", register_avx512_bf16, Isa::avx512_bf16});
-  } else {
-    std::printf("note: emulated kernels not run: they were built with -mavx2 and this CPU lacks AVX2\n");
-  }
-  auto native = [&](const char* name, void (*reg)(KernelTable&), Isa isa) {
-    if (const char* why = isa_unavailable_reason(isa)) {
-      std::printf("note: native %s kernel not run: %s\n", name, why);
-    } else {
-      out.push_back({name, reg, isa});
-    }
+  struct Linked {
+    Registrar r;
+    Isa host;  // an emulated object runs native code of this level around the emulated instructions
   };
-#if MOEPACK_TEST_NATIVE_AVX_VNNI
-  native("avx_vnni", register_avx_vnni_native, Isa::avx_vnni);
-#endif
-#if MOEPACK_TEST_NATIVE_AVX512
-  native("avx512", register_avx512_native, Isa::avx512);
-#endif
-#if MOEPACK_TEST_NATIVE_AVX512_VNNI
-  native("avx512_vnni", register_avx512_vnni_native, Isa::avx512_vnni);
-#endif
-#if MOEPACK_TEST_NATIVE_AVX512_BF16
-  native("avx512_bf16", register_avx512_bf16_native, Isa::avx512_bf16);
-#endif
-  (void)native;
+  const std::vector<Linked> linked = {
+#define MOEPACK_LINKED(label, fn, level, host) {{label, fn, Isa::level}, Isa::host},
+      MOEPACK_TEST_REGISTRARS(MOEPACK_LINKED)
+#undef MOEPACK_LINKED
+  };
+  std::vector<Registrar> out;
+  for (const Linked& l : linked) {
+    if (const char* why = isa_unavailable_reason(l.host)) {
+      std::printf("note: %s kernel not run: it needs %s and %s\n", l.r.name.c_str(), isa_name(l.host), why);
+    } else {
+      out.push_back(l.r);
+    }
+  }
   return out;
 }
 

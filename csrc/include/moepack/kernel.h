@@ -5,23 +5,15 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "moepack/isa_gen.h"
 #include "moepack/layout_shapes.h"
 #include "moepack/layouts_gen.h"
 
 namespace moepack {
 
-// Kernel ISA levels. Order is preference: a higher value is a better kernel when the CPU supports
-// it and a kernel exists for the layout. Each level has its own CPU requirements, which do not
-// nest (a CPU can have AVX-512 BF16 without AVX-VNNI):
-//   avx2         AVX2 + FMA + F16C
-//   avx_vnni     avx2 + AVX-VNNI (VEX vpdpbusd on ymm: Alder Lake and later client cores, Zen 5)
-//   avx512       avx2 + AVX-512 F/BW/VL/DQ (Skylake-SP and later)
-//   avx512_vnni  avx512 + AVX512_VNNI (Cascade Lake, Ice Lake, Zen 4 and later)
-//   avx512_bf16  avx512 + AVX512_BF16 (Cooper Lake, Sapphire Rapids, Zen 4 and later)
-// The dot-product levels serve one weight kind: avx_vnni and avx512_vnni int8 layouts,
-// avx512_bf16 bf16 layouts (isa_serves).
-enum class Isa : int32_t { scalar = 0, avx2 = 1, avx_vnni = 2, avx512 = 3, avx512_vnni = 4, avx512_bf16 = 5 };
-constexpr int kNumIsa = 6;
+// Kernel ISA levels: the `Isa` enum (order = preference), kNumIsa, CpuFeatures and the kIsaLevels
+// table are generated from moepack/isa_levels.py, the one list of levels, into isa_gen.h
+// (docs/KERNELS.md, Dispatch; docs/CONTRIBUTING.md: how to add an ISA level).
 const char* isa_name(Isa isa);
 
 enum class DType : int32_t { f32 = 0, bf16 = 1, f16 = 2 };
@@ -108,21 +100,16 @@ struct KernelTable {
   Int8QuantizeFn quantize_i8[kNumIsa] = {};
 };
 
-// Each ISA translation unit exports exactly one of these; dispatch.cpp calls it only after the
-// CPU and the OS are known to support the ISA.
-void register_scalar(KernelTable& t);
-void register_avx2(KernelTable& t);
-void register_avx_vnni(KernelTable& t);
-void register_avx512(KernelTable& t);
-void register_avx512_vnni(KernelTable& t);
-void register_avx512_bf16(KernelTable& t);
+// Each ISA translation unit (csrc/<arch>/moe_<isa>.cpp, csrc/ref/moe_scalar.cpp) exports exactly
+// one of these; dispatch.cpp calls it only after the CPU and the OS are known to support the ISA.
+#define MOEPACK_DECLARE_REGISTER(isa) void register_##isa(KernelTable& t);
+MOEPACK_ISA_LEVELS(MOEPACK_DECLARE_REGISTER)
+#undef MOEPACK_DECLARE_REGISTER
 
-struct CpuFeatures {
-  bool avx2 = false, fma = false, f16c = false;
-  bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false, avx512bf16 = false;
-  bool avx512vnni = false, avx_vnni = false;
-  bool os_avx = false, os_avx512 = false;  // XCR0 says the OS saves the registers
-};
+// What the CPU has and the OS saves, asked once by csrc/<arch>/cpu_features.cpp of the
+// architecture this build is for (compiled without ISA flags; x86: cpuid + xgetbv); all false on
+// an architecture moepack/isa_levels.py does not list. cpu_features() caches it.
+CpuFeatures detect_cpu_features();
 const CpuFeatures& cpu_features();
 // Best (highest) ISA level the CPU and OS support (ignores MOEPACK_MAX_ISA).
 Isa host_isa();

@@ -1,0 +1,49 @@
+// x86 CPU features (csrc/include/moepack/isa_gen.h: CpuFeatures, from moepack/isa_levels.py): cpuid
+// says what the CPU has, xgetbv what the OS saves. Compiled for the baseline target, without any
+// ISA flags (setup.py), so it never executes an instruction the CPU may lack; csrc/dispatch.cpp
+// calls the ISA translation units' register_* only after this says their level can run.
+#include <cpuid.h>
+
+#include "moepack/kernel.h"
+
+namespace moepack {
+
+static uint64_t read_xcr0() {
+  uint32_t lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (uint64_t(hi) << 32) | lo;
+}
+
+CpuFeatures detect_cpu_features() {
+  CpuFeatures f;
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool osxsave = (c >> 27) & 1;
+  f.fma = (c >> 12) & 1;
+  f.f16c = (c >> 29) & 1;
+  const bool avx = (c >> 28) & 1;
+  if (osxsave && avx) {
+    const uint64_t xcr0 = read_xcr0();
+    f.os_avx = (xcr0 & 0x6) == 0x6;                   // SSE + AVX state
+    f.os_avx512 = f.os_avx && (xcr0 & 0xe0) == 0xe0;  // opmask, ZMM_Hi256, Hi16_ZMM
+  }
+  unsigned max_leaf = __get_cpuid_max(0, nullptr);
+  if (max_leaf >= 7) {
+    __cpuid_count(7, 0, a, b, c, d);
+    const unsigned max_subleaf = a;
+    f.avx2 = (b >> 5) & 1;
+    f.avx512f = (b >> 16) & 1;
+    f.avx512dq = (b >> 17) & 1;
+    f.avx512bw = (b >> 30) & 1;
+    f.avx512vl = (b >> 31) & 1;
+    f.avx512_vnni = (c >> 11) & 1;
+    if (max_subleaf >= 1) {  // leaf 7 subleaf 1 exists only when subleaf 0 says so
+      __cpuid_count(7, 1, a, b, c, d);
+      f.avx512_bf16 = (a >> 5) & 1;
+      f.avx_vnni = (a >> 4) & 1;
+    }
+  }
+  return f;
+}
+
+}  // namespace moepack
