@@ -21,9 +21,10 @@ ISA = SimpleNamespace(**runpy.run_path(os.path.join(ROOT, "moepack", "isa_levels
 ARCH = ISA.build_arch(platform.machine())  # None: an architecture the list lacks (scalar only)
 
 # Per-file flags, keyed by the source file's path relative to ROOT.
-# ops.cpp instantiates at::parallel_for, whose OpenMP body is inline in the ATen headers: without
-# -fopenmp it silently runs on one thread.
-FILE_FLAGS = {"csrc/torch/ops.cpp": ["-fopenmp"]}
+# The op files (csrc/torch/op_*.cpp) instantiate at::parallel_for, whose OpenMP body is inline in
+# the ATen headers: without -fopenmp it silently runs on one thread.
+TORCH_SOURCES = sorted(os.path.relpath(f, ROOT).replace(os.sep, "/") for f in glob.glob(os.path.join(ROOT, "csrc", "torch", "*.cpp")))
+FILE_FLAGS = {f: ["-fopenmp"] for f in TORCH_SOURCES}
 FILE_FLAGS.update({lv.source: ISA.all_flags(lv) for lv in ISA.LEVELS})
 COMMON_FLAGS = ["-O3", "-std=c++20", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
 
@@ -93,9 +94,7 @@ def _sources():
         "csrc/dispatch.cpp",
         "csrc/pack.cpp",
         "csrc/routing.cpp",
-        "csrc/torch/ops.cpp",
-        "csrc/torch/module.cpp",
-    ] + [lv.source for lv in ISA.LEVELS if lv.arch is None]
+    ] + TORCH_SOURCES + [lv.source for lv in ISA.LEVELS if lv.arch is None]
     if ARCH is not None:  # the architecture's folder: its levels' kernel files and its feature probe
         levels = {lv.source for lv in ISA.arch_levels(ARCH.name)}
         found = sorted(_rel(f) for f in glob.glob(os.path.join(ROOT, ARCH.folder, "*.cpp")))

@@ -1,0 +1,139 @@
+// The introspection and test/benchmark ops: layout_desc (the compiled layout table), kernel_choice
+// (the kernel a layout runs and why, with the fallback as a value), cpu_flags, gemm_i8_block (the
+// int8 integer core of one ISA, for tests) and read_experts (the benchmark's plain-read baseline).
+#include "op_common.h"
+
+namespace moepack {
+namespace {
+
+// Test hook (SEMANTICS.md §4: SIMD integer dot products identical to scalar): the int32
+// accumulators of exactly `isa`'s int8 block GEMM. rows int8 [m, kp], block int8 [block_n * kp]
+// (one packed column block), colsum int32 [block_n] -> int32 [m, block_n].
+at::Tensor gemm_i8_block_cpu(const at::Tensor& rows, const at::Tensor& block, const at::Tensor& colsum, int64_t layout,
+                             std::string_view isa) {
+  const LayoutDesc& L = layout_or_throw(layout);
+  TORCH_CHECK_VALUE(L.scheme == kScheme_int8_channel, "layout ", L.name, " is not an int8_channel layout");
+  TORCH_CHECK_VALUE(rows.dim() == 2 && rows.size(1) % L.k_pack == 0 && rows.size(1) <= kMaxI8K, "rows has shape ",
+                    shape_str(rows), ": must be [m, kp] with kp a multiple of k_pack=", L.k_pack, " and <= ", kMaxI8K);
+  const int64_t m = rows.size(0), kp = rows.size(1);
+  check_exact(rows, "rows", at::kChar, {m, kp}, "int8 [m, kp]");
+  check_exact(block, "block", at::kChar, {L.block_n * kp}, "one packed int8 column block [block_n * kp]");
+  check_exact(colsum, "colsum", at::kInt, {L.block_n}, "int32 [block_n]");
+  const Isa want = parse_isa(isa);
+  Int8BlockGemmFn fn = find_gemm_i8(int32_t(layout), want);
+  TORCH_CHECK_VALUE(fn != nullptr, "no ", isa_name(want), " int8 block GEMM for layout ", L.name, " on this CPU",
+                    isa_unavailable_reason(want) ? std::string(" (") + isa_unavailable_reason(want) + ")" : "");
+  at::Tensor out = at::empty({m, L.block_n}, rows.options().dtype(at::kInt));
+  std::vector<const int8_t*> ptrs(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) ptrs[size_t(i)] = rows.data_ptr<int8_t>() + i * kp;
+  if (m > 0) fn(L, ptrs.data(), int(m), block.data_ptr<int8_t>(), kp, colsum.data_ptr<int32_t>(), out.data_ptr<int32_t>());
+  return out;
+}
+
+// Benchmark baseline (moepack bench): reads every byte of experts `ids` of the packed w13 and
+// w2 ([E, ...], contiguous) on the extension's threads, in 64 KiB pieces, and returns a checksum
+// (so the reads cannot be elided). Timed next to fused_experts on the same experts, it says how
+// close the kernel is to merely reading its weights on this machine at this moment.
+int64_t read_experts_cpu(const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& ids) {
+  TORCH_CHECK_VALUE(w13.device().is_cpu() && w2.device().is_cpu() && ids.device().is_cpu(),
+                    "read_experts: every tensor must be on the CPU");
+  TORCH_CHECK_VALUE(w13.is_contiguous() && w2.is_contiguous() && w13.dim() >= 1 && w2.dim() >= 1 &&
+                        w13.size(0) == w2.size(0),
+                    "read_experts: w13 ", shape_str(w13), " and w2 ", shape_str(w2),
+                    " must be contiguous with the same leading expert dimension");
+  TORCH_CHECK_VALUE(ids.dim() == 1 && (ids.scalar_type() == at::kInt || ids.scalar_type() == at::kLong),
+                    "read_experts: ids must be a 1-D int32 or int64 tensor, got ", shape_str(ids), " ", ids.scalar_type());
+  const int64_t E = w13.size(0);
+  const at::Tensor id64 = ids.to(at::kLong).contiguous();
+  constexpr int64_t kPiece = 65536;
+  std::vector<std::pair<const char*, int64_t>> pieces;
+  for (int64_t i = 0; i < id64.numel(); ++i) {
+    const int64_t e = id64.data_ptr<int64_t>()[i];
+    TORCH_CHECK_INDEX(e >= 0 && e < E, "read_experts: ids[", i, "] = ", e, " is out of range [0, ", E, ")");
+    for (const at::Tensor* w : {&w13, &w2}) {
+      const int64_t per = w->nbytes() / E;
+      const char* base = static_cast<const char*>(w->data_ptr()) + e * per;
+      for (int64_t off = 0; off < per; off += kPiece) pieces.emplace_back(base + off, std::min(kPiece, per - off));
+    }
+  }
+  std::atomic<uint64_t> total{0};
+  at::parallel_for(0, int64_t(pieces.size()), 1, [&](int64_t b, int64_t e) {
+    uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+    for (int64_t p = b; p < e; ++p) {
+      const char* q = pieces[size_t(p)].first;
+      const int64_t n = pieces[size_t(p)].second;
+      int64_t k = 0;
+      for (; k + 32 <= n; k += 32) {
+        uint64_t v[4];
+        std::memcpy(v, q + k, 32);
+        a0 += v[0];
+        a1 += v[1];
+        a2 += v[2];
+        a3 += v[3];
+      }
+      for (; k < n; ++k) a0 += uint8_t(q[k]);
+    }
+    total.fetch_add(a0 + a1 + a2 + a3, std::memory_order_relaxed);
+  });
+  return int64_t(total.load());
+}
+
+// The compiled layout table, for tests/test_layout_sync.py: (name, numbers, tensors as
+// "role:suffix:dtype:shape" with the enums' indices).
+std::tuple<std::string, std::vector<int64_t>, std::vector<std::string>> layout_desc(int64_t id) {
+  const LayoutDesc& L = layout_or_throw(id);
+  std::vector<std::string> tensors;
+  for (int i = 0; i < L.num_tensors; ++i) {
+    const TensorDesc& t = L.tensors[i];
+    tensors.push_back(std::to_string(t.role) + ":" + t.suffix + ":" + std::to_string(t.dtype) + ":" + std::to_string(t.shape));
+  }
+  return {L.name,
+          {L.id, L.weight_dtype, L.weight_bits, L.group_size, L.block_n, L.k_pack, L.scale_dtype, L.zero_kind, L.family,
+           L.i_align, L.scheme, L.act_modes},
+          tensors};
+}
+
+// (isa, reason, is_fallback): is_fallback is Selection::fallback, what MOEPACK_STRICT refuses.
+std::tuple<std::string, std::string, bool> kernel_choice(int64_t layout) {
+  Isa cap;
+  try {
+    cap = env_max_isa();
+  } catch (const std::invalid_argument& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  }
+  Selection sel = select_fused(int32_t(layout), cap);
+  TORCH_CHECK_VALUE(sel.fn != nullptr, sel.reason);
+  return {isa_name(sel.isa), sel.reason, sel.fallback};
+}
+
+std::vector<std::string> cpu_flags() {
+  const CpuFeatures& f = cpu_features();
+  std::vector<std::string> out;
+#define MOEPACK_ADD_FEATURE(name) \
+  if (f.name) out.emplace_back(#name);
+  MOEPACK_CPU_FEATURES(MOEPACK_ADD_FEATURE)
+#undef MOEPACK_ADD_FEATURE
+  out.emplace_back(std::string("host_isa=") + isa_name(host_isa()));
+  std::string avail = "available_isas=";
+  for (int i = 0; i < kNumIsa; ++i) {
+    if (isa_unavailable_reason(Isa(i)) == nullptr) avail += std::string(i ? "," : "") + isa_name(Isa(i));
+  }
+  out.push_back(avail);
+  return out;
+}
+
+}  // namespace
+}  // namespace moepack
+
+TORCH_LIBRARY_FRAGMENT(moepack, m) {
+  m.def("gemm_i8_block(Tensor rows, Tensor block, Tensor colsum, int layout, str isa) -> Tensor");
+  m.def("read_experts(Tensor w13, Tensor w2, Tensor ids) -> int");
+  m.def("layout_desc(int layout) -> (str, int[], str[])", &moepack::layout_desc);
+  m.def("kernel_choice(int layout) -> (str, str, bool)", &moepack::kernel_choice);
+  m.def("cpu_flags() -> str[]", &moepack::cpu_flags);
+}
+
+TORCH_LIBRARY_IMPL(moepack, CPU, m) {
+  m.impl("gemm_i8_block", &moepack::gemm_i8_block_cpu);
+  m.impl("read_experts", &moepack::read_experts_cpu);
+}

@@ -1,0 +1,90 @@
+// torch.ops.moepack.pack_weight: the C++ packer of one [E, N, K] weight's codes into a layout
+// (moepack/pack: pack_weight_reference is its specification; tests/test_pack.py compares them).
+#include "op_common.h"
+
+namespace moepack {
+namespace {
+
+std::vector<int64_t> packed_shape(const at::Tensor& w, const LayoutDesc& L, int64_t n_padded, int64_t k_padded) {
+  TORCH_CHECK_VALUE(w.dim() == 3, "weight has shape ", shape_str(w), ": must be 3-D [E, N, K]");
+  const int64_t np = round_up(w.size(1), L.block_n), kp = round_up(w.size(2), L.k_pack);
+  TORCH_CHECK_VALUE(n_padded == 0 || (n_padded >= np && n_padded % L.block_n == 0), "n_padded=", n_padded,
+                    " for weight ", shape_str(w), ": must be 0 or a multiple of block_n=", L.block_n, " that is >= ", np);
+  TORCH_CHECK_VALUE(k_padded == 0 || (k_padded >= kp && k_padded % L.k_pack == 0), "k_padded=", k_padded,
+                    " for weight ", shape_str(w), ": must be 0 or a multiple of k_pack=", L.k_pack, " that is >= ", kp);
+  return {w.size(0), n_padded ? n_padded : np, k_padded ? k_padded : kp};
+}
+
+// int8 layouts pack int8 codes (scales and column sums are separate tensors, moepack/pack).
+at::Tensor pack_weight_i8(const at::Tensor& w, const LayoutDesc& L, int64_t n_padded, int64_t k_padded) {
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kChar, "weight has dtype ", w.scalar_type(), ": layout ", L.name,
+                   " packs int8 codes (quantize first: moepack.pack.quantize_int8_per_channel)");
+  auto shape = packed_shape(w, L, n_padded, k_padded);
+  at::Tensor src = w.contiguous();
+  at::Tensor out = at::empty(shape, w.options());
+  const int64_t E = shape[0], n = w.size(1), k = w.size(2), np = shape[1], kp = shape[2];
+  const int8_t* sp = src.data_ptr<int8_t>();
+  int8_t* dp = out.data_ptr<int8_t>();
+  const int64_t blocks = np / L.block_n;
+  at::parallel_for(0, E * blocks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t x = t / blocks, blk = t % blocks;
+      pack_matrix_i8_rows(sp + x * n * k, n, k, np, kp, L, dp + x * np * kp, blk, blk + 1);
+    }
+  });
+  return out;
+}
+
+at::Tensor pack_weight_cpu(const at::Tensor& w, int64_t layout, int64_t n_padded, int64_t k_padded) {
+  const LayoutDesc& L = layout_or_throw(layout);
+  check_cpu(w, "weight");
+  TORCH_CHECK_VALUE(L.tensors[0].dtype == kTensor_int8 || L.tensors[0].dtype == kTensor_bfloat16, "layout ", L.name,
+                    " stores ", kTensorDtypeNames[L.tensors[0].dtype], " codes: pack_weight packs bfloat16 and int8 codes");
+  if (L.tensors[0].dtype == kTensor_int8) return pack_weight_i8(w, L, n_padded, k_padded);
+  const DType dt = dtype_of(w, "weight");
+  auto shape = packed_shape(w, L, n_padded, k_padded);
+  at::Tensor src = w.contiguous();
+  at::Tensor out = at::empty(shape, w.options().dtype(at::kBFloat16));
+  const int64_t E = shape[0], n = w.size(1), k = w.size(2), np = shape[1], kp = shape[2];
+  const int64_t esz = src.element_size();
+  const char* sp = static_cast<const char*>(src.data_ptr());
+  uint16_t* dp = static_cast<uint16_t*>(out.data_ptr());
+  const int64_t blocks = np / L.block_n;
+  std::atomic<int64_t> first_bad{std::numeric_limits<int64_t>::max()};
+  // one task = one column block of one expert: a single expert still packs on every thread
+  at::parallel_for(0, E * blocks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t x = t / blocks, blk = t % blocks;
+      const int64_t bad = pack_matrix_bf16_rows(sp + x * n * k * esz, dt, n, k, np, kp, L, dp + x * np * kp, blk, blk + 1);
+      if (bad >= 0) {
+        int64_t flat = x * n * k + bad, cur = first_bad.load();
+        while (flat < cur && !first_bad.compare_exchange_weak(cur, flat)) {
+        }
+      }
+    }
+  });
+  const int64_t bad = first_bad.load();
+  TORCH_CHECK_VALUE(bad == std::numeric_limits<int64_t>::max(), "weight[", bad / (n * k), ", ", (bad / k) % n, ", ",
+                    bad % k, "] is not finite: weights must be finite");
+  return out;
+}
+
+at::Tensor pack_weight_meta(const at::Tensor& w, int64_t layout, int64_t n_padded, int64_t k_padded) {
+  const LayoutDesc& L = layout_or_throw(layout);
+  if (L.tensors[0].dtype == kTensor_int8) {
+    TORCH_CHECK_TYPE(w.scalar_type() == at::kChar, "weight has dtype ", w.scalar_type(), ": layout ", L.name,
+                     " packs int8 codes (quantize first: moepack.pack.quantize_int8_per_channel)");
+    return at::empty(packed_shape(w, L, n_padded, k_padded), w.options());
+  }
+  dtype_of(w, "weight");
+  return at::empty(packed_shape(w, L, n_padded, k_padded), w.options().dtype(at::kBFloat16));
+}
+
+}  // namespace
+}  // namespace moepack
+
+TORCH_LIBRARY_FRAGMENT(moepack, m) { m.def("pack_weight(Tensor weight, int layout, int n_padded=0, int k_padded=0) -> Tensor"); }
+
+TORCH_LIBRARY_IMPL(moepack, CPU, m) { m.impl("pack_weight", &moepack::pack_weight_cpu); }
+
+TORCH_LIBRARY_IMPL(moepack, Meta, m) { m.impl("pack_weight", &moepack::pack_weight_meta); }
