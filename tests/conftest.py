@@ -19,6 +19,7 @@ import os
 import random
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ import moepack
 from moepack.isa import KERNEL_ISAS, available_isas, host_isa
 from moepack.pack import PackedExperts, pack_experts
 from moepack.reference import moe_reference
+from tests.synthetic import SYNTH, write_synthetic_checkpoint
 
 # torch.ops.moepack.* exist once the extension is loaded (importing moepack alone is lazy).
 moepack.load_extension()
@@ -179,3 +181,24 @@ def reference(inp: MoeInputs, **kw) -> torch.Tensor:
     return moe_reference(
         inp.x, inp.w13, inp.w2, inp.topk_weights, inp.topk_ids, w13_bias=inp.w13_bias, w2_bias=inp.w2_bias, **kw
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# The synthetic ~190 MB checkpoint (tests/synthetic.py) of the convert-streaming and
+# open-memory tests: written once, and converted once, per test session.
+
+
+@pytest.fixture(scope="session")
+def synthetic_checkpoint(tmp_path_factory) -> tuple[Path, int]:
+    """The SYNTH checkpoint: (its directory, its tensor bytes)."""
+    path = tmp_path_factory.mktemp("synthetic") / "src"
+    return path, write_synthetic_checkpoint(path, **SYNTH)
+
+
+@pytest.fixture(scope="session")
+def synthetic_packed(synthetic_checkpoint) -> Path:
+    """The SYNTH checkpoint converted (in this process)."""
+    src, _ = synthetic_checkpoint
+    dst = src.parent / "packed"
+    moepack.convert(src, dst)
+    return dst

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -32,6 +31,7 @@ import moepack
 from moepack.convert_dir import MANIFEST
 from tests.fixtures_util import fixture_dir, fixture_info, fixture_names, moe_block, route
 from tests.reference.tolerances import TOL, assert_close
+from tests.synthetic import SYNTH, mib
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
@@ -268,67 +268,6 @@ def test_forward_matches_transformers_block(packed, name):
 # ---------------------------------------------------------------------------------------------
 # convert streams (memory)
 
-SYNTH = {"layers": 5, "experts": 16, "hidden": 1024, "intermediate": 384}
-
-
-def write_synthetic_checkpoint(path: Path, *, layers: int, experts: int, hidden: int, intermediate: int, seed: int = 0) -> int:
-    """A dense BF16 Qwen3-MoE-style checkpoint, one safetensors shard per layer + index (like
-    tools/bench_packdir.py's make_checkpoint, at a size a test can afford). Returns its tensor bytes."""
-    from safetensors.torch import save_file
-
-    e, h, i = experts, hidden, intermediate
-    path.mkdir(parents=True, exist_ok=True)
-    g = torch.Generator().manual_seed(seed)
-    # Cheap distinct weights: windows of one random buffer (randn of the whole model is slow).
-    base = (torch.randn((1 << 20) + 4096, generator=g) * 0.03).to(BF16)
-    weight_map, total = {}, 0
-    for layer in range(layers):
-        p = f"model.layers.{layer}.mlp"
-        t = {f"{p}.gate.weight": torch.randn(e, h, generator=g).to(BF16)}
-        for x in range(e):
-            for k, (proj, shape) in enumerate((("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i)))):
-                off = (layer * 977 + x * 131 + k * 17) % 4096
-                t[f"{p}.experts.{x}.{proj}.weight"] = base[off : off + shape[0] * shape[1]].reshape(shape).clone()
-        fname = f"model-{layer + 1:05d}-of-{layers:05d}.safetensors"
-        save_file(t, str(path / fname), metadata={"format": "pt"})
-        total += sum(v.numel() * v.element_size() for v in t.values())
-        weight_map.update(dict.fromkeys(t, fname))
-    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    cfg = {
-        "model_type": "qwen3_moe",
-        "hidden_size": h,
-        "num_experts": e,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": i,
-        "norm_topk_prob": True,
-        "hidden_act": "silu",
-        "num_hidden_layers": layers,
-    }
-    (path / "config.json").write_text(json.dumps(cfg))
-    return total
-
-
-_SYNTHETIC: dict[str, tuple[Path, int]] = {}
-
-
-def synthetic_checkpoint(tmp_path_factory) -> tuple[Path, int]:
-    """The SYNTH checkpoint, written once per test session (tests/test_open.py uses it too)."""
-    if "src" not in _SYNTHETIC:
-        path = tmp_path_factory.mktemp("synthetic") / "src"
-        _SYNTHETIC["src"] = (path, write_synthetic_checkpoint(path, **SYNTH))
-    return _SYNTHETIC["src"]
-
-
-def synthetic_packed(tmp_path_factory) -> Path:
-    """The SYNTH checkpoint converted, once per session (by test_convert_streams_one_layer_at_most
-    when it ran, else here)."""
-    src, _ = synthetic_checkpoint(tmp_path_factory)
-    dst = src.parent / "packed"
-    if not dst.exists():
-        moepack.convert(src, dst)
-    return dst
-
-
 # Peak RSS is the child's own VmHWM (reset after the imports through /proc/self/clear_refs when
 # the kernel allows it). NOT getrusage's ru_maxrss: Linux carries the PARENT's peak over
 # fork+exec into it, so a child of this (large) pytest process would report pytest's size.
@@ -362,10 +301,9 @@ CHILD_CONVERT = textwrap.dedent(
 )
 
 
-def test_convert_streams_one_layer_at_most(tmp_path_factory):
-    src, src_bytes = synthetic_checkpoint(tmp_path_factory)
-    dst = src.parent / "packed"  # kept for tests/test_open.py (synthetic_packed)
-    shutil.rmtree(dst, ignore_errors=True)
+def test_convert_streams_one_layer_at_most(synthetic_checkpoint, tmp_path):
+    src, src_bytes = synthetic_checkpoint
+    dst = tmp_path / "packed"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, "-c", CHILD_CONVERT, str(src), str(dst)], capture_output=True, text=True, env=env, timeout=120, check=False
@@ -385,10 +323,6 @@ def test_convert_streams_one_layer_at_most(tmp_path_factory):
     assert growth < layer_bytes + allowance, msg
     assert growth < src_bytes / 2, msg
     print(msg)
-
-
-def mib(b: float) -> str:
-    return f"{b / 2**20:.1f} MiB"
 
 
 def _nbytes(entry: dict) -> int:

@@ -6,8 +6,9 @@ Trust chain (ARCHITECTURE.md principle 6), one level per section:
 * the integer core: every ISA's int32 block accumulators identical to the scalar kernel's and to
   exact integer matmuls (``torch.ops.moepack.gemm_i8_block``), -128 codes and extremes included;
 * the kernels: scalar vs ``moe_reference_int8`` (same quantization in torch), SIMD vs scalar,
-  and both vs the fp32 pipeline on the dequantized weights, over the test_kernels.py matrix;
-  the activation rounding pinned bitwise; threads, expert_map; refusals; opcheck.
+  and both vs the fp32 pipeline on the dequantized weights, over the kernel test matrix
+  (tests/kernel_cases.py); the activation rounding pinned bitwise; threads, expert_map;
+  refusals; opcheck.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from moepack.pack import (
 )
 from moepack.reference import moe_reference, moe_reference_int8
 from tests.conftest import isa_cap, make_moe_inputs
+from tests.kernel_cases import CASES, Case
 from tests.reference.tolerances import TOL, assert_close_int8
-from tests.test_kernels import CASES, Case
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 OPS = torch.ops.moepack
@@ -244,8 +245,8 @@ def test_block_gemm_refuses():
 
 # ---------------------------------------------------------------------------------------------
 # Kernels vs the torch int8 reference, SIMD vs scalar, and vs fp32 on the dequantized weights,
-# over test_kernels.py's matrix (full product of dtype x activation x input scale; every pair
-# of shape / tokens / top-k / bias values)
+# over the kernel test matrix of tests/kernel_cases.py (full product of dtype x activation x
+# input scale; every pair of shape / tokens / top-k / bias values)
 # ---------------------------------------------------------------------------------------------
 
 

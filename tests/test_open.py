@@ -28,7 +28,7 @@ from moepack.errors import PackedDirError, UnsupportedError
 from moepack.isa import ISAS
 from moepack.runtime.model import PackedModel, PackedMoELayer
 from tests.fixtures_util import fixture_dir
-from tests.test_convert import SYNTH, mib, synthetic_checkpoint, synthetic_packed
+from tests.synthetic import SYNTH, mib
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -170,12 +170,11 @@ CHILD_OPEN = textwrap.dedent(
 )
 
 
-def test_open_maps_instead_of_reading(tmp_path_factory):
+def test_open_maps_instead_of_reading(synthetic_packed):
     """Fresh process, /proc/self/statm RSS: opening a ~190 MB packed directory grows RSS by
     less than 5% of its size (lazy imports included); one T=1 top-2 call touches two experts of
     one layer, not the layer."""
-    synthetic_checkpoint(tmp_path_factory)
-    dst = synthetic_packed(tmp_path_factory)
+    dst = synthetic_packed
     m = json.loads((dst / MANIFEST).read_text())
     size = sum(f["size"] for f in m["files"].values())
     assert size > 150 << 20

@@ -13,7 +13,7 @@ import pytest
 import moepack
 from moepack.verify_dir import verify
 from tests.fixtures_util import fixture_dir
-from tests.test_verify_shared import rewrite_tensor, set_element
+from tests.packdir_edit import rewrite_tensor, set_element
 
 
 @pytest.fixture(scope="module", params=[None, "int8"], ids=["bf16", "int8"])

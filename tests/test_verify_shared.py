@@ -24,12 +24,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import moepack
-from moepack.container import read_safetensors_header
 from moepack.convert_dir import MANIFEST
-from moepack.pack import pack_weight_reference, unpack_weight_reference
 from moepack.runtime.model import PackedMoELayer
-from moepack.verify_dir import tensor_sha256
 from tests.fixtures_util import fixture_dir, fixture_info
+from tests.packdir_edit import rewrite_tensor, set_element, set_unpacked
 
 QUANT_ROLES = ("w13_scale", "w2_scale", "w13_colsum", "w2_colsum")
 
@@ -128,45 +126,8 @@ def test_cli_prints_the_shared_expert(tmp_root):
 
 
 # ---------------------------------------------------------------------------------------------
-# one element changed, the manifest's sha256 kept consistent: the numeric check catches it
-
-
-def rewrite_tensor(d: Path, name: str, edit) -> None:
-    """``edit(t)`` changes the tensor ``name`` of the packed directory ``d`` in place (a copy
-    of its bytes); the new bytes are written over the old ones and the manifest's sha256 of the
-    tensor is updated, so that only a comparison with the source can tell."""
-    m = json.loads((d / MANIFEST).read_text())
-    fname = m["tensors"][name]["file"]
-    info = read_safetensors_header(d / fname).tensors[name]
-    t = moepack.open(d).tensor(name).clone()
-    edit(t)
-    raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-    assert len(raw) == info.nbytes
-    with open(d / fname, "r+b") as f:
-        f.seek(info.file_offset)
-        f.write(raw)
-    m["tensors"][name]["sha256"] = tensor_sha256(t)
-    (d / MANIFEST).write_text(json.dumps(m, indent=1))
-
-
-def set_unpacked(layout, idx: tuple, value):
-    """An edit that sets element ``idx`` = [expert, row, col] of a packed weight's unpacked
-    values (row, col of the padded [Np, Kp] matrix) and packs it back."""
-
-    def edit(t):
-        e, np_, kp = t.shape
-        full = unpack_weight_reference(t, np_, kp, layout).clone()
-        full[idx] = value
-        t.copy_(pack_weight_reference(full, layout, np_, kp))
-
-    return edit
-
-
-def set_element(idx: tuple, value):
-    def edit(t):
-        t[idx] = value
-
-    return edit
+# one element changed, the manifest's sha256 kept consistent (tests/packdir_edit.py): the
+# numeric check catches it
 
 
 # (fixture, quantize, role in the manifest's shared entry, edit(layout) -> edit(t), words in the

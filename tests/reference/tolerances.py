@@ -11,10 +11,10 @@ TOL[...])``. Two checks, both must hold:
   down projection over every output of the token, whatever their own size), so elements that
   cancel to near zero legitimately differ by many of their own ulps.
 
-The numbers were MEASURED (tests/reference/measure_errors.py over the test_kernels.py matrix
-and 6-25 extra random draws per shape; see each entry) and set with headroom. Do not loosen one
-to make a failure go away: a failure is a finding (see the docstring of each entry for what
-produces the error it bounds).
+The numbers were MEASURED (tests/reference/measure_errors.py over the kernel test matrix of
+tests/kernel_cases.py and 6-25 extra random draws per shape; see each entry) and set with
+headroom. Do not loosen one to make a failure go away: a failure is a finding (see the docstring
+of each entry for what produces the error it bounds).
 """
 
 from __future__ import annotations
@@ -167,7 +167,8 @@ _add("expert_parallel_sum", F32, 5e-7, 0, 32,
 # One such flip moves the output by a_scale * w2 column, up to ~5e-3 relative at T = 1: far
 # above 1e-5. So int8 comparisons accept rel <= rel_norm OR up to INT8_FLIPS single-flip
 # effects (moepack.reference.moe_reference_int8(..., return_flip=True) computes that effect from
-# the case's own data). Measured over the test_kernels.py matrix + 12 redraws (585 cases):
+# the case's own data). Measured over the kernel test matrix (tests/kernel_cases.py) + 12
+# redraws (585 cases):
 #   scalar vs reference fp32: 1.0e-7 without a flip; ONE case with a flip, 1.9e-3 (its single-flip
 #     effect 4.2e-3); bf16/fp16: bitwise equal in every case;
 #   avx2 vs scalar: fp32 1.8e-7 (no flip seen); bf16 5.9e-5, fp16 3.8e-5 (intermediate dtype
