@@ -72,7 +72,7 @@ def bench(
     threads: int = typer.Option(2, "--threads", help="torch.set_num_threads, and the machine probe's threads."),
     dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype: bf16, fp32 or fp16 (weights are bf16)."),
     scheme: str = typer.Option(
-        "bf16", "--scheme", help="Packed experts: bf16, or int8 (W8A8: the bf16 weights quantized per channel; GB/s of int8 bytes, GOP/s)."
+        "dense", "--scheme", help="Packed experts: dense (alias bf16), or int8_channel (alias int8; W8A8: the bf16 weights quantized per channel; GB/s of int8 bytes, GOP/s)."
     ),
     skip_torch: bool = typer.Option(False, "--skip-torch", help="Time only moepack (no torch loop baseline)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write all rows and machine info to this JSON file."),

@@ -19,7 +19,7 @@ GFLOP/s (``2*T*k*3*H*I`` per call / time) and torch_ms / moepack_ms. The same ru
 machine with tools/bw_probe.c (compiled on the fly, see ``probe_machine``): stream-read
 bandwidth and fp32 FMA peak with the same thread count, and moepack's fraction of each.
 
-``--scheme int8`` packs the same weights as W8A8 int8 experts (``quantize_int8_per_channel``,
+``--scheme int8_channel`` (alias ``int8``) packs the same weights as W8A8 int8 experts (``quantize_int8_per_channel``,
 layout ``i8_n32k4_x86``): GB/s then counts the int8 packed bytes (codes + fp32 scales + int32
 column sums) and GFLOP/s reads as GOP/s (the same ``2*T*k*3*H*I`` operations, done as int8
 multiply-adds). The "% FMA peak" column stays relative to the machine's fp32 FMA peak, which is
@@ -142,7 +142,8 @@ def parse_tokens(spec: str | list[int] | tuple[int, ...]) -> list[int]:
     return out
 
 
-SCHEMES = ("bf16", "int8")  # --scheme: the packed layout the experts are benchmarked in
+# --scheme: a weight scheme of moepack.schemes by name or alias (dense = "bf16", int8_channel =
+# "int8"); the experts are packed into its x86 layout.
 
 
 @dataclass
@@ -150,8 +151,8 @@ class BenchConfig:
     shapes: list[MoeShape] = field(default_factory=lambda: [SHAPES[n] for n in DEFAULT_SHAPES])
     tokens: list[int] = field(default_factory=lambda: list(DEFAULT_TOKENS))
     threads: int = 2
-    dtype: str = "bf16"  # activations; weights are bf16 (scheme bf16) or int8 (scheme int8)
-    scheme: str = "bf16"  # packed weights: "bf16" (dense layout) or "int8" (W8A8, quantized from the bf16 weights)
+    dtype: str = "bf16"  # activations; weights are bf16 (scheme dense) or int8 (scheme int8_channel)
+    scheme: str = "dense"  # packed weights: a scheme name or alias ("bf16", "int8"); validate() normalizes it
     skip_torch: bool = False
     min_time: float = 1.0  # seconds of timed calls per measurement (adaptive call count)
     calls: int | None = None  # fixed call count instead (still >= 1)
@@ -172,8 +173,13 @@ class BenchConfig:
             raise ValueError(f"--threads {self.threads}: must be >= 1")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype {self.dtype!r}: must be one of {', '.join(DTYPES)}")
-        if self.scheme not in SCHEMES:
-            raise ValueError(f"--scheme {self.scheme!r}: must be one of {', '.join(SCHEMES)}")
+        from .errors import UnsupportedError
+        from .schemes import get_scheme
+
+        try:
+            self.scheme = get_scheme(self.scheme).name
+        except UnsupportedError as e:
+            raise ValueError(f"--scheme: {e}") from None
         if not (self.min_time > 0 and math.isfinite(self.min_time)):
             raise ValueError(f"--min-time {self.min_time}: must be a positive number of seconds")
         if self.calls is not None and self.calls < 1:
@@ -579,7 +585,7 @@ class Row:
     moepack_gflops: float
     moepack_bw_frac: float | None  # moepack_gbs / machine read bandwidth
     moepack_peak_frac: float | None  # moepack_gflops / machine fp32 FMA peak
-    scheme: str = "bf16"  # bf16: GFLOP/s; int8: the same count is int8 GOP/s
+    scheme: str = "dense"  # dense: GFLOP/s; int8_channel: the same count is int8 GOP/s
     moepack_bg_cpus: float | None = None  # CPUs other processes used while moepack was timed
     moepack_waited_s: float | None = None  # seconds waited for other processes to go idle (--wait-quiet)
     moepack_attempts: int = 1  # timings made (--retries)
@@ -671,14 +677,11 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
     evict_id = torch.zeros(1, dtype=torch.int32)
     rows: list[Row] = []
     for si, shape in enumerate(cfg.shapes):
-        log(f"{shape.name} ({shape.describe()}): making and packing random bf16 weights" + (" as int8" if cfg.scheme == "int8" else ""))
+        log(f"{shape.name} ({shape.describe()}): making and packing random bf16 weights" + (f" as {cfg.scheme}" if cfg.scheme != "dense" else ""))
         w13, w2 = make_weights(shape, cfg.seed + 1000 * si)
-        if cfg.scheme == "int8":
-            from .schemes import get_scheme
+        from .schemes import get_scheme
 
-            packed = moepack.pack_experts(w13, w2, layout=get_scheme("int8_channel").layout_for("x86"))
-        else:
-            packed = moepack.pack_experts(w13, w2)
+        packed = moepack.pack_experts(w13, w2, layout=get_scheme(cfg.scheme).layout_for("x86"))
         packed_bpe = packed.nbytes // shape.num_experts
         raw_bpe = (packed.w13.nbytes + packed.w2.nbytes) / shape.num_experts  # what read_experts reads (no scales)
         if cfg.skip_torch:
@@ -730,7 +733,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
                 scale = tout.float().abs().max().item()
                 check = diff / scale if scale > 0 else diff
             routings = stream.take(max(n_m, n_t))
-            label = f"{shape.name} T={tokens} {cfg.dtype}" + (" int8" if cfg.scheme == "int8" else "")
+            label = f"{shape.name} T={tokens} {cfg.dtype}" + (f" {cfg.scheme}" if cfg.scheme != "dense" else "")
 
             def raw(experts):
                 return ops().read_experts(packed.w13, packed.w2, experts)
@@ -786,7 +789,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
                 row.speedup = tt.mean_ms / tm.mean_ms
                 row.check_rel_diff = check
                 row.torch_bg_cpus, row.torch_waited_s, row.torch_attempts = bg_t, waited_t, att_t
-                if check > (0.08 if cfg.scheme == "int8" else 0.05):
+                if check > (0.08 if cfg.scheme != "dense" else 0.05):
                     notes.append(f"{label}: moepack and the torch loop differ by {check:.3g} (relative): check the kernels")
             for who, bg in (("moepack", bg_m), ("torch loop", bg_t)):
                 if bg is not None and bg > BUSY_CPUS:
@@ -800,15 +803,15 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
         del packed, base13, base2
         gc.collect()
 
-    if cfg.scheme == "int8":
+    if cfg.scheme == "int8_channel":
         notes.append(
-            "--scheme int8: GFLOP/s is int8 GOP/s and '% FMA peak' is against the fp32 FMA peak; "
+            "--scheme int8_channel: GFLOP/s is int8 GOP/s and '% FMA peak' is against the fp32 FMA peak; "
             f"the int8 kernel here is {moepack.kernel_choice('i8_n32k4_x86')[0]} (avx2: vpsignb + vpmaddubsw + vpmaddwd "
             "+ vpaddd, 32 int8 multiply-adds per 4 ops per row; avx512: the same on zmm, 64; avx_vnni: vpdpbusd on ymm, "
             "32 per op; avx512_vnni: vpdpbusd on zmm, 64 per op)"
         )
         if not cfg.skip_torch:
-            notes.append("--scheme int8: the torch loop runs the bf16 weights (the check column includes the int8 quantization error)")
+            notes.append("--scheme int8_channel: the torch loop runs the bf16 weights (the check column includes the int8 quantization error)")
     machine["loadavg_end"] = _loadavg()
     config = dataclasses.asdict(cfg)
     config["shapes"] = [dataclasses.asdict(s) for s in cfg.shapes]
@@ -845,7 +848,7 @@ def table_cells(row: Row) -> list[str]:
     return [
         row.shape,
         str(row.tokens),
-        row.dtype if row.scheme == "bf16" else f"{row.dtype}/{row.scheme}",
+        row.dtype if row.scheme == "dense" else f"{row.dtype}/{row.scheme}",
         _f(row.moepack_ms, ".3f"),
         _f(row.torch_ms, ".3f"),
         "-" if row.speedup is None else f"{row.speedup:.2f}x",

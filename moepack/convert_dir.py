@@ -225,10 +225,30 @@ def torch_threads(n: int | None):
         torch.set_num_threads(before)
 
 
-def _convert(src: Path, dst: Path, lay: PackedLayout, quantize, overwrite: bool, shard_bytes: int, progress, t0: float):
-    notify = progress or (lambda *a, **k: None)
+@dataclass
+class _Plan:
+    """Everything a convert will write, decided from config.json and the headers alone."""
 
-    # ---- plan everything from headers (nothing is written yet) ----
+    src: Path
+    ckpt: Checkpoint
+    reader: SourceReader
+    scheme: Scheme
+    layout: PackedLayout
+    specs: list
+    config: dict
+    layer_tensors: dict  # layer index -> [(stored name, dtype, shape)] in write order
+    expert_shards: list  # [[LayerSpec]] per experts-*.safetensors
+    expert_files: list
+    other_shards: list  # [[tensor name]] per model-*.safetensors
+    other_files: list
+    routing: dict | None
+    routing_note: str
+    alpha: float
+    limit: float
+
+
+def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int) -> _Plan:
+    """Stage 1: the source, the scheme and layout it packs into, every tensor and shard."""
     ckpt, reader = open_source(src)
     scheme = _target_scheme(lay, quantize, reader)
     lay = _target_layout(lay, scheme)
@@ -236,126 +256,141 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, quantize, overwrite: bool,
     config = text_config(ckpt.config)
     expert_names = {n for s in specs for n in s.expert_tensors}
     other = [n for n in ckpt.tensors if n not in expert_names]
-    # Layer entries in order; tensors planned per layer.
     layer_tensors = {s.index: _plan_layer_tensors(s, lay) for s in specs}
-    expert_shards = _split_shards(
-        specs, lambda s: sum(_nbytes(d, sh) for _, d, sh in layer_tensors[s.index]), shard_bytes
-    )
+    expert_shards = _split_shards(specs, lambda s: sum(_nbytes(d, sh) for _, d, sh in layer_tensors[s.index]), shard_bytes)
     other_shards = _split_shards(other, lambda n: ckpt.info(n).nbytes, shard_bytes) if other else []
     ne, no = len(expert_shards), len(other_shards)
-    expert_files = [f"experts-{i + 1:05d}-of-{ne:05d}.safetensors" for i in range(ne)]
-    other_files = [f"model-{i + 1:05d}-of-{no:05d}.safetensors" for i in range(no)]
     routing, routing_note = _routing_for(config)
     alpha, limit = _swiglu_params(config)
-    notify("plan", layers=len(specs), expert_files=ne, other_files=no, other_tensors=len(other))
+    return _Plan(
+        src, ckpt, reader, scheme, lay, specs, config, layer_tensors, expert_shards,
+        [f"experts-{i + 1:05d}-of-{ne:05d}.safetensors" for i in range(ne)], other_shards,
+        [f"model-{i + 1:05d}-of-{no:05d}.safetensors" for i in range(no)], routing, routing_note, alpha, limit,
+    )  # fmt: skip
 
-    report = ConvertReport(dst=dst, layout=lay.name)
+
+def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fname: str, tensors: dict, report) -> dict:
+    """Stage 2, one layer: the scheme's streaming packer writes the layer's tensors in plan order,
+    one expert at a time (peak memory is one expert, not one layer); returns its manifest entry."""
+    lay, scheme, ckpt, reader = pl.layout, pl.scheme, pl.ckpt, pl.reader
+    checked = lambda pack, t, role, e: _pack_checked(pack, t, s, role, e)  # noqa: E731
+    packer = scheme.layer_packer(LayerSource(ckpt, reader, s, lay, checked))
+    entry_tensors = {}
+    for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias):
+        name = expert_tensor_name(s.index, t.name)
+        digest = w.write_parts(name, packer.parts(t.name))
+        tensors[name] = {"file": fname, "dtype": t.dtype, "shape": list(t.shape), "sha256": digest}
+        entry_tensors[t.name] = name
+        report.experts_bytes += shard.entry(name).nbytes
+    shared_entry = None
+    sp = packer.shared() if s.shared else None
+    if sp is not None:
+        shared_entry = {
+            "intermediate": s.shared["intermediate"],
+            "padded_intermediate": sp.padded_intermediate,
+            "gate": s.shared.get("gate"),
+            "source_tensors": [s.shared[p] for p in ("gate_proj", "up_proj", "down_proj")],
+            "scheme_source": scheme.source_note(ckpt.info(s.shared["gate_proj"]).dtype_str, reader.name),
+        }
+        for role, t in sp.tensors.items():
+            name = expert_tensor_name(s.index, "shared_" + role)
+            dt = str(t.dtype).replace("torch.", "")
+            tensors[name] = {"file": fname, "dtype": dt, "shape": list(t.shape), "sha256": w.write(name, t)}
+            shared_entry[role] = name
+            report.experts_bytes += t.numel() * t.element_size()
+    return {
+        "index": s.index,
+        "prefix": s.prefix,
+        "source_kind": s.kind,
+        "source_dtype": s.dtype,
+        "num_experts": s.num_experts,
+        "hidden": s.hidden,
+        "intermediate": s.intermediate,
+        "padded_intermediate": layout_expert_shapes(lay, s.num_experts, s.hidden, s.intermediate).padded_intermediate,
+        "activation": s.activation,
+        "alpha": pl.alpha,
+        "limit": pl.limit,
+        "interleaved": s.interleaved,
+        "layout_id": lay.id,
+        "scheme": scheme.name,
+        "scheme_source": scheme.source_note(s.dtype, reader.name),
+        "tensors": entry_tensors,
+        "router": dict(s.router),
+        "shared": shared_entry,
+        "source_tensors": list(s.expert_tensors),
+    }
+
+
+def _write_other(pl: _Plan, tmp: Path, tensors: dict, report, notify) -> None:
+    """Stage 3: every non-expert tensor, unchanged (names and bytes)."""
+    for fname, names in zip(pl.other_files, pl.other_shards):
+        shard = ShardPlan()
+        for n in names:
+            ti = pl.ckpt.info(n)
+            shard.add(n, ti.dtype, ti.shape)
+        with ShardWriter(tmp / fname, shard) as w:
+            for n in names:
+                t = pl.ckpt.read(n)
+                tensors[n] = {"file": fname, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "sha256": w.write(n, t)}
+                report.other_bytes += t.numel() * t.element_size()
+                del t
+        report.files.append(fname)
+        notify("other_done", file=fname, tensors=len(names))
+
+
+def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, report) -> dict:
+    """Stage 4: the manifest (docs/PACKED_FORMAT.md §4)."""
+    return {
+        "format": "moepack",
+        "format_version": FORMAT_VERSION,
+        "created_by": f"moepack {__version__}",
+        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "source": {
+            "path": str(pl.src.resolve()),
+            "reader": pl.reader.name,
+            "fingerprint": pl.ckpt.fingerprint(),
+            "files": [f.name for f in pl.ckpt.files],
+        },
+        "model": {"model_type": pl.config.get("model_type"), "hidden_size": pl.config.get("hidden_size"), "config": pl.ckpt.config},
+        "routing": pl.routing,
+        "routing_note": pl.routing_note,
+        "layouts": {str(pl.layout.id): pl.layout.to_dict()},
+        "layers": layers,
+        "files": {f: {"size": (tmp / f).stat().st_size} for f in report.files},
+        "tensors": tensors,
+        "carried_files": carried,
+    }
+
+
+def _convert(src: Path, dst: Path, lay: PackedLayout, quantize, overwrite: bool, shard_bytes: int, progress, t0: float):
+    """plan -> per layer, the scheme's packer streams into the expert shards -> the other tensors
+    -> the manifest, all inside a temporary directory renamed to ``dst`` only when complete."""
+    notify = progress or (lambda *a, **k: None)
+    pl = _plan(src, lay, quantize, shard_bytes)
+    notify("plan", layers=len(pl.specs), expert_files=len(pl.expert_files), other_files=len(pl.other_files),
+           other_tensors=sum(len(x) for x in pl.other_shards))  # fmt: skip
+    report = ConvertReport(dst=dst, layout=pl.layout.name)
     tensors: dict[str, dict] = {}
-    layers_manifest = []
+    layers = []
     with atomic_directory(dst, overwrite=overwrite) as tmp:
-        # ---- experts, one layer at a time ----
-        for fname, shard_specs in zip(expert_files, expert_shards):
-            plan = ShardPlan()
+        for fname, shard_specs in zip(pl.expert_files, pl.expert_shards):
+            shard = ShardPlan()
             for s in shard_specs:
-                for name, dt, shape in layer_tensors[s.index]:
-                    plan.add(name, dt, shape)
-            with ShardWriter(tmp / fname, plan) as w:
+                for name, dt, shape in pl.layer_tensors[s.index]:
+                    shard.add(name, dt, shape)
+            with ShardWriter(tmp / fname, shard) as w:
                 for s in shard_specs:
                     notify("layer_start", layer=s.index, num_experts=s.num_experts)
-                    # the scheme's streaming packer: one expert at a time, so peak memory is
-                    # one expert, not one layer
-                    checked = lambda pack, t, role, e, s=s: _pack_checked(pack, t, s, role, e)  # noqa: E731
-                    packer = scheme.layer_packer(LayerSource(ckpt, reader, s, lay, checked))
-                    sh = layout_expert_shapes(lay, s.num_experts, s.hidden, s.intermediate)
-                    entry_tensors = {}
-                    for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias):
-                        name = expert_tensor_name(s.index, t.name)
-                        digest = w.write_parts(name, packer.parts(t.name))
-                        tensors[name] = {"file": fname, "dtype": t.dtype, "shape": list(t.shape), "sha256": digest}
-                        entry_tensors[t.name] = name
-                        report.experts_bytes += plan.entry(name).nbytes
-                    shared_entry = None
-                    sp = packer.shared() if s.shared else None
-                    if sp is not None:
-                        shared_entry = {
-                            "intermediate": s.shared["intermediate"],
-                            "padded_intermediate": sp.padded_intermediate,
-                            "gate": s.shared.get("gate"),
-                            "source_tensors": [s.shared[p] for p in ("gate_proj", "up_proj", "down_proj")],
-                            "scheme_source": scheme.source_note(ckpt.info(s.shared["gate_proj"]).dtype_str, reader.name),
-                        }
-                        for role, t in sp.tensors.items():
-                            name = expert_tensor_name(s.index, "shared_" + role)
-                            dt = str(t.dtype).replace("torch.", "")
-                            tensors[name] = {"file": fname, "dtype": dt, "shape": list(t.shape), "sha256": w.write(name, t)}
-                            shared_entry[role] = name
-                            report.experts_bytes += t.numel() * t.element_size()
-                        del sp
-                    layer_bytes = sum(_nbytes(d, shp) for _, d, shp in layer_tensors[s.index])
-                    layers_manifest.append(
-                        {
-                            "index": s.index,
-                            "prefix": s.prefix,
-                            "source_kind": s.kind,
-                            "source_dtype": s.dtype,
-                            "num_experts": s.num_experts,
-                            "hidden": s.hidden,
-                            "intermediate": s.intermediate,
-                            "padded_intermediate": sh.padded_intermediate,
-                            "activation": s.activation,
-                            "alpha": alpha,
-                            "limit": limit,
-                            "interleaved": s.interleaved,
-                            "layout_id": lay.id,
-                            "scheme": scheme.name,
-                            "scheme_source": scheme.source_note(s.dtype, reader.name),
-                            "tensors": entry_tensors,
-                            "router": dict(s.router),
-                            "shared": shared_entry,
-                            "source_tensors": list(s.expert_tensors),
-                        }
-                    )
+                    layers.append(_write_layer(pl, s, w, shard, fname, tensors, report))
                     report.layers += 1
-                    notify("layer_done", layer=s.index, bytes=layer_bytes)
+                    notify("layer_done", layer=s.index, bytes=sum(_nbytes(d, shp) for _, d, shp in pl.layer_tensors[s.index]))
             report.files.append(fname)
-        # ---- everything else, unchanged ----
-        for fname, names in zip(other_files, other_shards):
-            plan = ShardPlan()
-            for n in names:
-                ti = ckpt.info(n)
-                plan.add(n, ti.dtype, ti.shape)
-            with ShardWriter(tmp / fname, plan) as w:
-                for n in names:
-                    t = ckpt.read(n)
-                    tensors[n] = {"file": fname, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "sha256": w.write(n, t)}
-                    report.other_bytes += t.numel() * t.element_size()
-                    del t
-            report.files.append(fname)
-            notify("other_done", file=fname, tensors=len(names))
+        _write_other(pl, tmp, tensors, report, notify)
         carried = []
-        for p in ckpt.carried_files():
+        for p in pl.ckpt.carried_files():
             shutil.copy2(p, tmp / p.name)
             carried.append(p.name)
-        manifest = {
-            "format": "moepack",
-            "format_version": FORMAT_VERSION,
-            "created_by": f"moepack {__version__}",
-            "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "source": {
-                "path": str(src.resolve()),
-                "reader": reader.name,
-                "fingerprint": ckpt.fingerprint(),
-                "files": [f.name for f in ckpt.files],
-            },
-            "model": {"model_type": config.get("model_type"), "hidden_size": config.get("hidden_size"), "config": ckpt.config},
-            "routing": routing,
-            "routing_note": routing_note,
-            "layouts": {str(lay.id): lay.to_dict()},
-            "layers": layers_manifest,
-            "files": {f: {"size": (tmp / f).stat().st_size} for f in report.files},
-            "tensors": tensors,
-            "carried_files": carried,
-        }
+        manifest = _manifest(pl, tmp, layers, tensors, carried, report)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
     report.seconds = time.perf_counter() - t0
     notify("done", report=report)

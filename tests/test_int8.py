@@ -433,11 +433,12 @@ def test_run_experts_passes_the_scales():
 def test_bench_int8_scheme():
     from moepack import bench as B
 
+    # "int8" is an alias: the rows carry the scheme's one name
     cfg = B.BenchConfig(shapes=B.parse_shapes("tiny"), tokens=[1, 3], threads=1, scheme="int8", calls=1, probe=False)
     result = B.run_benchmark(cfg)
-    assert [r.scheme for r in result.rows] == ["int8", "int8"]
+    assert [r.scheme for r in result.rows] == ["int8_channel", "int8_channel"]
     assert all(r.moepack_gbs > 0 and r.check_rel_diff is not None and r.check_rel_diff < 0.08 for r in result.rows)
-    assert any("--scheme int8" in n for n in result.notes)
-    assert "bf16/int8" in B.render_markdown(result)
-    with pytest.raises(ValueError, match="--scheme 'int4'"):
+    assert any("--scheme int8_channel" in n for n in result.notes)
+    assert "bf16/int8_channel" in B.render_markdown(result)
+    with pytest.raises(ValueError, match="--scheme: scheme 'int4' is unknown; known schemes: dense, int8_channel"):
         B.BenchConfig(scheme="int4").validate()

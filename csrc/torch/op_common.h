@@ -77,7 +77,8 @@ bool strict_mode() {
   return v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
 }
 
-Selection select_or_throw(int64_t layout) {
+// The kernel `layout` runs here under MOEPACK_MAX_ISA (refused when none runs it).
+Selection select_under_cap(int64_t layout) {
   Isa cap;
   try {
     cap = env_max_isa();
@@ -86,6 +87,12 @@ Selection select_or_throw(int64_t layout) {
   }
   Selection sel = select_fused(int32_t(layout), cap);
   TORCH_CHECK_VALUE(sel.fn != nullptr, sel.reason);
+  return sel;
+}
+
+// select_under_cap, and MOEPACK_STRICT=1 refuses a fallback.
+Selection select_or_throw(int64_t layout) {
+  Selection sel = select_under_cap(layout);
   TORCH_CHECK(!strict_mode() || !sel.fallback, "MOEPACK_STRICT=1 refuses a fallback: ", sel.reason);
   return sel;
 }

@@ -95,14 +95,7 @@ std::tuple<std::string, std::vector<int64_t>, std::vector<std::string>> layout_d
 
 // (isa, reason, is_fallback): is_fallback is Selection::fallback, what MOEPACK_STRICT refuses.
 std::tuple<std::string, std::string, bool> kernel_choice(int64_t layout) {
-  Isa cap;
-  try {
-    cap = env_max_isa();
-  } catch (const std::invalid_argument& e) {
-    TORCH_CHECK_VALUE(false, e.what());
-  }
-  Selection sel = select_fused(int32_t(layout), cap);
-  TORCH_CHECK_VALUE(sel.fn != nullptr, sel.reason);
+  const Selection sel = select_under_cap(layout);
   return {isa_name(sel.isa), sel.reason, sel.fallback};
 }
 

@@ -373,6 +373,31 @@ def _check_scale(name: str, s: torch.Tensor, shape: tuple[int, int]) -> torch.Te
     return sf.contiguous()
 
 
+def pack_int8_weight(
+    weight: str, q: torch.Tensor, scale: torch.Tensor, *, interleaved: bool = False, layout: PackedLayout, use_cpp: bool = True
+) -> dict[str, torch.Tensor]:
+    """One int8_channel weight ("w13": codes [E, 2I, H], scales [E, 2I]; "w2": [E, H, I], [E, H])
+    -> its three packed tensors {weight: codes, weight_scale: fp32, weight_colsum: int32 sum_k q},
+    in packed row order, zero in the padding rows. convert (one expert at a time) and
+    pack_experts_int8 both pack through here."""
+    e, n = q.shape[0], q.shape[1]
+    s = _check_scale(f"{weight}_scale", scale, (e, n))
+    colsum = q.to(torch.int32).sum(-1, dtype=torch.int32)
+    if weight == "w13":
+        ip = layout_padded_i(layout, n // 2)
+        codes = pack_w13(q, interleaved=interleaved, layout=layout, use_cpp=use_cpp)
+        pad = lambda v: pad_intermediate(v, ip, interleaved).contiguous()  # noqa: E731
+    else:
+        codes = pack_w2(q, layout=layout, use_cpp=use_cpp)
+
+        def pad(v: torch.Tensor) -> torch.Tensor:  # [E, H] -> [E, Np(H)] with zeros
+            out = v.new_zeros(e, codes.shape[1])
+            out[:, :n] = v
+            return out
+
+    return {weight: codes, f"{weight}_scale": pad(s), f"{weight}_colsum": pad(colsum)}
+
+
 def pack_experts_int8(
     w13_q: torch.Tensor,
     w13_scale: torch.Tensor,
@@ -394,28 +419,12 @@ def pack_experts_int8(
     e, h, i = _expert_dims(w13_q, w2_q)
     _check_weight_dtype("w13", w13_q, lay)
     _check_weight_dtype("w2", w2_q, lay)
-    s13 = _check_scale("w13_scale", w13_scale, (e, 2 * i))
-    s2 = _check_scale("w2_scale", w2_scale, (e, h))
     shapes = layout_expert_shapes(lay, e, h, i)
-    ip, np2 = shapes.padded_intermediate, shapes.w2_shape[1]
+    ip = shapes.padded_intermediate
     b13, b2 = _pack_biases(w13_bias, w2_bias, e, h, i, interleaved, lay)
-
-    def pad_n(v: torch.Tensor) -> torch.Tensor:  # [E, H] -> [E, Np(H)] with zeros
-        out = v.new_zeros(e, np2)
-        out[:, :h] = v
-        return out
-
-    w13_packed = pack_w13(w13_q, interleaved=interleaved, layout=lay, use_cpp=use_cpp)
-    w2_packed = pack_w2(w2_q, layout=lay, use_cpp=use_cpp)
-    assert tuple(w13_packed.shape) == shapes.w13_shape and tuple(w2_packed.shape) == shapes.w2_shape
-    tensors = {
-        "w13": w13_packed,
-        "w13_scale": pad_intermediate(s13, ip, interleaved).contiguous(),
-        "w13_colsum": pad_intermediate(w13_q.to(torch.int32).sum(-1, dtype=torch.int32), ip, interleaved).contiguous(),
-        "w2": w2_packed,
-        "w2_scale": pad_n(s2),
-        "w2_colsum": pad_n(w2_q.to(torch.int32).sum(-1, dtype=torch.int32)),
-    }
+    tensors = pack_int8_weight("w13", w13_q, w13_scale, interleaved=interleaved, layout=lay, use_cpp=use_cpp)
+    tensors.update(pack_int8_weight("w2", w2_q, w2_scale, layout=lay, use_cpp=use_cpp))
+    assert tuple(tensors["w13"].shape) == shapes.w13_shape and tuple(tensors["w2"].shape) == shapes.w2_shape
     return PackedExperts(
         layout=lay,
         num_experts=e,
@@ -427,4 +436,4 @@ def pack_experts_int8(
     )
 
 
-__all__ = ["PackedExperts", "pack_experts", "pack_dense", "codes_dtype", "pack_experts_int8", "quantize_int8_per_channel", "dequantize_int8", "pack_w13", "pack_w2", "pack_bias13", "pack_bias2", "pack_weight_reference", "unpack_weight_reference", "pad_intermediate"]
+__all__ = ["PackedExperts", "pack_experts", "pack_dense", "codes_dtype", "pack_experts_int8", "pack_int8_weight", "quantize_int8_per_channel", "dequantize_int8", "pack_w13", "pack_w2", "pack_bias13", "pack_bias2", "pack_weight_reference", "unpack_weight_reference", "pad_intermediate"]

@@ -45,7 +45,7 @@ class Int8Layer(LayerPacker):
         return src.checked(quantize_int8_per_channel, w[None], role, e)
 
     def parts(self, name: str):
-        from ..pack import pack_w2, pack_w13, pad_intermediate
+        from ..pack import pack_int8_weight
 
         s, g = self.spec, self.gathered
         if name in g:
@@ -56,16 +56,11 @@ class Int8Layer(LayerPacker):
             return
         for e in range(s.num_experts):
             q, sc = self._codes(name, e)
-            q, sc = q.reshape(1, *q.shape[-2:]), sc.reshape(1, -1)
-            colsum = q.int().sum(-1, dtype=torch.int32)
-            if name == "w13":
-                g["w13_scale"][e] = pad_intermediate(sc.float(), self.ip, s.interleaved)[0]
-                g["w13_colsum"][e] = pad_intermediate(colsum, self.ip, s.interleaved)[0]
-                yield pack_w13(q, interleaved=s.interleaved, layout=self.layout)
-            else:
-                g["w2_scale"][e, : s.hidden] = sc[0].float()
-                g["w2_colsum"][e, : s.hidden] = colsum[0]
-                yield pack_w2(q, layout=self.layout)
+            one = pack_int8_weight(name, q.reshape(1, *q.shape[-2:]), sc.reshape(1, -1), interleaved=s.interleaved,
+                                   layout=self.layout)  # fmt: skip
+            g[f"{name}_scale"][e] = one[f"{name}_scale"][0]
+            g[f"{name}_colsum"][e] = one[f"{name}_colsum"][0]
+            yield one[name]
 
     def shared(self):
         """The shared expert packed (codes, scales and column sums) as one-expert PackedExperts."""
