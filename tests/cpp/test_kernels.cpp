@@ -790,6 +790,7 @@ struct MK {
   static constexpr int kBlockN = 32;
   static RowFormat row_format(DType) { return RowFormat::f32; }
   static void gemm(const LayoutDesc&, RowFormat, const void* const*, int, const uint16_t*, int64_t, float*) {}
+  static void gemm_i8(const LayoutDesc&, const int8_t* const*, int, const int8_t*, int64_t, const int32_t*, int32_t*) {}
   static void activation(const FusedMoeArgs&, const float*, const float*, int, float*) {}
   static void axpy(float, const float*, float*, int64_t) {}
 };
@@ -806,6 +807,9 @@ void test_register_refusals() {
     const char* why;
   };
   LayoutDesc wide = kLayout_bf16_n32k2_x86, narrow = kLayout_bf16_n32k2_x86, odd = kLayout_bf16_n32k2_x86;
+  LayoutDesc extra = kLayout_bf16_n32k2_x86;  // a dense layout declaring a second tensor its kernels do not read
+  extra.num_tensors = 2;
+  extra.tensors[1] = {kRole_scale, "_scale", kTensor_float32, kShape_channel, ""};
   wide.block_n = 128;  // beyond the driver's kMaxBlockN stack buffers
   narrow.block_n = 16;  // a width MK::kBlockN does not have
   odd.block_n = 33;
@@ -815,6 +819,7 @@ void test_register_refusals() {
       {"block_n 33", odd, false, "block_n is outside"},
       {"block_n 16", narrow, false, "written for another block_n"},
       {"an int8_channel layout", kLayout_i8_n32k4_x86, false, "another weight scheme"},
+      {"a dense layout with scales", extra, false, "bfloat16 codes only"},
   };
   for (const Case& c : cases) {
     KernelTable t;
@@ -824,6 +829,18 @@ void test_register_refusals() {
     const char* why = t.refused[c.L.id][int(Isa::avx2)];
     check(c.why ? why != nullptr && std::strstr(why, c.why) != nullptr : why == nullptr,
           "register_scheme %s: refusal reason '%s', want '%s'", c.what, why ? why : "(none)", c.why ? c.why : "(none)");
+  }
+  // The int8 scheme checks its declaration too: per-channel fp32 scales and int32 sums.
+  using S8 = regtest::Int8A8<regtest::MK>;
+  LayoutDesc bf16_scales = kLayout_i8_n32k4_x86, no_sums = kLayout_i8_n32k4_x86;
+  bf16_scales.tensors[1].dtype = kTensor_bfloat16;
+  no_sums.num_tensors = 2;
+  for (const LayoutDesc* L : {&bf16_scales, &no_sums}) {
+    KernelTable t;
+    const bool ok = regtest::register_scheme<S8>(t, *L, Isa::avx2);
+    const char* why = t.refused[L->id][int(Isa::avx2)];
+    check(!ok && why && std::strstr(why, "float32 per-channel scales and int32 per-channel sums"),
+          "register_scheme int8 with a changed declaration: registered=%d reason '%s'", int(ok), why ? why : "(none)");
   }
 }
 
