@@ -41,7 +41,9 @@ def convert(
     from moepack.layout import LAYOUTS
     from moepack.layout import layout_get as moepack_layout_get
 
-    family_layouts = [x for x in LAYOUTS if x.family == isa and x.weight_dtype == "bf16"]
+    from moepack.schemes import get_scheme
+
+    family_layouts = get_scheme("dense").layouts(isa)
     if not family_layouts:
         fams = sorted({x.family for x in LAYOUTS})
         raise ConvertError(f"--isa {isa!r}: no dense layout for that family in this build (available: {', '.join(fams)})")

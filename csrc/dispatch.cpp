@@ -103,8 +103,9 @@ Selection select_kernel(const KernelTable& t, const char* const unavailable[kNum
     s.isa = Isa(i);
     if (missing >= 0) {
       s.fallback = true;
-      std::snprintf(s.reason, sizeof(s.reason), "%s: fallback: this build has no %s kernel for layout %s", isa_name(s.isa),
-                    isa_name(Isa(missing)), L->name);
+      const char* why = t.refused[layout_id][missing];
+      std::snprintf(s.reason, sizeof(s.reason), "%s: fallback: this build has no %s kernel for layout %s%s%s",
+                    isa_name(s.isa), isa_name(Isa(missing)), L->name, *why ? ": its kernel file refused it: " : "", why);
       return s;
     }
     if (i < best_host) {
@@ -126,8 +127,7 @@ Selection select_kernel(const KernelTable& t, const char* const unavailable[kNum
     return s;
   }
   const char* why = t.refused[layout_id][int(Isa::scalar)];
-  std::snprintf(s.reason, sizeof(s.reason), "no kernel is registered for layout %s%s%s", L->name, why ? ": " : "",
-                why ? why : "");
+  std::snprintf(s.reason, sizeof(s.reason), "no kernel is registered for layout %s%s%s", L->name, *why ? ": " : "", why);
   return s;
 }
 

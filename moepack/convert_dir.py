@@ -292,7 +292,8 @@ def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fnam
             "source_tensors": [s.shared[p] for p in ("gate_proj", "up_proj", "down_proj")],
             "scheme_source": scheme.source_note(ckpt.info(s.shared["gate_proj"]).dtype_str, reader.name),
         }
-        for role, t in sp.tensors.items():
+        for role in (t.name for t in layout_tensor_plan(lay, 1, s.hidden, s.shared["intermediate"])):  # plan order
+            t = sp.tensors[role]
             name = expert_tensor_name(s.index, "shared_" + role)
             dt = str(t.dtype).replace("torch.", "")
             tensors[name] = {"file": fname, "dtype": dt, "shape": list(t.shape), "sha256": w.write(name, t)}

@@ -141,9 +141,23 @@ class PackedLayout:
                 raise LayoutError(f"{tw}: suffix {t.suffix!r} must start with '_'")
             if t.shape == "group" and not self.group_size:
                 raise LayoutError(f"{tw}: shape 'group' needs group_size > 0")
+            if t.suffix in RESERVED_SUFFIXES:
+                raise LayoutError(f"{tw}: suffix {t.suffix!r} is reserved ({', '.join(RESERVED_SUFFIXES)}: the biases)")
         codes = self.tensors[0]
         if (self.weight_bits * self.k_pack) % (8 * TENSOR_DTYPES[codes.dtype]):
             raise LayoutError(f"{where}: codes dtype {codes.dtype} does not hold k_pack={self.k_pack} x {self.weight_bits} bits")
+        want_codes = CODES_DTYPES[self.weight_dtype]
+        if codes.dtype != want_codes:
+            raise LayoutError(f"{where}: weight_dtype {self.weight_dtype} is stored as {want_codes} codes, not {codes.dtype}")
+        # the declaration and the scale/zero fields say the same thing
+        for role, field, value, dtypes in (("scale", "scale_dtype", self.scale_dtype, SCALE_TENSOR_DTYPES),
+                                           ("zero", "zero_kind", self.zero_kind, ZERO_TENSOR_DTYPES)):  # fmt: skip
+            decl = [t for t in self.tensors if t.role == role]
+            if (value == "none") != (not decl):
+                raise LayoutError(f"{where}: {field}={value!r} but the tensors declare {len(decl)} {role} tensor(s): "
+                                  f"a {role} tensor is declared exactly when {field} is not 'none'")  # fmt: skip
+            if decl and decl[0].dtype != dtypes[value]:
+                raise LayoutError(f"{where}: {field}={value!r} is stored as {dtypes[value]}, the {role} tensor says {decl[0].dtype}")
 
     @property
     def elem_bytes(self) -> float:
@@ -170,6 +184,10 @@ class PackedLayout:
 
 
 MAX_LAYOUT_TENSORS = 4
+RESERVED_SUFFIXES = ("_bias",)  # w13_bias / w2_bias are the optional biases of every layout
+CODES_DTYPES = {"bf16": "bfloat16", "f32": "float32", "i8": "int8", "u4": "uint8"}  # weight_dtype -> codes tensor
+SCALE_TENSOR_DTYPES = {"f32": "float32", "bf16": "bfloat16", "e8m0": "uint8"}
+ZERO_TENSOR_DTYPES = {"u4": "uint8", "bf16": "bfloat16"}
 # The fields of a layout descriptor in a format-version-1 manifest (before layouts declared their
 # tensors); moepack.runtime compares only these for such a manifest.
 V1_FIELDS = ("id", "name", "weight_dtype", "weight_bits", "group_size", "block_n", "k_pack", "scale_dtype",

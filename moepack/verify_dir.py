@@ -231,8 +231,8 @@ def _compare(p: PackedExperts, names: dict, want: _Want, what: str, results: dic
         if (src_b is None) != (packed_b is None):
             has, lacks = ("the source", "the packed " + what) if packed_b is None else ("the packed " + what, "the source")
             problems.append(f"{role}: {has} has one and {lacks} does not: biases must be packed exactly when the source has them")
-            if packed_b is not None:
-                results[names[role]] = False
+            # a missing tensor fails the weights check as a differing one does (listed under its role)
+            results[names[role] if packed_b is not None else f"{role} (missing from the packed {what})"] = False
     for role, (got, exp) in _expected_tensors(p, want, scheme).items():
         msg = _difference(names[role], role, got, exp, p, want.rule)
         results[names[role]] = msg is None

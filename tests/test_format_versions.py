@@ -62,3 +62,40 @@ def test_a_version_2_layout_must_match_this_build_in_every_field(tmp_path, field
     (d / MANIFEST).write_text(json.dumps(m))
     with pytest.raises(PackedDirError, match=rf"layout bf16_n32k2_x86 \(id 1\) in the file has {field}="):
         moepack.open(d)
+
+
+def test_every_layer_layout_must_be_described(tmp_path):
+    d = tmp_path / "packed"
+    moepack.convert(fixture_dir("olmoe"), d)
+    m = json.loads((d / MANIFEST).read_text())
+    m["layouts"] = {}
+    (d / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(PackedDirError, match=r"layout_id=1 is not described in the manifest's 'layouts' \(\[\]\)"):
+        moepack.open(d)
+
+
+def test_a_tensor_note_is_words_not_format(tmp_path):
+    """The tensors' ``note`` strings document; a directory written before a note was reworded
+    still opens."""
+    d = tmp_path / "packed"
+    moepack.convert(fixture_dir("qwen3_moe_w8a8"), d)
+    m = json.loads((d / MANIFEST).read_text())
+    for desc in m["layouts"].values():
+        for t in desc["tensors"]:
+            t["note"] = "worded differently by an older release"
+    (d / MANIFEST).write_text(json.dumps(m))
+    assert moepack.open(d).layers
+
+
+def test_verify_fails_when_the_source_has_a_bias_the_packed_layer_lacks(tmp_path):
+    d = tmp_path / "packed"
+    moepack.convert(fixture_dir("gpt_oss"), d)
+    m = json.loads((d / MANIFEST).read_text())
+    layer = m["layers"][0]
+    del layer["tensors"]["w13_bias"]  # the tensor stays in its shard, the layer no longer names it
+    (d / MANIFEST).write_text(json.dumps(m))
+    report = moepack.verify(d, source=fixture_dir("gpt_oss"))
+    assert not report.ok
+    check = next(c for c in report.layers if c.index == layer["index"])
+    assert not check.weights_exact and "w13_bias (missing from the packed experts)" in check.tensors
+    assert "w13_bias: the source has one and the packed experts does not" in check.detail

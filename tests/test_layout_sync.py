@@ -164,6 +164,11 @@ def test_invalid_layout_records_are_refused(bad):
          "shape 'group' needs group_size > 0"),
         (dict(scheme="int3_group"), "scheme='int3_group' is not one of"),
         (dict(act_modes=("a4",)), "act_modes"),
+        (dict(tensors=(lay.TensorSpec("codes", "", "int8", "packed"),)), "weight_dtype bf16 is stored as bfloat16 codes, not int8"),
+        (dict(tensors=(lay.TensorSpec("codes", "", "bfloat16", "packed"), lay.TensorSpec("sum", "_bias", "int32", "channel"))),
+         "suffix '_bias' is reserved"),
+        (dict(tensors=(lay.TensorSpec("codes", "", "bfloat16", "packed"), lay.TensorSpec("scale", "_scale", "float32", "channel"))),
+         "scale_dtype='none' but the tensors declare 1 scale tensor"),
     ],
 )
 def test_invalid_tensor_declarations_are_refused(bad, match):
@@ -179,8 +184,8 @@ def test_sub_byte_codes_are_expressible():
         scale_dtype="bf16", zero_kind="u4", family="x86", i_align=32, scheme="dense", act_modes=("a16", "a8"),
         tensors=(
             lay.TensorSpec("codes", "", "uint8", "packed", note="two 4-bit codes per byte"),
-            lay.TensorSpec("scale", "_scale", "float32", "group"),
-            lay.TensorSpec("zero", "_zero", "uint8", "group"),
+            lay.TensorSpec("scale", "_scale", "bfloat16", "group"),
+            lay.TensorSpec("zero", "_zero", "uint8", "group", note="two 4-bit zero points per byte in the INT4 work"),
         ),
     )  # fmt: skip
     plan = {t.name: t.shape for t in lay.layout_tensor_plan(u4, 3, 100, 40)}

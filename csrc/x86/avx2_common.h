@@ -41,6 +41,8 @@ static inline __m256 sigmoid_ps(__m256 x) {
 // The MK members every AVX2-level kernel shares (a kernel's MK derives from it).
 struct Avx2Elementwise {
   static constexpr int kBlockN = 32;  // every x86 kernel is written for 32-column blocks
+  static constexpr int kDenseKPack = 2;  // bf16 pairs (bf16_n32k2_x86)
+  static constexpr int kInt8KPack = 4;   // int8 quads (i8_n32k4_x86)
   static float quantize_row_i8(const float* v, int64_t n, int64_t np, int8_t* q, uint8_t flip) {
     return x86_quant::quantize_row_i8_avx2(v, n, np, q, flip);
   }

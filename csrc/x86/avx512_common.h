@@ -140,6 +140,8 @@ static inline void gemm_f32_row(const float* x, const uint16_t* B, int64_t kp, f
 // row_format / gemm with its own).
 struct Avx512Base {
   static constexpr int kBlockN = 32;  // every x86 kernel is written for 32-column blocks
+  static constexpr int kDenseKPack = 2;  // bf16 pairs (bf16_n32k2_x86)
+  static constexpr int kInt8KPack = 4;   // int8 quads (i8_n32k4_x86)
   static RowFormat row_format(DType) { return RowFormat::f32; }
 
   static float quantize_row_i8(const float* v, int64_t n, int64_t np, int8_t* q, uint8_t flip) {

@@ -215,6 +215,15 @@ def _fail(path: Path, msg: str):
     raise PackedDirError(f"{path}: {msg}")
 
 
+def _identity(desc: dict) -> dict:
+    """A layout descriptor without its words: the tensors' ``note`` strings document, they do not
+    decide how bytes are read, so editing one never makes a directory unreadable."""
+    out = dict(desc)
+    if isinstance(out.get("tensors"), list):
+        out["tensors"] = [{k: v for k, v in t.items() if k != "note"} if isinstance(t, dict) else t for t in out["tensors"]]
+    return out
+
+
 def validate_manifest(path: Path, m: dict) -> None:
     """Structural checks of a manifest against this build (layouts, shapes, files)."""
     if not isinstance(m, dict) or m.get("format") != "moepack":
@@ -234,8 +243,9 @@ def validate_manifest(path: Path, m: dict) -> None:
     for lid, desc in m["layouts"].items():
         if lid not in known:
             _fail(path, f"{MANIFEST}: layout id {lid} is unknown to this build (known: {sorted(known)})")
-        ours = known[lid].to_dict()
+        ours = _identity(known[lid].to_dict())
         fields = V1_FIELDS if version == 1 else tuple(ours)
+        desc = _identity(desc) if isinstance(desc, dict) else {}
         for k in fields:
             if desc.get(k) != ours[k]:
                 _fail(path, f"layout {ours['name']} (id {lid}) in the file has {k}={desc.get(k)!r}, this build has {k}={ours[k]!r}")
@@ -244,7 +254,13 @@ def validate_manifest(path: Path, m: dict) -> None:
             _fail(path, f"{MANIFEST}: tensor {name!r} names file {e.get('file') if isinstance(e, dict) else None!r}, not listed in 'files'")
     for entry in m["layers"]:
         try:
+            if str(entry["layout_id"]) not in m["layouts"]:
+                _fail(path, f"layer {entry['index']}: layout_id={entry['layout_id']!r} is not described in the manifest's "
+                            f"'layouts' ({sorted(m['layouts'])}): every layer's layout must be")  # fmt: skip
             lay = layout_get(int(entry["layout_id"]))
+            for key, typ in (("interleaved", bool), ("activation", str)):
+                if not isinstance(entry.get(key), typ):
+                    _fail(path, f"layer {entry['index']}: {key}={entry.get(key)!r}: must be a {typ.__name__}")
             e, h, i = int(entry["num_experts"]), int(entry["hidden"]), int(entry["intermediate"])
             ip = layout_padded_i(lay, i)
             sets = [("", entry, layout_tensor_plan(lay, e, h, i, bias=True), ip)]

@@ -788,6 +788,7 @@ namespace regtest {
 namespace {
 struct MK {
   static constexpr int kBlockN = 32;
+  static constexpr int kDenseKPack = 2;
   static RowFormat row_format(DType) { return RowFormat::f32; }
   static void gemm(const LayoutDesc&, RowFormat, const void* const*, int, const uint16_t*, int64_t, float*) {}
   static void gemm_i8(const LayoutDesc&, const int8_t* const*, int, const int8_t*, int64_t, const int32_t*, int32_t*) {}
@@ -807,6 +808,8 @@ void test_register_refusals() {
     const char* why;
   };
   LayoutDesc wide = kLayout_bf16_n32k2_x86, narrow = kLayout_bf16_n32k2_x86, odd = kLayout_bf16_n32k2_x86;
+  LayoutDesc kpack4 = kLayout_bf16_n32k2_x86;
+  kpack4.k_pack = 4;
   LayoutDesc extra = kLayout_bf16_n32k2_x86;  // a dense layout declaring a second tensor its kernels do not read
   extra.num_tensors = 2;
   extra.tensors[1] = {kRole_scale, "_scale", kTensor_float32, kShape_channel, ""};
@@ -815,10 +818,11 @@ void test_register_refusals() {
   odd.block_n = 33;
   const Case cases[] = {
       {"bf16_n32k2_x86", kLayout_bf16_n32k2_x86, true, nullptr},
-      {"block_n 128", wide, false, "block_n is outside"},
-      {"block_n 33", odd, false, "block_n is outside"},
-      {"block_n 16", narrow, false, "written for another block_n"},
-      {"an int8_channel layout", kLayout_i8_n32k4_x86, false, "another weight scheme"},
+      {"block_n 128", wide, false, "block_n=128: must be even and in (0, 64]"},
+      {"block_n 33", odd, false, "block_n=33: must be even"},
+      {"block_n 16", narrow, false, "block_n=16: this level's kernels are written for block_n=32"},
+      {"k_pack 4", kpack4, false, "k_pack=4: this level's kernels are written for k_pack=2"},
+      {"an int8_channel layout", kLayout_i8_n32k4_x86, false, "is not this kernel's"},
       {"a dense layout with scales", extra, false, "bfloat16 codes only"},
   };
   for (const Case& c : cases) {
@@ -827,7 +831,7 @@ void test_register_refusals() {
     check(ok == c.registers && (t.fused[c.L.id][int(Isa::avx2)] != nullptr) == c.registers,
           "register_scheme %s: registered=%d, want %d", c.what, int(ok), int(c.registers));
     const char* why = t.refused[c.L.id][int(Isa::avx2)];
-    check(c.why ? why != nullptr && std::strstr(why, c.why) != nullptr : why == nullptr,
+    check(c.why ? std::strstr(why, c.why) != nullptr : *why == '\0',
           "register_scheme %s: refusal reason '%s', want '%s'", c.what, why ? why : "(none)", c.why ? c.why : "(none)");
   }
   // The int8 scheme checks its declaration too: per-channel fp32 scales and int32 sums.
@@ -839,7 +843,7 @@ void test_register_refusals() {
     KernelTable t;
     const bool ok = regtest::register_scheme<S8>(t, *L, Isa::avx2);
     const char* why = t.refused[L->id][int(Isa::avx2)];
-    check(!ok && why && std::strstr(why, "float32 per-channel scales and int32 per-channel sums"),
+    check(!ok && std::strstr(why, "float32 per-channel scales and int32 per-channel sums"),
           "register_scheme int8 with a changed declaration: registered=%d reason '%s'", int(ok), why ? why : "(none)");
   }
 }

@@ -3,6 +3,7 @@
 // also run in a plain C++ test binary (tests/cpp) and under emulators.
 #pragma once
 #include <cstddef>
+#include <cstdio>  // snprintf: the driver's registrar writes refusal reasons into the table
 #include <cstdint>
 
 #include "moepack/isa_gen.h"
@@ -95,7 +96,7 @@ struct KernelTable {
   FusedMoeFn fused[kMaxLayoutId + 1][kNumIsa] = {};
   // Why a level's kernel file did not register a layout it was asked to (the driver's
   // register_scheme: the layout's blocks do not fit the kernel), or null.
-  const char* refused[kMaxLayoutId + 1][kNumIsa] = {};
+  char refused[kMaxLayoutId + 1][kNumIsa][160] = {};  // "" = not refused
   Int8BlockGemmFn gemm_i8[kMaxLayoutId + 1][kNumIsa] = {};
   Int8QuantizeFn quantize_i8[kNumIsa] = {};
 };
