@@ -83,6 +83,24 @@ def isa(request, monkeypatch) -> str:
     return _use_isa(request.param, monkeypatch)
 
 
+# Every (layout, kernel level) pair this build has: the driver's routing, expert_map, strides,
+# threads and refusals are shared by every scheme, so their tests run on each pair.
+LAYOUT_ISAS = [(lay, lv) for lay in moepack.LAYOUTS for lv in KERNEL_ISAS[lay.weight_dtype]]
+
+
+@pytest.fixture(params=LAYOUT_ISAS, ids=[f"{lay.name}-{lv}" for lay, lv in LAYOUT_ISAS])
+def layout_isa(request, monkeypatch):
+    """(layout, isa): the test packs with ``layout`` and runs on kernel level ``isa``."""
+    lay, lv = request.param
+    if lv not in available_isas():
+        pytest.skip(f"{lv} kernels cannot run on this host (host ISA: {host_isa()})")
+    monkeypatch.setenv("MOEPACK_MAX_ISA", lv)
+    monkeypatch.delenv("MOEPACK_STRICT", raising=False)
+    chosen, reason, _ = moepack.kernel_choice(lay)
+    assert chosen == lv, f"MOEPACK_MAX_ISA={lv} but the dispatcher picks {chosen} for {lay.name} ({reason})"
+    return lay
+
+
 @pytest.fixture(params=SIMD_ISAS)
 def simd_isa(request, monkeypatch) -> str:
     """A SIMD kernel path; tests switch to "scalar" themselves for their baseline."""

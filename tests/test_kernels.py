@@ -208,39 +208,39 @@ def test_tokens_without_local_experts_are_zero(isa, dtype):
     assert_close(out[6:], expected[6:], TOL["scalar_vs_reference", dtype], "half-local tokens")
 
 
-def test_expert_map_identity_equals_no_map(isa):
+def test_expert_map_identity_equals_no_map(layout_isa):
     inp = make_moe_inputs(tokens=67, hidden=130, intermediate=40, topk=2, bias=True, seed=31)
-    packed = inp.pack()
+    packed = inp.pack(layout=layout_isa)
     identity = torch.arange(E, dtype=torch.int32)
     assert torch.equal(run_packed(packed, inp, expert_map=identity), run_packed(packed, inp))
 
 
 @pytest.mark.parametrize("bad_id", [-1, E, E + 1, 1000, -(2**31), 2**31 - 1])
-def test_out_of_range_ids_raise_index_error(isa, bad_id):
+def test_out_of_range_ids_raise_index_error(layout_isa, bad_id):
     inp = make_moe_inputs(tokens=3, hidden=72, intermediate=40, topk=2, seed=32)
     ids = inp.topk_ids.clone()
     ids[2, 1] = bad_id
     with pytest.raises(IndexError, match=r"topk_ids\[2, 1\] = -?\d+ is out of range.*\[0, 5\)"):
-        run_packed(inp.pack(), inp, topk_ids=ids)
+        run_packed(inp.pack(layout=layout_isa), inp, topk_ids=ids)
 
 
 @pytest.mark.parametrize("bad_id", [-1, E, 77])
-def test_out_of_range_global_ids_with_expert_map(isa, bad_id):
+def test_out_of_range_global_ids_with_expert_map(layout_isa, bad_id):
     inp = make_moe_inputs(tokens=3, hidden=72, intermediate=40, topk=2, seed=33)
     local, expert_map = local_inputs(inp, [1, 3])
     ids = inp.topk_ids.clone()
     ids[0, 0] = bad_id
     with pytest.raises(IndexError, match=r"topk_ids\[0, 0\].*out of range.*\[0, 5\)"):
-        run_packed(local.pack(), local, topk_ids=ids, expert_map=expert_map)
+        run_packed(local.pack(layout=layout_isa), local, topk_ids=ids, expert_map=expert_map)
 
 
 @pytest.mark.parametrize("bad_local", [-2, 2, 5])
-def test_expert_map_entries_out_of_range(isa, bad_local):
+def test_expert_map_entries_out_of_range(layout_isa, bad_local):
     inp = make_moe_inputs(tokens=3, hidden=72, intermediate=40, topk=2, seed=34)
     local, expert_map = local_inputs(inp, [1, 3])
     expert_map[4] = bad_local
     with pytest.raises(IndexError, match=r"expert_map\[4\] = -?\d+ is out of range.*-1.*\[0, 2\)"):
-        run_packed(local.pack(), local, expert_map=expert_map)
+        run_packed(local.pack(layout=layout_isa), local, expert_map=expert_map)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -250,19 +250,19 @@ def test_expert_map_entries_out_of_range(isa, bad_local):
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
 @pytest.mark.parametrize("with_map", [False, True])
-def test_zero_tokens_returns_empty(isa, dtype, with_map):
+def test_zero_tokens_returns_empty(layout_isa, dtype, with_map):
     inp = make_moe_inputs(tokens=0, hidden=93, intermediate=40, topk=2, dtype=dtype, bias=True, seed=40)
     kw = dict(expert_map=torch.arange(E, dtype=torch.int32)) if with_map else {}
-    out = run_packed(inp.pack(), inp, **kw)
+    out = run_packed(inp.pack(layout=layout_isa), inp, **kw)
     assert out.shape == (0, 93) and out.dtype == dtype
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
-def test_row_strided_hidden_states(isa, dtype):
+def test_row_strided_hidden_states(layout_isa, dtype):
     """x = a column slice of a wider tensor (row stride > H, storage offset > 0) and a broadcast
     row (row stride 0) give exactly what their contiguous copies give."""
     inp = make_moe_inputs(tokens=67, hidden=93, intermediate=40, topk=2, dtype=dtype, bias=True, seed=41)
-    packed = inp.pack()
+    packed = inp.pack(layout=layout_isa)
     wide = torch.randn(67, 93 + 37).to(dtype)
     wide[:, 5 : 5 + 93] = inp.x
     x = wide[:, 5 : 5 + 93]
@@ -276,7 +276,7 @@ def test_row_strided_hidden_states(isa, dtype):
 @pytest.mark.parametrize(
     "dtype,activation", [(F32, "silu"), (BF16, "swigluoai"), (F16, "gelu_tanh"), (BF16, "gelu")]
 )
-def test_thread_count_does_not_change_the_result(isa, threads, dtype, activation):
+def test_thread_count_does_not_change_the_result(layout_isa, threads, dtype, activation):
     """Each task's math is the same whichever thread runs it, so the result is bitwise equal.
     (Big enough - 335 rows, H=130, Ip=192 - to be run in parallel: the driver keeps calls it
     estimates under ~0.1 ms on one thread.)"""
@@ -284,7 +284,7 @@ def test_thread_count_does_not_change_the_result(isa, threads, dtype, activation
         tokens=67, hidden=130, intermediate=176, topk=E, dtype=dtype, bias=True,
         interleaved=activation == "swigluoai", seed=42,
     )  # fmt: skip
-    packed = inp.pack()
+    packed = inp.pack(layout=layout_isa)
     outs = {}
     for n in (1, 2, 3):
         torch.set_num_threads(n)
