@@ -44,7 +44,7 @@ from ..layout import (
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # identity equality and hash: it holds tensors
 class PackedExperts:
     """One MoE layer's experts in a packed layout, ready for ``moepack.fused_experts``: the
     layout plus its tensors by stored name (``layout_tensor_plan``: w13's declared tensors,
