@@ -167,6 +167,19 @@ LEVELS = (
         emulate="-DMOEPACK_EMULATE_AVX512",
         cpus="Cooper Lake, Sapphire Rapids, Zen 4+",
     ),
+    Level(
+        "amx_bf16",  # tile matrix multiply (tdpbf16ps) for bf16 rows; vdpbf16ps for the rest
+        arch="x86",
+        base="avx512_bf16",
+        flags=("-mamx-tile", "-mamx-bf16"),
+        needs=(
+            cpu("AMX-TILE/AMX-BF16", "amx_tile", "amx_bf16"),
+            os_state("AMX tile data (XCR0 and the kernel's permission, arch_prctl)", "os_amx"),
+        ),
+        serves=("bf16",),
+        probe="void f(void) { _tile_dpbf16ps(0, 1, 2); }",
+        cpus="Sapphire Rapids, Emerald Rapids, Granite Rapids",
+    ),
 )
 
 _BY_NAME = {lv.name: lv for lv in LEVELS}

@@ -3,6 +3,10 @@
 // ISA flags (setup.py), so it never executes an instruction the CPU may lack; csrc/dispatch.cpp
 // calls the ISA translation units' register_* only after this says their level can run.
 #include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "moepack/kernel.h"
 
@@ -37,11 +41,25 @@ CpuFeatures detect_cpu_features() {
     f.avx512bw = (b >> 30) & 1;
     f.avx512vl = (b >> 31) & 1;
     f.avx512_vnni = (c >> 11) & 1;
+    f.amx_bf16 = (d >> 22) & 1;
+    f.amx_tile = (d >> 24) & 1;
     if (max_subleaf >= 1) {  // leaf 7 subleaf 1 exists only when subleaf 0 says so
       __cpuid_count(7, 1, a, b, c, d);
       f.avx512_bf16 = (a >> 5) & 1;
       f.avx_vnni = (a >> 4) & 1;
     }
+  }
+  // AMX: XCR0 must enable XTILECFG and XTILEDATA (bits 17, 18), and Linux hands tile data to a
+  // process only after it asks (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA; once, process-wide).
+  if (f.amx_tile && osxsave && avx) {
+    const bool xcr0_tiles = (read_xcr0() & (uint64_t(3) << 17)) == (uint64_t(3) << 17);
+#if defined(__linux__)
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    f.os_amx = xcr0_tiles && syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+    f.os_amx = false;  // no known way to ask this OS for tile data
+    (void)xcr0_tiles;
+#endif
   }
   return f;
 }

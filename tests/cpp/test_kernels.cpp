@@ -688,6 +688,8 @@ void test_select() {
       {"skylake-sp", {Isa::avx2, Isa::avx512}, Isa::avx512, Isa::avx512},
       {"ice-lake", {Isa::avx2, Isa::avx512, Isa::avx512_vnni}, Isa::avx512, Isa::avx512_vnni},
       {"sapphire-rapids", {Isa::avx2, Isa::avx512, Isa::avx512_vnni, Isa::avx512_bf16}, Isa::avx512_bf16, Isa::avx512_vnni},
+      {"sapphire-rapids+amx", {Isa::avx2, Isa::avx_vnni, Isa::avx512, Isa::avx512_vnni, Isa::avx512_bf16, Isa::amx_bf16},
+       Isa::amx_bf16, Isa::avx512_vnni},
       {"zen5", {Isa::avx2, Isa::avx_vnni, Isa::avx512, Isa::avx512_vnni, Isa::avx512_bf16}, Isa::avx512_bf16,
        Isa::avx512_vnni},
       {"no-simd", {}, Isa::scalar, Isa::scalar},

@@ -1,0 +1,136 @@
+// [NOTE] AMX-BF16 fused-MoE kernel for layout bf16_n32k2_x86, ISA level `amx_bf16` (docs/KERNELS.md).
+// Compiled with the avx512_bf16 level's flags plus -mamx-tile -mamx-bf16; registered by
+// dispatch.cpp only where cpuid, XCR0 and the kernel's permission (csrc/x86/cpu_features.cpp:
+// arch_prctl ARCH_REQ_XCOMP_PERM) say tiles can be used.
+//
+// bf16 rows, m >= kAmxMinRows: tile matrix multiply. The packed block is [Kp/2][32 columns][2]
+// bf16, so 16 consecutive K pairs of 16 columns are 16 rows of 64 bytes at a stride of 128:
+// exactly a B tile in the pair-interleaved ("VNNI") order tdpbf16ps takes, loaded straight from
+// the packed weights (columns 0-15 at offset 0, 16-31 at offset 64). The driver keeps a chunk's
+// rows consecutive (MK::kContiguousRows), so 16 rows x 16 K pairs of them are one A tile at a
+// stride of Kp * 2 bytes. Tiles: C 2x2 (32 rows x 32 columns of fp32), A 2, B 2; per 16 K pairs
+// 4 loads and 4 tdpbf16ps. The K pairs after the last whole 16 (Kp/2 mod 16) are added with
+// vdpbf16ps, as are calls of fewer rows (decode) and fp32/fp16 inputs (avx512_common.h).
+// A row tile of a partial chunk reads up to 15 rows past it (the next expert's rows, or the 16
+// padding rows the driver puts after each buffer); their results land in C rows the driver
+// never reads (C holds kChunkM + 16 rows of 32 columns).
+#if defined(MOEPACK_OMIT_LEVEL)
+// setup.py found no compiler support for this level's flags: register nothing (the dispatcher
+// then reports the level as a fallback).
+#include "moepack/kernel.h"
+namespace moepack {
+void register_amx_bf16(KernelTable&) {}
+}  // namespace moepack
+#else
+#include "avx512_bf16_common.h"
+
+namespace moepack {
+namespace amx_bf16 {
+namespace {
+
+using namespace x86_avx512;
+using namespace x86_avx512_bf16;
+
+constexpr int kAmxMinRows = 4;  // fewer rows: vdpbf16ps streams the block as well as tiles do
+
+// Palette 1: tiles 0-3 = C (16 rows x 16 fp32), 4-5 = A (16 rows x 16 K pairs), 6-7 = B
+// (16 K pairs x 16 columns x 2).
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+  TileConfig() {
+    for (int t = 0; t < 8; ++t) {
+      colsb[t] = 64;
+      rows[t] = 16;
+    }
+  }
+};
+
+// Adds the K pairs [p0, npairs) of row x against the block (from pair p0 on) to C[0, 32).
+static inline void add_tail_row(const uint16_t* x, const uint16_t* B, int64_t p0, int64_t npairs, float* C) {
+  __m512 a0 = _mm512_loadu_ps(C), a1 = _mm512_loadu_ps(C + 16);
+  const __m512i* b = reinterpret_cast<const __m512i*>(B) + 2 * p0;
+  for (int64_t kk = p0; kk < npairs; ++kk, b += 2) {
+    const __m512bh xr = as_bh(_mm512_set1_epi32(int(load_u32(x + 2 * kk))));
+    a0 = _mm512_dpbf16_ps(a0, as_bh(_mm512_loadu_si512(b)), xr);
+    a1 = _mm512_dpbf16_ps(a1, as_bh(_mm512_loadu_si512(b + 1)), xr);
+  }
+  _mm512_storeu_ps(C, a0);
+  _mm512_storeu_ps(C + 16, a1);
+}
+
+// C[m, 32] = A[m, :kp] . B^T, A = m consecutive bf16 rows of kp elements at `x`.
+static void gemm_amx(const uint16_t* x, int m, const uint16_t* B, int64_t kp, float* C) {
+  static const TileConfig cfg;
+  _tile_loadconfig(&cfg);
+  const int64_t npairs = kp / 2, full = npairs / 16 * 16;
+  const int64_t astride = kp * 2;  // bytes between rows
+  const char* bb = reinterpret_cast<const char*>(B);
+  for (int r0 = 0; r0 < m; r0 += 32) {
+    const bool two = m - r0 > 16;  // a second row tile (rows r0+16 ..)
+    const char* a0 = reinterpret_cast<const char*>(x + int64_t(r0) * kp);
+    const char* a1 = a0 + 16 * astride;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t p = 0; p < full; p += 16) {
+      _tile_loadd(6, bb + p * 128, 128);
+      _tile_loadd(7, bb + p * 128 + 64, 128);
+      _tile_loadd(4, a0 + p * 4, astride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if (two) {
+        _tile_loadd(5, a1 + p * 4, astride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    float* c = C + int64_t(r0) * 32;
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    if (two) {
+      _tile_stored(2, c + 16 * 32, 128);
+      _tile_stored(3, c + 16 * 32 + 16, 128);
+    }
+  }
+  _tile_release();
+  if (full < npairs) {
+    for (int i = 0; i < m; ++i) add_tail_row(x + int64_t(i) * kp, B, full, npairs, C + int64_t(i) * 32);
+  }
+}
+
+struct MK : Avx512Base {
+  static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
+  static RowFormat row_format(DType d) { return d == DType::bf16 ? RowFormat::bf16 : RowFormat::f32; }
+
+  // C[m, 32] = A[m, :kp] . B^T for one 32-column block; rows are bf16 bits or fp32 as
+  // row_format(dtype) chose; m <= kChunkM.
+  static void gemm(const LayoutDesc& L, RowFormat fmt, const void* const* rows, int m, const uint16_t* B, int64_t kp, float* C) {
+    if (fmt != RowFormat::bf16) return Avx512Base::gemm(L, fmt, rows, m, B, kp, C);
+    const uint16_t* const* x = reinterpret_cast<const uint16_t* const*>(rows);
+    // Tiles need the rows as one matrix: the driver's promise, checked (two compares) so that a
+    // caller that breaks it gets the vdpbf16ps kernel, not wrong rows.
+    if (m < kAmxMinRows || x[m - 1] != x[0] + int64_t(m - 1) * kp || x[1] != x[0] + kp) {
+      return gemm_bf16_rows(x, m, B, kp, C);
+    }
+    gemm_amx(x[0], m, B, kp, C);
+  }
+};
+
+#include "../kernels/fused_moe_driver.inc"
+
+static_assert(kChunkM + 16 <= kChunkM * kMaxBlockN / 32, "C buffers hold the rows a partial row tile stores");
+
+}  // namespace
+}  // namespace amx_bf16
+
+void register_amx_bf16(KernelTable& t) {
+  amx_bf16::register_scheme<amx_bf16::DenseA16<amx_bf16::MK>>(t, kLayout_bf16_n32k2_x86, Isa::amx_bf16);
+}
+
+}  // namespace moepack
+#endif  // MOEPACK_OMIT_LEVEL
