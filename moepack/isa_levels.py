@@ -180,6 +180,19 @@ LEVELS = (
         probe="void f(void) { _tile_dpbf16ps(0, 1, 2); }",
         cpus="Sapphire Rapids, Emerald Rapids, Granite Rapids",
     ),
+    Level(
+        "amx_int8",  # tile matrix multiply (tdpbssd) for int8 rows; AVX-512 BW for the rest
+        arch="x86",
+        base="avx512_vnni",
+        flags=("-mamx-tile", "-mamx-int8"),
+        needs=(
+            cpu("AMX-TILE/AMX-INT8", "amx_tile", "amx_int8"),
+            os_state("AMX tile data (XCR0 and the kernel's permission, arch_prctl)", "os_amx"),
+        ),
+        serves=("i8",),
+        probe="void f(void) { _tile_dpbssd(0, 1, 2); }",
+        cpus="Sapphire Rapids, Emerald Rapids, Granite Rapids",
+    ),
 )
 
 _BY_NAME = {lv.name: lv for lv in LEVELS}

@@ -43,6 +43,7 @@ CpuFeatures detect_cpu_features() {
     f.avx512_vnni = (c >> 11) & 1;
     f.amx_bf16 = (d >> 22) & 1;
     f.amx_tile = (d >> 24) & 1;
+    f.amx_int8 = (d >> 25) & 1;
     if (max_subleaf >= 1) {  // leaf 7 subleaf 1 exists only when subleaf 0 says so
       __cpuid_count(7, 1, a, b, c, d);
       f.avx512_bf16 = (a >> 5) & 1;

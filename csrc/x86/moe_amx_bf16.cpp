@@ -11,9 +11,8 @@
 // stride of Kp * 2 bytes. Tiles: C 2x2 (32 rows x 32 columns of fp32), A 2, B 2; per 16 K pairs
 // 4 loads and 4 tdpbf16ps. The K pairs after the last whole 16 (Kp/2 mod 16) are added with
 // vdpbf16ps, as are calls of fewer rows (decode) and fp32/fp16 inputs (avx512_common.h).
-// A row tile of a partial chunk reads up to 15 rows past it (the next expert's rows, or the 16
-// padding rows the driver puts after each buffer); their results land in C rows the driver
-// never reads (C holds kChunkM + 16 rows of 32 columns).
+// The last row group of a call gets a tile configuration with exactly its rows
+// (amx_common.h), so no tile reads or writes a row past the call's.
 #if defined(MOEPACK_OMIT_LEVEL)
 // setup.py found no compiler support for this level's flags: register nothing (the dispatcher
 // then reports the level as a fallback).
@@ -22,6 +21,7 @@ namespace moepack {
 void register_amx_bf16(KernelTable&) {}
 }  // namespace moepack
 #else
+#include "amx_common.h"
 #include "avx512_bf16_common.h"
 
 namespace moepack {
@@ -30,24 +30,9 @@ namespace {
 
 using namespace x86_avx512;
 using namespace x86_avx512_bf16;
+using namespace x86_amx;
 
 constexpr int kAmxMinRows = 4;  // fewer rows: vdpbf16ps streams the block as well as tiles do
-
-// Palette 1: tiles 0-3 = C (16 rows x 16 fp32), 4-5 = A (16 rows x 16 K pairs), 6-7 = B
-// (16 K pairs x 16 columns x 2).
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-  TileConfig() {
-    for (int t = 0; t < 8; ++t) {
-      colsb[t] = 64;
-      rows[t] = 16;
-    }
-  }
-};
 
 // Adds the K pairs [p0, npairs) of row x against the block (from pair p0 on) to C[0, 32).
 static inline void add_tail_row(const uint16_t* x, const uint16_t* B, int64_t p0, int64_t npairs, float* C) {
@@ -64,40 +49,44 @@ static inline void add_tail_row(const uint16_t* x, const uint16_t* B, int64_t p0
 
 // C[m, 32] = A[m, :kp] . B^T, A = m consecutive bf16 rows of kp elements at `x`.
 static void gemm_amx(const uint16_t* x, int m, const uint16_t* B, int64_t kp, float* C) {
-  static const TileConfig cfg;
-  _tile_loadconfig(&cfg);
   const int64_t npairs = kp / 2, full = npairs / 16 * 16;
   const int64_t astride = kp * 2;  // bytes between rows
   const char* bb = reinterpret_cast<const char*>(B);
-  for (int r0 = 0; r0 < m; r0 += 32) {
-    const bool two = m - r0 > 16;  // a second row tile (rows r0+16 ..)
-    const char* a0 = reinterpret_cast<const char*>(x + int64_t(r0) * kp);
-    const char* a1 = a0 + 16 * astride;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t p = 0; p < full; p += 16) {
-      _tile_loadd(6, bb + p * 128, 128);
-      _tile_loadd(7, bb + p * 128 + 64, 128);
-      _tile_loadd(4, a0 + p * 4, astride);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
+  {
+    TileState tiles;
+    for (int r0 = 0; r0 < m; r0 += 32) {
+      const int rows = m - r0 < 32 ? m - r0 : 32;
+      const bool two = rows > 16;  // a second row tile (rows r0+16 ..)
+      tiles.group(rows);
+      const char* a0 = reinterpret_cast<const char*>(x + int64_t(r0) * kp);
+      const char* a1 = a0 + 16 * astride;
+      _tile_zero(0);
+      _tile_zero(1);
       if (two) {
-        _tile_loadd(5, a1 + p * 4, astride);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t p = 0; p < full; p += 16) {
+        _tile_loadd(6, bb + p * 128, 128);
+        _tile_loadd(7, bb + p * 128 + 64, 128);
+        _tile_loadd(4, a0 + p * 4, astride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, a1 + p * 4, astride);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      float* c = C + int64_t(r0) * 32;
+      _tile_stored(0, c, 128);
+      _tile_stored(1, c + 16, 128);
+      if (two) {
+        _tile_stored(2, c + 16 * 32, 128);
+        _tile_stored(3, c + 16 * 32 + 16, 128);
       }
     }
-    float* c = C + int64_t(r0) * 32;
-    _tile_stored(0, c, 128);
-    _tile_stored(1, c + 16, 128);
-    if (two) {
-      _tile_stored(2, c + 16 * 32, 128);
-      _tile_stored(3, c + 16 * 32 + 16, 128);
-    }
   }
-  _tile_release();
   if (full < npairs) {
     for (int i = 0; i < m; ++i) add_tail_row(x + int64_t(i) * kp, B, full, npairs, C + int64_t(i) * 32);
   }
@@ -122,8 +111,6 @@ struct MK : Avx512Base {
 };
 
 #include "../kernels/fused_moe_driver.inc"
-
-static_assert(kChunkM + 16 <= kChunkM * kMaxBlockN / 32, "C buffers hold the rows a partial row tile stores");
 
 }  // namespace
 }  // namespace amx_bf16

@@ -11,7 +11,7 @@
 #if defined(__x86_64__)
 #define MOEPACK_ARCH_x86 1
 #define MOEPACK_ARCH_KNOWN 1
-#define MOEPACK_BUILT_ISA_LEVELS(X) X(scalar) X(avx2) X(avx_vnni) X(avx512) X(avx512_vnni) X(avx512_bf16) X(amx_bf16)
+#define MOEPACK_BUILT_ISA_LEVELS(X) X(scalar) X(avx2) X(avx_vnni) X(avx512) X(avx512_vnni) X(avx512_bf16) X(amx_bf16) X(amx_int8)
 #else
 #define MOEPACK_ARCH_KNOWN 0
 #define MOEPACK_BUILT_ISA_LEVELS(X) X(scalar)
@@ -21,17 +21,17 @@
 #endif
 
 // X(isa) for every level, in preference order.
-#define MOEPACK_ISA_LEVELS(X) X(scalar) X(avx2) X(avx_vnni) X(avx512) X(avx512_vnni) X(avx512_bf16) X(amx_bf16)
+#define MOEPACK_ISA_LEVELS(X) X(scalar) X(avx2) X(avx_vnni) X(avx512) X(avx512_vnni) X(avx512_bf16) X(amx_bf16) X(amx_int8)
 // X(feature) for every CpuFeatures member.
-#define MOEPACK_CPU_FEATURES(X) X(avx2) X(fma) X(f16c) X(os_avx) X(avx_vnni) X(avx512f) X(avx512bw) X(avx512vl) X(avx512dq) X(os_avx512) X(avx512_vnni) X(avx512_bf16) X(amx_tile) X(amx_bf16) X(os_amx)
+#define MOEPACK_CPU_FEATURES(X) X(avx2) X(fma) X(f16c) X(os_avx) X(avx_vnni) X(avx512f) X(avx512bw) X(avx512vl) X(avx512dq) X(os_avx512) X(avx512_vnni) X(avx512_bf16) X(amx_tile) X(amx_bf16) X(os_amx) X(amx_int8)
 
 namespace moepack {
 
 // Kernel ISA levels. Order is preference: a higher value is a better kernel when the CPU has it
 // and it serves the layout (docs/KERNELS.md, Dispatch).
-enum class Isa : int32_t { scalar = 0, avx2 = 1, avx_vnni = 2, avx512 = 3, avx512_vnni = 4, avx512_bf16 = 5, amx_bf16 = 6 };
-constexpr int kNumIsa = 7;
-constexpr const char* kIsaNames = "scalar, avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16, amx_bf16";  // for refusals
+enum class Isa : int32_t { scalar = 0, avx2 = 1, avx_vnni = 2, avx512 = 3, avx512_vnni = 4, avx512_bf16 = 5, amx_bf16 = 6, amx_int8 = 7 };
+constexpr int kNumIsa = 8;
+constexpr const char* kIsaNames = "scalar, avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16, amx_bf16, amx_int8";  // for refusals
 
 // What this CPU and OS provide: csrc/<arch>/cpu_features.cpp sets its architecture's members
 // (named as Linux's /proc/cpuinfo names the features; os_*: the OS saves those registers).
@@ -51,6 +51,7 @@ struct CpuFeatures {
   bool amx_tile = false;
   bool amx_bf16 = false;
   bool os_amx = false;
+  bool amx_int8 = false;
 };
 
 // One requirement of a level: every non-null member of `features` is true, else `reason`.
@@ -76,6 +77,7 @@ constexpr IsaLevel kIsaLevels[kNumIsa] = {
     {"avx512_vnni", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, (1u << kWeight_i8), {{"the CPU lacks AVX512_VNNI", {&CpuFeatures::avx512_vnni}}, {"the CPU lacks AVX-512 F/BW/VL/DQ", {&CpuFeatures::avx512f, &CpuFeatures::avx512bw, &CpuFeatures::avx512vl, &CpuFeatures::avx512dq}}, {"the OS does not enable AVX-512 state (XCR0 opmask/ZMM)", {&CpuFeatures::os_avx512}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
     {"avx512_bf16", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, (1u << kWeight_bf16), {{"the CPU lacks AVX512_BF16", {&CpuFeatures::avx512_bf16}}, {"the CPU lacks AVX-512 F/BW/VL/DQ", {&CpuFeatures::avx512f, &CpuFeatures::avx512bw, &CpuFeatures::avx512vl, &CpuFeatures::avx512dq}}, {"the OS does not enable AVX-512 state (XCR0 opmask/ZMM)", {&CpuFeatures::os_avx512}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
     {"amx_bf16", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, (1u << kWeight_bf16), {{"the CPU lacks AMX-TILE/AMX-BF16", {&CpuFeatures::amx_tile, &CpuFeatures::amx_bf16}}, {"the OS does not enable AMX tile data (XCR0 and the kernel's permission, arch_prctl)", {&CpuFeatures::os_amx}}, {"the CPU lacks AVX512_BF16", {&CpuFeatures::avx512_bf16}}, {"the CPU lacks AVX-512 F/BW/VL/DQ", {&CpuFeatures::avx512f, &CpuFeatures::avx512bw, &CpuFeatures::avx512vl, &CpuFeatures::avx512dq}}, {"the OS does not enable AVX-512 state (XCR0 opmask/ZMM)", {&CpuFeatures::os_avx512}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
+    {"amx_int8", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, (1u << kWeight_i8), {{"the CPU lacks AMX-TILE/AMX-INT8", {&CpuFeatures::amx_tile, &CpuFeatures::amx_int8}}, {"the OS does not enable AMX tile data (XCR0 and the kernel's permission, arch_prctl)", {&CpuFeatures::os_amx}}, {"the CPU lacks AVX512_VNNI", {&CpuFeatures::avx512_vnni}}, {"the CPU lacks AVX-512 F/BW/VL/DQ", {&CpuFeatures::avx512f, &CpuFeatures::avx512bw, &CpuFeatures::avx512vl, &CpuFeatures::avx512dq}}, {"the OS does not enable AVX-512 state (XCR0 opmask/ZMM)", {&CpuFeatures::os_avx512}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
 };
 
 }  // namespace moepack

@@ -1,0 +1,116 @@
+// [NOTE] AMX-INT8 fused-MoE kernel for layout i8_n32k4_x86 (W8A8), ISA level `amx_int8`
+// (docs/KERNELS.md). Compiled with the avx512_vnni level's flags plus -mamx-tile -mamx-int8;
+// registered by dispatch.cpp only where cpuid, XCR0 and the kernel's permission
+// (csrc/x86/cpu_features.cpp) say tiles can be used.
+//
+// tdpbssd multiplies signed by signed bytes into exact int32, so rows stay the canonical s8
+// codes (no u8 offset, no column-sum correction). The packed block is [Kp/4][32 columns][4]
+// int8: 16 consecutive K quads of 16 columns are 16 rows of 64 bytes at a stride of 128, a B
+// tile in the quad-interleaved order tdpbssd takes, loaded straight from the packed weights.
+// The driver keeps a chunk's rows consecutive (MK::kContiguousRows; x codes are quantized once
+// per token and copied to their positions), so 16 rows x 64 codes are one A tile at a stride of
+// Kp bytes. Tiles: C 2x2 (32 rows x 32 columns of int32), A 2, B 2; per 16 K quads 4 loads and
+// 4 tdpbssd. The quads after the last whole 16 and calls of fewer rows use the AVX-512 BW
+// signed-row kernel (avx512_i8_common.h); every result is the exact integer dot product.
+#if defined(MOEPACK_OMIT_LEVEL)
+// setup.py found no compiler support for this level's flags: register nothing (the dispatcher
+// then reports the level as a fallback).
+#include "moepack/kernel.h"
+namespace moepack {
+void register_amx_int8(KernelTable&) {}
+}  // namespace moepack
+#else
+#include "amx_common.h"
+#include "avx512_i8_common.h"
+
+namespace moepack {
+namespace amx_int8 {
+namespace {
+
+using namespace x86_avx512;
+using namespace x86_avx512_i8;
+using namespace x86_amx;
+
+constexpr int kAmxMinRows = 4;  // fewer rows: the vector kernel streams the block as well
+constexpr int kMaxRows = 64;    // the driver's chunks (kChunkM); more rows go in pieces
+
+// acc[m, 32] = exact int32 dot products, A = m consecutive s8 rows of kp codes at `x`.
+static void gemm_amx(const int8_t* x, int m, const int8_t* B, int64_t kp, int32_t* acc) {
+  const int64_t nq = kp / 4, full = nq / 16 * 16;
+  const char* bb = reinterpret_cast<const char*>(B);
+  {
+    TileState tiles;
+    for (int r0 = 0; r0 < m; r0 += 32) {
+      const int rows = m - r0 < 32 ? m - r0 : 32;
+      const bool two = rows > 16;
+      tiles.group(rows);
+      const char* a0 = reinterpret_cast<const char*>(x + int64_t(r0) * kp);
+      const char* a1 = a0 + 16 * kp;
+      _tile_zero(0);
+      _tile_zero(1);
+      if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      for (int64_t q = 0; q < full; q += 16) {
+        _tile_loadd(6, bb + q * 128, 128);
+        _tile_loadd(7, bb + q * 128 + 64, 128);
+        _tile_loadd(4, a0 + q * 4, kp);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, a1 + q * 4, kp);
+          _tile_dpbssd(2, 5, 6);
+          _tile_dpbssd(3, 5, 7);
+        }
+      }
+      int32_t* c = acc + int64_t(r0) * 32;
+      _tile_stored(0, c, 128);
+      _tile_stored(1, c + 16, 128);
+      if (two) {
+        _tile_stored(2, c + 16 * 32, 128);
+        _tile_stored(3, c + 16 * 32 + 16, 128);
+      }
+    }
+  }
+  if (full < nq) {  // the last K quads: vector kernel on the rows' tails, added
+    const int8_t* xs[kMaxRows];
+    alignas(64) int32_t tail[kMaxRows * 32];
+    for (int i = 0; i < m; ++i) xs[i] = x + int64_t(i) * kp + 4 * full;
+    gemm_i8_signed_rows(xs, m, B + full * 128, (nq - full) * 4, tail);
+    for (int i = 0; i < m * 32; ++i) acc[i] += tail[i];
+  }
+}
+
+struct MK : Avx512Base {
+  static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
+
+  // acc[m, 32] = exact int32 dot products of one 32-column int8 block (signed rows; colsum unused).
+  static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t*,
+                      int32_t* acc) {
+    // Tiles need the rows as one matrix: the driver's promise, checked so that a caller that
+    // breaks it (the gemm_i8_block test hook passes any rows) gets the vector kernel.
+    for (int r0 = 0; r0 < m; r0 += kMaxRows) {
+      const int mm = m - r0 < kMaxRows ? m - r0 : kMaxRows;
+      const int8_t* const* xr = x + r0;
+      int32_t* out = acc + int64_t(r0) * 32;
+      if (mm < kAmxMinRows || xr[mm - 1] != xr[0] + int64_t(mm - 1) * kp || xr[1] != xr[0] + kp) {
+        gemm_i8_signed_rows(xr, mm, B, kp, out);
+      } else {
+        gemm_amx(xr[0], mm, B, kp, out);
+      }
+    }
+  }
+};
+
+#include "../kernels/fused_moe_driver.inc"
+
+}  // namespace
+}  // namespace amx_int8
+
+void register_amx_int8(KernelTable& t) {
+  amx_int8::register_scheme<amx_int8::Int8A8<amx_int8::MK>>(t, kLayout_i8_n32k4_x86, Isa::amx_int8);
+}
+
+}  // namespace moepack
+#endif  // MOEPACK_OMIT_LEVEL
