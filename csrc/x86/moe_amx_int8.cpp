@@ -10,8 +10,9 @@
 // The driver keeps a chunk's rows consecutive (MK::kContiguousRows; x codes are quantized once
 // per token and copied to their positions), so 16 rows x 64 codes are one A tile at a stride of
 // Kp bytes. Tiles: C 2x2 (32 rows x 32 columns of int32), A 2, B 2; per 16 K quads 4 loads and
-// 4 tdpbssd. The quads after the last whole 16 and calls of fewer rows use the AVX-512 BW
-// signed-row kernel (avx512_i8_common.h); every result is the exact integer dot product.
+// 4 tdpbssd. Calls of fewer rows (decode) use the VNNI kernel with the rows' codes XORed to u8
+// on the fly and the column sums (avx512_vnni_common.h); the quads after the last whole 16 the
+// AVX-512 BW signed-row kernel (avx512_i8_common.h). Every result is the exact integer dot product.
 #if defined(MOEPACK_OMIT_LEVEL)
 // setup.py found no compiler support for this level's flags: register nothing (the dispatcher
 // then reports the level as a fallback).
@@ -22,6 +23,7 @@ void register_amx_int8(KernelTable&) {}
 #else
 #include "amx_common.h"
 #include "avx512_i8_common.h"
+#include "avx512_vnni_common.h"
 
 namespace moepack {
 namespace amx_int8 {
@@ -29,6 +31,7 @@ namespace {
 
 using namespace x86_avx512;
 using namespace x86_avx512_i8;
+using namespace x86_avx512_vnni;
 using namespace x86_amx;
 
 constexpr int kAmxMinRows = 4;  // fewer rows: the vector kernel streams the block as well
@@ -85,8 +88,9 @@ static void gemm_amx(const int8_t* x, int m, const int8_t* B, int64_t kp, int32_
 struct MK : Avx512Base {
   static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
 
-  // acc[m, 32] = exact int32 dot products of one 32-column int8 block (signed rows; colsum unused).
-  static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t*,
+  // acc[m, 32] = exact int32 dot products of one 32-column int8 block (signed rows; the column
+  // sums serve the short-chunk VNNI kernel's u8 encoding).
+  static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t* colsum,
                       int32_t* acc) {
     // Tiles need the rows as one matrix: the driver's promise, checked so that a caller that
     // breaks it (the gemm_i8_block test hook passes any rows) gets the vector kernel.
@@ -95,7 +99,7 @@ struct MK : Avx512Base {
       const int8_t* const* xr = x + r0;
       int32_t* out = acc + int64_t(r0) * 32;
       if (mm < kAmxMinRows || xr[mm - 1] != xr[0] + int64_t(mm - 1) * kp || xr[1] != xr[0] + kp) {
-        gemm_i8_signed_rows(xr, mm, B, kp, out);
+        gemm_i8_vnni_rows<0x80808080u>(xr, mm, B, kp, colsum, out);  // signed rows, u8 on the fly
       } else {
         gemm_amx(xr[0], mm, B, kp, out);
       }

@@ -11,74 +11,14 @@ namespace moepack {
 void register_avx512_vnni(KernelTable&) {}
 }  // namespace moepack
 #else
-#include "avx512_common.h"
+#include "avx512_vnni_common.h"
 
 namespace moepack {
 namespace avx512_vnni {
 namespace {
 
 using namespace x86_avx512;
-
-// ---- int8 layouts (AVX512_VNNI): u8 rows x s8 weights with vpdpbusd -------------------------
-// One block of i8_n32k4_x86 is [Kp/4][32 columns][4] int8: per K quad 128 bytes = 2 zmm whose
-// 32-bit lanes hold w[n][k..k+3], exactly vpdpbusd's signed operand. Its unsigned operand is
-// the row's 4 codes broadcast; the driver stores rows as u8 = q + 128 (MK::kI8RowsU8), so
-//   acc = sum (q + 128) w = sum q w + 128 colsum[n],  and the exact result is acc - (colsum << 7).
-// vpdpbusd adds the four u8 x s8 products (each |.| <= 255 * 128) into the i32 lane without
-// saturating (it is vpdpbusds that saturates); int32 wraparound cancels in the subtraction.
-template <int MR>
-static inline void gemm_i8_tile(const int8_t* const* x, const int8_t* B, int64_t kp, const int32_t* colsum, int32_t* C) {
-  __m512i acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
-  const __m512i* b = reinterpret_cast<const __m512i*>(B);
-  for (int64_t kq = 0; kq < kp / 4; ++kq, b += 2) {
-    const __m512i w0 = _mm512_loadu_si512(b), w1 = _mm512_loadu_si512(b + 1);
-    for (int r = 0; r < MR; ++r) {
-      int32_t v;
-      std::memcpy(&v, x[r] + 4 * kq, 4);
-      const __m512i xr = _mm512_set1_epi32(v);
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xr, w0);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xr, w1);
-    }
-  }
-  const __m512i c0 = _mm512_slli_epi32(_mm512_loadu_si512(colsum), 7);
-  const __m512i c1 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + 16), 7);
-  for (int r = 0; r < MR; ++r) {
-    _mm512_storeu_si512(C + r * 32, _mm512_sub_epi32(acc[r][0], c0));
-    _mm512_storeu_si512(C + r * 32 + 16, _mm512_sub_epi32(acc[r][1], c1));
-  }
-}
-
-// One row: four K quads in flight on separate accumulators (8 chains hide vpdpbusd's latency).
-static inline void gemm_i8_row(const int8_t* x, const int8_t* B, int64_t kp, const int32_t* colsum, int32_t* C) {
-  __m512i a[4][2];
-  for (int u = 0; u < 4; ++u) a[u][0] = a[u][1] = _mm512_setzero_si512();
-  const __m512i* b = reinterpret_cast<const __m512i*>(B);
-  const int64_t nq = kp / 4;
-  int64_t kq = 0;
-  for (; kq + 4 <= nq; kq += 4, b += 8) {
-    for (int u = 0; u < 4; ++u) {
-      int32_t v;
-      std::memcpy(&v, x + 4 * (kq + u), 4);
-      const __m512i xr = _mm512_set1_epi32(v);
-      a[u][0] = _mm512_dpbusd_epi32(a[u][0], xr, _mm512_loadu_si512(b + 2 * u));
-      a[u][1] = _mm512_dpbusd_epi32(a[u][1], xr, _mm512_loadu_si512(b + 2 * u + 1));
-    }
-  }
-  for (; kq < nq; ++kq, b += 2) {
-    int32_t v;
-    std::memcpy(&v, x + 4 * kq, 4);
-    const __m512i xr = _mm512_set1_epi32(v);
-    a[0][0] = _mm512_dpbusd_epi32(a[0][0], xr, _mm512_loadu_si512(b));
-    a[0][1] = _mm512_dpbusd_epi32(a[0][1], xr, _mm512_loadu_si512(b + 1));
-  }
-  const __m512i c0 = _mm512_slli_epi32(_mm512_loadu_si512(colsum), 7);
-  const __m512i c1 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + 16), 7);
-  const __m512i s0 = _mm512_add_epi32(_mm512_add_epi32(a[0][0], a[1][0]), _mm512_add_epi32(a[2][0], a[3][0]));
-  const __m512i s1 = _mm512_add_epi32(_mm512_add_epi32(a[0][1], a[1][1]), _mm512_add_epi32(a[2][1], a[3][1]));
-  _mm512_storeu_si512(C, _mm512_sub_epi32(s0, c0));
-  _mm512_storeu_si512(C + 16, _mm512_sub_epi32(s1, c1));
-}
+using namespace x86_avx512_vnni;
 
 struct MK : Avx512Base {
   // int8 layouts: the driver stores quantized rows as u8 = q + 128 (vpdpbusd's unsigned operand).
@@ -87,19 +27,7 @@ struct MK : Avx512Base {
   // acc[m, 32] = exact int32 dot products of one 32-column int8 block (rows u8 = q + 128).
   static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t* colsum,
                       int32_t* C) {
-    int i = 0;
-    if (m == 1) return gemm_i8_row(x[0], B, kp, colsum, C);
-    for (; i + 8 <= m; i += 8) gemm_i8_tile<8>(x + i, B, kp, colsum, C + i * 32);
-    switch (m - i) {
-      case 7: gemm_i8_tile<7>(x + i, B, kp, colsum, C + i * 32); break;
-      case 6: gemm_i8_tile<6>(x + i, B, kp, colsum, C + i * 32); break;
-      case 5: gemm_i8_tile<5>(x + i, B, kp, colsum, C + i * 32); break;
-      case 4: gemm_i8_tile<4>(x + i, B, kp, colsum, C + i * 32); break;
-      case 3: gemm_i8_tile<3>(x + i, B, kp, colsum, C + i * 32); break;
-      case 2: gemm_i8_tile<2>(x + i, B, kp, colsum, C + i * 32); break;
-      case 1: gemm_i8_row(x[i], B, kp, colsum, C + i * 32); break;
-      default: break;
-    }
+    gemm_i8_vnni_rows(x, m, B, kp, colsum, C);
   }
 };
 
