@@ -55,6 +55,57 @@ struct TileState {
   }
 };
 
+// The tile dot product of a kernel: C tile (row half, column half) += A tile x B tile. A macro,
+// because the tile intrinsics take tile numbers that the assembler sees as text.
+#define MOEPACK_AMX_DP(NAME, INSN)                  \
+  struct NAME {                                     \
+    static inline void c00() { INSN(0, 4, 6); }     \
+    static inline void c01() { INSN(1, 4, 7); }     \
+    static inline void c10() { INSN(2, 5, 6); }     \
+    static inline void c11() { INSN(3, 5, 7); }     \
+  }
+
+// C[m, 32] (4-byte elements: fp32 or int32) = A[m, groups] . B over the first `groups` K groups
+// (a multiple of 16) of one 32-column block; a K group is 4 bytes of one row (a bf16 pair, an
+// int8 quad) and 128 bytes of the block (32 columns). A = m consecutive rows of `row_bytes`
+// bytes at `a`. Dp (MOEPACK_AMX_DP) names the tile dot product (tdpbf16ps, tdpbssd).
+template <class Dp, class T>
+static inline void tile_block(const char* a, int64_t row_bytes, int m, const char* bb, int64_t groups, T* C) {
+  TileState tiles;
+  for (int r0 = 0; r0 < m; r0 += 32) {
+    const int rows = m - r0 < 32 ? m - r0 : 32;
+    const bool two = rows > 16;  // a second row tile (rows r0+16 ..)
+    tiles.group(rows);
+    const char* a0 = a + int64_t(r0) * row_bytes;
+    const char* a1 = a0 + 16 * row_bytes;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    for (int64_t g = 0; g < groups; g += 16) {
+      _tile_loadd(6, bb + g * 128, 128);
+      _tile_loadd(7, bb + g * 128 + 64, 128);
+      _tile_loadd(4, a0 + g * 4, row_bytes);
+      Dp::c00();
+      Dp::c01();
+      if (two) {
+        _tile_loadd(5, a1 + g * 4, row_bytes);
+        Dp::c10();
+        Dp::c11();
+      }
+    }
+    T* c = C + int64_t(r0) * 32;
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    if (two) {
+      _tile_stored(2, c + 16 * 32, 128);
+      _tile_stored(3, c + 16 * 32 + 16, 128);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace x86_amx
 }  // namespace moepack

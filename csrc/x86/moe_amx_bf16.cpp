@@ -47,46 +47,12 @@ static inline void add_tail_row(const uint16_t* x, const uint16_t* B, int64_t p0
   _mm512_storeu_ps(C + 16, a1);
 }
 
+MOEPACK_AMX_DP(DpBf16, _tile_dpbf16ps);
+
 // C[m, 32] = A[m, :kp] . B^T, A = m consecutive bf16 rows of kp elements at `x`.
 static void gemm_amx(const uint16_t* x, int m, const uint16_t* B, int64_t kp, float* C) {
   const int64_t npairs = kp / 2, full = npairs / 16 * 16;
-  const int64_t astride = kp * 2;  // bytes between rows
-  const char* bb = reinterpret_cast<const char*>(B);
-  {
-    TileState tiles;
-    for (int r0 = 0; r0 < m; r0 += 32) {
-      const int rows = m - r0 < 32 ? m - r0 : 32;
-      const bool two = rows > 16;  // a second row tile (rows r0+16 ..)
-      tiles.group(rows);
-      const char* a0 = reinterpret_cast<const char*>(x + int64_t(r0) * kp);
-      const char* a1 = a0 + 16 * astride;
-      _tile_zero(0);
-      _tile_zero(1);
-      if (two) {
-        _tile_zero(2);
-        _tile_zero(3);
-      }
-      for (int64_t p = 0; p < full; p += 16) {
-        _tile_loadd(6, bb + p * 128, 128);
-        _tile_loadd(7, bb + p * 128 + 64, 128);
-        _tile_loadd(4, a0 + p * 4, astride);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-          _tile_loadd(5, a1 + p * 4, astride);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
-      }
-      float* c = C + int64_t(r0) * 32;
-      _tile_stored(0, c, 128);
-      _tile_stored(1, c + 16, 128);
-      if (two) {
-        _tile_stored(2, c + 16 * 32, 128);
-        _tile_stored(3, c + 16 * 32 + 16, 128);
-      }
-    }
-  }
+  tile_block<DpBf16>(reinterpret_cast<const char*>(x), kp * 2, m, reinterpret_cast<const char*>(B), full, C);
   if (full < npairs) {
     for (int i = 0; i < m; ++i) add_tail_row(x + int64_t(i) * kp, B, full, npairs, C + int64_t(i) * 32);
   }

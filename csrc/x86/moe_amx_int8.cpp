@@ -37,45 +37,12 @@ using namespace x86_amx;
 constexpr int kAmxMinRows = 4;  // fewer rows: the vector kernel streams the block as well
 constexpr int kMaxRows = 64;    // the driver's chunks (kChunkM); more rows go in pieces
 
+MOEPACK_AMX_DP(DpS8, _tile_dpbssd);
+
 // acc[m, 32] = exact int32 dot products, A = m consecutive s8 rows of kp codes at `x`.
 static void gemm_amx(const int8_t* x, int m, const int8_t* B, int64_t kp, int32_t* acc) {
   const int64_t nq = kp / 4, full = nq / 16 * 16;
-  const char* bb = reinterpret_cast<const char*>(B);
-  {
-    TileState tiles;
-    for (int r0 = 0; r0 < m; r0 += 32) {
-      const int rows = m - r0 < 32 ? m - r0 : 32;
-      const bool two = rows > 16;
-      tiles.group(rows);
-      const char* a0 = reinterpret_cast<const char*>(x + int64_t(r0) * kp);
-      const char* a1 = a0 + 16 * kp;
-      _tile_zero(0);
-      _tile_zero(1);
-      if (two) {
-        _tile_zero(2);
-        _tile_zero(3);
-      }
-      for (int64_t q = 0; q < full; q += 16) {
-        _tile_loadd(6, bb + q * 128, 128);
-        _tile_loadd(7, bb + q * 128 + 64, 128);
-        _tile_loadd(4, a0 + q * 4, kp);
-        _tile_dpbssd(0, 4, 6);
-        _tile_dpbssd(1, 4, 7);
-        if (two) {
-          _tile_loadd(5, a1 + q * 4, kp);
-          _tile_dpbssd(2, 5, 6);
-          _tile_dpbssd(3, 5, 7);
-        }
-      }
-      int32_t* c = acc + int64_t(r0) * 32;
-      _tile_stored(0, c, 128);
-      _tile_stored(1, c + 16, 128);
-      if (two) {
-        _tile_stored(2, c + 16 * 32, 128);
-        _tile_stored(3, c + 16 * 32 + 16, 128);
-      }
-    }
-  }
+  tile_block<DpS8>(reinterpret_cast<const char*>(x), kp, m, reinterpret_cast<const char*>(B), full, acc);
   if (full < nq) {  // the last K quads: vector kernel on the rows' tails, added
     const int8_t* xs[kMaxRows];
     alignas(64) int32_t tail[kMaxRows * 32];
