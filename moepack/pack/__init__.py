@@ -222,8 +222,13 @@ def pack_bias2(b2: torch.Tensor, *, layout: int | str | PackedLayout = DEFAULT_L
     """[E, H] -> fp32 [E, Np(H)]."""
     lay = layout_get(layout)
     _check_float("w2_bias", b2)
-    out = torch.zeros(b2.shape[0], layout_padded_n(lay, b2.shape[1]), dtype=torch.float32)
-    out[:, : b2.shape[1]] = b2.float()
+    return pad_rows(b2.float(), layout_padded_n(lay, b2.shape[1]))
+
+
+def pad_rows(v: torch.Tensor, np_: int) -> torch.Tensor:
+    """[E, N] -> [E, np_] with zeros after column N (w2's per-output-channel tensors: H -> Np(H))."""
+    out = v.new_zeros(v.shape[0], np_)
+    out[:, : v.shape[1]] = v
     return out
 
 
@@ -291,11 +296,7 @@ def pack_experts(
     if scheme.name != "dense":
         _check_float("w13", w13)
         _check_float("w2", w2)
-    c = scheme.from_float(w13, w2)
-    if w13_bias is not None:
-        c["w13_bias"] = w13_bias
-    if w2_bias is not None:
-        c["w2_bias"] = w2_bias
+    c = _with_biases(scheme.from_float(w13, w2), w13_bias, w2_bias)
     return scheme.pack(c, interleaved=interleaved, layout=lay, use_cpp=use_cpp)
 
 
@@ -389,12 +390,7 @@ def pack_int8_weight(
         pad = lambda v: pad_intermediate(v, ip, interleaved).contiguous()  # noqa: E731
     else:
         codes = pack_w2(q, layout=layout, use_cpp=use_cpp)
-
-        def pad(v: torch.Tensor) -> torch.Tensor:  # [E, H] -> [E, Np(H)] with zeros
-            out = v.new_zeros(e, codes.shape[1])
-            out[:, :n] = v
-            return out
-
+        pad = lambda v: pad_rows(v, codes.shape[1])  # noqa: E731
     return {weight: codes, f"{weight}_scale": pad(s), f"{weight}_colsum": pad(colsum)}
 
 
@@ -436,4 +432,4 @@ def pack_experts_int8(
     )
 
 
-__all__ = ["PackedExperts", "pack_experts", "pack_dense", "codes_dtype", "pack_experts_int8", "pack_int8_weight", "quantize_int8_per_channel", "dequantize_int8", "pack_w13", "pack_w2", "pack_bias13", "pack_bias2", "pack_weight_reference", "unpack_weight_reference", "pad_intermediate"]
+__all__ = ["PackedExperts", "pack_experts", "pack_dense", "codes_dtype", "pack_experts_int8", "pack_int8_weight", "pad_rows", "quantize_int8_per_channel", "dequantize_int8", "pack_w13", "pack_w2", "pack_bias13", "pack_bias2", "pack_weight_reference", "unpack_weight_reference", "pad_intermediate"]

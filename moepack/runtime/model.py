@@ -262,14 +262,13 @@ def validate_manifest(path: Path, m: dict) -> None:
                 if not isinstance(entry.get(key), typ):
                     _fail(path, f"layer {entry['index']}: {key}={entry.get(key)!r}: must be a {typ.__name__}")
             e, h, i = int(entry["num_experts"]), int(entry["hidden"]), int(entry["intermediate"])
-            ip = layout_padded_i(lay, i)
-            sets = [("", entry, layout_tensor_plan(lay, e, h, i, bias=True), ip)]
+            sets = [("", entry, layout_tensor_plan(lay, e, h, i, bias=True), layout_padded_i(lay, i))]
             sh_e = entry.get("shared")
             if sh_e:  # a one-expert set of the same layout
                 si = int(sh_e["intermediate"])
                 sets.append(("shared ", sh_e, layout_tensor_plan(lay, 1, h, si), layout_padded_i(lay, si)))
-            for what, names, plan, want_ip in sets:
-                names = names["tensors"] if "tensors" in names else names
+            for what, src, plan, want_ip in sets:
+                names = src["tensors"] if "tensors" in src else src  # the shared entry holds its names itself
                 for t in plan:
                     if t.role == "bias" and t.name not in names:
                         continue
@@ -280,8 +279,7 @@ def validate_manifest(path: Path, m: dict) -> None:
                     if list(got["shape"]) != list(t.shape) or got.get("dtype") != t.dtype:
                         _fail(path, f"layer {entry['index']}: {what}tensor {tname!r} is {got.get('dtype')} {got['shape']}, "
                                     f"layout math says {t.dtype} {list(t.shape)}")  # fmt: skip
-            for what, src, want_ip in (("", entry, ip), ("shared ", sh_e, sets[-1][3])):
-                if src and int(src["padded_intermediate"]) != want_ip:
+                if int(src["padded_intermediate"]) != want_ip:
                     _fail(path, f"layer {entry['index']}: {what}padded_intermediate={src['padded_intermediate']}, layout math says {want_ip}")
         except (KeyError, TypeError, ValueError) as ex:
             if isinstance(ex, MoepackError):
