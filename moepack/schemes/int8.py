@@ -21,17 +21,14 @@ class Int8Layer(LayerPacker):
 
     def __init__(self, src):
         super().__init__(src)
-        from ..layout import layout_expert_shapes
+        from ..layout import layout_tensor_plan
 
         s = self.spec
-        sh = layout_expert_shapes(self.layout, s.num_experts, s.hidden, s.intermediate)
-        self.ip, self.np2 = sh.padded_intermediate, sh.w2_shape[1]
-        e = s.num_experts
+        # the per-channel tensors (scales, column sums), filled one expert at a time as the codes stream
         self.gathered = {
-            "w13_scale": torch.zeros(e, 2 * self.ip),
-            "w13_colsum": torch.zeros(e, 2 * self.ip, dtype=torch.int32),
-            "w2_scale": torch.zeros(e, self.np2),
-            "w2_colsum": torch.zeros(e, self.np2, dtype=torch.int32),
+            t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype))
+            for t in layout_tensor_plan(self.layout, s.num_experts, s.hidden, s.intermediate)
+            if t.role in ("scale", "sum")
         }
 
     def _codes(self, role: str, e: int):
