@@ -38,11 +38,12 @@ const char* isa_unavailable_reason(Isa isa) {
   return nullptr;
 }
 
-bool isa_serves(Isa isa, const LayoutDesc& L) {
+bool isa_serves(Isa isa, const LayoutDesc& L, int32_t act_mode) {
   if (int(isa) < 0 || int(isa) >= kNumIsa) return false;
   const IsaLevel& v = kIsaLevels[int(isa)];
   if (v.family >= 0 && L.family != v.family) return false;
-  return v.weight_kinds == 0 || ((v.weight_kinds >> L.weight_dtype) & 1u) != 0;
+  if (act_mode == 0) act_mode = layout_default_act(L);
+  return v.serves == 0 || ((v.serves >> (2 * L.weight_dtype + act_index(act_mode))) & 1u) != 0;
 }
 
 Isa host_isa() {
@@ -82,30 +83,42 @@ const LayoutDesc* layout_find(int32_t id) {
   return nullptr;
 }
 
-Selection select_kernel(const KernelTable& t, const char* const unavailable[kNumIsa], int32_t layout_id, Isa max_isa) {
+static const char* act_name(int32_t m) { return m == kAct_a8 ? "a8" : "a16"; }
+
+Selection select_kernel(const KernelTable& t, const char* const unavailable[kNumIsa], int32_t layout_id, Isa max_isa,
+                        int32_t act_mode) {
   Selection s;
   const LayoutDesc* L = layout_find(layout_id);
   if (L == nullptr) {
     std::snprintf(s.reason, sizeof(s.reason), "layout id %d is unknown to this build", int(layout_id));
     return s;
   }
+  if (act_mode == 0) act_mode = layout_default_act(*L);
+  if ((act_mode != kAct_a16 && act_mode != kAct_a8) || !(L->act_modes & act_mode)) {
+    std::snprintf(s.reason, sizeof(s.reason), "act_mode %d: layout %s runs with %s%s%s activations", int(act_mode),
+                  L->name, (L->act_modes & kAct_a16) ? "a16" : "", (L->act_modes & kAct_a16) && (L->act_modes & kAct_a8) ? " or " : "",
+                  (L->act_modes & kAct_a8) ? "a8" : "");
+    return s;
+  }
+  const int m = act_index(act_mode);
   int best_host = -1;  // best level the host has that serves the layout (ignoring the cap)
   int missing = -1;    // best allowed, available, serving level that has no kernel
   for (int i = kNumIsa - 1; i >= 0; --i) {
-    if (!isa_serves(Isa(i), *L) || unavailable[i] != nullptr) continue;
+    if (!isa_serves(Isa(i), *L, act_mode) || unavailable[i] != nullptr) continue;
     if (best_host < 0) best_host = i;
     if (i > int(max_isa)) continue;
-    if (t.fused[layout_id][i] == nullptr) {
+    if (t.fused[layout_id][m][i] == nullptr) {
       if (missing < 0) missing = i;
       continue;
     }
-    s.fn = t.fused[layout_id][i];
+    s.fn = t.fused[layout_id][m][i];
     s.isa = Isa(i);
     if (missing >= 0) {
       s.fallback = true;
-      const char* why = t.refused[layout_id][missing];
-      std::snprintf(s.reason, sizeof(s.reason), "%s: fallback: this build has no %s kernel for layout %s%s%s",
-                    isa_name(s.isa), isa_name(Isa(missing)), L->name, *why ? ": its kernel file refused it: " : "", why);
+      const char* why = t.refused[layout_id][m][missing];
+      std::snprintf(s.reason, sizeof(s.reason), "%s: fallback: this build has no %s kernel for layout %s (%s)%s%s",
+                    isa_name(s.isa), isa_name(Isa(missing)), L->name, act_name(act_mode),
+                    *why ? ": its kernel file refused it: " : "", why);
       return s;
     }
     if (i < best_host) {
@@ -116,7 +129,7 @@ Selection select_kernel(const KernelTable& t, const char* const unavailable[kNum
     // Best for this CPU: name the next level up that would serve the layout, and why not.
     int next = -1;
     for (int j = i + 1; j < kNumIsa && next < 0; ++j) {
-      if (isa_serves(Isa(j), *L)) next = j;
+      if (isa_serves(Isa(j), *L, act_mode)) next = j;
     }
     if (next >= 0) {
       std::snprintf(s.reason, sizeof(s.reason), "%s: best ISA of this CPU for layout %s (%s: %s)", isa_name(s.isa),
@@ -126,12 +139,13 @@ Selection select_kernel(const KernelTable& t, const char* const unavailable[kNum
     }
     return s;
   }
-  const char* why = t.refused[layout_id][int(Isa::scalar)];
-  std::snprintf(s.reason, sizeof(s.reason), "no kernel is registered for layout %s%s%s", L->name, *why ? ": " : "", why);
+  const char* why = t.refused[layout_id][m][int(Isa::scalar)];
+  std::snprintf(s.reason, sizeof(s.reason), "no kernel is registered for layout %s (%s)%s%s", L->name, act_name(act_mode),
+                *why ? ": " : "", why);
   return s;
 }
 
-Selection select_fused(int32_t layout_id, Isa max_isa) {
+Selection select_fused(int32_t layout_id, Isa max_isa, int32_t act_mode) {
   // The host does not change: its reasons are worked out once (this runs on every op call).
   struct Reasons {
     const char* r[kNumIsa];
@@ -141,13 +155,19 @@ Selection select_fused(int32_t layout_id, Isa max_isa) {
     for (int i = 0; i < kNumIsa; ++i) x.r[i] = isa_unavailable_reason(Isa(i));
     return x;
   }();
-  return select_kernel(table(), host.r, layout_id, max_isa);
+  return select_kernel(table(), host.r, layout_id, max_isa, act_mode);
 }
 
 Int8BlockGemmFn find_gemm_i8(int32_t layout_id, Isa isa) {
   if (layout_find(layout_id) == nullptr || int(isa) < 0 || int(isa) >= kNumIsa) return nullptr;
   if (isa_unavailable_reason(isa) != nullptr) return nullptr;
   return table().gemm_i8[layout_id][int(isa)];
+}
+
+U4BlockDotFn find_dot_u4(int32_t layout_id, Isa isa) {
+  if (layout_find(layout_id) == nullptr || int(isa) < 0 || int(isa) >= kNumIsa) return nullptr;
+  if (isa_unavailable_reason(isa) != nullptr) return nullptr;
+  return table().dot_u4[layout_id][int(isa)];
 }
 
 const char* fused_moe_check_routing(const FusedMoeArgs& a, char* buf, size_t n) {

@@ -63,6 +63,7 @@ def fused_experts(
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
+    act_mode: str | None = None,
 ) -> torch.Tensor:
     """Run the experts of one MoE layer on packed weights (docs/SEMANTICS.md §2).
 
@@ -72,6 +73,8 @@ def fused_experts(
     topk_ids [T, k] int32 (global ids when ``expert_map`` [E_global] int32 maps them to local ids
     or -1). ``interleaved`` is w13's row order as packed (``PackedExperts.interleaved``); when
     not given, the checkpoints' convention: interleaved for swigluoai, gate-then-up otherwise.
+    ``act_mode`` ("a16" or "a8", docs/SEMANTICS.md §3) picks how activations meet the weights
+    in layouts that serve both (int4_group); None: the layout's default (its first act mode).
     Returns [T, H] in the input dtype."""
     if interleaved is None:
         interleaved = activation == "swigluoai"
@@ -89,6 +92,7 @@ def fused_experts(
         w13_bias=w13_bias,
         w2_bias=w2_bias,
         expert_map=expert_map,
+        act_mode=act_mode or "",
     )
 
 
@@ -105,9 +109,10 @@ class KernelChoice(NamedTuple):
     is_fallback: bool  # this build lacks the kernel of a better level that serves the layout: MOEPACK_STRICT=1 refuses it
 
 
-def kernel_choice(layout: int | str | PackedLayout = DEFAULT_LAYOUT) -> KernelChoice:
-    """(isa, reason, is_fallback): the kernel a call with this layout runs on this CPU now, and why."""
-    isa, reason, is_fallback = ops().kernel_choice(layout_get(layout).id)
+def kernel_choice(layout: int | str | PackedLayout = DEFAULT_LAYOUT, act_mode: str | None = None) -> KernelChoice:
+    """(isa, reason, is_fallback): the kernel a call with this layout (in activation mode
+    ``act_mode``; None: the layout's default) runs on this CPU now, and why."""
+    isa, reason, is_fallback = ops().kernel_choice(layout_get(layout).id, act_mode or "")
     return KernelChoice(isa, reason, bool(is_fallback))
 
 

@@ -19,12 +19,16 @@ from .layout import LAYOUTS
 
 ISAS = tuple(lv.name for lv in LEVELS)  # order = preference
 
-# Which levels have a kernel for which weight kind (a layout's weight_dtype); tests check this
-# against what the dispatcher picks on the host, tests/cpp against every registered kernel.
-KERNEL_ISAS = {
-    kind: tuple(lv.name for lv in LEVELS if serves_kind(lv, kind))
-    for kind in dict.fromkeys(lay.weight_dtype for lay in LAYOUTS)
+# Which levels have a kernel for which weight kind (a layout's weight_dtype) in which activation
+# mode (MODE_ISAS[(kind, mode)]), and in the default mode of that kind's layouts (KERNEL_ISAS[kind]:
+# their first act mode); tests check this against what the dispatcher picks on the host, tests/cpp
+# against every registered kernel.
+MODE_ISAS = {
+    (lay.weight_dtype, mode): tuple(lv.name for lv in LEVELS if serves_kind(lv, lay.weight_dtype, mode))
+    for lay in LAYOUTS
+    for mode in lay.act_modes
 }
+KERNEL_ISAS = {lay.weight_dtype: MODE_ISAS[(lay.weight_dtype, lay.act_modes[0])] for lay in LAYOUTS}
 
 
 def _rst_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:

@@ -77,8 +77,10 @@ class Level:
     flags: tuple[str, ...] = ()  # compiler flags of its file, on top of the base's
     base: str | None = None  # a level whose requirements and flags this one extends
     needs: tuple[Need, ...] = ()  # its own requirements, checked in order before the base's
-    # weight kinds (moepack.layout.WEIGHT_DTYPES) it serves, within its architecture's layout
-    # family; None: every layout of that family (every layout at all without an architecture)
+    # what it serves, within its architecture's layout family: weight kinds
+    # (moepack.layout.WEIGHT_DTYPES), each in every activation mode ("bf16") or in one
+    # ("u4:a8": u4 layouts when called with int8 activations); None: every layout of that family
+    # in every mode (every layout at all without an architecture)
     serves: tuple[str, ...] | None = None
     # C++ that uses the level's key instruction, compiled with its flags: a toolchain that cannot
     # build it gets the file with -DMOEPACK_OMIT_LEVEL (the level reports a fallback at run time).
@@ -126,7 +128,7 @@ LEVELS = (
         base="avx2",
         flags=("-mavxvnni",),
         needs=(cpu("AVX-VNNI", "avx_vnni"),),
-        serves=("i8",),
+        serves=("i8", "u4:a8"),
         probe="__m256i f(__m256i a, __m256i b, __m256i c) { return _mm256_dpbusd_avx_epi32(a, b, c); }",
         emulate="-DMOEPACK_EMULATE_AVX_VNNI",
         emulate_needs_host=True,  # the AVX-VNNI kernel is AVX2 code around one emulated instruction
@@ -151,7 +153,7 @@ LEVELS = (
         base="avx512",
         flags=("-mavx512vnni",),
         needs=(cpu("AVX512_VNNI", "avx512_vnni"),),
-        serves=("i8",),
+        serves=("i8", "u4:a8"),
         probe="__m512i f(__m512i a, __m512i b, __m512i c) { return _mm512_dpbusd_epi32(a, b, c); }",
         emulate="-DMOEPACK_EMULATE_AVX512",
         cpus="Cascade Lake, Ice Lake, Zen 4+",
@@ -162,7 +164,7 @@ LEVELS = (
         base="avx512",
         flags=("-mavx512bf16",),
         needs=(cpu("AVX512_BF16", "avx512_bf16"),),
-        serves=("bf16",),
+        serves=("bf16", "u4:a16"),
         probe="__m512 f(__m512 a, __m512i b, __m512i c) { return _mm512_dpbf16_ps(a, (__m512bh)b, (__m512bh)c); }",
         emulate="-DMOEPACK_EMULATE_AVX512",
         cpus="Cooper Lake, Sapphire Rapids, Zen 4+",
@@ -176,7 +178,7 @@ LEVELS = (
             cpu("AMX-TILE/AMX-BF16", "amx_tile", "amx_bf16"),
             os_state("AMX tile data (XCR0 and the kernel's permission, arch_prctl)", "os_amx"),
         ),
-        serves=("bf16",),
+        serves=("bf16", "u4:a16"),
         probe="void f(void) { _tile_dpbf16ps(0, 1, 2); }",
         cpus="Sapphire Rapids, Emerald Rapids, Granite Rapids",
     ),
@@ -189,7 +191,7 @@ LEVELS = (
             cpu("AMX-TILE/AMX-INT8", "amx_tile", "amx_int8"),
             os_state("AMX tile data (XCR0 and the kernel's permission, arch_prctl)", "os_amx"),
         ),
-        serves=("i8",),
+        serves=("i8", "u4:a8"),
         probe="void f(void) { _tile_dpbssd(0, 1, 2); }",
         cpus="Sapphire Rapids, Emerald Rapids, Granite Rapids",
     ),
@@ -247,9 +249,25 @@ def build_arch(machine: str) -> Arch | None:
     return next((a for a in ARCHES if machine.lower() in a.machines), None)
 
 
-def serves_kind(lv: Level, weight_kind: str) -> bool:
-    """Whether lv serves layouts of weight kind `weight_kind` (of its architecture's family)."""
-    return lv.serves is None or weight_kind in lv.serves
+SERVE_MODES = ("a16", "a8")  # moepack.layout.ACT_MODES, in the order of their serve-mask bits
+
+
+def serves_kind(lv: Level, weight_kind: str, act_mode: str | None = None) -> bool:
+    """Whether lv serves layouts of weight kind `weight_kind` (of its architecture's family)
+    called in activation mode `act_mode` (None: in some mode)."""
+    if lv.serves is None:
+        return True
+    return any(e == weight_kind or (e.startswith(weight_kind + ":") and act_mode in (None, e.split(":", 1)[1]))
+               for e in lv.serves)  # fmt: skip
+
+
+def serve_pairs(lv: Level) -> list[tuple[str, str]]:
+    """(weight kind, act mode) pairs lv serves (lv.serves must not be None)."""
+    out = []
+    for e in lv.serves or ():
+        kind, _, mode = e.partition(":")
+        out += [(kind, m) for m in ((mode,) if mode else SERVE_MODES)]
+    return out
 
 
 def doc_rows() -> list[tuple[str, str, str, str]]:
@@ -261,7 +279,8 @@ def doc_rows() -> list[tuple[str, str, str, str]]:
             serves = "every layout"
         else:
             family = arch(lv.arch).layout_family
-            kinds = ", ".join({"i8": "int8"}.get(k, k) for k in lv.serves) if lv.serves else family
+            names = {"i8": "int8", "u4:a8": "int4 (A8)", "u4:a16": "int4 (A16)", "u4": "int4"}
+            kinds = ", ".join(names.get(k, k) for k in lv.serves) if lv.serves else family
             serves = f"{kinds} layouts"
         rows.append((lv.name, needs, serves, lv.cpus))
     return rows

@@ -40,7 +40,7 @@ SCALE_DTYPES = ("none", "f32", "bf16", "e8m0")
 ZERO_KINDS = ("none", "u4", "bf16")
 # The packed weight schemes (docs/SEMANTICS.md §3): one name everywhere (CLI, manifest, Python
 # API, docs); moepack/schemes/ has one module per scheme.
-SCHEMES = ("dense", "int8_channel")
+SCHEMES = ("dense", "int8_channel", "int4_group")
 # Activation modes a layout serves (docs/SEMANTICS.md §3): a16 = activations in their own dtype,
 # a8 = per-token dynamic int8.
 ACT_MODES = ("a16", "a8")
@@ -200,6 +200,41 @@ _I8_TENSORS = (
     TensorSpec("sum", "_colsum", "int32", "channel", note="int32 sum over K of the channel's codes"),
 )
 
+# int4 group (SEMANTICS.md §3): unsigned 4-bit codes 0..15, (q - z[g, n]) * s[g, n] with one fp32
+# scale and one zero point (0..15, one per byte; 8 for symmetric sources) per (K group, output
+# channel). One K group of a block is 32 columns x 8 codes = 128 bytes, one 32-bit word per
+# column holding its 8 consecutive K values k0..k0+7 as: byte j (0..3) = code[k0 + j] | code[k0 +
+# 4 + j] << 4 (U4_NIBBLE_ORDER). So `word & 0x0F0F0F0F` gives the bytes k0..k0+3 and `(word >> 4)
+# & 0x0F0F0F0F` the bytes k0+4..k0+7: each the u8 operand of vpdpbusd (W4A8) / vpmaddubsw, and
+# byte lanes that widen straight to the bf16 pairs of the dense kernels (W4A16). Padding codes
+# (K beyond the real K, inside a partial last group) hold the group's zero point, so every
+# padded weight dequantizes to exactly 0; padded channels have scale 0 and zero 0. Groups follow
+# K from 0: a group size that does not divide K leaves the last group partial. One layout per
+# group size (the scale tensors' shape depends on it); "ch" = one group over all of K.
+def _u4_tensors(shape: str) -> tuple[TensorSpec, ...]:
+    where = "per (K group, output channel)" if shape == "group" else "per output channel"
+    return (
+        TensorSpec("codes", "", "uint8", "packed", pad="zero point",
+                   note="4-bit codes 0..15, two per byte (U4_NIBBLE_ORDER)"),  # fmt: skip
+        TensorSpec("scale", "_scale", "float32", shape, note=f"fp32 scale {where} (0 in padding)"),
+        TensorSpec("zero", "_zero", "uint8", shape, note=f"zero point 0..15 {where}, one per byte (8: symmetric)"),
+    )
+
+
+def _u4_layout(id_: int, group: int) -> "PackedLayout":
+    tag = f"g{group}" if group else "ch"
+    return PackedLayout(
+        id=id_, name=f"u4{tag}_n32k8_x86", weight_dtype="u4", weight_bits=4, group_size=group, block_n=32,
+        k_pack=8, scale_dtype="f32", zero_kind="u4", family="x86", i_align=32, scheme="int4_group",
+        act_modes=("a16", "a8"), tensors=_u4_tensors("group" if group else "channel"),
+    )  # fmt: skip
+
+
+# Within the k_pack = 8 codes of one column in a u4 K group: element j sits in byte j % 4, low
+# nibble for j < 4, high nibble for j >= 4.
+U4_NIBBLE_ORDER = "byte j%4, nibble j//4"
+U4_GROUP_SIZES = (32, 64, 128)  # the u4 layouts' group sizes (and 0 = per channel)
+
 LAYOUTS: tuple[PackedLayout, ...] = (
     PackedLayout(
         id=1,
@@ -237,6 +272,10 @@ LAYOUTS: tuple[PackedLayout, ...] = (
         act_modes=("a8",),
         tensors=_I8_TENSORS,
     ),
+    _u4_layout(3, 32),
+    _u4_layout(4, 64),
+    _u4_layout(5, 128),
+    _u4_layout(6, 0),
 )
 
 _BY_ID = {layout.id: layout for layout in LAYOUTS}
@@ -245,6 +284,18 @@ assert len(_BY_ID) == len(LAYOUTS) and len(_BY_NAME) == len(LAYOUTS), "duplicate
 
 DEFAULT_LAYOUT = _BY_NAME["bf16_n32k2_x86"]
 INT8_LAYOUT = _BY_NAME["i8_n32k4_x86"]
+INT4_LAYOUT = _BY_NAME["u4g128_n32k8_x86"]  # pack_experts' int4 default (symmetric, group 128)
+
+
+def int4_layout_for(group_size: int, family: str = "x86") -> PackedLayout:
+    """The int4_group layout of one group size (0 or -1 = per output channel), or a LayoutError
+    naming the sizes there are layouts for."""
+    g = 0 if group_size in (0, -1) else group_size
+    for x in LAYOUTS:
+        if x.scheme == "int4_group" and x.family == family and x.group_size == g:
+            return x
+    have = ", ".join(str(x.group_size or -1) for x in LAYOUTS if x.scheme == "int4_group" and x.family == family)
+    raise LayoutError(f"int4 group_size={group_size}: moepack has int4 layouts for group sizes {have} (-1 = per channel)")
 
 
 def layout_get(key: int | str | PackedLayout) -> PackedLayout:
@@ -367,6 +418,8 @@ __all__ = [
     "LAYOUTS",
     "DEFAULT_LAYOUT",
     "INT8_LAYOUT",
+    "INT4_LAYOUT",
+    "int4_layout_for",
     "PackedLayout",
     "ExpertShapes",
     "TensorSpec",

@@ -166,6 +166,93 @@ def moe_reference_int8(
     return (out, flip) if return_flip else out
 
 
+def int4_linear_a8_reference(
+    q: torch.Tensor, q_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, w_zero: torch.Tensor,
+    group_size: int, bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """W4A8 (SEMANTICS.md §3 "int4 group" with A8) with the kernels' rounding points: per group g
+    the exact integer ``acc_g = sum_{k in g} q_x[k] * (w_q[n, k] - zero[n, g])`` (fp64 holds it),
+    ``sum_g float(acc_g) * scale[n, g]`` accumulated in fp32 in group order, times a_scale[t]."""
+    k = w_q.shape[-1]
+    g = k if group_size <= 0 else group_size
+    ng = w_scale.shape[-1]
+    out = torch.zeros(q.shape[0], w_q.shape[0], dtype=torch.float32)
+    for gi in range(ng):
+        k0, k1 = gi * g, min(k, (gi + 1) * g)
+        wi = w_q[:, k0:k1].double() - w_zero[:, gi : gi + 1].double()
+        acc = (q[:, k0:k1].double() @ wi.t()).float()
+        out = out + acc * w_scale[:, gi].float().reshape(1, -1)
+    out = out * q_scale
+    return out if bias is None else out + bias.float()
+
+
+def moe_reference_int4(
+    hidden_states: torch.Tensor,
+    c: dict,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    act_mode: str = "a16",
+    activation: str = "silu",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    interleaved: bool | None = None,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+    return_flip: bool = False,
+):
+    """int4_group experts on canonical int4 tensors (moepack/pack/int4.py: ``w13_q``,
+    ``w13_scale``, ``w13_zero``, ``w2_*`` and ``group_size``). A16: the dense reference on the
+    exactly dequantized fp32 weights. A8: activations quantized per token, per-group exact
+    integer dot products (``int4_linear_a8_reference``), the intermediate re-quantized per row,
+    as in moe_reference_int8; ``return_flip`` as there."""
+    from .pack.int4 import dequantize_int4_group
+
+    g = int(c["group_size"])
+    if act_mode == "a16":
+        w13 = dequantize_int4_group(c["w13_q"], c["w13_scale"], c["w13_zero"], g)
+        w2 = dequantize_int4_group(c["w2_q"], c["w2_scale"], c["w2_zero"], g)
+        out = moe_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation=activation, alpha=alpha,
+                            limit=limit, interleaved=interleaved, w13_bias=w13_bias, w2_bias=w2_bias,
+                            expert_map=expert_map)  # fmt: skip
+        return (out, 0.0) if return_flip else out
+    if act_mode != "a8":
+        raise ValueError(f"act_mode={act_mode!r}: must be 'a16' or 'a8'")
+    dtype = hidden_states.dtype
+    x = hidden_states.float()
+    t, h = x.shape
+    k = topk_ids.shape[1]
+    ids = topk_ids.long()
+    if expert_map is not None:
+        ids = expert_map.long()[ids]
+    xq, xs = quantize_rows_int8(x)
+    y = torch.zeros(t, k, h, dtype=torch.float32)
+    flip = 0.0
+    w = topk_weights.float()
+    for e in range(c["w13_q"].shape[0]):
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        b13 = None if w13_bias is None else w13_bias[e]
+        hh = int4_linear_a8_reference(xq[tok], xs[tok], c["w13_q"][e], c["w13_scale"][e], c["w13_zero"][e], g, b13)
+        a = activation_reference(hh, activation, alpha, limit, interleaved).to(dtype).float()
+        aq, as_ = quantize_rows_int8(a)
+        b2 = None if w2_bias is None else w2_bias[e]
+        y[tok, slot] = int4_linear_a8_reference(aq, as_, c["w2_q"][e], c["w2_scale"][e], c["w2_zero"][e], g, b2)
+        if return_flip:
+            w2f = dequantize_int4_group(c["w2_q"][e], c["w2_scale"][e], c["w2_zero"][e], g).double()
+            col = w2f.norm(dim=0).max().item()
+            flip = max(flip, (w[tok, slot].abs().double() * as_.reshape(-1).double()).max().item() * col)
+    if expert_map is not None:
+        w = torch.where(ids >= 0, w, torch.zeros_like(w))
+    out = torch.zeros(t, h, dtype=torch.float32)
+    for j in range(k):  # fp32, in slot order
+        out = out + w[:, j : j + 1] * y[:, j]
+    out = out.to(dtype)
+    return (out, flip) if return_flip else out
+
+
 def torch_loop_moe(
     hidden_states: torch.Tensor,
     w13: torch.Tensor,

@@ -143,17 +143,24 @@ class _Want:
     w2_bias: torch.Tensor | None = None
 
 
-def _want(scheme, w13, w2, q: dict | None, reader_name: str, w13_bias=None, w2_bias=None) -> _Want:
+def _want(scheme, w13, w2, q: dict | None, reader_name: str, layout, w13_bias=None, w2_bias=None) -> _Want:
     """``q``: the source's own canonical tensors of ``scheme`` (an int8 source's codes and
-    scales), or None: the scheme makes them from the float weights, as convert did."""
+    scales), or None: the scheme makes them from the float weights for ``layout``, as convert did."""
     if q is not None and scheme.name != "dense":
-        return _Want(w13, w2, scheme.rule("I8", reader_name), dict(q), w13_bias, w2_bias)
-    return _Want(w13, w2, scheme.rule("", reader_name), scheme.from_float(w13, w2), w13_bias, w2_bias)
+        c = dict(q)
+        if layout.scheme == "int4_group":
+            c.setdefault("group_size", layout.group_size or -1)
+        return _Want(w13, w2, scheme.rule("I8", reader_name), c, w13_bias, w2_bias)
+    return _Want(w13, w2, scheme.rule("", reader_name), scheme.from_float(w13, w2, layout=layout), w13_bias, w2_bias)
 
 
 def _unpacked(t: torch.Tensor, name: str, p: PackedExperts) -> torch.Tensor:
     """Codes in logical [E, N, K] order, padding included (other tensors as they are)."""
     if name in ("w13", "w2"):
+        if p.layout.weight_bits < 8:  # sub-byte codes: [E, Np, Kp * bits / 8] bytes
+            from .pack.int4 import unpack_u4_codes
+
+            return unpack_u4_codes(t, t.shape[1], t.shape[2] * 8 // p.layout.weight_bits, p.layout)
         return unpack_weight_reference(t, *t.shape[1:], p.layout)
     return t
 
@@ -241,12 +248,12 @@ def _compare(p: PackedExperts, names: dict, want: _Want, what: str, results: dic
     return True
 
 
-def _shared_want(ckpt, reader, spec, scheme) -> _Want:
+def _shared_want(ckpt, reader, spec, scheme, layout) -> _Want:
     """The source's shared expert as convert packs it (convert_dir: float, or the int8 source's
     own codes, or quantized by moepack when the source's shared expert is float)."""
     w13, w2 = reader.read_shared(ckpt, spec)
     q = reader.read_shared_canonical(ckpt, spec) if reader.scheme == scheme.name != "dense" else None
-    return _want(scheme, w13, w2, q, reader.name)
+    return _want(scheme, w13, w2, q, reader.name, layout)
 
 
 def _check_shared(ckpt, reader, spec, layer, results: dict, problems: list) -> tuple[_Want | None, torch.Tensor | None]:
@@ -263,7 +270,7 @@ def _check_shared(ckpt, reader, spec, layer, results: dict, problems: list) -> t
         results.update(dict.fromkeys(names, False))
         return None, None
     scheme = get_scheme(layer.packed.layout)
-    want = _shared_want(ckpt, reader, spec, scheme)
+    want = _shared_want(ckpt, reader, spec, scheme, layer.packed.layout)
     if not _compare(layer.shared, sh, want, "shared expert", results, problems, scheme):
         return None, None
     gate = ckpt.read(spec.shared["gate"]) if spec.shared.get("gate") else None
@@ -288,7 +295,7 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
     scheme = get_scheme(p.layout)
     canon = reader.read_layer(ckpt, spec)
     q = canon.canonical if reader.scheme == scheme.name else None
-    routed = _want(scheme, canon.w13, canon.w2, q, reader.name, canon.w13_bias, canon.w2_bias)
+    routed = _want(scheme, canon.w13, canon.w2, q, reader.name, p.layout, canon.w13_bias, canon.w2_bias)
     tensors, shared_tensors, problems = {}, {}, []
     shapes_ok = _compare(p, layer.entry["tensors"], routed, "experts", tensors, problems, scheme)
     exact = shapes_ok and all(tensors.values())

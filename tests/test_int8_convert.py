@@ -218,8 +218,8 @@ def test_inspect_and_cli(tmp_root, tmp_path):
     assert json.loads(r.stdout)["layout"] == INT8_LAYOUT.name
     r = cli("verify", tmp_path / "cli", "--source", fixture_dir("qwen3_moe"))
     assert r.exit_code == 0, r.stdout
-    r = cli("convert", fixture_dir("qwen3_moe"), tmp_path / "x", "--quantize", "int4")
-    assert r.exit_code == 2 and "quantize='int4'" in r.stderr and not (tmp_path / "x").exists()
+    r = cli("convert", fixture_dir("qwen3_moe"), tmp_path / "x", "--quantize", "int3")
+    assert r.exit_code == 2 and "quantize='int3'" in r.stderr and not (tmp_path / "x").exists()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -67,7 +67,9 @@ def test_check_detects_a_stale_file(tmp_path, edit):
 
 def test_the_list_names_known_layout_kinds():
     for lv in isa_levels.LEVELS:
-        assert lv.serves is None or set(lv.serves) <= set(WEIGHT_DTYPES), lv
+        for entry in lv.serves or ():  # "kind" (every act mode) or "kind:mode"
+            kind, _, mode = entry.partition(":")
+            assert kind in WEIGHT_DTYPES and mode in ("", *isa_levels.SERVE_MODES), (lv.name, entry)
     for a in isa_levels.ARCHES:
         assert a.layout_family in FAMILIES, a
     assert set(KERNEL_ISAS) == {lay.weight_dtype for lay in LAYOUTS}

@@ -64,7 +64,7 @@ def test_check_detects_a_stale_header(repo_copy):
 def test_check_detects_a_changed_table(repo_copy):
     src = repo_copy / "moepack" / "layout.py"
     text = src.read_text()
-    assert text.count("i_align=32,") == len(LAYOUTS)
+    assert "i_align=32," in text
     src.write_text(text.replace("i_align=32,", "i_align=64,", 1))
     assert run_check(repo_copy).returncode == 1
 
@@ -121,7 +121,8 @@ def test_compiled_table_has_no_other_layouts():
 def test_layout_table_invariants():
     assert len({x.id for x in LAYOUTS}) == len(LAYOUTS) and len({x.name for x in LAYOUTS}) == len(LAYOUTS)
     for x in LAYOUTS:
-        assert x.name.startswith(f"{x.weight_dtype}_n{x.block_n}k{x.k_pack}_{x.family}")
+        tag = "" if x.scheme != "int4_group" else (f"g{x.group_size}" if x.group_size else "ch")
+        assert x.name == f"{x.weight_dtype}{tag}_n{x.block_n}k{x.k_pack}_{x.family}"
         assert x.i_align % x.block_n == 0
         assert x.weight_bits == lay.WEIGHT_DTYPES[x.weight_dtype] == 8 * x.elem_bytes
         assert layout_get(x.id) is x and layout_get(x.name) is x and layout_get(x) is x
@@ -129,7 +130,7 @@ def test_layout_table_invariants():
         assert x.tensor_names("w13")[0] == "w13" and x.tensors[0].role == "codes"
 
 
-@pytest.mark.parametrize("key", [0, 3, -1, 10**6, "bf16_n32k2_arm", "", "BF16_N32K2_X86", "i8_n32k4_arm"])
+@pytest.mark.parametrize("key", [0, 99, -1, 10**6, "bf16_n32k2_arm", "", "BF16_N32K2_X86", "i8_n32k4_arm"])
 def test_unknown_layout_lookup_raises_layout_error(key):
     with pytest.raises(LayoutError, match="is unknown; known layouts: bf16_n32k2_x86 \\(id 1\\), i8_n32k4_x86 \\(id 2\\)"):
         layout_get(key)

@@ -90,7 +90,8 @@ def render_header(isa) -> str:
         "  bool built;               // its architecture is the one this translation unit is compiled for",
         "  const char* not_built;    // why it cannot run when not `built`",
         "  int32_t family;           // the layout family (Family) it serves; -1: every family",
-        "  uint32_t weight_kinds;    // bit (1 << WeightDtype) per weight kind it serves; 0: every kind",
+        "  uint32_t serves;          // bit (2 * WeightDtype + mode: 0 = a16, 1 = a8) per (weight kind, act mode) it",
+        "                            // serves; 0: every kind in every mode",
         f"  IsaNeed needs[{max_needs}];        // every requirement (its base's included), in check order",
         "};",
         "",
@@ -102,7 +103,8 @@ def render_header(isa) -> str:
         else:
             a = isa.arch(lv.arch)
             built, not_built, family = f"MOEPACK_ARCH_{a.name} != 0", f'"not an {a.name} CPU"', f"kFamily_{a.layout_family}"
-        kinds = " | ".join(f"(1u << kWeight_{k})" for k in lv.serves) if lv.serves else "0"
+        bits = [f"(1u << (2 * kWeight_{k} + {isa.SERVE_MODES.index(m)}))" for k, m in isa.serve_pairs(lv)]
+        kinds = " | ".join(bits) if lv.serves else "0"
         needs = ", ".join(
             "{" + f'"{n.reason}", ' + "{" + ", ".join(f"&CpuFeatures::{f}" for f in n.features) + "}}"
             for n in need_rows[lv.name]

@@ -85,9 +85,12 @@ void register_scalar(KernelTable& t) {
     switch (L.scheme) {
       case kScheme_dense: scalar::register_scheme<scalar::DenseA16<MK>>(t, L, Isa::scalar); break;
       case kScheme_int8_channel: scalar::register_scheme<scalar::Int8A8<MK>>(t, L, Isa::scalar); break;
+      case kScheme_int4_group: scalar::register_int4(t, L, Isa::scalar); break;
       default:
-        std::snprintf(t.refused[L.id][int(Isa::scalar)], sizeof(t.refused[0][0]),
-                      "the scalar kernels do not know scheme %d", int(L.scheme));
+        for (int m = 0; m < kNumActModes; ++m) {
+          std::snprintf(t.refused[L.id][m][int(Isa::scalar)], sizeof(t.refused[0][0][0]),
+                        "the scalar kernels do not know scheme %d", int(L.scheme));
+        }
         break;
     }
   }

@@ -78,23 +78,33 @@ bool strict_mode() {
 }
 
 // The kernel `layout` runs here under MOEPACK_MAX_ISA (refused when none runs it).
-Selection select_under_cap(int64_t layout) {
+Selection select_under_cap(int64_t layout, int32_t act_mode = 0) {
   Isa cap;
   try {
     cap = env_max_isa();
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
-  Selection sel = select_fused(int32_t(layout), cap);
+  Selection sel = select_fused(int32_t(layout), cap, act_mode);
   TORCH_CHECK_VALUE(sel.fn != nullptr, sel.reason);
   return sel;
 }
 
 // select_under_cap, and MOEPACK_STRICT=1 refuses a fallback.
-Selection select_or_throw(int64_t layout) {
-  Selection sel = select_under_cap(layout);
+Selection select_or_throw(int64_t layout, int32_t act_mode = 0) {
+  Selection sel = select_under_cap(layout, act_mode);
   TORCH_CHECK(!strict_mode() || !sel.fallback, "MOEPACK_STRICT=1 refuses a fallback: ", sel.reason);
   return sel;
+}
+
+// An activation mode by name ("a16", "a8"; "" = the layout's default) for layout L.
+int32_t parse_act_mode(const LayoutDesc& L, std::string_view name) {
+  if (name.empty()) return layout_default_act(L);
+  int32_t m = name == "a16" ? kAct_a16 : name == "a8" ? kAct_a8 : 0;
+  TORCH_CHECK_VALUE(m != 0, "act_mode='", name, "' is not one of a16, a8 (or empty: the layout's default)");
+  TORCH_CHECK_VALUE(L.act_modes & m, "act_mode='", name, "': layout ", L.name, " runs with ",
+                    (L.act_modes & kAct_a16) ? ((L.act_modes & kAct_a8) ? "a16 or a8" : "a16") : "a8", " activations");
+  return m;
 }
 
 Isa parse_isa(std::string_view name) {

@@ -51,10 +51,11 @@ FusedMoeArgs check_fused(const at::Tensor& x, const at::TensorList& w13, const a
                          const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t layout, bool interleaved,
                          const std::string& activation, double alpha, double limit,
                          const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
-                         const std::optional<at::Tensor>& expert_map, bool data) {
+                         const std::optional<at::Tensor>& expert_map, std::string_view act_mode, bool data) {
   FusedMoeArgs a;
   const LayoutDesc& L = layout_or_throw(layout);
   a.layout = &L;
+  a.act_mode = parse_act_mode(L, act_mode);
   a.act = parse_activation(activation);
   a.interleaved = interleaved;
   check_cpu(x, "hidden_states");
@@ -85,7 +86,7 @@ FusedMoeArgs check_fused(const at::Tensor& x, const at::TensorList& w13, const a
                data ? &a.w13 : nullptr);
   check_weight(w2, "w2", L, E, w2_dims(L, a.hidden, a.inter_padded), "w2 is [E, H padded to block_n, Ip], " + hnote,
                data ? &a.w2 : nullptr);
-  if (L.act_modes & kAct_a8) {
+  if (a.act_mode == kAct_a8) {
     const int64_t kp1 = w13_dims(L, a.hidden, a.inter_padded).kp;
     TORCH_CHECK_VALUE(kp1 <= kMaxI8K && a.inter_padded <= kMaxI8K, "layout ", L.name, " (int8 activations) with H=",
                       a.hidden, ", Ip=", a.inter_padded, ": both must be <= ", kMaxI8K, " (int32 accumulators)");
@@ -123,9 +124,10 @@ FusedMoeArgs check_fused(const at::Tensor& x, const at::TensorList& w13, const a
 at::Tensor fused_experts_cpu(const at::Tensor& x, at::TensorList w13, at::TensorList w2, const at::Tensor& topk_weights,
                              const at::Tensor& topk_ids, int64_t layout, bool interleaved, std::string_view activation,
                              double alpha, double limit, const std::optional<at::Tensor>& b13,
-                             const std::optional<at::Tensor>& b2, const std::optional<at::Tensor>& expert_map) {
+                             const std::optional<at::Tensor>& b2, const std::optional<at::Tensor>& expert_map,
+                             std::string_view act_mode) {
   FusedMoeArgs a = check_fused(x, w13, w2, topk_weights, topk_ids, layout, interleaved, std::string(activation), alpha,
-                               limit, b13, b2, expert_map, /*data=*/true);
+                               limit, b13, b2, expert_map, act_mode, /*data=*/true);
   at::Tensor out = at::empty({a.tokens, a.hidden}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (a.tokens == 0) return out;
   a.x = x.data_ptr();
@@ -136,7 +138,7 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, at::TensorList w13, at::Tensor
   char buf[256];
   const char* err = fused_moe_check_routing(a, buf, sizeof(buf));
   TORCH_CHECK_INDEX(err == nullptr, err);
-  Selection sel = select_or_throw(layout);
+  Selection sel = select_or_throw(layout, a.act_mode);
   a.par.run = parallel_run;
   a.par.num_threads = at::get_num_threads();
   {
@@ -150,9 +152,10 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, at::TensorList w13, at::Tensor
 at::Tensor fused_experts_meta(const at::Tensor& x, at::TensorList w13, at::TensorList w2, const at::Tensor& topk_weights,
                               const at::Tensor& topk_ids, int64_t layout, bool interleaved, std::string_view activation,
                               double alpha, double limit, const std::optional<at::Tensor>& b13,
-                              const std::optional<at::Tensor>& b2, const std::optional<at::Tensor>& expert_map) {
+                              const std::optional<at::Tensor>& b2, const std::optional<at::Tensor>& expert_map,
+                              std::string_view act_mode) {
   FusedMoeArgs a = check_fused(x, w13, w2, topk_weights, topk_ids, layout, interleaved, std::string(activation), alpha,
-                               limit, b13, b2, expert_map, /*data=*/false);
+                               limit, b13, b2, expert_map, act_mode, /*data=*/false);
   return at::empty({a.tokens, a.hidden}, x.options());
 }
 
@@ -163,7 +166,7 @@ TORCH_LIBRARY_FRAGMENT(moepack, m) {
   m.def(
       "fused_experts(Tensor hidden_states, Tensor[] w13, Tensor[] w2, Tensor topk_weights, Tensor topk_ids, "
       "int layout, *, bool interleaved=False, str activation=\"silu\", float alpha=1.702, float limit=7.0, "
-      "Tensor? w13_bias=None, Tensor? w2_bias=None, Tensor? expert_map=None) -> Tensor");
+      "Tensor? w13_bias=None, Tensor? w2_bias=None, Tensor? expert_map=None, str act_mode=\"\") -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moepack, CPU, m) { m.impl("fused_experts", &moepack::fused_experts_cpu); }

@@ -30,6 +30,32 @@ at::Tensor gemm_i8_block_cpu(const at::Tensor& rows, const at::Tensor& block, co
   return out;
 }
 
+// Test hook (SEMANTICS.md §4): the int32 accumulators of exactly `isa`'s W4A8 integer core for
+// an int4_group layout. rows int8 [m, kp], block uint8 [32 * kp / 2] (one packed column block),
+// K range [k0, k0 + kk) (multiples of 8 inside kp) -> int32 [m, 32].
+at::Tensor dot_u4_block_cpu(const at::Tensor& rows, const at::Tensor& block, int64_t k0, int64_t kk, int64_t layout,
+                            std::string_view isa) {
+  const LayoutDesc& L = layout_or_throw(layout);
+  TORCH_CHECK_VALUE(L.scheme == kScheme_int4_group, "layout ", L.name, " is not an int4_group layout");
+  TORCH_CHECK_VALUE(rows.dim() == 2 && rows.size(1) % L.k_pack == 0 && rows.size(1) <= kMaxI8K, "rows has shape ",
+                    shape_str(rows), ": must be [m, kp] with kp a multiple of k_pack=", L.k_pack, " and <= ", kMaxI8K);
+  const int64_t m = rows.size(0), kp = rows.size(1);
+  TORCH_CHECK_VALUE(m <= 64, "rows has ", m, " rows: the integer core takes at most 64 (one chunk)");
+  TORCH_CHECK_VALUE(k0 >= 0 && kk >= 0 && k0 % 8 == 0 && kk % 8 == 0 && k0 + kk <= kp, "K range [", k0, ", ", k0 + kk,
+                    "): must be multiples of 8 inside [0, kp=", kp, "]");
+  check_exact(rows, "rows", at::kChar, {m, kp}, "int8 [m, kp]");
+  check_exact(block, "block", at::kByte, {L.block_n * kp / 2}, "one packed u4 column block [32 * kp / 2]");
+  const Isa want = parse_isa(isa);
+  U4BlockDotFn fn = find_dot_u4(int32_t(layout), want);
+  TORCH_CHECK_VALUE(fn != nullptr, "no ", isa_name(want), " W4A8 integer core for layout ", L.name, " on this CPU",
+                    isa_unavailable_reason(want) ? std::string(" (") + isa_unavailable_reason(want) + ")" : "");
+  at::Tensor out = at::empty({m, L.block_n}, rows.options().dtype(at::kInt));
+  std::vector<const int8_t*> ptrs(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) ptrs[size_t(i)] = rows.data_ptr<int8_t>() + i * kp;
+  if (m > 0) fn(ptrs.data(), int(m), block.data_ptr<uint8_t>(), k0, kk, out.data_ptr<int32_t>());
+  return out;
+}
+
 // Benchmark baseline (moepack bench): reads every byte of experts `ids` of the packed w13 and
 // w2 ([E, ...], contiguous) on the extension's threads, in 64 KiB pieces, and returns a checksum
 // (so the reads cannot be elided). Timed next to fused_experts on the same experts, it says how
@@ -94,8 +120,8 @@ std::tuple<std::string, std::vector<int64_t>, std::vector<std::string>> layout_d
 }
 
 // (isa, reason, is_fallback): is_fallback is Selection::fallback, what MOEPACK_STRICT refuses.
-std::tuple<std::string, std::string, bool> kernel_choice(int64_t layout) {
-  const Selection sel = select_under_cap(layout);
+std::tuple<std::string, std::string, bool> kernel_choice(int64_t layout, std::string_view act_mode) {
+  const Selection sel = select_under_cap(layout, parse_act_mode(layout_or_throw(layout), act_mode));
   return {isa_name(sel.isa), sel.reason, sel.fallback};
 }
 
@@ -122,11 +148,13 @@ TORCH_LIBRARY_FRAGMENT(moepack, m) {
   m.def("gemm_i8_block(Tensor rows, Tensor block, Tensor colsum, int layout, str isa) -> Tensor");
   m.def("read_experts(Tensor w13, Tensor w2, Tensor ids) -> int");
   m.def("layout_desc(int layout) -> (str, int[], str[])", &moepack::layout_desc);
-  m.def("kernel_choice(int layout) -> (str, str, bool)", &moepack::kernel_choice);
+  m.def("kernel_choice(int layout, str act_mode=\"\") -> (str, str, bool)", &moepack::kernel_choice);
+  m.def("dot_u4_block(Tensor rows, Tensor block, int k0, int kk, int layout, str isa) -> Tensor");
   m.def("cpu_flags() -> str[]", &moepack::cpu_flags);
 }
 
 TORCH_LIBRARY_IMPL(moepack, CPU, m) {
   m.impl("gemm_i8_block", &moepack::gemm_i8_block_cpu);
+  m.impl("dot_u4_block", &moepack::dot_u4_block_cpu);
   m.impl("read_experts", &moepack::read_experts_cpu);
 }

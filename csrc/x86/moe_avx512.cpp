@@ -45,6 +45,8 @@ void register_avx512(KernelTable& t) {
   using avx512::MK;
   avx512::register_scheme<avx512::DenseA16<MK>>(t, kLayout_bf16_n32k2_x86, Isa::avx512);
   avx512::register_scheme<avx512::Int8A8<MK>>(t, kLayout_i8_n32k4_x86, Isa::avx512);
+  avx512::register_int4_layouts<avx512::Int4A16<MK>>(t, Isa::avx512);
+  avx512::register_int4_layouts<avx512::Int4A8<MK>>(t, Isa::avx512);
 }
 
 }  // namespace moepack

@@ -46,6 +46,7 @@ struct MK : Avx512Base {
 
 void register_avx512_bf16(KernelTable& t) {
   avx512_bf16::register_scheme<avx512_bf16::DenseA16<avx512_bf16::MK>>(t, kLayout_bf16_n32k2_x86, Isa::avx512_bf16);
+  avx512_bf16::register_int4_layouts<avx512_bf16::Int4A16<avx512_bf16::MK>>(t, Isa::avx512_bf16);
 }
 
 }  // namespace moepack

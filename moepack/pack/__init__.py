@@ -281,7 +281,8 @@ def pack_experts(
     ``interleaved``), w2 [E, H, I], optional biases [E, 2I] and [E, H], into ``layout``.
 
     The layout's scheme (moepack.schemes) turns the float weights into its canonical tensors
-    first: dense keeps them, int8_channel quantizes them per output channel."""
+    first: dense keeps them, int8_channel quantizes them per output channel, int4_group per
+    (K group of the layout's size, channel), symmetric, round to nearest."""
     from ..schemes import get_scheme
 
     lay = layout_get(layout)
@@ -296,7 +297,7 @@ def pack_experts(
     if scheme.name != "dense":
         _check_float("w13", w13)
         _check_float("w2", w2)
-    c = _with_biases(scheme.from_float(w13, w2), w13_bias, w2_bias)
+    c = _with_biases(scheme.from_float(w13, w2, layout=lay), w13_bias, w2_bias)
     return scheme.pack(c, interleaved=interleaved, layout=lay, use_cpp=use_cpp)
 
 

@@ -12,7 +12,8 @@ verify, the runtime, bench and the CLI look the scheme up instead of branching o
                     the optional biases), e.g. ("w13", "w2") or ("w13_q", ...)
 ``pack``            canonical dict -> ``PackedExperts`` (``use_cpp=False``: the Python
                     spec packer, which verify uses to recompute what a file must hold)
-``from_float``      float w13/w2 -> canonical dict (dense: as is; int8: quantized)
+``from_float``      float w13/w2 (+ the target layout) -> canonical dict (dense: as
+                    is; int8 / int4: quantized, int4 at the layout's group size)
 ``reference``       the pure-torch oracle on the canonical tensors: ``(out, flip)``
 ``output_rule``     how verify judges the kernel's output against ``reference``
 ``rule``            words for messages: where the packed values come from
@@ -51,13 +52,14 @@ class Scheme:
     summary: str
     canonical: tuple[str, ...]
     pack: Callable  # (canonical: dict, *, interleaved, layout, use_cpp=True) -> PackedExperts
-    from_float: Callable  # (w13, w2) -> canonical dict (without biases)
+    from_float: Callable  # (w13, w2, layout=None) -> canonical dict (without biases), for that layout
     dequantize: Callable  # canonical dict -> (w13, w2) fp32 canonical weights
     reference: Callable  # (x, canonical, topk_weights, topk_ids, **kw) -> (out, flip)
     output_rule: Callable  # (source dtypes: set[str]) -> OutputRule
     rule: Callable  # (source dtype str, reader name) -> str
     source_note: Callable  # (source dtype str, reader name) -> str
     layer_packer: Callable  # (LayerSource) -> LayerPacker
+    default_layout: str | None = None  # the layout layout_for picks (None: the scheme's first of the family)
 
     def layouts(self, family: str | None = None) -> list[PackedLayout]:
         """This build's layouts of the scheme (of one ISA family), in table order."""
@@ -67,7 +69,7 @@ class Scheme:
         cands = self.layouts(family)
         if not cands:
             raise UnsupportedError(f"scheme {self.name}: this build has no layout for the {family} family")
-        return cands[0]
+        return next((x for x in cands if x.name == self.default_layout), cands[0])
 
 
 @dataclass
@@ -151,6 +153,6 @@ def schemes() -> list[Scheme]:
 
 
 # The scheme modules register themselves on import.
-from . import dense, int8  # noqa: E402,F401
+from . import dense, int8, int4  # noqa: E402,F401
 
 __all__ = ["Scheme", "OutputRule", "LayerSource", "LayerPacker", "get_scheme", "register", "schemes"]

@@ -66,7 +66,7 @@ DENSE = register(
         summary="float weights packed as bf16; activations in their own dtype",
         canonical=("w13", "w2"),
         pack=_pack,
-        from_float=lambda w13, w2: {"w13": w13, "w2": w2},
+        from_float=lambda w13, w2, layout=None: {"w13": w13, "w2": w2},
         dequantize=lambda c: (c["w13"].float(), c["w2"].float()),
         reference=_reference,
         output_rule=_output_rule,

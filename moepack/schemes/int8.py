@@ -91,7 +91,7 @@ def _pack(c: dict, *, interleaved: bool, layout, use_cpp: bool = True):
     )  # fmt: skip
 
 
-def _from_float(w13, w2) -> dict:
+def _from_float(w13, w2, layout=None) -> dict:
     from ..pack import quantize_int8_per_channel
 
     (q13, s13), (q2, s2) = quantize_int8_per_channel(w13), quantize_int8_per_channel(w2)

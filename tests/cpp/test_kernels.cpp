@@ -146,13 +146,13 @@ void collect_kernels() {
   {
     KernelTable t;
     register_scalar(t);
-    g_scalar = t.fused[L][int(Isa::scalar)];
+    g_scalar = t.fused[L][0][int(Isa::scalar)];
   }
   for (const Registrar& r : runnable_registrars()) {
     KernelTable t;
     r.reg(t);
-    if (t.fused[L][int(r.isa)]) g_simd.push_back({r.name, t.fused[L][int(r.isa)]});
-    check(isa_serves(r.isa, kLayout_bf16_n32k2_x86) == (t.fused[L][int(r.isa)] != nullptr),
+    if (t.fused[L][0][int(r.isa)]) g_simd.push_back({r.name, t.fused[L][0][int(r.isa)]});
+    check(isa_serves(r.isa, kLayout_bf16_n32k2_x86, kAct_a16) == (t.fused[L][0][int(r.isa)] != nullptr),
           "%s registers a bf16 kernel exactly when its level serves bf16 layouts", r.name.c_str());
   }
   std::printf("kernels:");
@@ -697,7 +697,9 @@ void test_select() {
   KernelTable full;
   for (const LayoutDesc& L : kLayouts)
     for (int i = 0; i < kNumIsa; ++i)
-      if (isa_serves(Isa(i), L)) full.fused[L.id][i] = dummy_kernel;
+      for (int m = 0; m < kNumActModes; ++m) {
+        if (isa_serves(Isa(i), L, m ? kAct_a8 : kAct_a16)) full.fused[L.id][m][i] = dummy_kernel;
+      }
   auto unavailable_of = [&](const Cpu& c, const char** u) {
     for (int i = 0; i < kNumIsa; ++i) u[i] = kNo;
     u[0] = nullptr;
@@ -717,7 +719,7 @@ void test_select() {
       for (const LayoutDesc* L : {&kLayout_bf16_n32k2_x86, &kLayout_i8_n32k4_x86}) {
         int want = 0;
         for (int i = cap; i > 0 && want == 0; --i)
-          if (u[i] == nullptr && isa_serves(Isa(i), *L)) want = i;
+          if (u[i] == nullptr && isa_serves(Isa(i), *L, 0)) want = i;
         const Selection s = select_kernel(full, u, L->id, Isa(cap));
         const Isa top = L == &kLayout_bf16_n32k2_x86 ? c.bf16 : c.i8;
         const bool lowered = want < int(top);
@@ -728,12 +730,12 @@ void test_select() {
   }
   // A build without the avx512 int8 kernel on Skylake-SP: avx2, flagged as a fallback.
   KernelTable partial = full;
-  partial.fused[kLayoutId_i8_n32k4_x86][int(Isa::avx512)] = nullptr;
+  partial.fused[kLayoutId_i8_n32k4_x86][act_index(kAct_a8)][int(Isa::avx512)] = nullptr;
   const char* u[kNumIsa];
   unavailable_of(cpus[2], u);
   const Selection f = select_kernel(partial, u, kLayoutId_i8_n32k4_x86, Isa(kNumIsa - 1));
   check(f.isa == Isa::avx2 && f.fallback &&
-            std::strcmp(f.reason, "avx2: fallback: this build has no avx512 kernel for layout i8_n32k4_x86") == 0,
+            std::strcmp(f.reason, "avx2: fallback: this build has no avx512 kernel for layout i8_n32k4_x86 (a8)") == 0,
         "select skylake-sp without an avx512 int8 kernel -> %s (%s)", isa_name(f.isa), f.reason);
   // ... and capped to avx2 it is no fallback
   const Selection g = select_kernel(partial, u, kLayoutId_i8_n32k4_x86, Isa::avx2);
@@ -767,10 +769,10 @@ std::vector<I8Kernel> collect_i8_kernels() {
   auto add = [&](const std::string& name, void (*reg)(KernelTable&), Isa isa) {
     KernelTable t;
     reg(t);
-    const bool has = t.fused[L][int(isa)] && t.gemm_i8[L][int(isa)];
-    check(has == isa_serves(isa, kLayout_i8_n32k4_x86), "%s registers an int8 kernel exactly when its level serves int8",
+    const bool has = t.fused[L][act_index(kAct_a8)][int(isa)] && t.gemm_i8[L][int(isa)];
+    check(has == isa_serves(isa, kLayout_i8_n32k4_x86, kAct_a8), "%s registers an int8 kernel exactly when its level serves int8",
           name.c_str());
-    if (has) out.push_back({name, t.fused[L][int(isa)], t.gemm_i8[L][int(isa)]});
+    if (has) out.push_back({name, t.fused[L][act_index(kAct_a8)][int(isa)], t.gemm_i8[L][int(isa)]});
   };
   add("scalar", register_scalar, Isa::scalar);
   for (const Registrar& r : runnable_registrars()) add(r.name, r.reg, r.isa);
@@ -830,9 +832,9 @@ void test_register_refusals() {
   for (const Case& c : cases) {
     KernelTable t;
     const bool ok = regtest::register_scheme<S>(t, c.L, Isa::avx2);
-    check(ok == c.registers && (t.fused[c.L.id][int(Isa::avx2)] != nullptr) == c.registers,
+    check(ok == c.registers && (t.fused[c.L.id][act_index(S::kActMode)][int(Isa::avx2)] != nullptr) == c.registers,
           "register_scheme %s: registered=%d, want %d", c.what, int(ok), int(c.registers));
-    const char* why = t.refused[c.L.id][int(Isa::avx2)];
+    const char* why = t.refused[c.L.id][act_index(S::kActMode)][int(Isa::avx2)];
     check(c.why ? std::strstr(why, c.why) != nullptr : *why == '\0',
           "register_scheme %s: refusal reason '%s', want '%s'", c.what, why ? why : "(none)", c.why ? c.why : "(none)");
   }
@@ -844,7 +846,7 @@ void test_register_refusals() {
   for (const LayoutDesc* L : {&bf16_scales, &no_sums}) {
     KernelTable t;
     const bool ok = regtest::register_scheme<S8>(t, *L, Isa::avx2);
-    const char* why = t.refused[L->id][int(Isa::avx2)];
+    const char* why = t.refused[L->id][act_index(S8::kActMode)][int(Isa::avx2)];
     check(!ok && std::strstr(why, "float32 per-channel scales and int32 per-channel sums"),
           "register_scheme int8 with a changed declaration: registered=%d reason '%s'", int(ok), why ? why : "(none)");
   }
@@ -861,7 +863,7 @@ void test_i8_quantizer() {
     KernelTable t;
     r.reg(t);
     const Int8QuantizeFn fn = t.quantize_i8[int(r.isa)];
-    check((fn != nullptr) == isa_serves(r.isa, kLayout_i8_n32k4_x86), "%s registers a quantizer exactly when it serves int8",
+    check((fn != nullptr) == isa_serves(r.isa, kLayout_i8_n32k4_x86, kAct_a8), "%s registers a quantizer exactly when it serves int8",
           r.name.c_str());
     if (fn == nullptr) continue;
     int bad = 0, n_cases = 0;

@@ -68,6 +68,7 @@ struct FusedMoeArgs {
   int64_t inter_padded = 0;  // Ip
   const LayoutDesc* layout = nullptr;
   bool interleaved = false;  // w13's row order, as recorded when it was packed
+  int32_t act_mode = 0;      // ActMode the call runs in (one of the layout's act_modes); 0: its default
   Activation act = Activation::silu;
   float alpha = 1.702f;  // swigluoai only
   float limit = 7.0f;    // swigluoai only
@@ -92,12 +93,25 @@ using Int8BlockGemmFn = void (*)(const LayoutDesc& L, const int8_t* const* rows,
 // scalar one bit for bit.
 using Int8QuantizeFn = float (*)(const float* v, int64_t n, int64_t np, int8_t* q, uint8_t flip);
 
+// Activation modes index the kernel table: 0 = a16, 1 = a8 (ActMode bits kAct_a16, kAct_a8).
+constexpr int kNumActModes = 2;
+constexpr int act_index(int32_t mode) { return mode == kAct_a8 ? 1 : 0; }
+// A layout's default activation mode: a16 where it serves a16 (the checkpoint's own meaning), else a8.
+constexpr int32_t layout_default_act(const LayoutDesc& L) { return (L.act_modes & kAct_a16) ? kAct_a16 : kAct_a8; }
+
+// The integer core of an int4_group layout's A8 kernel, for tests (SEMANTICS.md §4: identical
+// integer accumulators): acc[i * 32 + n] = sum over K [k0, k0 + kk) (multiples of 8) of rows[i][k]
+// * q[n][k], s8 rows (kp long) against one packed u4 block of 32 columns.
+using U4BlockDotFn = void (*)(const int8_t* const* rows, int m, const uint8_t* codes, int64_t k0, int64_t kk,
+                              int32_t* acc);
+
 struct KernelTable {
-  FusedMoeFn fused[kMaxLayoutId + 1][kNumIsa] = {};
+  FusedMoeFn fused[kMaxLayoutId + 1][kNumActModes][kNumIsa] = {};
   // Why a level's kernel file did not register a layout it was asked to (the driver's
   // register_scheme: the layout's blocks do not fit the kernel), or null.
-  char refused[kMaxLayoutId + 1][kNumIsa][160] = {};  // "" = not refused
+  char refused[kMaxLayoutId + 1][kNumActModes][kNumIsa][160] = {};  // "" = not refused
   Int8BlockGemmFn gemm_i8[kMaxLayoutId + 1][kNumIsa] = {};
+  U4BlockDotFn dot_u4[kMaxLayoutId + 1][kNumIsa] = {};
   Int8QuantizeFn quantize_i8[kNumIsa] = {};
 };
 
@@ -116,8 +130,10 @@ const CpuFeatures& cpu_features();
 Isa host_isa();
 // Why `isa` is not available on this host, or nullptr if it is.
 const char* isa_unavailable_reason(Isa isa);
-// Whether ISA level `isa` is meant for layouts like L (the dot-product levels serve one weight kind).
-bool isa_serves(Isa isa, const LayoutDesc& L);
+// Whether ISA level `isa` is meant for layouts like L called in activation mode `act_mode` (the
+// dot-product levels serve one kind of dot product: bf16 for bf16 weights and u4 with a16, int8
+// for int8 weights and u4 with a8).
+bool isa_serves(Isa isa, const LayoutDesc& L, int32_t act_mode);
 
 struct Selection {
   FusedMoeFn fn = nullptr;
@@ -127,15 +143,19 @@ struct Selection {
   bool fallback = false;
   char reason[256] = {0};  // why this kernel (and not a better one) was chosen
 };
-// Best registered kernel for `layout_id` among the levels at or below `max_isa` that the host
-// supports and that serve the layout.
-Selection select_fused(int32_t layout_id, Isa max_isa);
+// Best registered kernel for `layout_id` in activation mode `act_mode` (0: the layout's default)
+// among the levels at or below `max_isa` that the host supports and that serve the layout in that
+// mode. A mode the layout does not serve gets no kernel and a reason naming the layout's modes.
+Selection select_fused(int32_t layout_id, Isa max_isa, int32_t act_mode = 0);
 // The same rule for any CPU and kernel table: unavailable[i] says why level i cannot run on that
 // CPU (nullptr = it can). select_fused = select_kernel(this build's table, this host, ...).
-Selection select_kernel(const KernelTable& t, const char* const unavailable[kNumIsa], int32_t layout_id, Isa max_isa);
+Selection select_kernel(const KernelTable& t, const char* const unavailable[kNumIsa], int32_t layout_id, Isa max_isa,
+                        int32_t act_mode = 0);
 // The registered int8 block GEMM of exactly `isa` for `layout_id` (null when none: not an int8
 // layout, no such kernel, or the host cannot run `isa`).
 Int8BlockGemmFn find_gemm_i8(int32_t layout_id, Isa isa);
+// The registered W4A8 integer core of exactly `isa` for an int4_group layout (null when none).
+U4BlockDotFn find_dot_u4(int32_t layout_id, Isa isa);
 // MOEPACK_MAX_ISA as parsed (host_isa() when unset); throws std::invalid_argument when invalid.
 Isa env_max_isa();
 const LayoutDesc* layout_find(int32_t id);

@@ -9,7 +9,7 @@ enum Family : int32_t { kFamily_x86 = 0, kFamily_arm = 1 };
 enum ScaleDtype : int32_t { kScaleDtype_none = 0, kScaleDtype_f32 = 1, kScaleDtype_bf16 = 2, kScaleDtype_e8m0 = 3 };
 enum ZeroKind : int32_t { kZeroKind_none = 0, kZeroKind_u4 = 1, kZeroKind_bf16 = 2 };
 enum WeightDtype : int32_t { kWeight_bf16 = 0, kWeight_f32 = 1, kWeight_i8 = 2, kWeight_u4 = 3 };
-enum Scheme : int32_t { kScheme_dense = 0, kScheme_int8_channel = 1 };
+enum Scheme : int32_t { kScheme_dense = 0, kScheme_int8_channel = 1, kScheme_int4_group = 2 };
 enum TensorRole : int32_t { kRole_codes = 0, kRole_scale = 1, kRole_zero = 2, kRole_sum = 3 };
 enum TensorDtype : int32_t { kTensor_bfloat16 = 0, kTensor_int8 = 1, kTensor_uint8 = 2, kTensor_float32 = 3, kTensor_int32 = 4 };
 enum TensorShape : int32_t { kShape_packed = 0, kShape_channel = 1, kShape_group = 2 };
@@ -53,9 +53,25 @@ constexpr LayoutDesc kLayout_i8_n32k4_x86 = {2, "i8_n32k4_x86", kWeight_i8 /*2*/
 constexpr int32_t kLayoutId_i8_n32k4_x86 = 2;
 static_assert(kLayout_i8_n32k4_x86.block_n * kLayout_i8_n32k4_x86.k_pack * kLayout_i8_n32k4_x86.weight_bits / 8 == 128, "i8_n32k4_x86: bytes per K group of a block");
 static_assert(kLayout_i8_n32k4_x86.i_align % kLayout_i8_n32k4_x86.block_n == 0, "i8_n32k4_x86: i_align");
+constexpr LayoutDesc kLayout_u4g32_n32k8_x86 = {3, "u4g32_n32k8_x86", kWeight_u4 /*3*/, 4, 32, 32, 8, kScaleDtype_f32, kZeroKind_u4, kFamily_x86, 32, kScheme_int4_group, kAct_a16 | kAct_a8, 3, {{kRole_codes, "", kTensor_uint8, kShape_packed, "4-bit codes 0..15, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_float32, kShape_group, "fp32 scale per (K group, output channel) (0 in padding)"}, {kRole_zero, "_zero", kTensor_uint8, kShape_group, "zero point 0..15 per (K group, output channel), one per byte (8: symmetric)"}}};
+constexpr int32_t kLayoutId_u4g32_n32k8_x86 = 3;
+static_assert(kLayout_u4g32_n32k8_x86.block_n * kLayout_u4g32_n32k8_x86.k_pack * kLayout_u4g32_n32k8_x86.weight_bits / 8 == 128, "u4g32_n32k8_x86: bytes per K group of a block");
+static_assert(kLayout_u4g32_n32k8_x86.i_align % kLayout_u4g32_n32k8_x86.block_n == 0, "u4g32_n32k8_x86: i_align");
+constexpr LayoutDesc kLayout_u4g64_n32k8_x86 = {4, "u4g64_n32k8_x86", kWeight_u4 /*3*/, 4, 64, 32, 8, kScaleDtype_f32, kZeroKind_u4, kFamily_x86, 32, kScheme_int4_group, kAct_a16 | kAct_a8, 3, {{kRole_codes, "", kTensor_uint8, kShape_packed, "4-bit codes 0..15, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_float32, kShape_group, "fp32 scale per (K group, output channel) (0 in padding)"}, {kRole_zero, "_zero", kTensor_uint8, kShape_group, "zero point 0..15 per (K group, output channel), one per byte (8: symmetric)"}}};
+constexpr int32_t kLayoutId_u4g64_n32k8_x86 = 4;
+static_assert(kLayout_u4g64_n32k8_x86.block_n * kLayout_u4g64_n32k8_x86.k_pack * kLayout_u4g64_n32k8_x86.weight_bits / 8 == 128, "u4g64_n32k8_x86: bytes per K group of a block");
+static_assert(kLayout_u4g64_n32k8_x86.i_align % kLayout_u4g64_n32k8_x86.block_n == 0, "u4g64_n32k8_x86: i_align");
+constexpr LayoutDesc kLayout_u4g128_n32k8_x86 = {5, "u4g128_n32k8_x86", kWeight_u4 /*3*/, 4, 128, 32, 8, kScaleDtype_f32, kZeroKind_u4, kFamily_x86, 32, kScheme_int4_group, kAct_a16 | kAct_a8, 3, {{kRole_codes, "", kTensor_uint8, kShape_packed, "4-bit codes 0..15, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_float32, kShape_group, "fp32 scale per (K group, output channel) (0 in padding)"}, {kRole_zero, "_zero", kTensor_uint8, kShape_group, "zero point 0..15 per (K group, output channel), one per byte (8: symmetric)"}}};
+constexpr int32_t kLayoutId_u4g128_n32k8_x86 = 5;
+static_assert(kLayout_u4g128_n32k8_x86.block_n * kLayout_u4g128_n32k8_x86.k_pack * kLayout_u4g128_n32k8_x86.weight_bits / 8 == 128, "u4g128_n32k8_x86: bytes per K group of a block");
+static_assert(kLayout_u4g128_n32k8_x86.i_align % kLayout_u4g128_n32k8_x86.block_n == 0, "u4g128_n32k8_x86: i_align");
+constexpr LayoutDesc kLayout_u4ch_n32k8_x86 = {6, "u4ch_n32k8_x86", kWeight_u4 /*3*/, 4, 0, 32, 8, kScaleDtype_f32, kZeroKind_u4, kFamily_x86, 32, kScheme_int4_group, kAct_a16 | kAct_a8, 3, {{kRole_codes, "", kTensor_uint8, kShape_packed, "4-bit codes 0..15, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_float32, kShape_channel, "fp32 scale per output channel (0 in padding)"}, {kRole_zero, "_zero", kTensor_uint8, kShape_channel, "zero point 0..15 per output channel, one per byte (8: symmetric)"}}};
+constexpr int32_t kLayoutId_u4ch_n32k8_x86 = 6;
+static_assert(kLayout_u4ch_n32k8_x86.block_n * kLayout_u4ch_n32k8_x86.k_pack * kLayout_u4ch_n32k8_x86.weight_bits / 8 == 128, "u4ch_n32k8_x86: bytes per K group of a block");
+static_assert(kLayout_u4ch_n32k8_x86.i_align % kLayout_u4ch_n32k8_x86.block_n == 0, "u4ch_n32k8_x86: i_align");
 
-constexpr int32_t kMaxLayoutId = 2;
-constexpr int32_t kNumLayouts = 2;
-constexpr LayoutDesc kLayouts[kNumLayouts] = {kLayout_bf16_n32k2_x86, kLayout_i8_n32k4_x86};
+constexpr int32_t kMaxLayoutId = 6;
+constexpr int32_t kNumLayouts = 6;
+constexpr LayoutDesc kLayouts[kNumLayouts] = {kLayout_bf16_n32k2_x86, kLayout_i8_n32k4_x86, kLayout_u4g32_n32k8_x86, kLayout_u4g64_n32k8_x86, kLayout_u4g128_n32k8_x86, kLayout_u4ch_n32k8_x86};
 
 }  // namespace moepack
