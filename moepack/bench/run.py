@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from ..layout import layout_flops
-from .probe import MachineProbe, _loadavg, machine_info, probe_machine
+from .probe import MachineProbe, _loadavg, describe_limits, kernel_instruction, machine_info, probe_machine
 from .report import BenchResult, Row
 from .shapes import DEFAULT_SHAPES, DEFAULT_TOKENS, DTYPES, SHAPES, MoeShape
 from .timing import BUSY_CPUS, RoutingStream, _call_count, _eviction_bytes, _measure, _time_calls
@@ -41,6 +41,8 @@ class BenchConfig:
     max_calls: int = 1000
     probe: bool = True
     probe_bytes: int = 1 << 30
+    probe_passes: int = 3  # best of this many reads per bandwidth pattern
+    probe_peak_seconds: float = 0.2  # about this long per dot-product instruction
     seed: int = 0
     wait_quiet: float = 0.0  # before each measurement, wait up to this many s for other processes to go idle
     retries: int = 0  # re-time a measurement (up to this many times) when other processes were busy
@@ -70,7 +72,11 @@ class BenchConfig:
         if self.wait_quiet < 0:
             raise ValueError(f"--wait-quiet {self.wait_quiet}: must be >= 0 seconds")
         if self.probe_bytes < (64 << 20):
-            raise ValueError(f"probe buffer of {self.probe_bytes} bytes is too small to measure memory (>= 64 MiB)")
+            raise ValueError(f"--probe-gib: a probe buffer of {self.probe_bytes} bytes is too small to measure memory (>= 64 MiB)")
+        if self.probe_passes < 1:
+            raise ValueError(f"probe_passes={self.probe_passes}: must be >= 1")
+        if not (self.probe_peak_seconds > 0 and math.isfinite(self.probe_peak_seconds)):
+            raise ValueError(f"probe_peak_seconds={self.probe_peak_seconds}: must be a positive number of seconds")
 
 
 
@@ -104,13 +110,13 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
         notes.append(f"--threads {cfg.threads} is more than the {os.cpu_count()} logical CPUs")
 
     if cfg.probe:
-        log(f"probing the machine: read bandwidth over {cfg.probe_bytes / 2**30:.2f} GiB and fp32 FMA peak, {cfg.threads} threads")
-        probe, bg, waited, attempts = _measure(cfg, lambda: probe_machine(cfg.threads, cfg.probe_bytes))
+        log(f"probing the machine: read bandwidth over {cfg.probe_bytes / 2**30:.2f} GiB and dot-product peaks, {cfg.threads} threads")
+        probe, bg, waited, attempts = _measure(
+            cfg, lambda: probe_machine(cfg.threads, cfg.probe_bytes, cfg.probe_passes, cfg.probe_peak_seconds)
+        )
         machine["probe_waited_s"], machine["probe_attempts"] = waited, attempts
-        if probe.measured:
-            log(f"  read {probe.read_gbs:.1f} GB/s, FMA {probe.fma_gflops:.1f} GFLOP/s ({probe.isa}, {probe.seconds:.1f} s)")
-        else:
-            log(f"  not measured: {probe.note}")
+        for label, text in describe_limits(probe):
+            log(f"  {label}: {text}")
         machine["probe_bg_cpus"] = bg
         if bg is not None and bg > BUSY_CPUS:
             notes.append(f"other processes used {bg:.2f} CPUs during the machine probe: its numbers are low")
@@ -122,12 +128,19 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
     evict_buf = torch.ones(1, _eviction_bytes(), dtype=torch.uint8)
     evict_id = torch.zeros(1, dtype=torch.int32)
     rows: list[Row] = []
+    from ..schemes import get_scheme
+
+    layout = get_scheme(cfg.scheme).layout_for("x86")
+    kernel_isa = moepack.kernel_choice(layout).isa
+    instruction = kernel_instruction(layout.weight_dtype, kernel_isa)
+    peak = probe.peak(instruction.name if instruction else None)
+    if cfg.probe and probe.measured and peak is None:
+        why = "its scalar level has none" if instruction is None else probe.skipped.get(instruction.name, "not measured")
+        notes.append(f"layout {layout.name} runs {kernel_isa}: no dot-product peak to divide by ({why})")
     for si, shape in enumerate(cfg.shapes):
         log(f"{shape.name} ({shape.describe()}): making and packing random bf16 weights" + (f" as {cfg.scheme}" if cfg.scheme != "dense" else ""))
         w13, w2 = make_weights(shape, cfg.seed + 1000 * si)
-        from ..schemes import get_scheme
-
-        packed = moepack.pack_experts(w13, w2, layout=get_scheme(cfg.scheme).layout_for("x86"))
+        packed = moepack.pack_experts(w13, w2, layout=layout)
         packed_bpe = packed.nbytes // shape.num_experts
         raw_bpe = (packed.w13.nbytes + packed.w2.nbytes) / shape.num_experts  # what read_experts reads (no scales)
         if cfg.skip_torch:
@@ -216,7 +229,10 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
                 moepack_gbs=tm.gbs,
                 moepack_gflops=m_gflops,
                 moepack_bw_frac=tm.gbs / probe.read_gbs if probe.read_gbs else None,
-                moepack_peak_frac=m_gflops / probe.fma_gflops if probe.fma_gflops else None,
+                moepack_peak_frac=m_gflops / peak if peak else None,
+                kernel_isa=kernel_isa,
+                peak_instruction=instruction.name if instruction else None,
+                peak_value=peak,
                 raw_read_ms=tm.raw_total_s / tm.calls * 1e3,
                 raw_read_gbs=tm.bytes_touched * (raw_bpe / packed_bpe) / tm.raw_total_s / 1e9,
                 moepack_raw_frac=tm.raw_total_s / tm.total_s,
@@ -251,10 +267,9 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
 
     if cfg.scheme == "int8_channel":
         notes.append(
-            "--scheme int8_channel: GFLOP/s is int8 GOP/s and '% FMA peak' is against the fp32 FMA peak; "
-            f"the int8 kernel here is {moepack.kernel_choice('i8_n32k4_x86')[0]} (avx2: vpsignb + vpmaddubsw + vpmaddwd "
-            "+ vpaddd, 32 int8 multiply-adds per 4 ops per row; avx512: the same on zmm, 64; avx_vnni: vpdpbusd on ymm, "
-            "32 per op; avx512_vnni: vpdpbusd on zmm, 64 per op)"
+            "--scheme int8_channel: GFLOP/s is int8 GOP/s, and '% dot peak' is against the peak of the int8 "
+            f"instruction of the kernel that runs here ({kernel_isa}: "
+            f"{instruction.asm if instruction else 'scalar code, no peak'})"
         )
         if not cfg.skip_torch:
             notes.append("--scheme int8_channel: the torch loop runs the bf16 weights (the check column includes the int8 quantization error)")
