@@ -473,8 +473,8 @@ def describe_limits(probe: MachineProbe) -> list[tuple[str, str]]:
         return [("machine limits", f"not measured: {probe.note}")]
     lines = []
     one = [r for r in probe.reads if r["threads"] == 1]
-    text = (f"{probe.read_gbs:.1f} GB/s best ({probe.read_pattern}), plain {probe.plain_read_gbs:.1f} GB/s, "
-            f"{probe.threads} threads")
+    threads = f"{probe.threads} thread" + ("s" if probe.threads != 1 else "")
+    text = f"{probe.read_gbs:.1f} GB/s best ({probe.read_pattern}), plain {probe.plain_read_gbs:.1f} GB/s, {threads}"
     if one and probe.threads != 1:
         b1 = max(one, key=lambda r: r["gbs"])
         p1 = next((r["gbs"] for r in one if r["streams"] == 1 and not r["prefetch"]), None)
@@ -483,7 +483,7 @@ def describe_limits(probe: MachineProbe) -> list[tuple[str, str]]:
     for ins in INSTRUCTIONS:
         p = probe.peaks.get(ins.name)
         if p is not None:
-            lines.append((f"peak {ins.name}", f"{p['value']:.0f} {p['unit']}, {p['threads']} threads: {ins.asm}"))
+            lines.append((f"peak {ins.name}", f"{p['value']:.0f} {p['unit']}, {p['threads']} thread{'s' if p['threads'] != 1 else ''}: {ins.asm}"))
         elif ins.name in probe.skipped:
             lines.append((f"peak {ins.name}", f"- ({probe.skipped[ins.name]})"))
     return lines
