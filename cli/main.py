@@ -6,6 +6,7 @@ The app and the shared error handling live in cli/app.py; each command registers
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -18,11 +19,17 @@ from .app import app, command, console, err_console
 __all__ = ["app"]
 
 
-@command(help="Show what moepack sees on this machine: CPU, flags, ISA levels, the kernel it picks per layout and why.")
+@command(
+    help="Show what moepack sees on this machine: CPU, flags, ISA levels, the kernel it picks per layout and why, "
+    "and the machine's limits (read bandwidth, dot-product peaks; measured once, then cached)."
+)
 def info(
     as_json: bool = typer.Option(False, "--json", help="Print the information as JSON."),
+    probe: bool = typer.Option(False, "--probe", help="Measure the machine's limits again (a few seconds) instead of using the cached ones."),
 ) -> None:
-    from moepack.bench import machine_info
+    import torch
+
+    from moepack.bench import describe_limits, kernel_instruction, machine_info, machine_limits
     from moepack import kernel_choice
     from moepack.isa import available_isas
     from moepack.layout import DEFAULT_LAYOUT, LAYOUTS
@@ -33,9 +40,15 @@ def info(
     info["default_layout"] = DEFAULT_LAYOUT.name
     info["layouts"] = [f"{x.name} (id {x.id})" for x in LAYOUTS]
     info["kernels"] = {}  # per layout: the ISA level its kernel runs at here, why, and whether that is a fallback
+    limits, meta = machine_limits(torch.get_num_threads(), refresh=probe)
     for lay in LAYOUTS:
         choice = kernel_choice(lay)
-        info["kernels"][lay.name] = {"isa": choice.isa, "reason": choice.reason, "is_fallback": choice.is_fallback}
+        ins = kernel_instruction(lay.weight_dtype, choice.isa)
+        info["kernels"][lay.name] = {
+            "isa": choice.isa, "reason": choice.reason, "is_fallback": choice.is_fallback,
+            "instruction": ins.name if ins else None, "peak": limits.peak(ins.name if ins else None),
+        }
+    info["machine_limits"] = {**dataclasses.asdict(limits), **meta}
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
@@ -56,6 +69,16 @@ def info(
     for name, k in info["kernels"].items():
         rows.append((f"kernel {name}", k["reason"]))
     rows.append(("layouts", ", ".join(info["layouts"])))
+    rows += describe_limits(limits)
+    for name, k in info["kernels"].items():
+        if k["peak"] is not None:
+            unit = limits.peaks[k["instruction"]]["unit"]
+            rows.append((f"limit {name}", f"{k['isa']} kernel: {k['instruction']} {k['peak']:.0f} {unit}"))
+    if limits.measured:
+        when = f"measured {meta['measured_at']}" + (", cached (moepack info --probe measures again)" if meta["cached"] else "")
+        if meta.get("bg_cpus") is not None and meta["bg_cpus"] > 0.25:
+            when += f"; other processes used {meta['bg_cpus']:.2f} CPUs meanwhile: the numbers are low"
+        rows.append(("limits", when))
     for k, v in rows:
         t.add_row(k, str(v))
     console.print(t, highlight=False)
@@ -75,10 +98,14 @@ def bench(
         "dense", "--scheme", help="Packed experts: dense (alias bf16), or int8_channel (alias int8; W8A8: the bf16 weights quantized per channel; GB/s of int8 bytes, GOP/s)."
     ),
     skip_torch: bool = typer.Option(False, "--skip-torch", help="Time only moepack (no torch loop baseline)."),
-    json_path: Optional[Path] = typer.Option(None, "--json", help="Write all rows and machine info to this JSON file."),
+    json_path: Optional[Path] = typer.Option(None, "--json", help="Write all rows and machine info to this JSON file (format: docs/BENCH.md)."),
+    compare: Optional[Path] = typer.Option(
+        None, "--compare", help="An earlier --json file: show new/old ms and GB/s per row in both, flag rows slower than --compare-threshold."
+    ),
+    compare_threshold: float = typer.Option(5.0, "--compare-threshold", help="Percent: a row more than this much slower than in --compare is flagged."),
     calls: Optional[int] = typer.Option(None, "--calls", help="Timed calls per measurement (default: adaptive, see --min-time)."),
     min_time: float = typer.Option(1.0, "--min-time", help="Seconds of timed calls per measurement (at least 3 calls)."),
-    probe: bool = typer.Option(True, "--probe/--no-probe", help="Measure read bandwidth and FMA peak (tools/bw_probe.c)."),
+    probe: bool = typer.Option(True, "--probe/--no-probe", help="Measure read bandwidth and dot-product peaks (tools/bw_probe.c)."),
     probe_gib: float = typer.Option(1.0, "--probe-gib", help="Size of the bandwidth probe's buffer in GiB."),
     seed: int = typer.Option(0, "--seed", help="Seed of weights, activations and routings."),
     wait_quiet: float = typer.Option(
@@ -108,12 +135,21 @@ def bench(
     cfg.validate()  # before minutes of work
     if json_path is not None and json_path.parent and not json_path.parent.exists():
         raise ValueError(f"--json {json_path}: folder {json_path.parent} does not exist")
+    threshold = B.threshold_from_percent(compare_threshold)
+    old = None
+    if compare is not None:
+        try:
+            old = B.load_result(compare)  # before minutes of work
+        except ValueError as e:
+            raise ValueError(f"--compare: {e}") from None
 
     def log(line: str) -> None:
         if not quiet:
             err_console.print(f"[dim]{line}[/]", highlight=False, soft_wrap=True)
 
     result = B.run_benchmark(cfg, log=log)
+    if old is not None:
+        result.comparison = B.compare_results(result, old, against=str(compare), threshold=threshold)
     if markdown:
         typer.echo(B.render_markdown(result), nl=False)
     else:
@@ -121,6 +157,11 @@ def bench(
 
         out = console if console.is_terminal else Console(width=max(console.width, 220))
         out.print(B.render_table(result))
+        if result.comparison is not None:
+            out.print(B.render_compare_table(result.comparison))
+    if result.comparison is not None and not markdown:  # (the Markdown carries them)
+        for note in result.comparison.notes:
+            err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     for note in result.notes:
         err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     if json_path is not None:

@@ -1,0 +1,5 @@
+"""``python -m moepack.bench``: the CLI's ``bench`` command."""
+
+from . import main
+
+main()
