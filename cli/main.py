@@ -42,12 +42,14 @@ def info(
     info["kernels"] = {}  # per layout: the ISA level its kernel runs at here, why, and whether that is a fallback
     limits, meta = machine_limits(torch.get_num_threads(), refresh=probe)
     for lay in LAYOUTS:
-        choice = kernel_choice(lay)
-        ins = kernel_instruction(lay.weight_dtype, choice.isa)
-        info["kernels"][lay.name] = {
-            "isa": choice.isa, "reason": choice.reason, "is_fallback": choice.is_fallback,
-            "instruction": ins.name if ins else None, "peak": limits.peak(ins.name if ins else None),
-        }
+        for mode in lay.act_modes:  # layouts with two modes: one entry each, "<name> (<mode>)" after the default's
+            choice = kernel_choice(lay, mode)
+            ins = kernel_instruction(lay.weight_dtype, choice.isa, mode)
+            key = lay.name if mode == lay.act_modes[0] else f"{lay.name} ({mode})"
+            info["kernels"][key] = {
+                "isa": choice.isa, "reason": choice.reason, "is_fallback": choice.is_fallback, "act_mode": mode,
+                "instruction": ins.name if ins else None, "peak": limits.peak(ins.name if ins else None),
+            }
     info["machine_limits"] = {**dataclasses.asdict(limits), **meta}
     if as_json:
         typer.echo(json.dumps(info, indent=2))
@@ -95,7 +97,10 @@ def bench(
     threads: int = typer.Option(2, "--threads", help="torch.set_num_threads, and the machine probe's threads."),
     dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype: bf16, fp32 or fp16 (weights are bf16)."),
     scheme: str = typer.Option(
-        "dense", "--scheme", help="Packed experts: dense (alias bf16), or int8_channel (alias int8; W8A8: the bf16 weights quantized per channel; GB/s of int8 bytes, GOP/s)."
+        "dense", "--scheme", help="Packed experts: dense (alias bf16), int8_channel (alias int8; W8A8: the bf16 weights quantized per channel; GB/s of int8 bytes, GOP/s), or int4_group (alias int4: symmetric group 128; GB/s of packed int4 bytes)."
+    ),
+    act_mode: Optional[str] = typer.Option(
+        None, "--act-mode", help="Schemes with two activation modes (int4): a16 (default, W4A16) or a8 (W4A8)."
     ),
     skip_torch: bool = typer.Option(False, "--skip-torch", help="Time only moepack (no torch loop baseline)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write all rows and machine info to this JSON file (format: docs/BENCH.md)."),
@@ -123,6 +128,7 @@ def bench(
         threads=threads,
         dtype=dtype,
         scheme=scheme,
+        act_mode=act_mode,
         skip_torch=skip_torch,
         min_time=min_time,
         calls=calls,

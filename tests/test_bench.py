@@ -299,11 +299,13 @@ def test_kernel_instruction_table_matches_the_isa_levels():
     from moepack import isa_levels as L
     from moepack.layout import LAYOUTS
 
-    kinds = {lay.weight_dtype for lay in LAYOUTS}
-    pairs = {(k, lv.name) for lv in L.arch_levels("x86") for k in kinds if L.serves_kind(lv, k)}
+    kinds = {(lay.weight_dtype, None if len(lay.act_modes) == 1 else m) for lay in LAYOUTS for m in lay.act_modes}
+    pairs = {(k if m is None else f"{k}:{m}", lv.name) for lv in L.arch_levels("x86") for k, m in kinds
+             if L.serves_kind(lv, k, m)}  # fmt: skip
     assert set(P.KERNEL_INSTRUCTIONS) == pairs
     for (kind, isa), name in P.KERNEL_INSTRUCTIONS.items():
-        ins = P.kernel_instruction(kind, isa)
+        k, _, mode = kind.partition(":")
+        ins = P.kernel_instruction(k, isa, mode or None)
         assert ins is P.INSTRUCTION_BY_NAME[name]
         assert set(ins.needs) <= set(L.features_of(L.level(isa), "cpu")), (kind, isa, ins.needs)
         assert ins.unit == ("GOP/s" if kind == "i8" else "GFLOP/s")

@@ -148,13 +148,25 @@ KERNEL_INSTRUCTIONS: dict[tuple[str, str], str] = {
     ("i8", "avx_vnni"): "vpdpbusd_ymm",
     ("i8", "avx512_vnni"): "vpdpbusd_zmm",
     ("i8", "amx_int8"): "tdpbssd",
+    # int4 (u4 layouts), per activation mode: A16 meets the weights in the bf16 kernels' dot
+    # product, A8 in the int8 kernels'
+    ("u4:a16", "avx2"): "fma_ymm",
+    ("u4:a16", "avx512"): "fma_zmm",
+    ("u4:a16", "avx512_bf16"): "vdpbf16ps",
+    ("u4:a16", "amx_bf16"): "tdpbf16ps",
+    ("u4:a8", "avx2"): "vpmaddubsw_ymm",
+    ("u4:a8", "avx512"): "vpmaddubsw_zmm",
+    ("u4:a8", "avx_vnni"): "vpdpbusd_ymm",
+    ("u4:a8", "avx512_vnni"): "vpdpbusd_zmm",
+    ("u4:a8", "amx_int8"): "vpdpbusd_zmm",  # the int4 A8 core is vpdpbusd, not tiles
 }
 
 
-def kernel_instruction(weight_dtype: str, isa: str) -> Instruction | None:
-    """The instruction a kernel for ``weight_dtype`` weights uses at ISA level ``isa``; None for
-    the scalar level (or a pair without a table entry)."""
-    name = KERNEL_INSTRUCTIONS.get((weight_dtype, isa))
+def kernel_instruction(weight_dtype: str, isa: str, act_mode: str | None = None) -> Instruction | None:
+    """The instruction a kernel for ``weight_dtype`` weights (called in ``act_mode``, for kinds
+    whose layouts have two) uses at ISA level ``isa``; None for the scalar level (or a pair
+    without a table entry)."""
+    name = KERNEL_INSTRUCTIONS.get((f"{weight_dtype}:{act_mode}", isa)) or KERNEL_INSTRUCTIONS.get((weight_dtype, isa))
     return None if name is None else INSTRUCTION_BY_NAME[name]
 
 

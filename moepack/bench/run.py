@@ -33,7 +33,8 @@ class BenchConfig:
     tokens: list[int] = field(default_factory=lambda: list(DEFAULT_TOKENS))
     threads: int = 2
     dtype: str = "bf16"  # activations; weights are bf16 (scheme dense) or int8 (scheme int8_channel)
-    scheme: str = "dense"  # packed weights: a scheme name or alias ("bf16", "int8"); validate() normalizes it
+    scheme: str = "dense"  # packed weights: a scheme name or alias ("bf16", "int8", "int4"); validate() normalizes it
+    act_mode: str | None = None  # schemes with two (int4_group): "a16" or "a8"; None: the layout's default
     skip_torch: bool = False
     min_time: float = 1.0  # seconds of timed calls per measurement (adaptive call count)
     calls: int | None = None  # fixed call count instead (still >= 1)
@@ -60,9 +61,14 @@ class BenchConfig:
         from ..schemes import get_scheme
 
         try:
-            self.scheme = get_scheme(self.scheme).name
+            sch = get_scheme(self.scheme)
         except UnsupportedError as e:
             raise ValueError(f"--scheme: {e}") from None
+        self.scheme = sch.name
+        if self.act_mode is not None:
+            modes = sch.layout_for("x86").act_modes
+            if self.act_mode not in modes:
+                raise ValueError(f"--act-mode {self.act_mode!r}: scheme {sch.name} runs with {' or '.join(modes)} activations")
         if not (self.min_time > 0 and math.isfinite(self.min_time)):
             raise ValueError(f"--min-time {self.min_time}: must be a positive number of seconds")
         if self.calls is not None and self.calls < 1:
@@ -131,8 +137,9 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
     from ..schemes import get_scheme
 
     layout = get_scheme(cfg.scheme).layout_for("x86")
-    kernel_isa = moepack.kernel_choice(layout).isa
-    instruction = kernel_instruction(layout.weight_dtype, kernel_isa)
+    act_mode = cfg.act_mode or layout.act_modes[0]
+    kernel_isa = moepack.kernel_choice(layout, act_mode).isa
+    instruction = kernel_instruction(layout.weight_dtype, kernel_isa, act_mode)
     peak = probe.peak(instruction.name if instruction else None)
     if cfg.probe and probe.measured and peak is None:
         why = "its scalar level has none" if instruction is None else probe.skipped.get(instruction.name, "not measured")
@@ -161,7 +168,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
             warm_w, warm_ids, _ = stream.next()  # the warm-up call (also the correctness check)
 
             def mp(w, ids):
-                return moepack.run_experts(packed, x, w, ids)
+                return moepack.run_experts(packed, x, w, ids, act_mode=act_mode)
 
             def tl(w, ids):
                 return torch_loop_moe(x, base13, base2, w, ids)

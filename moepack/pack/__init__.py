@@ -57,9 +57,13 @@ class PackedExperts:
     padded_intermediate: int
     interleaved: bool  # w13's row order: (gate, up) pairs (swigluoai checkpoints) or gate then up
     tensors: dict[str, torch.Tensor]
+    act_mode: str | None = None  # the default activation mode of calls (None: the layout's first)
 
     def __post_init__(self) -> None:
         want = layout_tensor_plan(self.layout, self.num_experts, self.hidden, self.intermediate, bias=True)
+        if self.act_mode is not None and self.act_mode not in self.layout.act_modes:
+            raise LayoutError(f"act_mode={self.act_mode!r}: layout {self.layout.name} runs with "
+                              f"{' or '.join(self.layout.act_modes)} activations")  # fmt: skip
         declared = {t.name for t in want}
         for name in self.tensors:
             if name not in declared:

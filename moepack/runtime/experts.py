@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .._ops import fused_experts
@@ -19,9 +21,14 @@ def run_experts(
     alpha: float = 1.702,
     limit: float = 7.0,
     expert_map: torch.Tensor | None = None,
+    act_mode: str | None = None,
 ) -> torch.Tensor:
     """``fused_experts`` on a ``PackedExperts``: its tensors in the layout's declared order and
-    its recorded row order (gate-then-up or interleaved, whatever the activation)."""
+    its recorded row order (gate-then-up or interleaved, whatever the activation).
+
+    ``act_mode`` (layouts that serve two, int4_group: "a16" or "a8"): this call's mode; None:
+    ``MOEPACK_ACT_MODE`` when set and the layout serves it, else ``packed.act_mode`` (a packed
+    directory's per-layer default), else the layout's default (its first act mode)."""
     # The op only sees padded weight shapes, so a hidden size that pads to the same Kp/Np as the
     # experts' (e.g. 71 for H = 72) would pass its checks and silently drop a feature.
     if hidden_states.dim() != 2 or hidden_states.shape[1] != packed.hidden:
@@ -43,4 +50,23 @@ def run_experts(
         w13_bias=packed.w13_bias,
         w2_bias=packed.w2_bias,
         expert_map=expert_map,
+        act_mode=resolve_act_mode(packed.layout, act_mode, packed.act_mode),
     )
+
+
+def resolve_act_mode(layout, explicit: str | None = None, default: str | None = None) -> str:
+    """The activation mode a call runs in (run_experts' rule): ``explicit``, else the
+    ``MOEPACK_ACT_MODE`` environment override when ``layout`` serves it, else ``default``, else
+    the layout's first act mode. An explicit mode the layout does not serve is refused."""
+    if explicit is not None:
+        if explicit not in layout.act_modes:
+            raise LayoutError(f"act_mode={explicit!r}: layout {layout.name} runs with {' or '.join(layout.act_modes)} activations")
+        return explicit
+    env = os.environ.get("MOEPACK_ACT_MODE") or None
+    if env is not None and env not in ("a16", "a8"):
+        raise LayoutError(f"MOEPACK_ACT_MODE={env!r} is not one of a16, a8")
+    if env in layout.act_modes:
+        return env
+    if default is not None and default in layout.act_modes:
+        return default
+    return layout.act_modes[0]
