@@ -254,7 +254,13 @@ def make_layers(ckpt: Checkpoint, fmt: Int4Format) -> list[LayerSpec]:
     mods = fmt.scan(ckpt, cfg)
     view = _View(ckpt, mods)
     weights = (FLOAT_DTYPES | {INT4}, f"{fmt.name} expert weights must be 4-bit quantized ({fmt.weights_rule})")
-    specs = discover_layers(view, weights)
+    try:
+        specs = discover_layers(view, weights)
+    except SourceError as err:  # name the real tensors, not the view's stand-ins
+        msg = str(err)
+        for p, m in mods.items():
+            msg = msg.replace(f"'{p}.weight'", f"'{m.main}' (as a 4-bit [N, K] Linear)")
+        raise SourceError(msg) from None
     for s in specs:
         if s.kind != "per_expert":
             raise SourceError(
