@@ -43,6 +43,7 @@ from safetensors import safe_open  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+SEED = 0  # --seed (the quantized fixtures' built base models use it too)
 
 # Common to every fixture. initializer_range is raised from the usual 0.02 so the
 # expert MLPs produce O(0.1-1) outputs and the router logits are O(1) and well
@@ -447,6 +448,22 @@ QUANTIZED: dict[str, dict] = {
     # W8A8 INT8 (format int-quantized): every Linear but the routers; int8 weight + per-channel
     # weight_scale [N, 1] in the model dtype; dynamic per-token int8 activations (no input_scale).
     "qwen3_moe_w8a8": dict(base="qwen3_moe", preset="W8A8", ignore=["lm_head", "re:.*mlp.gate$"]),
+    # W4A16 / W4A16_ASYM (format pack-quantized) with group 32, on a qwen2_moe built here (not a
+    # dense fixture: compressed-tensors 0.20.1 refuses K % group_size != 0, so H = 96 and I = 64
+    # are multiples of 32 but not of 128), shared expert included; routers and the shared-expert
+    # gate stay bf16. weight_packed [N, K/8] int32, weight_scale [N, K/32] bf16, asym:
+    # weight_zero_point [ceil(N/8), K/32] int32.
+    "qwen2_moe_w4a16": dict(model=dict(
+        model_type="qwen2_moe", dtype="bfloat16",
+        config=dict(hidden_size=96, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64,
+                    moe_intermediate_size=64, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                    norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[]),
+    ), preset="W4A16", weights={"group_size": 32}, ignore=["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]),
+    "qwen2_moe_w4a16_asym": dict(same_model_as="qwen2_moe_w4a16", preset="W4A16_ASYM", weights={"group_size": 32},
+                                 ignore=["lm_head", "re:.*mlp.gate$", "re:.*shared_expert_gate$"]),
+    # per-channel asymmetric 4-bit (strategy channel: any K) on fixtures/qwen3_moe (H=72, I=40)
+    "qwen3_moe_w4a16_channel": dict(base="qwen3_moe", preset="W4A16_ASYM", weights={"strategy": "channel", "group_size": None},
+                                    ignore=["lm_head", "re:.*mlp.gate$"], only="re:.*mlp\\.experts\\..*"),
 }
 
 
@@ -469,10 +486,19 @@ def write_quantized_fixture(name: str, spec: dict, out: Path, argv: list[str]) -
     from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors.torch import load_file, save_file
 
-    base = out / spec["base"]
-    if not (base / "config.json").is_file():
-        raise SystemExit(f"{name}: the dense fixture {base} must exist first (make it without --only, or with --only {spec['base']})")
     d = out / name
+    model_spec = spec.get("model") or (QUANTIZED[spec["same_model_as"]]["model"] if "same_model_as" in spec else None)
+    tmp = None
+    if model_spec is not None:  # a base model built here, from a seeded config, like write_fixture's
+        import tempfile
+
+        tmp = tempfile.TemporaryDirectory()
+        base = Path(tmp.name)
+        build_model(spec.get("same_model_as", name), model_spec, SEED).save_pretrained(str(base), safe_serialization=True)
+    else:
+        base = out / spec["base"]
+        if not (base / "config.json").is_file():
+            raise SystemExit(f"{name}: the dense fixture {base} must exist first (make it without --only, or with --only {spec['base']})")
     if d.exists():
         shutil.rmtree(d)
     d.mkdir(parents=True)
@@ -493,14 +519,18 @@ def write_quantized_fixture(name: str, spec: dict, out: Path, argv: list[str]) -
                 cur.add_module(p, torch.nn.Module())
             cur = getattr(cur, p)
         cur.add_module(parts[-1], lin)
-    scheme = preset_name_to_scheme(spec["preset"], ["Linear"])
+    scheme = preset_name_to_scheme(spec["preset"], [spec["only"]] if spec.get("only") else ["Linear"])
+    if spec.get("weights"):
+        scheme.weights = scheme.weights.model_copy(update=spec["weights"])
     apply_quantization_config(root, QuantizationConfig(config_groups={"group_0": scheme}, ignore=spec["ignore"]))
     # the observers live in llm-compressor: fill the scales from each channel's min/max
     for m in root.modules():
         if hasattr(m, "weight_scale"):
             w = m.weight.float()
-            lo = torch.clamp(w.amin(dim=1, keepdim=True), max=0)
-            hi = torch.clamp(w.amax(dim=1, keepdim=True), min=0)
+            if m.weight_scale.shape[-1] > 1:  # group strategy: min/max per group of columns
+                w = w.unflatten(-1, (m.weight_scale.shape[-1], -1))
+            lo = torch.clamp(w.amin(dim=-1), max=0).reshape(m.weight_scale.shape)
+            hi = torch.clamp(w.amax(dim=-1), min=0).reshape(m.weight_scale.shape)
             scale, zp = calculate_qparams(lo, hi, m.quantization_scheme.weights)
             with torch.no_grad():
                 m.weight_scale.copy_(scale.to(m.weight_scale.dtype))
@@ -517,18 +547,26 @@ def write_quantized_fixture(name: str, spec: dict, out: Path, argv: list[str]) -
             shutil.copy(base / f, d / f)
     comp.update_config(str(d))
     cfg = json.loads((d / "config.json").read_text())
+    if tmp is not None:
+        tmp.cleanup()
     doc = {
         "name": name,
         "family": cfg.get("model_type"),
-        "base_fixture": spec["base"],
+        "base_fixture": spec.get("base"),  # None: the base model was built here (base_model)
+        **({"base_model": {"seed": SEED, "AutoConfig.for_model": {"model_type": model_spec["model_type"], **{**COMMON, **model_spec["config"]}},
+                           "dtype": model_spec["dtype"]}} if model_spec is not None else {}),
         "command": "python tools/make_fixtures.py " + " ".join(argv),
         "versions": {**versions(), "compressed_tensors": compressed_tensors.__version__},
         "generation": {
             "steps": [
-                f"every 2-D Linear weight of fixtures/{spec['base']} (not embeddings, norms) as an nn.Linear",
+                (f"every 2-D Linear weight of fixtures/{spec['base']}" if spec.get("base") else
+                 f"every 2-D Linear weight of the base_model (build_model + save_pretrained, seed {SEED})")
+                + " (not embeddings, norms) as an nn.Linear",
                 f"apply_quantization_config(root, QuantizationConfig(config_groups={{'group_0': "
-                f"preset_name_to_scheme({spec['preset']!r}, ['Linear'])}}, ignore={spec['ignore']!r}))",
-                "weight_scale, weight_zero_point = calculate_qparams(min(w, 0), max(w, 0)) per output channel",
+                f"preset_name_to_scheme({spec['preset']!r}, {[spec['only']] if spec.get('only') else ['Linear']!r})"
+                f"{' with weights ' + repr(spec['weights']) if spec.get('weights') else ''}}}, ignore={spec['ignore']!r}))",
+                "weight_scale, weight_zero_point = calculate_qparams(min(w, 0), max(w, 0)) per output channel"
+                " (per group of columns for strategy group)",
                 "ModelCompressor.from_pretrained_model(root).compress_model(root); save_file(state dict + the "
                 "base's other tensors, sorted); ModelCompressor.update_config(dir)",
             ]
@@ -550,6 +588,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
+    global SEED
+    SEED = args.seed
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rec_argv = ["--seed", str(args.seed)]

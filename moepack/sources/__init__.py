@@ -63,8 +63,32 @@ def _ct_reader() -> SourceReader:
     )
 
 
+def _int4_reader(mod) -> SourceReader:
+    r = mod.READER
+    return SourceReader(
+        r.name,
+        r.detect,
+        r.layers,
+        r.read_layer,
+        r.read_expert_w13,
+        r.read_expert_w2,
+        r.read_biases,
+        r.read_shared,
+        scheme=r.scheme,
+        read_expert_canonical=r.read_expert_canonical,
+        read_shared_canonical=r.read_shared_canonical,
+    )
+
+
+def _int4_readers() -> list[SourceReader]:
+    from . import awq, ct_pack_quantized, gptq
+
+    return [_int4_reader(m) for m in (ct_pack_quantized, gptq, awq)]
+
+
 READERS: list[SourceReader] = [
     _ct_reader(),
+    *_int4_readers(),  # scheme int4_group (sources/int4_common.py): compressed-tensors pack-quantized, GPTQ, AWQ GEMM
     SourceReader("dense", _detect_dense, discover_layers, read_layer, read_expert_w13, read_expert_w2, read_biases, read_shared),
 ]
 
