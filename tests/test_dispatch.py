@@ -194,8 +194,11 @@ def test_info_names_the_kernel_of_every_layout(monkeypatch):
     r = CliRunner().invoke(app, ["info", "--json"])
     assert r.exit_code == 0, r.output
     kernels = json.loads(r.output)["kernels"]
-    assert set(kernels) == {lay.name for lay in LAYOUTS}
+    assert set(kernels) == {lay.name for lay in LAYOUTS} | {f"{x.name} ({m})" for x in LAYOUTS for m in x.act_modes[1:]}
     for lay in LAYOUTS:
+        for m in lay.act_modes[1:]:  # the other mode of a two-mode layout: its own entry
+            key = f"{lay.name} ({m})"
+            assert kernels[key]["isa"] == moepack.kernel_choice(lay, m).isa and kernels[key]["act_mode"] == m
         assert kernels[lay.name]["isa"] == expected_choice(lay, host_isa())
         assert kernels[lay.name]["reason"] == moepack.kernel_choice(lay)[1]
         assert kernels[lay.name]["is_fallback"] is moepack.kernel_choice(lay).is_fallback is False
