@@ -29,7 +29,7 @@ from ._version import __version__
 from .container.writer import ShardPlan, ShardWriter, atomic_directory
 from .errors import ConvertError, LayoutError, MoepackError
 from .errors import UnsupportedError
-from .layout import DEFAULT_LAYOUT, PackedLayout, layout_expert_shapes, layout_get, layout_tensor_plan
+from .layout import DEFAULT_LAYOUT, PackedLayout, int4_layout_for, layout_expert_shapes, layout_get, layout_tensor_plan
 from .runtime.model import FORMAT_VERSION, MANIFEST
 from .schemes import LayerSource, Scheme, get_scheme, schemes
 from .sources import Checkpoint, LayerSpec, SourceReader, open_source, text_config
@@ -115,6 +115,29 @@ def _target_layout(lay: PackedLayout, scheme: Scheme) -> PackedLayout:
         return scheme.layout_for(lay.family)
     except UnsupportedError as e:
         raise ConvertError(str(e)) from None
+
+
+def _source_group_layout(lay: PackedLayout, scheme: Scheme, reader: SourceReader, specs: list) -> PackedLayout:
+    """An int4 source packs into the int4 layout of its own group size (never re-grouped): every
+    MoE layer's (and quantized shared expert's) group size must be the same, and moepack must
+    have a layout for it."""
+    if reader.scheme != "int4_group" or scheme.name != "int4_group":
+        return lay
+    sizes = {}
+    for s in specs:
+        q = getattr(s, "quant", None) or {}
+        sizes.setdefault(q.get("group_size"), f"layer {s.index} ({s.prefix})")
+        sh = q.get("shared") or {}
+        if sh.get("group_size") is not None:
+            sizes.setdefault(sh["group_size"], f"layer {s.index}'s shared expert")
+    if len(sizes) != 1:
+        listed = "; ".join(f"group_size={g} in {where}" for g, where in sizes.items())
+        raise ConvertError(f"int4 source with several group sizes ({listed}): moepack packs one int4 layout per directory")
+    (g,) = sizes
+    try:
+        return int4_layout_for(g, lay.family)
+    except LayoutError as e:
+        raise ConvertError(f"{sizes[g]}: {e}") from None
 
 
 def _source_element(s: LayerSpec, role: str, e: int, idx: list[int]) -> tuple[str, list[int]]:
@@ -253,6 +276,7 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int) -> _Plan:
     scheme = _target_scheme(lay, quantize, reader)
     lay = _target_layout(lay, scheme)
     specs = reader.layers(ckpt)
+    lay = _source_group_layout(lay, scheme, reader, specs)
     config = text_config(ckpt.config)
     expert_names = {n for s in specs for n in s.expert_tensors}
     other = [n for n in ckpt.tensors if n not in expert_names]
