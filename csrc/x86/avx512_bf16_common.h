@@ -41,6 +41,7 @@ static inline void gemm_bf16_row(const uint16_t* x, const uint16_t* B, int64_t k
   const int64_t npairs = kp / 2;
   int64_t kk = 0;
   for (; kk + 4 <= npairs; kk += 4, b += 8) {
+    prefetch_stream(b, 8);
     for (int u = 0; u < 4; ++u) {
       const __m512bh xr = as_bh(_mm512_set1_epi32(int(load_u32(x + 2 * (kk + u)))));
       a[u][0] = _mm512_dpbf16_ps(a[u][0], as_bh(_mm512_loadu_si512(b + 2 * u)), xr);

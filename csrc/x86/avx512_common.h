@@ -51,6 +51,14 @@ namespace moepack {
 namespace x86_avx512 {
 namespace {
 
+// Software prefetch of a weight stream, `lines` cache lines kStreamPrefetchBytes ahead of p: the
+// decode kernels stream each task's block once, and the L2 streamer restarts at every 4 KiB page.
+constexpr int kStreamPrefetchBytes = 1024;
+static inline void prefetch_stream(const void* p, int lines) {
+  const char* c = static_cast<const char*>(p) + kStreamPrefetchBytes;
+  for (int i = 0; i < lines; ++i) _mm_prefetch(c + 64 * i, _MM_HINT_T0);
+}
+
 static inline __m512 even_f32(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
 static inline __m512 odd_f32(__m512i w, __m512i hi) { return _mm512_castsi512_ps(_mm512_and_si512(w, hi)); }
 

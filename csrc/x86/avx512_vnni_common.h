@@ -54,6 +54,7 @@ static inline void gemm_i8_row(const int8_t* x, const int8_t* B, int64_t kp, con
   const int64_t nq = kp / 4;
   int64_t kq = 0;
   for (; kq + 4 <= nq; kq += 4, b += 8) {
+    prefetch_stream(b, 8);
     for (int u = 0; u < 4; ++u) {
       uint32_t v;
       std::memcpy(&v, x + 4 * (kq + u), 4);
@@ -97,6 +98,43 @@ static inline void gemm_i8_vnni_rows(const int8_t* const* x, int m, const int8_t
   }
 }
 
+}  // namespace
+}  // namespace x86_avx512_vnni
+}  // namespace moepack
+
+// ---- int4_group layouts (W4A8): u4 codes as vpdpbusd's unsigned operand, s8 rows ----------------
+// (avx512_u4_common.h: the block layout, the fused epilogue; this is the integer core.)
+#include "avx512_u4_common.h"
+namespace moepack {
+namespace x86_avx512_vnni {
+namespace {
+template <int MR>
+struct AccVnniU4 {
+  void operator()(const int8_t* const* x, const uint8_t* codes, int64_t j0, int64_t j1, __m512i acc[][2]) const {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    __m512i ah[MR][2];  // the high nibbles' own accumulators (two chains per column half)
+    for (int r = 0; r < MR; ++r) ah[r][0] = ah[r][1] = _mm512_setzero_si512();
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m512i* g = reinterpret_cast<const __m512i*>(codes + j * 128);
+      _mm_prefetch(reinterpret_cast<const char*>(g) + x86_avx512_u4::kU4PrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(g) + x86_avx512_u4::kU4PrefetchBytes + 64, _MM_HINT_T0);
+      const __m512i w0 = _mm512_loadu_si512(g), w1 = _mm512_loadu_si512(g + 1);
+      const __m512i l0 = _mm512_and_si512(w0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), m4);
+      const __m512i l1 = _mm512_and_si512(w1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), m4);
+      for (int r = 0; r < MR; ++r) {
+        const __m512i xl = x86_avx512_u4::bcast32(x[r] + 8 * j), xh = x86_avx512_u4::bcast32(x[r] + 8 * j + 4);
+        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], l0, xl);
+        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], l1, xl);
+        ah[r][0] = _mm512_dpbusd_epi32(ah[r][0], h0, xh);
+        ah[r][1] = _mm512_dpbusd_epi32(ah[r][1], h1, xh);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      acc[r][0] = _mm512_add_epi32(acc[r][0], ah[r][0]);
+      acc[r][1] = _mm512_add_epi32(acc[r][1], ah[r][1]);
+    }
+  }
+};
 }  // namespace
 }  // namespace x86_avx512_vnni
 }  // namespace moepack

@@ -23,6 +23,7 @@ void register_amx_bf16(KernelTable&) {}
 #else
 #include "amx_common.h"
 #include "avx512_bf16_common.h"
+#include "avx512_u4_bf16.h"
 
 namespace moepack {
 namespace amx_bf16 {
@@ -73,6 +74,15 @@ struct MK : Avx512Base {
       return gemm_bf16_rows(x, m, B, kp, C);
     }
     gemm_amx(x[0], m, B, kp, C);
+  }
+
+  // int4_group layouts (W4A16): the unpack to dense bf16 blocks, and few bf16 rows straight from the codes (avx512_u4_bf16.h).
+  static void unpack_u4(const uint8_t* codes, int64_t k0, int64_t kk, const uint8_t* z, uint16_t* out) {
+    x86_avx512_u4::unpack_u4_avx512(codes, k0, kk, z, out);
+  }
+  static bool gemm_u4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const float* scale,
+                         const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+    return x86_avx512_u4_bf16::gemm_u4a16_bf16(fmt, rows, m, codes, scale, zero, gstride, kp, G, C);
   }
 };
 

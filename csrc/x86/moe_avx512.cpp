@@ -20,6 +20,7 @@ void register_avx512(KernelTable&) {}
 }  // namespace moepack
 #else
 #include "avx512_i8_common.h"
+#include "avx512_u4_common.h"
 
 namespace moepack {
 namespace avx512 {
@@ -33,6 +34,20 @@ struct MK : Avx512Base {
   static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t*,
                       int32_t* C) {
     gemm_i8_signed_rows(x, m, B, kp, C);
+  }
+
+  // int4_group layouts: the W4A8 fused block GEMM and its integer core, the W4A16 unpack.
+  static void gemm_u4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
+                        const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+    x86_avx512_u4::gemm_u4a8_rows<x86_avx512_u4::AccBw>(x, rs, m, codes, scale, zero, gstride, kp, G, C);
+  }
+  static void dot_u4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
+    x86_avx512_u4::dot_u4_rows<x86_avx512_u4::AccBw>(x, m, codes, k0, kk, acc);
+  }
+
+  // int4_group layouts (W4A16): the unpack to dense bf16 blocks.
+  static void unpack_u4(const uint8_t* codes, int64_t k0, int64_t kk, const uint8_t* z, uint16_t* out) {
+    x86_avx512_u4::unpack_u4_avx512(codes, k0, kk, z, out);
   }
 };
 
