@@ -240,6 +240,12 @@ def inspect(
     console.print(t)
     for layout_name, reason in sorted({(x["layout"], x["reason"]) for x in layers}):
         console.print(f"kernel for {layout_name}: {reason}", highlight=False)
+    for mode in sorted({x["act_mode"] for x in layers}):
+        which = [str(x["index"]) for x in layers if x["act_mode"] == mode]
+        console.print(f"act mode {mode}: layers {', '.join(which)}", highlight=False)
+    act_order = [str(x["index"]) for x in layers if x["act_order"]]
+    if act_order:
+        console.print(f"act-order (w13_perm): layers {', '.join(act_order)}", highlight=False)
     for note in sorted({x["scheme_source"] for x in layers if x["scheme_source"] and x["scheme"] != "dense"}):
         console.print(f"weights: {note}", highlight=False)
     total = sum(v["size"] for v in m["files"].values())
