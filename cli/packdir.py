@@ -31,6 +31,10 @@ def convert(
     quantize: Optional[str] = typer.Option(
         None, "--quantize", help="Quantize a dense source's experts into a scheme: int8_channel (alias int8: W8A8, per output channel). An int8 source stays int8."
     ),
+    act_mode: Optional[str] = typer.Option(
+        None, "--act-mode", help="Every layer's default activation mode: a16 or a8 (layouts that serve it: int4). "
+        "Default: int4 a16 (the checkpoint's meaning), a8 for a compressed-tensors W4A8 checkpoint."
+    ),
     threads: Optional[int] = typer.Option(None, "--threads", help="Threads for packing (default: torch's)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it exists (atomically)."),
     shard_gib: float = typer.Option(2.0, "--shard-gib", help="Largest shard file, in GiB."),
@@ -74,7 +78,7 @@ def convert(
 
         report = do_convert(
             src, dst, layout=layout, quantize=quantize, overwrite=overwrite, threads=threads,
-            shard_bytes=int(shard_gib * 2**30), progress=progress,
+            shard_bytes=int(shard_gib * 2**30), progress=progress, act_mode=act_mode,
         )  # fmt: skip
     layout = moepack_layout_get(report.layout or layout.name)
 
@@ -82,6 +86,7 @@ def convert(
         "dst": str(report.dst),
         "layers": report.layers,
         "layout": layout.name,
+        "act_modes": report.act_modes,
         "expert_bytes": report.experts_bytes,
         "other_bytes": report.other_bytes,
         "seconds": round(report.seconds, 3),
@@ -96,6 +101,7 @@ def convert(
     t.add_column()
     t.add_row("MoE layers", str(report.layers))
     t.add_row("layout", layout.name)
+    t.add_row("act mode", ", ".join(report.act_modes) or "-")
     t.add_row("packed experts", _human(report.experts_bytes))
     t.add_row("other tensors", _human(report.other_bytes))
     t.add_row("files", ", ".join(report.files))
@@ -184,6 +190,9 @@ def inspect(
                 "padded_intermediate": p.padded_intermediate,
                 "activation": layer.activation,
                 "layout": p.layout.name,
+                "act_mode": layer.act_mode,
+                "act_mode_recorded": layer.entry.get("act_mode"),
+                "act_order": p.w13_perm is not None,
                 "scheme": layer.entry.get("scheme", "dense"),
                 "scheme_source": layer.entry.get("scheme_source"),
                 "bytes": p.nbytes,
@@ -213,7 +222,7 @@ def inspect(
     r = out["routing"]
     console.print(f"routing: {json.dumps(r) if r else 'none (' + str(out['routing_note']) + ')'}", highlight=False)
     t = Table()
-    for col in ("layer", "experts", "H", "I (padded)", "activation", "layout", "scheme", "bytes", "kernel"):
+    for col in ("layer", "experts", "H", "I (padded)", "activation", "layout", "act mode", "scheme", "bytes", "kernel"):
         t.add_column(col)
     for x in layers:
         t.add_row(
@@ -223,6 +232,7 @@ def inspect(
             f"{x['intermediate']} ({x['padded_intermediate']})",
             x["activation"],
             x["layout"],
+            x["act_mode"] + (" (act-order)" if x["act_order"] else ""),
             x["scheme"],
             _human(x["bytes"]),
             x["kernel"],
@@ -230,6 +240,12 @@ def inspect(
     console.print(t)
     for layout_name, reason in sorted({(x["layout"], x["reason"]) for x in layers}):
         console.print(f"kernel for {layout_name}: {reason}", highlight=False)
+    for mode in sorted({x["act_mode"] for x in layers}):
+        which = [str(x["index"]) for x in layers if x["act_mode"] == mode]
+        console.print(f"act mode {mode}: layers {', '.join(which)}", highlight=False)
+    act_order = [str(x["index"]) for x in layers if x["act_order"]]
+    if act_order:
+        console.print(f"act-order (w13_perm): layers {', '.join(act_order)}", highlight=False)
     for note in sorted({x["scheme_source"] for x in layers if x["scheme_source"] and x["scheme"] != "dense"}):
         console.print(f"weights: {note}", highlight=False)
     total = sum(v["size"] for v in m["files"].values())
@@ -243,6 +259,9 @@ def run(
     dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype: bf16, fp16 or fp32."),
     layer: Optional[int] = typer.Option(None, "--layer", help="Run only this layer index."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random tokens."),
+    act_mode: Optional[str] = typer.Option(
+        None, "--act-mode", help="Activation mode of this run, a16 or a8 (layouts that serve it); default: each layer's own."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     import time
@@ -256,6 +275,8 @@ def run(
         raise ValueError(f"--dtype {dtype!r}: must be one of {', '.join(dtypes)}")
     if tokens <= 0:
         raise ValueError(f"--tokens {tokens}: must be positive")
+    if act_mode is not None and act_mode not in ("a16", "a8"):
+        raise ValueError(f"--act-mode {act_mode!r}: must be a16 or a8")
     model = moepack.open(dst)
     indices = sorted(model.layers) if layer is None else [layer]
     if layer is not None and layer not in model.layers:
@@ -264,11 +285,14 @@ def run(
     rows = []
     for idx in indices:
         mod = model.layers[idx]
+        from moepack.runtime.experts import resolve_act_mode
+
+        mode = resolve_act_mode(mod.packed.layout, act_mode, mod.packed.act_mode)  # refuses a mode the layout lacks
         x = torch.randn(tokens, mod.hidden_size, generator=g).to(dtypes[dtype])
         logits = mod.router_logits(x)
         weights, ids = mod.route(logits, x)
         t0 = time.perf_counter()
-        out = mod(x, logits)
+        out = mod(x, logits, act_mode=mode)
         ms = (time.perf_counter() - t0) * 1e3
         rows.append(
             {
@@ -282,14 +306,15 @@ def run(
                 "token0_out_head": [round(float(v), 4) for v in out[0, :4].float()],
                 "out_rms": float(out.float().pow(2).mean().sqrt()),
                 "ms": round(ms, 3),
-                "kernel": mod.kernel[0],
+                "act_mode": mode,
+                "kernel": moepack.kernel_choice(mod.packed.layout, mode).isa,
             }
         )
     if as_json:
         typer.echo(json.dumps(rows, indent=2))
         return
     t = Table(title=f"{dst}: {tokens} random tokens per layer ({dtype})")
-    for col in ("layer", "routing", "token 0 → experts (weights)", "shared", "out[0, :4]", "rms", "ms", "kernel"):
+    for col in ("layer", "routing", "token 0 → experts (weights)", "shared", "out[0, :4]", "rms", "ms", "act mode", "kernel"):
         t.add_column(col)
     for r in rows:
         t.add_row(
@@ -300,6 +325,7 @@ def run(
             " ".join(f"{v:+.4f}" for v in r["token0_out_head"]),
             f"{r['out_rms']:.4f}",
             f"{r['ms']:.2f}",
+            r["act_mode"],
             r["kernel"],
         )
     console.print(t)

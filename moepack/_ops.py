@@ -64,6 +64,7 @@ def fused_experts(
     w2_bias: torch.Tensor | None = None,
     expert_map: torch.Tensor | None = None,
     act_mode: str | None = None,
+    w13_perm: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the experts of one MoE layer on packed weights (docs/SEMANTICS.md §2).
 
@@ -75,7 +76,9 @@ def fused_experts(
     not given, the checkpoints' convention: interleaved for swigluoai, gate-then-up otherwise.
     ``act_mode`` ("a16" or "a8", docs/SEMANTICS.md §3) picks how activations meet the weights
     in layouts that serve both (int4_group); None: the layout's default (its first act mode).
-    Returns [T, H] in the input dtype."""
+    ``w13_perm`` [E, H] int32 (int4_group layouts of act-order checkpoints,
+    ``PackedExperts.w13_perm``): column j of expert e's w13 is input channel w13_perm[e, j]; the
+    kernel feeds it ``x[t][w13_perm[e]]``. Returns [T, H] in the input dtype."""
     if interleaved is None:
         interleaved = activation == "swigluoai"
     return ops().fused_experts(
@@ -93,6 +96,7 @@ def fused_experts(
         w2_bias=w2_bias,
         expert_map=expert_map,
         act_mode=act_mode or "",
+        w13_perm=w13_perm,
     )
 
 

@@ -30,7 +30,7 @@ from .container.writer import ShardPlan, ShardWriter, atomic_directory
 from .errors import ConvertError, LayoutError, MoepackError
 from .errors import UnsupportedError
 from .layout import DEFAULT_LAYOUT, PackedLayout, int4_layout_for, layout_expert_shapes, layout_get, layout_tensor_plan
-from .runtime.model import FORMAT_VERSION, MANIFEST
+from .runtime.model import FORMAT_VERSION, MANIFEST, PERM_FORMAT_VERSION
 from .schemes import LayerSource, Scheme, get_scheme, schemes
 from .sources import Checkpoint, LayerSpec, SourceReader, open_source, text_config
 
@@ -47,6 +47,7 @@ def expert_tensor_name(layer: int, role: str) -> str:
 class ConvertReport:
     dst: Path
     layout: str = ""  # the layout written (an int8 source or quantize="int8": the int8 layout)
+    act_modes: list = field(default_factory=list)  # the act modes recorded as the layers' defaults
     layers: int = 0
     experts_bytes: int = 0
     other_bytes: int = 0
@@ -75,13 +76,15 @@ def _routing_for(config: dict) -> tuple[dict | None, str]:
         return None, str(e)
 
 
-def _plan_layer_tensors(spec: LayerSpec, layout: PackedLayout) -> list[tuple[str, torch.dtype, tuple]]:
+def _plan_layer_tensors(spec: LayerSpec, layout: PackedLayout, scheme: Scheme) -> list[tuple[str, torch.dtype, tuple]]:
     """(stored name, dtype, shape) of every packed tensor of one layer, in write order: the
-    layout's tensor plan (moepack.layout.layout_tensor_plan) for the routed experts (+ biases),
-    then the shared expert's."""
-    plan = layout_tensor_plan(layout, spec.num_experts, spec.hidden, spec.intermediate, bias=spec.has_bias)
+    layout's tensor plan (moepack.layout.layout_tensor_plan) for the routed experts (+ biases,
+    + the act-order w13_perm), then the shared expert's."""
+    plan = layout_tensor_plan(layout, spec.num_experts, spec.hidden, spec.intermediate, bias=spec.has_bias,
+                              perm=scheme.has_perm(spec))  # fmt: skip
     if spec.shared:
-        plan += layout_tensor_plan(layout, 1, spec.hidden, spec.shared["intermediate"], prefix="shared_")
+        plan += layout_tensor_plan(layout, 1, spec.hidden, spec.shared["intermediate"], perm=scheme.has_perm(spec, True),
+                                   prefix="shared_")  # fmt: skip
     return [(expert_tensor_name(spec.index, t.name), getattr(torch, t.dtype), t.shape) for t in plan]
 
 
@@ -215,11 +218,15 @@ def convert(
     threads: int | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: ProgressFn | None = None,
+    act_mode: str | None = None,
 ) -> ConvertReport:
     """Convert the checkpoint at ``src`` into a packed directory at ``dst``.
 
     ``quantize="int8"``: quantize a dense source's experts to W8A8 int8 (per output channel) and
-    pack them into the family's int8 layout (an int8 source is packed into it anyway)."""
+    pack them into the family's int8 layout (an int8 source is packed into it anyway).
+    ``act_mode`` ("a16" / "a8"): the activation mode recorded as every layer's default (the
+    manifest's ``act_mode``), refused when the layout does not serve it; None: each layer's own
+    (int4: a16, the checkpoint's meaning; a8 for a compressed-tensors W4A8 checkpoint)."""
     t0 = time.perf_counter()
     lay = layout_get(layout)
     src, dst = Path(src), Path(dst)
@@ -229,8 +236,10 @@ def convert(
         raise ConvertError(f"destination {dst} is the source: write the packed directory somewhere else")
     if threads is not None and threads <= 0:
         raise ConvertError(f"threads={threads}: must be a positive integer")
+    if act_mode is not None and act_mode not in ("a16", "a8"):
+        raise ConvertError(f"act_mode={act_mode!r}: must be 'a16' or 'a8' (or None: each layer's default)")
     with torch_threads(threads):
-        return _convert(src, dst, lay, quantize, overwrite, shard_bytes, progress, t0)
+        return _convert(src, dst, lay, quantize, overwrite, shard_bytes, progress, t0, act_mode)
 
 
 @contextlib.contextmanager
@@ -268,9 +277,10 @@ class _Plan:
     routing_note: str
     alpha: float
     limit: float
+    act_modes: dict  # layer index -> the act mode recorded as its default
 
 
-def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int) -> _Plan:
+def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: str | None = None) -> _Plan:
     """Stage 1: the source, the scheme and layout it packs into, every tensor and shard."""
     ckpt, reader = open_source(src)
     scheme = _target_scheme(lay, quantize, reader)
@@ -280,7 +290,11 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int) -> _Plan:
     config = text_config(ckpt.config)
     expert_names = {n for s in specs for n in s.expert_tensors}
     other = [n for n in ckpt.tensors if n not in expert_names]
-    layer_tensors = {s.index: _plan_layer_tensors(s, lay) for s in specs}
+    if act_mode is not None and act_mode not in lay.act_modes:
+        raise ConvertError(f"act_mode={act_mode!r}: layout {lay.name} (scheme {lay.scheme}) runs with "
+                           f"{' or '.join(lay.act_modes)} activations only")  # fmt: skip
+    act_modes = {s.index: act_mode or scheme.default_act_mode(s, lay) for s in specs}
+    layer_tensors = {s.index: _plan_layer_tensors(s, lay, scheme) for s in specs}
     expert_shards = _split_shards(specs, lambda s: sum(_nbytes(d, sh) for _, d, sh in layer_tensors[s.index]), shard_bytes)
     other_shards = _split_shards(other, lambda n: ckpt.info(n).nbytes, shard_bytes) if other else []
     ne, no = len(expert_shards), len(other_shards)
@@ -289,7 +303,7 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int) -> _Plan:
     return _Plan(
         src, ckpt, reader, scheme, lay, specs, config, layer_tensors, expert_shards,
         [f"experts-{i + 1:05d}-of-{ne:05d}.safetensors" for i in range(ne)], other_shards,
-        [f"model-{i + 1:05d}-of-{no:05d}.safetensors" for i in range(no)], routing, routing_note, alpha, limit,
+        [f"model-{i + 1:05d}-of-{no:05d}.safetensors" for i in range(no)], routing, routing_note, alpha, limit, act_modes,
     )  # fmt: skip
 
 
@@ -300,7 +314,7 @@ def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fnam
     checked = lambda pack, t, role, e: _pack_checked(pack, t, s, role, e)  # noqa: E731
     packer = scheme.layer_packer(LayerSource(ckpt, reader, s, lay, checked))
     entry_tensors = {}
-    for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias):
+    for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias, perm=scheme.has_perm(s)):
         name = expert_tensor_name(s.index, t.name)
         digest = w.write_parts(name, packer.parts(t.name))
         tensors[name] = {"file": fname, "dtype": t.dtype, "shape": list(t.shape), "sha256": digest}
@@ -316,7 +330,8 @@ def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fnam
             "source_tensors": [s.shared[p] for p in ("gate_proj", "up_proj", "down_proj")],
             "scheme_source": scheme.source_note(ckpt.info(s.shared["gate_proj"]).dtype_str, reader.name),
         }
-        for role in (t.name for t in layout_tensor_plan(lay, 1, s.hidden, s.shared["intermediate"])):  # plan order
+        shared_plan = layout_tensor_plan(lay, 1, s.hidden, s.shared["intermediate"], perm=scheme.has_perm(s, True))
+        for role in (t.name for t in shared_plan):  # plan order
             t = sp.tensors[role]
             name = expert_tensor_name(s.index, "shared_" + role)
             dt = str(t.dtype).replace("torch.", "")
@@ -337,6 +352,7 @@ def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fnam
         "limit": pl.limit,
         "interleaved": s.interleaved,
         "layout_id": lay.id,
+        "act_mode": pl.act_modes[s.index],
         "scheme": scheme.name,
         "scheme_source": scheme.source_note(s.dtype, reader.name),
         "tensors": entry_tensors,
@@ -367,7 +383,10 @@ def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, 
     """Stage 4: the manifest (docs/PACKED_FORMAT.md §4)."""
     return {
         "format": "moepack",
-        "format_version": FORMAT_VERSION,
+        # version 3 only where it is needed: a layer with an act-order w13_perm, which a version-2
+        # reader would ignore and so run wrongly (docs/PACKED_FORMAT.md §7)
+        "format_version": PERM_FORMAT_VERSION if any("w13_perm" in x["tensors"] or "w13_perm" in (x["shared"] or {})
+                                                      for x in layers) else FORMAT_VERSION,  # fmt: skip
         "created_by": f"moepack {__version__}",
         "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "source": {
@@ -387,14 +406,15 @@ def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, 
     }
 
 
-def _convert(src: Path, dst: Path, lay: PackedLayout, quantize, overwrite: bool, shard_bytes: int, progress, t0: float):
+def _convert(src: Path, dst: Path, lay: PackedLayout, quantize, overwrite: bool, shard_bytes: int, progress, t0: float,
+             act_mode: str | None = None):  # fmt: skip
     """plan -> per layer, the scheme's packer streams into the expert shards -> the other tensors
     -> the manifest, all inside a temporary directory renamed to ``dst`` only when complete."""
     notify = progress or (lambda *a, **k: None)
-    pl = _plan(src, lay, quantize, shard_bytes)
+    pl = _plan(src, lay, quantize, shard_bytes, act_mode)
     notify("plan", layers=len(pl.specs), expert_files=len(pl.expert_files), other_files=len(pl.other_files),
            other_tensors=sum(len(x) for x in pl.other_shards))  # fmt: skip
-    report = ConvertReport(dst=dst, layout=pl.layout.name)
+    report = ConvertReport(dst=dst, layout=pl.layout.name, act_modes=sorted(set(pl.act_modes.values())))
     tensors: dict[str, dict] = {}
     layers = []
     with atomic_directory(dst, overwrite=overwrite) as tmp:

@@ -142,7 +142,7 @@ class PackedLayout:
             if t.shape == "group" and not self.group_size:
                 raise LayoutError(f"{tw}: shape 'group' needs group_size > 0")
             if t.suffix in RESERVED_SUFFIXES:
-                raise LayoutError(f"{tw}: suffix {t.suffix!r} is reserved ({', '.join(RESERVED_SUFFIXES)}: the biases)")
+                raise LayoutError(f"{tw}: suffix {t.suffix!r} is reserved ({', '.join(RESERVED_SUFFIXES)}: the biases, the act-order permutation)")
         codes = self.tensors[0]
         if (self.weight_bits * self.k_pack) % (8 * TENSOR_DTYPES[codes.dtype]):
             raise LayoutError(f"{where}: codes dtype {codes.dtype} does not hold k_pack={self.k_pack} x {self.weight_bits} bits")
@@ -184,7 +184,10 @@ class PackedLayout:
 
 
 MAX_LAYOUT_TENSORS = 4
-RESERVED_SUFFIXES = ("_bias",)  # w13_bias / w2_bias are the optional biases of every layout
+# w13_bias / w2_bias are the optional biases of every layout; w13_perm the optional act-order
+# permutation of int4_group layouts (PERM_SCHEMES)
+RESERVED_SUFFIXES = ("_bias", "_perm")
+PERM_SCHEMES = ("int4_group",)  # the schemes whose layers may carry a w13_perm
 CODES_DTYPES = {"bf16": "bfloat16", "f32": "float32", "i8": "int8", "u4": "uint8"}  # weight_dtype -> codes tensor
 SCALE_TENSOR_DTYPES = {"f32": "float32", "bf16": "bfloat16", "e8m0": "uint8"}
 ZERO_TENSOR_DTYPES = {"u4": "uint8", "bf16": "bfloat16"}
@@ -388,16 +391,24 @@ class TensorPlan:
     shape: tuple[int, ...]
     dtype: str  # torch dtype name (TENSOR_DTYPES)
     weight: str  # the weight it belongs to: "w13" or "w2" (with the prefix)
-    role: str  # TENSOR_ROLES, or "bias"
+    role: str  # TENSOR_ROLES, or "bias", or "perm"
 
 
 def layout_tensor_plan(
-    layout: PackedLayout, num_experts: int, hidden: int, intermediate: int, *, bias: bool = False, prefix: str = ""
+    layout: PackedLayout, num_experts: int, hidden: int, intermediate: int, *, bias: bool = False, perm: bool = False,
+    prefix: str = "",
 ) -> list[TensorPlan]:
     """THE shape function: every tensor of one layer's packed experts, in the order the op takes
     them (w13's declared tensors, then w2's; then the fp32 biases w13_bias [E, 2*Ip] and w2_bias
-    [E, Np(H)] when ``bias``). convert's plan, the manifest check, ``moepack.open``, verify and
-    the packers use it; the op checks the same shapes in C++ (layout_shapes.h)."""
+    [E, Np(H)] when ``bias``; then, when ``perm``, the act-order permutation w13_perm int32 [E, H]:
+    column j of w13's codes is input channel w13_perm[e, j], docs/SEMANTICS.md §3; int4_group
+    layouts only). convert's plan, the manifest check, ``moepack.open``, verify and the packers
+    use it; the op checks the same shapes in C++ (layout_shapes.h)."""
+    if perm and layout.scheme not in PERM_SCHEMES:
+        raise LayoutError(
+            f"w13_perm with layout {layout.name} (scheme {layout.scheme}): only {' / '.join(PERM_SCHEMES)} layouts carry an "
+            "act-order permutation"
+        )
     sh = layout_expert_shapes(layout, num_experts, hidden, intermediate)
     out = []
     for w, (e, np_, kp) in (("w13", sh.w13_shape), ("w2", sh.w2_shape)):
@@ -406,6 +417,8 @@ def layout_tensor_plan(
     if bias:
         out.append(TensorPlan(prefix + "w13_bias", (num_experts, sh.w13_shape[1]), "float32", prefix + "w13", "bias"))
         out.append(TensorPlan(prefix + "w2_bias", (num_experts, sh.w2_shape[1]), "float32", prefix + "w2", "bias"))
+    if perm:
+        out.append(TensorPlan(prefix + "w13_perm", (num_experts, hidden), "int32", prefix + "w13", "perm"))
     return out
 
 

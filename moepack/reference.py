@@ -203,15 +203,22 @@ def moe_reference_int4(
     return_flip: bool = False,
 ):
     """int4_group experts on canonical int4 tensors (moepack/pack/int4.py: ``w13_q``,
-    ``w13_scale``, ``w13_zero``, ``w2_*`` and ``group_size``). A16: the dense reference on the
-    exactly dequantized fp32 weights. A8: activations quantized per token, per-group exact
-    integer dot products (``int4_linear_a8_reference``), the intermediate re-quantized per row,
-    as in moe_reference_int8; ``return_flip`` as there."""
+    ``w13_scale``, ``w13_zero``, ``w2_*``, ``group_size`` and, act-order, ``w13_perm`` [E, H]:
+    code column j of expert e is input channel w13_perm[e, j]). A16: the dense reference on the
+    exactly dequantized fp32 weights (w13's columns put back in input-channel order). A8:
+    activations quantized per token (the scale does not depend on the order), each expert's
+    codes permuted like its w13 columns, per-group exact integer dot products over the stored
+    (sorted) groups (``int4_linear_a8_reference``), the intermediate re-quantized per row, as in
+    moe_reference_int8; ``return_flip`` as there."""
     from .pack.int4 import dequantize_int4_group
 
     g = int(c["group_size"])
+    perm = c.get("w13_perm")
+    perm = None if perm is None else perm.long().reshape(c["w13_q"].shape[0], -1)
     if act_mode == "a16":
         w13 = dequantize_int4_group(c["w13_q"], c["w13_scale"], c["w13_zero"], g)
+        if perm is not None:
+            w13 = torch.empty_like(w13).scatter_(2, perm[:, None, :].expand_as(w13), w13)  # w[:, :, perm[j]] = col j
         w2 = dequantize_int4_group(c["w2_q"], c["w2_scale"], c["w2_zero"], g)
         out = moe_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation=activation, alpha=alpha,
                             limit=limit, interleaved=interleaved, w13_bias=w13_bias, w2_bias=w2_bias,
@@ -235,7 +242,8 @@ def moe_reference_int4(
         if tok.numel() == 0:
             continue
         b13 = None if w13_bias is None else w13_bias[e]
-        hh = int4_linear_a8_reference(xq[tok], xs[tok], c["w13_q"][e], c["w13_scale"][e], c["w13_zero"][e], g, b13)
+        xe = xq[tok] if perm is None else xq[tok][:, perm[e]]
+        hh = int4_linear_a8_reference(xe, xs[tok], c["w13_q"][e], c["w13_scale"][e], c["w13_zero"][e], g, b13)
         a = activation_reference(hh, activation, alpha, limit, interleaved).to(dtype).float()
         aq, as_ = quantize_rows_int8(a)
         b2 = None if w2_bias is None else w2_bias[e]

@@ -184,6 +184,8 @@ def _expected_tensors(p: PackedExperts, want: _Want, scheme) -> dict[str, tuple[
 
 def _where(role: str, idx: list[int], p: PackedExperts) -> str:
     """Element ``idx`` of ``role``'s unpacked values in words: [expert, row (output channel), col]."""
+    if role.endswith("_perm"):
+        return f"[expert {idx[0]}, code column {idx[1]}]" if len(idx) == 2 else str(idx)
     if not role.startswith(("w13", "w2")):
         return str(idx)
     i, ip, h = p.intermediate, p.padded_intermediate, p.hidden
@@ -312,15 +314,17 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
     x, w, ids = _tokens(model, layer_index, p.num_experts, p.hidden, tokens, seed)
     kw = dict(activation=layer.activation, alpha=layer.alpha, limit=layer.limit, interleaved=p.interleaved,
               w13_bias=routed.w13_bias, w2_bias=routed.w2_bias)  # fmt: skip
-    out = layer.experts(x, w, ids)
+    mode = layer.act_mode  # the layer's own (the manifest's act_mode, or MOEPACK_ACT_MODE)
+    rkw = dict(act_mode=mode) if len(p.layout.act_modes) > 1 else {}  # the reference of a two-mode scheme takes it
+    out = layer.experts(x, w, ids, act_mode=mode)
     ref32 = moe_reference(x, routed.w13, routed.w2, w, ids, **kw)
-    ref, flip = scheme.reference(x, routed.canonical, w, ids, **kw)
+    ref, flip = scheme.reference(x, routed.canonical, w, ids, **kw, **rkw)
     if shared is not None:
         sw = torch.ones(x.shape[0], 1) if gate is None else torch.sigmoid(torch.nn.functional.linear(x, gate.float()))
         sid = torch.zeros(x.shape[0], 1, dtype=torch.int32)
-        out = out + layer.shared_expert(x)
+        out = out + layer.shared_expert(x, act_mode=mode)
         ref32 = ref32 + moe_reference(x, shared.w13, shared.w2, sw, sid)
-        r, f = scheme.reference(x, shared.canonical, sw, sid)
+        r, f = scheme.reference(x, shared.canonical, sw, sid, **rkw)
         ref, flip = ref + r, max(flip, f)
     dtypes = {spec.dtype} | ({ckpt.info(spec.shared["gate_proj"]).dtype_str} if shared is not None else set())
     orule = scheme.output_rule(dtypes)

@@ -238,7 +238,7 @@ def test_the_output_check_includes_the_shared_expert(tmp_root, monkeypatch):
     (routed + gated shared expert vs the references) fails."""
     dst = converted(tmp_root, "qwen2_moe", None)
     orig = PackedMoELayer.shared_expert
-    monkeypatch.setattr(PackedMoELayer, "shared_expert", lambda self, x: orig(self, x) * 1.5)
+    monkeypatch.setattr(PackedMoELayer, "shared_expert", lambda self, x, act_mode=None: orig(self, x, act_mode) * 1.5)
     report = moepack.verify(dst, source=fixture_dir("qwen2_moe"))
     assert not report.ok
     for c in report.layers:

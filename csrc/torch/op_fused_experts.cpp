@@ -51,7 +51,8 @@ FusedMoeArgs check_fused(const at::Tensor& x, const at::TensorList& w13, const a
                          const at::Tensor& topk_weights, const at::Tensor& topk_ids, int64_t layout, bool interleaved,
                          const std::string& activation, double alpha, double limit,
                          const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
-                         const std::optional<at::Tensor>& expert_map, std::string_view act_mode, bool data) {
+                         const std::optional<at::Tensor>& expert_map, std::string_view act_mode,
+                         const std::optional<at::Tensor>& w13_perm, bool data) {
   FusedMoeArgs a;
   const LayoutDesc& L = layout_or_throw(layout);
   a.layout = &L;
@@ -110,6 +111,17 @@ FusedMoeArgs check_fused(const at::Tensor& x, const at::TensorList& w13, const a
   } else {
     a.num_global_experts = E;
   }
+  if (w13_perm) {
+    TORCH_CHECK_VALUE(L.scheme == kScheme_int4_group, "w13_perm with layout ", L.name,
+                      ": only int4_group layouts take an act-order permutation (w13's codes of other schemes are in "
+                      "input-channel order)");
+    check_cpu(*w13_perm, "w13_perm");
+    TORCH_CHECK_TYPE(w13_perm->scalar_type() == at::kInt, "w13_perm has dtype ", w13_perm->scalar_type(),
+                     ": must be int32 (the input channel of each code column)");
+    check_exact(*w13_perm, "w13_perm", at::kInt, {E, a.hidden},
+                ("int32 [E, H]: row e holds the input channel of each of expert e's w13 code columns, H=" +
+                 std::to_string(a.hidden) + " from hidden_states").c_str());
+  }
   TORCH_CHECK_VALUE(std::isfinite(alpha) && std::isfinite(limit) && limit > 0, "swigluoai alpha=", alpha,
                     ", limit=", limit, ": both must be finite and limit > 0");
   a.alpha = float(alpha);
@@ -117,17 +129,44 @@ FusedMoeArgs check_fused(const at::Tensor& x, const at::TensorList& w13, const a
   if (data) {
     a.b13 = b13 ? b13->data_ptr<float>() : nullptr;
     a.b2 = b2 ? b2->data_ptr<float>() : nullptr;
+    a.w13_perm = w13_perm ? w13_perm->data_ptr<int32_t>() : nullptr;
   }
   return a;
+}
+
+// The data rule of w13_perm, checked (like the ids) before any memory is read through it: every
+// entry of the rows the call reads (its routed local experts') lies in [0, H). One pass over
+// T*k ids, then an OR-reduced compare per routed row (vectorized); an unrouted expert's row is
+// never read, so never checked.
+void check_perm_rows(const FusedMoeArgs& a) {
+  const int64_t E = a.num_experts, H = a.hidden;
+  std::vector<uint8_t> used(size_t(E), 0);
+  for (int64_t i = 0; i < a.tokens * a.topk; ++i) {
+    int32_t e = a.topk_ids[i];
+    if (a.expert_map) e = a.expert_map[e];
+    if (e >= 0) used[size_t(e)] = 1;
+  }
+  const uint32_t h = uint32_t(H);
+  for (int64_t e = 0; e < E; ++e) {
+    if (!used[size_t(e)]) continue;
+    const int32_t* p = a.w13_perm + e * H;
+    uint32_t bad = 0;
+    for (int64_t k = 0; k < H; ++k) bad |= uint32_t(uint32_t(p[k]) >= h);
+    if (bad == 0) continue;
+    int64_t k = 0;
+    while (uint32_t(p[k]) < h) ++k;
+    TORCH_CHECK_INDEX(false, "w13_perm[", e, ", ", k, "] = ", p[k], ": act-order permutation entries must be in [0, H=", H,
+                      ") (the input channel of expert ", e, "'s w13 code column ", k, ")");
+  }
 }
 
 at::Tensor fused_experts_cpu(const at::Tensor& x, at::TensorList w13, at::TensorList w2, const at::Tensor& topk_weights,
                              const at::Tensor& topk_ids, int64_t layout, bool interleaved, std::string_view activation,
                              double alpha, double limit, const std::optional<at::Tensor>& b13,
                              const std::optional<at::Tensor>& b2, const std::optional<at::Tensor>& expert_map,
-                             std::string_view act_mode) {
+                             std::string_view act_mode, const std::optional<at::Tensor>& w13_perm) {
   FusedMoeArgs a = check_fused(x, w13, w2, topk_weights, topk_ids, layout, interleaved, std::string(activation), alpha,
-                               limit, b13, b2, expert_map, act_mode, /*data=*/true);
+                               limit, b13, b2, expert_map, act_mode, w13_perm, /*data=*/true);
   at::Tensor out = at::empty({a.tokens, a.hidden}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (a.tokens == 0) return out;
   a.x = x.data_ptr();
@@ -138,6 +177,7 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, at::TensorList w13, at::Tensor
   char buf[256];
   const char* err = fused_moe_check_routing(a, buf, sizeof(buf));
   TORCH_CHECK_INDEX(err == nullptr, err);
+  if (a.w13_perm) check_perm_rows(a);
   Selection sel = select_or_throw(layout, a.act_mode);
   a.par.run = parallel_run;
   a.par.num_threads = at::get_num_threads();
@@ -153,9 +193,9 @@ at::Tensor fused_experts_meta(const at::Tensor& x, at::TensorList w13, at::Tenso
                               const at::Tensor& topk_ids, int64_t layout, bool interleaved, std::string_view activation,
                               double alpha, double limit, const std::optional<at::Tensor>& b13,
                               const std::optional<at::Tensor>& b2, const std::optional<at::Tensor>& expert_map,
-                              std::string_view act_mode) {
+                              std::string_view act_mode, const std::optional<at::Tensor>& w13_perm) {
   FusedMoeArgs a = check_fused(x, w13, w2, topk_weights, topk_ids, layout, interleaved, std::string(activation), alpha,
-                               limit, b13, b2, expert_map, act_mode, /*data=*/false);
+                               limit, b13, b2, expert_map, act_mode, w13_perm, /*data=*/false);
   return at::empty({a.tokens, a.hidden}, x.options());
 }
 
@@ -166,7 +206,8 @@ TORCH_LIBRARY_FRAGMENT(moepack, m) {
   m.def(
       "fused_experts(Tensor hidden_states, Tensor[] w13, Tensor[] w2, Tensor topk_weights, Tensor topk_ids, "
       "int layout, *, bool interleaved=False, str activation=\"silu\", float alpha=1.702, float limit=7.0, "
-      "Tensor? w13_bias=None, Tensor? w2_bias=None, Tensor? expert_map=None, str act_mode=\"\") -> Tensor");
+      "Tensor? w13_bias=None, Tensor? w2_bias=None, Tensor? expert_map=None, str act_mode=\"\", "
+      "Tensor? w13_perm=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moepack, CPU, m) { m.impl("fused_experts", &moepack::fused_experts_cpu); }

@@ -48,7 +48,9 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 class PackedExperts:
     """One MoE layer's experts in a packed layout, ready for ``moepack.fused_experts``: the
     layout plus its tensors by stored name (``layout_tensor_plan``: w13's declared tensors,
-    w2's, then the optional fp32 biases ``w13_bias`` [E, 2*Ip] / ``w2_bias`` [E, Np(H)])."""
+    w2's, then the optional fp32 biases ``w13_bias`` [E, 2*Ip] / ``w2_bias`` [E, Np(H)] and, for
+    int4_group layouts of an act-order checkpoint, the optional ``w13_perm`` int32 [E, H]:
+    column j of w13's codes is input channel ``w13_perm[e, j]`` (docs/SEMANTICS.md §3))."""
 
     layout: PackedLayout
     num_experts: int
@@ -60,7 +62,8 @@ class PackedExperts:
     act_mode: str | None = None  # the default activation mode of calls (None: the layout's first)
 
     def __post_init__(self) -> None:
-        want = layout_tensor_plan(self.layout, self.num_experts, self.hidden, self.intermediate, bias=True)
+        want = layout_tensor_plan(self.layout, self.num_experts, self.hidden, self.intermediate, bias=True,
+                                  perm="w13_perm" in self.tensors)  # fmt: skip
         if self.act_mode is not None and self.act_mode not in self.layout.act_modes:
             raise LayoutError(f"act_mode={self.act_mode!r}: layout {self.layout.name} runs with "
                               f"{' or '.join(self.layout.act_modes)} activations")  # fmt: skip
@@ -69,7 +72,7 @@ class PackedExperts:
             if name not in declared:
                 raise LayoutError(f"packed tensor {name!r}: layout {self.layout.name} declares {sorted(declared)}")
         for t in want:
-            if t.role == "bias" and t.name not in self.tensors:
+            if t.role in ("bias", "perm") and t.name not in self.tensors:
                 continue
             got = self.tensors.get(t.name)
             if got is None:
@@ -80,10 +83,12 @@ class PackedExperts:
                     f"layout {self.layout.name} says {t.dtype} {list(t.shape)}"
                 )
 
-        # Every declared tensor (and both bias names, None when absent) is also an attribute:
-        # packed.w13, packed.w2_scale, packed.w13_bias.
+        # Every declared tensor (and both bias names and w13_perm, None when absent) is also an
+        # attribute: packed.w13, packed.w2_scale, packed.w13_bias, packed.w13_perm.
         for t in want:
             object.__setattr__(self, t.name, self.tensors.get(t.name))
+        if "w13_perm" not in self.tensors:
+            object.__setattr__(self, "w13_perm", None)
 
     def weight(self, name: str) -> list[torch.Tensor]:
         """One packed weight ("w13" or "w2") as the op takes it: the layout's tensors in order."""

@@ -113,6 +113,28 @@ def check_int4_canonical(weight: str, q: torch.Tensor, scale: torch.Tensor, zero
         raise LayoutError(f"{weight}_scale{idx} = {sf[tuple(idx)].item()!r}: scales must be finite and > 0")
 
 
+def check_w13_perm(name: str, perm: torch.Tensor, e: int, h: int) -> torch.Tensor:
+    """An act-order permutation ``[E, H]`` (any integer dtype) as contiguous int32, or a
+    LayoutError naming the tensor, the value and the rule: every row is a permutation of 0..H-1
+    (row e, column j: the input channel of expert e's code column j)."""
+    if perm.dtype.is_floating_point or perm.dtype == torch.bool or perm.dtype.is_complex:
+        raise LayoutError(f"{name} has dtype {perm.dtype}: an act-order permutation holds integer channel indices (int32)")
+    if tuple(perm.shape) != (e, h):
+        raise LayoutError(f"{name} has shape {list(perm.shape)}: must be [E, H] = {[e, h]} (one input permutation per expert)")
+    p = perm.to(torch.int64)
+    bad = (p < 0) | (p >= h)
+    if bool(bad.any()):
+        idx = bad.nonzero()[0].tolist()
+        raise LayoutError(f"{name}{idx} = {int(p[tuple(idx)])}: act-order permutation entries must be in [0, H={h})")
+    dup = p.sort(dim=-1).values != torch.arange(h)
+    if bool(dup.any()):
+        r = int(dup.nonzero()[0, 0])
+        missing = int(torch.isin(torch.arange(h), p[r], invert=True).nonzero()[0])
+        raise LayoutError(f"{name}[{r}] is not a permutation of 0..{h - 1}: channel {missing} is missing (each input "
+                          "channel appears exactly once)")  # fmt: skip
+    return p.to(torch.int32).contiguous()
+
+
 def pack_u4_codes(q: torch.Tensor, zero: torch.Tensor, group_size: int, lay: PackedLayout, np_: int, kp: int) -> torch.Tensor:
     """[E, N, K] codes -> packed [E, np_, kp / 2] uint8: K padding holds the group's zero point,
     padded rows code 0; blocks of 32 columns, K groups of 8, byte j = c[j] | c[j + 4] << 4."""
@@ -191,6 +213,7 @@ __all__ = [
     "quantize_int4_group",
     "dequantize_int4_group",
     "check_int4_canonical",
+    "check_w13_perm",
     "pack_u4_codes",
     "unpack_u4_codes",
     "pack_int4_weight",
@@ -200,8 +223,9 @@ __all__ = [
 
 def pack_experts_int4(c: dict, *, interleaved: bool = False, layout=None):
     """Pack canonical int4_group experts (``c``: w13_q / w13_scale / w13_zero / w2_* and, optional,
-    w13_bias / w2_bias and group_size, which must be the layout's) into an int4 layout (default:
-    the one of c["group_size"])."""
+    w13_bias / w2_bias, w13_perm [E, H] (act-order: code column j of expert e is input channel
+    w13_perm[e, j]; stored as is, int32) and group_size, which must be the layout's) into an int4
+    layout (default: the one of c["group_size"])."""
     from ..layout import int4_layout_for, layout_expert_shapes, layout_get
     from . import PackedExperts, _expert_dims, _pack_biases, _with_biases
 
@@ -217,6 +241,8 @@ def pack_experts_int4(c: dict, *, interleaved: bool = False, layout=None):
     tensors = pack_int4_weight("w13", c["w13_q"], c["w13_scale"], c["w13_zero"], interleaved=interleaved, layout=lay)
     tensors.update(pack_int4_weight("w2", c["w2_q"], c["w2_scale"], c["w2_zero"], layout=lay))
     assert tuple(tensors["w13"].shape[:2]) == shapes.w13_shape[:2] and tuple(tensors["w2"].shape[:2]) == shapes.w2_shape[:2]
+    if c.get("w13_perm") is not None:
+        tensors["w13_perm"] = check_w13_perm("w13_perm", c["w13_perm"], e, h)
     return PackedExperts(layout=lay, num_experts=e, hidden=h, intermediate=i,
                          padded_intermediate=shapes.padded_intermediate, interleaved=interleaved,
                          tensors=_with_biases(tensors, b13, b2))  # fmt: skip

@@ -24,7 +24,8 @@ def run_experts(
     act_mode: str | None = None,
 ) -> torch.Tensor:
     """``fused_experts`` on a ``PackedExperts``: its tensors in the layout's declared order and
-    its recorded row order (gate-then-up or interleaved, whatever the activation).
+    its recorded row order (gate-then-up or interleaved, whatever the activation), and its
+    act-order permutation ``w13_perm`` when it has one.
 
     ``act_mode`` (layouts that serve two, int4_group: "a16" or "a8"): this call's mode; None:
     ``MOEPACK_ACT_MODE`` when set and the layout serves it, else ``packed.act_mode`` (a packed
@@ -51,6 +52,7 @@ def run_experts(
         w2_bias=packed.w2_bias,
         expert_map=expert_map,
         act_mode=resolve_act_mode(packed.layout, act_mode, packed.act_mode),
+        w13_perm=packed.tensors.get("w13_perm"),
     )
 
 

@@ -18,16 +18,20 @@ from .._ops import kernel_choice
 from ..container.reader import open_shard
 from ..errors import MoepackError, PackedDirError, UnsupportedError
 from ..isa import host_isa
-from ..layout import LAYOUTS, V1_FIELDS, layout_get, layout_padded_i, layout_tensor_plan
+from ..layout import LAYOUTS, PERM_SCHEMES, V1_FIELDS, layout_get, layout_padded_i, layout_tensor_plan
 from ..pack import PackedExperts
-from .experts import run_experts
+from .experts import resolve_act_mode, run_experts
 
 MANIFEST = "moepack.json"
 # The manifest's format version (docs/PACKED_FORMAT.md). 2: layouts in the manifest declare their
 # tensors (scheme, act_modes, tensors). Version 1 directories (before that) still open: their
 # layouts are the same table entries, compared on the fields version 1 had.
+# 3: version 2 plus the act-order permutation w13_perm of int4_group layers; written only by
+# directories that have one (a version-2 reader would ignore the tensor and run such a layer
+# wrongly), every other directory is still written as version 2.
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+PERM_FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -74,17 +78,25 @@ class PackedMoELayer(torch.nn.Module):
                 padded_intermediate=int(sh["padded_intermediate"]),
                 interleaved=False,
                 tensors=model.declared_tensors(sh, experts.layout, bias=False),
+                act_mode=experts.act_mode,
             )
             if sh.get("gate"):
                 self.shared_gate = model.tensor(sh["gate"])
 
     @property
+    def act_mode(self) -> str:
+        """The activation mode a call without one runs in (run_experts' rule: MOEPACK_ACT_MODE
+        when the layout serves it, else the manifest's per-layer ``act_mode``, else the layout's
+        default)."""
+        return resolve_act_mode(self.packed.layout, None, self.packed.act_mode)
+
+    @property
     def kernel(self) -> tuple[str, str]:
-        """(isa, reason): the kernel this layer runs on this CPU, and why."""
-        return kernel_choice(self.packed.layout)[:2]
+        """(isa, reason): the kernel this layer runs on this CPU (in its act mode), and why."""
+        return kernel_choice(self.packed.layout, self.act_mode)[:2]
 
     def check_strict(self) -> None:
-        choice = kernel_choice(self.packed.layout)
+        choice = kernel_choice(self.packed.layout, self.act_mode)
         if (self._model.strict or _strict_env()) and choice.is_fallback:
             raise UnsupportedError(f"layer {self.index}: strict mode refuses a fallback: {choice.reason}")
 
@@ -116,8 +128,10 @@ class PackedMoELayer(torch.nn.Module):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         expert_map: torch.Tensor | None = None,
+        act_mode: str | None = None,
     ) -> torch.Tensor:
-        """Only the experts: ``[T, H]`` from routed tokens."""
+        """Only the experts: ``[T, H]`` from routed tokens (``act_mode``: this call's, else
+        ``self.act_mode``)."""
         self.check_strict()
         return run_experts(
             self.packed,
@@ -128,11 +142,14 @@ class PackedMoELayer(torch.nn.Module):
             alpha=self.alpha,
             limit=self.limit,
             expert_map=expert_map,
+            act_mode=act_mode,
         )
 
-    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None, *,
+                act_mode: str | None = None) -> torch.Tensor:  # fmt: skip
         """The whole MoE block: route, run the experts, add the shared expert. Without
-        ``router_logits`` the layer's own router weight computes them."""
+        ``router_logits`` the layer's own router weight computes them. ``act_mode``: this call's
+        activation mode (routed and shared experts), else ``self.act_mode``."""
         if router_logits is None:
             router_logits = self.router_logits(hidden_states)
         weights, ids = self.route(router_logits, hidden_states)
@@ -141,13 +158,13 @@ class PackedMoELayer(torch.nn.Module):
             from ..routing import apply_router_weight_on_input
 
             x, weights = apply_router_weight_on_input(hidden_states, weights, ids)
-        out = self.experts(x, weights, ids)
-        shared = self.shared_expert(hidden_states)
+        out = self.experts(x, weights, ids, act_mode=act_mode)
+        shared = self.shared_expert(hidden_states, act_mode=act_mode)
         if shared is None:
             return out
         return (out.float() + shared.float()).to(hidden_states.dtype)
 
-    def shared_expert(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+    def shared_expert(self, hidden_states: torch.Tensor, act_mode: str | None = None) -> torch.Tensor | None:
         """The shared expert's part of the block output ``[T, H]`` (Qwen2-MoE: scaled by
         ``sigmoid(x . gate)``), run for every token; None when the layer has no shared expert."""
         if self.shared is None:
@@ -157,12 +174,13 @@ class PackedMoELayer(torch.nn.Module):
             sw = torch.sigmoid(torch.nn.functional.linear(hidden_states.float(), self.shared_gate.float()))
         else:
             sw = torch.ones(t, 1, dtype=torch.float32)
-        return run_experts(self.shared, hidden_states, sw.contiguous(), torch.zeros(t, 1, dtype=torch.int32))
+        return run_experts(self.shared, hidden_states, sw.contiguous(), torch.zeros(t, 1, dtype=torch.int32), act_mode=act_mode)
 
     def extra_repr(self) -> str:
         return (
             f"index={self.index}, experts={self.num_experts}, hidden={self.hidden_size}, "
-            f"intermediate={self.intermediate_size}, activation={self.activation}, layout={self.packed.layout.name}"
+            f"intermediate={self.intermediate_size}, activation={self.activation}, layout={self.packed.layout.name}, "
+            f"act_mode={self.act_mode}"
         )
 
 
@@ -199,12 +217,13 @@ class PackedModel:
             padded_intermediate=int(entry["padded_intermediate"]),
             interleaved=bool(entry["interleaved"]),
             tensors=self.declared_tensors(t, lay, bias=True),
+            act_mode=entry.get("act_mode"),
         )
 
     def declared_tensors(self, names: dict, lay, *, bias: bool) -> dict[str, torch.Tensor]:
-        """The layout's declared tensors of w13 and w2 (+ the biases present) by their role names
-        (``names``: the manifest's role -> stored tensor name)."""
-        roles = [*lay.tensor_names("w13"), *lay.tensor_names("w2")] + (["w13_bias", "w2_bias"] if bias else [])
+        """The layout's declared tensors of w13 and w2 (+ the biases and the w13_perm present) by
+        their role names (``names``: the manifest's role -> stored tensor name)."""
+        roles = [*lay.tensor_names("w13"), *lay.tensor_names("w2")] + (["w13_bias", "w2_bias"] if bias else []) + ["w13_perm"]
         return {r: self.tensor(names[r]) for r in roles if r in names}
 
     def __repr__(self) -> str:
@@ -261,12 +280,21 @@ def validate_manifest(path: Path, m: dict) -> None:
             for key, typ in (("interleaved", bool), ("activation", str)):
                 if not isinstance(entry.get(key), typ):
                     _fail(path, f"layer {entry['index']}: {key}={entry.get(key)!r}: must be a {typ.__name__}")
+            mode = entry.get("act_mode")
+            if mode is not None and mode not in lay.act_modes:
+                _fail(path, f"layer {entry['index']}: act_mode={mode!r}: layout {lay.name} runs with "
+                            f"{' or '.join(lay.act_modes)} activations")  # fmt: skip
             e, h, i = int(entry["num_experts"]), int(entry["hidden"]), int(entry["intermediate"])
-            sets = [("", entry, layout_tensor_plan(lay, e, h, i, bias=True), layout_padded_i(lay, i))]
             sh_e = entry.get("shared")
+            for what, names in (("", entry["tensors"]), ("shared ", sh_e or {})):
+                if "w13_perm" in names and lay.scheme not in PERM_SCHEMES:
+                    _fail(path, f"layer {entry['index']}: {what}tensor role 'w13_perm' with layout {lay.name} (scheme "
+                                f"{lay.scheme}): only {' / '.join(PERM_SCHEMES)} layouts carry an act-order permutation")  # fmt: skip
+            sets = [("", entry, layout_tensor_plan(lay, e, h, i, bias=True, perm="w13_perm" in entry["tensors"]),
+                     layout_padded_i(lay, i))]  # fmt: skip
             if sh_e:  # a one-expert set of the same layout
                 si = int(sh_e["intermediate"])
-                sets.append(("shared ", sh_e, layout_tensor_plan(lay, 1, h, si), layout_padded_i(lay, si)))
+                sets.append(("shared ", sh_e, layout_tensor_plan(lay, 1, h, si, perm="w13_perm" in sh_e), layout_padded_i(lay, si)))
             for what, src, plan, want_ip in sets:
                 names = src["tensors"] if "tensors" in src else src  # the shared entry holds its names itself
                 for t in plan:

@@ -20,6 +20,10 @@ verify, the runtime, bench and the CLI look the scheme up instead of branching o
 ``source_note``     the manifest's ``scheme_source``: what the values were made from
 ``layer_packer``    convert's streaming stage: one layer of a source -> the packed
                     tensors in plan order, one expert at a time (LayerPacker)
+``layer_perm``      (LayerSpec, shared) -> whether the layer's routed / shared experts
+                    carry a ``w13_perm`` (int4 act-order); None: never
+``layer_act_mode``  LayerSpec -> the layer's default activation mode (the manifest's
+                    ``act_mode``); None: ``act_mode``
 ==================  ===============================================================
 
 Adding a scheme: docs/CONTRIBUTING.md, "Adding a weight scheme".
@@ -60,6 +64,16 @@ class Scheme:
     source_note: Callable  # (source dtype str, reader name) -> str
     layer_packer: Callable  # (LayerSource) -> LayerPacker
     default_layout: str | None = None  # the layout layout_for picks (None: the scheme's first of the family)
+    layer_perm: Callable | None = None  # (LayerSpec, shared: bool) -> bool: the layer carries a w13_perm
+    layer_act_mode: Callable | None = None  # LayerSpec -> "a16" | "a8": the layer's default act mode
+
+    def has_perm(self, spec, shared: bool = False) -> bool:
+        return bool(self.layer_perm and self.layer_perm(spec, shared))
+
+    def default_act_mode(self, spec, layout: PackedLayout) -> str:
+        """The act mode convert records for a layer of ``spec`` packed into ``layout``."""
+        mode = self.layer_act_mode(spec) if self.layer_act_mode else self.act_mode
+        return mode if mode in layout.act_modes else layout.act_modes[0]
 
     def layouts(self, family: str | None = None) -> list[PackedLayout]:
         """This build's layouts of the scheme (of one ISA family), in table order."""

@@ -43,8 +43,8 @@ class Int4Layer(LayerPacker):
         s = self.spec
         self.gathered = {
             t.name: torch.zeros(t.shape, dtype=getattr(torch, t.dtype))
-            for t in layout_tensor_plan(self.layout, s.num_experts, s.hidden, s.intermediate)
-            if t.role in ("scale", "zero")
+            for t in layout_tensor_plan(self.layout, s.num_experts, s.hidden, s.intermediate, perm=layer_has_perm(s))
+            if t.role in ("scale", "zero", "perm")
         }
 
     def _canonical(self, role: str, e: int):
@@ -53,7 +53,8 @@ class Int4Layer(LayerPacker):
         src, r, s = self.src, self.src.reader, self.spec
         if r.scheme == "int4_group":
             c = r.read_expert_canonical(src.ckpt, s, role, e)
-            _refuse_perm(c, role, s)
+            if "w13_perm" in self.gathered and role == "w13":
+                self.gathered["w13_perm"][e] = c["w13_perm"].reshape(-1)  # checked with the layer in parts("w13_perm")
             return c[f"{role}_q"], c[f"{role}_scale"], c[f"{role}_zero"]
         w = (r.read_expert_w13 if role == "w13" else r.read_expert_w2)(src.ckpt, s, e)
         return src.checked(lambda t: quantize_int4_group(t, layout_group(self.layout)), w[None], role, e)
@@ -61,7 +62,12 @@ class Int4Layer(LayerPacker):
     def parts(self, name: str):
         from ..pack.int4 import pack_int4_weight
 
+        from ..pack.int4 import check_w13_perm
+
         s, g = self.spec, self.gathered
+        if name == "w13_perm":  # gathered while w13 streamed (plan order: after w13's codes)
+            yield check_w13_perm(f"layer {s.index} w13_perm", g[name], s.num_experts, s.hidden)
+            return
         if name in g:
             yield g[name]
             return
@@ -89,21 +95,28 @@ class Int4Layer(LayerPacker):
             (q13, s13, z13) = src.checked(lambda t: quantize_int4_group(t, g), sw13, "shared_w13", 0)
             (q2, s2, z2) = src.checked(lambda t: quantize_int4_group(t, g), sw2, "shared_w2", 0)
             c = {"w13_q": q13, "w13_scale": s13, "w13_zero": z13, "w2_q": q2, "w2_scale": s2, "w2_zero": z2}
-        else:
-            _refuse_perm(c, "shared w13", s)
         c = dict(c, group_size=layout_group(self.layout))
         return _pack(c, interleaved=False, layout=self.layout)
 
 
-def _refuse_perm(c: dict, role: str, spec) -> None:
-    perm = c.get("w13_perm")
-    if perm is not None and not torch.equal(perm.long().reshape(-1), torch.arange(perm.numel())):
-        from ..errors import UnsupportedError
+def layer_has_perm(spec, shared: bool = False) -> bool:
+    """Whether a layer's routed (or ``shared``) experts carry a w13_perm: an int4 source with
+    act-order (its reader gives every expert's permutation; LayerSpec.quant["act_order"])."""
+    q = getattr(spec, "quant", None) or {}
+    if shared:
+        q = q.get("shared") or {}
+    return q.get("scheme", "int4_group" if shared else None) == "int4_group" and bool(q.get("act_order"))
 
-        raise UnsupportedError(
-            f"layer {getattr(spec, 'index', '?')} {role}: the checkpoint uses act-order (a w13 input-channel permutation "
-            "from g_idx); moepack does not run permuted int4 activations yet"
-        )
+
+def default_act_mode(spec) -> str:
+    """A layer's default activation mode (the manifest's ``act_mode``): a8 for a compressed-tensors
+    W4A8 checkpoint (input activations dynamic per-token int8, what the a8 mode computes), else
+    a16, the checkpoint's own meaning."""
+    act = (getattr(spec, "quant", None) or {}).get("input_activations") or {}
+    if (isinstance(act, dict) and act.get("num_bits") == 8 and act.get("type", "int") == "int"
+            and act.get("strategy") == "token" and act.get("dynamic") in (True, "true")):  # fmt: skip
+        return "a8"
+    return "a16"
 
 
 def _pack(c: dict, *, interleaved: bool, layout, use_cpp: bool = True):
@@ -122,11 +135,15 @@ def _from_float(w13, w2, layout=None) -> dict:
 
 
 def _dequantize(c: dict):
+    """fp32 (w13, w2) in the checkpoint's own input-channel order (act-order undone)."""
     from ..pack.int4 import dequantize_int4_group
 
     g = int(c["group_size"])
-    return (dequantize_int4_group(c["w13_q"], c["w13_scale"], c["w13_zero"], g),
-            dequantize_int4_group(c["w2_q"], c["w2_scale"], c["w2_zero"], g))  # fmt: skip
+    w13 = dequantize_int4_group(c["w13_q"], c["w13_scale"], c["w13_zero"], g)
+    if c.get("w13_perm") is not None:
+        perm = c["w13_perm"].long().reshape(w13.shape[0], 1, -1).expand_as(w13)
+        w13 = torch.empty_like(w13).scatter_(2, perm, w13)
+    return w13, dequantize_int4_group(c["w2_q"], c["w2_scale"], c["w2_zero"], g)
 
 
 def _reference(x, c: dict, topk_weights, topk_ids, **kw):
@@ -170,5 +187,7 @@ INT4_GROUP = register(
         source_note=_source_note,
         layer_packer=Int4Layer,
         default_layout="u4g128_n32k8_x86",
+        layer_perm=layer_has_perm,
+        layer_act_mode=default_act_mode,
     )
 )

@@ -48,6 +48,10 @@ struct PackedWeight {
 //   b13, b2      [E, 2*Ip], [E, Np(H)]    fp32 biases in packed row order, or null
 //   topk_weights [T, k] fp32, topk_ids [T, k] int32 (global expert ids)
 //   expert_map   [E_global] int32: global id -> local id or -1 (null = identity, E_global = E)
+//   w13_perm     [E, H] int32 or null: act-order (int4_group only, docs/SEMANTICS.md §3): column j
+//                of expert e's w13 is input channel w13_perm[e * H + j], every entry in [0, H)
+//                (the op checks the routed experts' rows); the driver feeds stage 1 the rows
+//                x[t][w13_perm[e]] per routed position
 struct FusedMoeArgs {
   const void* x = nullptr;
   int64_t x_stride = 0;
@@ -63,6 +67,7 @@ struct FusedMoeArgs {
   const int32_t* topk_ids = nullptr;
   int64_t topk = 0;
   const int32_t* expert_map = nullptr;
+  const int32_t* w13_perm = nullptr;
   int64_t num_global_experts = 0;
   int64_t num_experts = 0;
   int64_t inter_padded = 0;  // Ip
