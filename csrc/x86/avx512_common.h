@@ -29,6 +29,33 @@ static inline simde__m512i moepack_emu_mm512_cvtps_epi32(simde__m512 a) {
 }
 #undef _mm512_cvtps_epi32
 #define _mm512_cvtps_epi32(a) moepack_emu_mm512_cvtps_epi32(a)
+// SIMDe 0.7.x has no _mm512_cvtepu8_epi16 (the int4 kernels' byte widening): two 256-bit halves.
+static inline simde__m512i moepack_emu_mm512_cvtepu8_epi16(simde__m256i a) {
+  simde__m512i_private r_;
+  r_.m256i[0] = simde_mm256_cvtepu8_epi16(simde_mm256_castsi256_si128(a));
+  r_.m256i[1] = simde_mm256_cvtepu8_epi16(simde_mm256_extracti128_si256(a, 1));
+  return simde__m512i_from_private(r_);
+}
+#undef _mm512_cvtepu8_epi16
+#define _mm512_cvtepu8_epi16(a) moepack_emu_mm512_cvtepu8_epi16(a)
+// ... nor _mm512_cvtepu8_epi32 / _mm512_cvtepi32_ps (the int4 kernels' zero points).
+static inline simde__m512i moepack_emu_mm512_cvtepu8_epi32(simde__m128i a) {
+  simde__m512i_private r_;
+  r_.m256i[0] = simde_mm256_cvtepu8_epi32(a);
+  r_.m256i[1] = simde_mm256_cvtepu8_epi32(simde_mm_srli_si128(a, 8));
+  return simde__m512i_from_private(r_);
+}
+#undef _mm512_cvtepu8_epi32
+#define _mm512_cvtepu8_epi32(a) moepack_emu_mm512_cvtepu8_epi32(a)
+static inline simde__m512 moepack_emu_mm512_cvtepi32_ps(simde__m512i a) {
+  simde__m512i_private a_ = simde__m512i_to_private(a);
+  simde__m512_private r_;
+  r_.m256[0] = simde_mm256_cvtepi32_ps(a_.m256i[0]);
+  r_.m256[1] = simde_mm256_cvtepi32_ps(a_.m256i[1]);
+  return simde__m512_from_private(r_);
+}
+#undef _mm512_cvtepi32_ps
+#define _mm512_cvtepi32_ps(a) moepack_emu_mm512_cvtepi32_ps(a)
 // SIMDe 0.7.x aliases _mm512_madd_epi16 with the masked form's four parameters.
 #undef _mm512_madd_epi16
 #define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)

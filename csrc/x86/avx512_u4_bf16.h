@@ -47,7 +47,10 @@ static inline void u4_prepare_row(const uint16_t* x, int64_t kp, int64_t G, uint
     __m512 s = _mm512_setzero_ps();
     int64_t kk = k0;
     for (; kk + 32 <= kend; kk += 32) s = _mm512_dpbf16_ps(s, as_bh(_mm512_loadu_si512(x + kk)), ones);
-    float t = _mm512_reduce_add_ps(s);
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, s);
+    float t = 0.0f;
+    for (int i = 0; i < 16; ++i) t += lanes[i];
     for (; kk < kend; ++kk) t += bf16_to_f32(x[kk]);
     gsum[g] = t;
   }

@@ -99,7 +99,10 @@ static inline int32_t u4_row_sum(const int8_t* x, int64_t k0, int64_t kk) {
   for (; k + 64 <= k0 + kk; k += 64) {
     s = _mm512_add_epi64(s, _mm512_sad_epu8(_mm512_xor_si512(_mm512_loadu_si512(x + k), flip), _mm512_setzero_si512()));
   }
-  int64_t total = _mm512_reduce_add_epi64(s) - 128 * (k - k0);
+  alignas(64) int64_t lanes[8];
+  _mm512_store_si512(lanes, s);
+  int64_t total = -128 * (k - k0);
+  for (int i = 0; i < 8; ++i) total += lanes[i];
   for (; k < k0 + kk; ++k) total += x[k];
   return int32_t(total);
 }
