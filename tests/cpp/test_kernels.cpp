@@ -1062,6 +1062,155 @@ void test_i8_fused(const std::vector<I8Kernel>& ks) {
   std::printf("int8 fused kernels vs scalar: %d comparisons, %d bitwise equal, worst rel %.3g\n", cases, equal, worst);
 }
 
+// ---- int4_group layouts (u4*_n32k8_x86): W4A16 and W4A8 ----------------------------------------
+// (1) every ISA's W4A8 integer core (the dot_u4 hook) == exact integer dot products, bitwise;
+// (2) each ISA's fused kernel in both modes vs scalar on awkward shapes (a partial last group,
+// H and I not multiples of 32), with bf16 rows (the W4A16 decode kernel) and fp32 rows.
+// Packed here by the layout's rule (moepack/pack/int4.py): byte j of a column's K group word =
+// code j | code j + 4 << 4; K padding holds the group's zero point.
+void pack_u4(const std::vector<uint8_t>& q, const std::vector<uint8_t>& z, int n, int k, int np, int kp, int G, int ng,
+             uint8_t* dst) {
+  for (int r = 0; r < np; ++r) {
+    for (int c = 0; c < kp; ++c) {
+      uint8_t code = 0;
+      if (r < n) code = c < k ? q[size_t(r) * k + c] : z[size_t(r) * ng + std::min(c / G, ng - 1)];
+      const int64_t off = int64_t(r / 32) * 32 * kp + int64_t(c / 8) * 32 * 8 + int64_t(r % 32) * 8;  // elements
+      const int j = c % 8;
+      uint8_t& b = dst[off / 2 + j % 4];
+      b = uint8_t(j < 4 ? (b & 0xF0) | code : (b & 0x0F) | (code << 4));
+    }
+  }
+}
+
+void test_u4(const std::vector<Registrar>& regs) {
+  uint64_t seed = 7000;
+  // (1) the integer core
+  for (const Registrar& r : regs) {
+    KernelTable t;
+    r.reg(t);
+    const U4BlockDotFn fn = t.dot_u4[kLayoutId_u4g128_n32k8_x86][int(r.isa)];
+    if (!fn) continue;
+    std::mt19937_64 rng(seed++);
+    const int kp = 264;
+    std::vector<uint8_t> q(32 * kp), z(32, 0), blk(32 * kp / 2, 0);
+    for (auto& v : q) v = uint8_t(rng() % 16);
+    pack_u4(q, z, 32, kp, 32, kp, kp, 1, blk.data());
+    for (int m : {1, 3, 5, 13}) {
+      std::vector<int8_t> rows(size_t(m) * kp);
+      for (auto& v : rows) v = int8_t(int(rng() % 256) - 128);
+      std::vector<const int8_t*> rp(m);
+      for (int i = 0; i < m; ++i) rp[i] = rows.data() + size_t(i) * kp;
+      for (const auto& kr : {std::pair<int, int>{0, kp}, {128, 136}, {40, 48}}) {
+        std::vector<int32_t> acc(size_t(m) * 32);
+        fn(rp.data(), m, blk.data(), kr.first, kr.second, acc.data());
+        bool ok = true;
+        for (int i = 0; i < m; ++i)
+          for (int n = 0; n < 32; ++n) {
+            int64_t want = 0;
+            for (int kk = kr.first; kk < kr.first + kr.second; ++kk) want += int64_t(rows[size_t(i) * kp + kk]) * q[size_t(n) * kp + kk];
+            ok &= acc[size_t(i) * 32 + n] == want;
+          }
+        check(ok, "%-16s u4 integer core m=%d K [%d, %d): exact", r.name.c_str(), m, kr.first, kr.first + kr.second);
+      }
+    }
+  }
+  // (2) the fused kernels vs scalar
+  KernelTable st;
+  register_scalar(st);
+  for (const LayoutDesc* Lp : {&kLayout_u4g32_n32k8_x86, &kLayout_u4g128_n32k8_x86, &kLayout_u4ch_n32k8_x86}) {
+    const LayoutDesc& L = *Lp;
+    for (const int mode : {kAct_a16, kAct_a8}) {
+      for (const DType dt : {DType::bf16, DType::f32}) {
+        for (int T : {1, 3, 40}) {
+          const int E = 3, H = 200, I = 88, k = 2;
+          std::mt19937_64 rng(seed++);
+          std::normal_distribution<float> nd(0.0f, 1.0f);
+          const int Ip = int(round_up(I, L.i_align)), Kp1 = int(round_up(H, 8)), Np2 = int(round_up(H, 32));
+          auto groups = [&](int kp) { return L.group_size ? int((kp + L.group_size - 1) / L.group_size) : 1; };
+          const int g1 = groups(Kp1), g2 = groups(Ip);
+          const int G1 = L.group_size ? L.group_size : Kp1, G2 = L.group_size ? L.group_size : Ip;
+          std::vector<uint8_t> w13(size_t(E) * 2 * Ip * Kp1 / 2, 0), w2(size_t(E) * Np2 * Ip / 2, 0);
+          std::vector<float> s13(size_t(E) * g1 * 2 * Ip, 0.0f), s2(size_t(E) * g2 * Np2, 0.0f);
+          std::vector<uint8_t> z13(size_t(E) * g1 * 2 * Ip, 0), z2(size_t(E) * g2 * Np2, 0);
+          for (int e = 0; e < E; ++e) {
+            // w13: 2*Ip rows (gate [0, I), up [Ip, Ip + I)), K = H; w2: H rows, K = I (padded to Ip)
+            for (int w = 0; w < 2; ++w) {
+              const int n = w ? H : 2 * Ip, kreal = w ? I : H, kp = w ? Ip : Kp1, np = w ? Np2 : 2 * Ip, ng = w ? g2 : g1;
+              const int G = w ? G2 : G1;
+              std::vector<uint8_t> q(size_t(n) * kreal, 0), z(size_t(n) * ng, 0);
+              for (int r = 0; r < n; ++r) {
+                const bool real = w || (r % Ip) < I;
+                for (int c = 0; c < kreal; ++c) q[size_t(r) * kreal + c] = real ? uint8_t(rng() % 16) : 0;
+                for (int g = 0; g < ng; ++g) {
+                  const uint8_t zz = real ? uint8_t(rng() % 16) : 0;
+                  z[size_t(r) * ng + g] = zz;
+                  const float sc = real ? (0.5f + float(rng() % 1000) / 1000.0f) / (8.0f * std::sqrt(float(kreal))) : 0.0f;
+                  (w ? z2 : z13)[(size_t(e) * ng + g) * np + r] = zz;
+                  (w ? s2 : s13)[(size_t(e) * ng + g) * np + r] = sc;
+                }
+              }
+              uint8_t* dst = (w ? w2.data() + size_t(e) * np * kp / 2 : w13.data() + size_t(e) * np * kp / 2);
+              pack_u4(q, z, n, kreal, np, kp, G, ng, dst);
+            }
+          }
+          std::vector<uint8_t> x(size_t(T) * H * elem_size(dt));
+          for (int i = 0; i < T * H; ++i) store_elem(dt, x.data(), i, nd(rng));
+          std::vector<int32_t> ids(size_t(T) * k);
+          std::vector<float> tw(size_t(T) * k);
+          for (int t = 0; t < T; ++t) {
+            ids[size_t(t) * k] = int32_t(rng() % E);
+            ids[size_t(t) * k + 1] = int32_t((ids[size_t(t) * k] + 1 + rng() % (E - 1)) % E);
+            tw[size_t(t) * k] = 0.6f;
+            tw[size_t(t) * k + 1] = 0.4f;
+          }
+          FusedMoeArgs a;
+          a.x = x.data();
+          a.x_stride = H;
+          a.dtype = dt;
+          a.tokens = T;
+          a.hidden = H;
+          a.w13.t[0] = w13.data();
+          a.w13.t[1] = s13.data();
+          a.w13.t[2] = z13.data();
+          a.w2.t[0] = w2.data();
+          a.w2.t[1] = s2.data();
+          a.w2.t[2] = z2.data();
+          a.topk_weights = tw.data();
+          a.topk_ids = ids.data();
+          a.topk = k;
+          a.num_global_experts = E;
+          a.num_experts = E;
+          a.inter_padded = Ip;
+          a.layout = &L;
+          a.act_mode = mode;
+          a.act = Activation::silu;
+          char name[160];
+          std::snprintf(name, sizeof(name), "%s %s T=%d %s", L.name, mode == kAct_a8 ? "a8" : "a16", T, dtype_name(dt));
+          auto run = [&](FusedMoeFn fn) {
+            std::vector<uint8_t> buf(size_t(T) * H * elem_size(dt), 0xff);
+            a.out = buf.data();
+            fn(a);
+            std::vector<float> o(size_t(T) * H);
+            for (int i = 0; i < T * H; ++i) o[i] = load_elem(dt, buf.data(), i);
+            return o;
+          };
+          const std::vector<float> ref = run(st.fused[L.id][act_index(mode)][int(Isa::scalar)]);
+          for (const Registrar& r : regs) {
+            KernelTable t;
+            r.reg(t);
+            const FusedMoeFn fn = t.fused[L.id][act_index(mode)][int(r.isa)];
+            if (!fn) continue;
+            const Cmp c = compare(run(fn), ref);
+            // a16 fp32 rows: summation order only; bf16 outputs and a8: rounding / code flips
+            const double bound = (mode == kAct_a16 && dt == DType::f32) ? 1e-5 : 1e-2;
+            check(c.rel <= bound, "%-16s u4 %s vs scalar: rel %.3g (bound %.0e)", r.name.c_str(), name, c.rel, bound);
+          }
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1081,6 +1230,7 @@ int main(int argc, char** argv) {
     test_i8_accumulators(i8);
     test_i8_fused(i8);
   }
+  test_u4(runnable_registrars());
 
   const Activation acts[4] = {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::swigluoai};
   const DType dts[3] = {DType::f32, DType::bf16, DType::f16};
