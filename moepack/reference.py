@@ -84,6 +84,17 @@ def moe_reference(
     return out.to(dtype)
 
 
+def combine_slots(y: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, expert_map, dtype) -> torch.Tensor:
+    """The weighted combine of every reference: sum_j w[t, j] * y[t, j] in fp32 in slot order
+    (slots whose expert is not local weigh 0), one cast to ``dtype``."""
+    if expert_map is not None:
+        w = torch.where(ids >= 0, w, torch.zeros_like(w))
+    out = torch.zeros(y.shape[0], y.shape[2], dtype=torch.float32)
+    for j in range(y.shape[1]):  # fp32, in slot order
+        out = out + w[:, j : j + 1] * y[:, j]
+    return out.to(dtype)
+
+
 def quantize_rows_int8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """SEMANTICS.md §3 A8: per-row dynamic symmetric int8 of fp32 rows ``v [R, K]``:
     ``scale = max(amax, 1e-7) / 127`` (fp32), ``q = round_half_even(v / scale)`` clamped to
@@ -157,12 +168,7 @@ def moe_reference_int8(
         if return_flip:
             col = (w2_q[e].double() * s2[e].double().reshape(-1, 1)).norm(dim=0).max().item()
             flip = max(flip, (w[tok, slot].abs().double() * as_.reshape(-1).double()).max().item() * col)
-    if expert_map is not None:
-        w = torch.where(ids >= 0, w, torch.zeros_like(w))
-    out = torch.zeros(t, h, dtype=torch.float32)
-    for j in range(k):  # fp32, in slot order
-        out = out + w[:, j : j + 1] * y[:, j]
-    out = out.to(dtype)
+    out = combine_slots(y, w, ids, expert_map, dtype)
     return (out, flip) if return_flip else out
 
 
@@ -252,12 +258,7 @@ def moe_reference_int4(
             w2f = dequantize_int4_group(c["w2_q"][e], c["w2_scale"][e], c["w2_zero"][e], g).double()
             col = w2f.norm(dim=0).max().item()
             flip = max(flip, (w[tok, slot].abs().double() * as_.reshape(-1).double()).max().item() * col)
-    if expert_map is not None:
-        w = torch.where(ids >= 0, w, torch.zeros_like(w))
-    out = torch.zeros(t, h, dtype=torch.float32)
-    for j in range(k):  # fp32, in slot order
-        out = out + w[:, j : j + 1] * y[:, j]
-    out = out.to(dtype)
+    out = combine_slots(y, w, ids, expert_map, dtype)
     return (out, flip) if return_flip else out
 
 
