@@ -2,6 +2,10 @@
 // (moepack/pack: pack_weight_reference is its specification; tests/test_pack.py compares them).
 #include "op_common.h"
 
+#include <sys/mman.h>
+
+#include <cstring>
+
 namespace moepack {
 namespace {
 
@@ -80,11 +84,36 @@ at::Tensor pack_weight_meta(const at::Tensor& w, int64_t layout, int64_t n_padde
   return at::empty(packed_shape(w, L, n_padded, k_padded), w.options().dtype(at::kBFloat16));
 }
 
+// A copy of t in memory advised for transparent huge pages (madvise MADV_HUGEPAGE on the 2 MiB
+// pages inside it, before the copy touches them): decode streams every weight once, and with 4 KiB
+// pages each page is a TLB miss and a restart of the hardware prefetcher (docs/KERNELS.md
+// "Decode"). The kernel may decline (THP off, no free huge pages): then it is a plain copy.
+at::Tensor huge_page_copy_cpu(const at::Tensor& t) {
+  check_cpu(t, "tensor");
+  at::Tensor src = t.contiguous();
+  at::Tensor out = at::empty_like(src, at::MemoryFormat::Contiguous);
+  const int64_t n = int64_t(src.nbytes());
+  char* d = static_cast<char*>(out.data_ptr());
+  const uintptr_t huge = uintptr_t(2) << 20;
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(d) + huge - 1) & ~(huge - 1);
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(d) + uintptr_t(n)) & ~(huge - 1);
+  if (hi > lo) (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+  const char* sp = static_cast<const char*>(src.data_ptr());
+  at::parallel_for(0, n, int64_t(1) << 22, [&](int64_t b, int64_t e) { std::memcpy(d + b, sp + b, size_t(e - b)); });
+  return out;
+}
+
 }  // namespace
 }  // namespace moepack
 
-TORCH_LIBRARY_FRAGMENT(moepack, m) { m.def("pack_weight(Tensor weight, int layout, int n_padded=0, int k_padded=0) -> Tensor"); }
+TORCH_LIBRARY_FRAGMENT(moepack, m) {
+  m.def("pack_weight(Tensor weight, int layout, int n_padded=0, int k_padded=0) -> Tensor");
+  m.def("huge_page_copy(Tensor tensor) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(moepack, CPU, m) { m.impl("pack_weight", &moepack::pack_weight_cpu); }
+TORCH_LIBRARY_IMPL(moepack, CPU, m) {
+  m.impl("pack_weight", &moepack::pack_weight_cpu);
+  m.impl("huge_page_copy", &moepack::huge_page_copy_cpu);
+}
 
 TORCH_LIBRARY_IMPL(moepack, Meta, m) { m.impl("pack_weight", &moepack::pack_weight_meta); }

@@ -33,33 +33,48 @@ static inline void gemm_bf16_tile(const uint16_t* const* x, const uint16_t* B, i
   }
 }
 
-// One row: four K pairs in flight on separate accumulators (8 chains).
-static inline void gemm_bf16_row(const uint16_t* x, const uint16_t* B, int64_t kp, float* C) {
-  __m512 a[4][2];
-  for (int u = 0; u < 4; ++u) a[u][0] = a[u][1] = _mm512_setzero_ps();
+// Few rows (decode): MR rows against S K segments streamed at once (for_k_streams), one set of
+// accumulators per (row, segment), summed at the end.
+template <int MR, int S>
+static inline void gemm_bf16_streams(const uint16_t* const* x, const uint16_t* B, int64_t kp, float* C) {
+  __m512 a[MR][S][2];
+  for (int r = 0; r < MR; ++r)
+    for (int u = 0; u < S; ++u) a[r][u][0] = a[r][u][1] = _mm512_setzero_ps();
   const __m512i* b = reinterpret_cast<const __m512i*>(B);
-  const int64_t npairs = kp / 2;
-  int64_t kk = 0;
-  for (; kk + 4 <= npairs; kk += 4, b += 8) {
-    prefetch_stream(b, 8);
-    for (int u = 0; u < 4; ++u) {
-      const __m512bh xr = as_bh(_mm512_set1_epi32(int(load_u32(x + 2 * (kk + u)))));
-      a[u][0] = _mm512_dpbf16_ps(a[u][0], as_bh(_mm512_loadu_si512(b + 2 * u)), xr);
-      a[u][1] = _mm512_dpbf16_ps(a[u][1], as_bh(_mm512_loadu_si512(b + 2 * u + 1)), xr);
+  for_k_streams<S>(kp / 2, [&](int u, int64_t k) {
+    prefetch_stream(b + 2 * k, 2);
+    const __m512bh w0 = as_bh(_mm512_loadu_si512(b + 2 * k)), w1 = as_bh(_mm512_loadu_si512(b + 2 * k + 1));
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const __m512bh xr = as_bh(_mm512_set1_epi32(int(load_u32(x[r] + 2 * k))));
+      a[r][u][0] = _mm512_dpbf16_ps(a[r][u][0], w0, xr);
+      a[r][u][1] = _mm512_dpbf16_ps(a[r][u][1], w1, xr);
     }
+  });
+  for (int r = 0; r < MR; ++r) {
+    __m512 s0 = a[r][0][0], s1 = a[r][0][1];
+    for (int u = 1; u < S; ++u) {
+      s0 = _mm512_add_ps(s0, a[r][u][0]);
+      s1 = _mm512_add_ps(s1, a[r][u][1]);
+    }
+    _mm512_storeu_ps(C + r * 32, s0);
+    _mm512_storeu_ps(C + r * 32 + 16, s1);
   }
-  for (; kk < npairs; ++kk, b += 2) {
-    const __m512bh xr = as_bh(_mm512_set1_epi32(int(load_u32(x + 2 * kk))));
-    a[0][0] = _mm512_dpbf16_ps(a[0][0], as_bh(_mm512_loadu_si512(b)), xr);
-    a[0][1] = _mm512_dpbf16_ps(a[0][1], as_bh(_mm512_loadu_si512(b + 1)), xr);
-  }
-  _mm512_storeu_ps(C, _mm512_add_ps(_mm512_add_ps(a[0][0], a[1][0]), _mm512_add_ps(a[2][0], a[3][0])));
-  _mm512_storeu_ps(C + 16, _mm512_add_ps(_mm512_add_ps(a[0][1], a[1][1]), _mm512_add_ps(a[2][1], a[3][1])));
+}
+
+static inline void gemm_bf16_row(const uint16_t* x, const uint16_t* B, int64_t kp, float* C) {
+  gemm_bf16_streams<1, 4>(&x, B, kp, C);
 }
 
 // C[m, 32] for one 32-column block of bf16 rows (row pointers), m <= kChunkM.
 static inline void gemm_bf16_rows(const uint16_t* const* x, int m, const uint16_t* B, int64_t kp, float* C) {
-  if (m == 1) return gemm_bf16_row(x[0], B, kp, C);
+  switch (m) {  // decode: 8 or 16 accumulators over 4 or 2 streams
+    case 1: return gemm_bf16_streams<1, 4>(x, B, kp, C);
+    case 2: return gemm_bf16_streams<2, 4>(x, B, kp, C);
+    case 3: return gemm_bf16_streams<3, 2>(x, B, kp, C);
+    case 4: return gemm_bf16_streams<4, 2>(x, B, kp, C);
+    default: break;
+  }
   int i = 0;
   for (; i + 8 <= m; i += 8) gemm_bf16_tile<8>(x + i, B, kp, C + i * 32);
   switch (m - i) {

@@ -86,6 +86,22 @@ static inline void prefetch_stream(const void* p, int lines) {
   for (int i = 0; i < lines; ++i) _mm_prefetch(c + 64 * i, _MM_HINT_T0);
 }
 
+// Decode streams: the K steps of a block split into S contiguous segments that advance together,
+// so that one thread keeps S address streams in flight (a single sequential stream reached ~83% of
+// the S = 4 rate in tools/bw_probe.c and in the decode kernels here: the L2 streamer stops at
+// every 4 KiB page and one stream has too few misses outstanding). step(s, k) adds K step k into
+// segment s's accumulators; the steps after S * (nsteps / S) go to segment 0. Callers keep one
+// set of accumulators per segment and sum them at the end.
+template <int S, class Step>
+static inline void for_k_streams(int64_t nsteps, Step&& step) {
+  const int64_t seg = nsteps / S;
+  for (int64_t kk = 0; kk < seg; ++kk) {
+#pragma GCC unroll 8
+    for (int s = 0; s < S; ++s) step(s, s * seg + kk);
+  }
+  for (int64_t k = S * seg; k < nsteps; ++k) step(0, k);
+}
+
 static inline __m512 even_f32(__m512i w) { return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)); }
 static inline __m512 odd_f32(__m512i w, __m512i hi) { return _mm512_castsi512_ps(_mm512_and_si512(w, hi)); }
 

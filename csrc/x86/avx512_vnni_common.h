@@ -45,37 +45,41 @@ static inline void gemm_i8_tile(const int8_t* const* x, const int8_t* B, int64_t
   }
 }
 
-// One row: four K quads in flight on separate accumulators (8 chains hide vpdpbusd's latency).
-template <uint32_t kRowXor = 0>
-static inline void gemm_i8_row(const int8_t* x, const int8_t* B, int64_t kp, const int32_t* colsum, int32_t* C) {
-  __m512i a[4][2];
-  for (int u = 0; u < 4; ++u) a[u][0] = a[u][1] = _mm512_setzero_si512();
+// Few rows (decode): MR rows against S K segments streamed at once (for_k_streams).
+template <int MR, int S, uint32_t kRowXor = 0>
+static inline void gemm_i8_streams(const int8_t* const* x, const int8_t* B, int64_t kp, const int32_t* colsum, int32_t* C) {
+  __m512i a[MR][S][2];
+  for (int r = 0; r < MR; ++r)
+    for (int u = 0; u < S; ++u) a[r][u][0] = a[r][u][1] = _mm512_setzero_si512();
   const __m512i* b = reinterpret_cast<const __m512i*>(B);
-  const int64_t nq = kp / 4;
-  int64_t kq = 0;
-  for (; kq + 4 <= nq; kq += 4, b += 8) {
-    prefetch_stream(b, 8);
-    for (int u = 0; u < 4; ++u) {
+  for_k_streams<S>(kp / 4, [&](int u, int64_t k) {
+    prefetch_stream(b + 2 * k, 2);
+    const __m512i w0 = _mm512_loadu_si512(b + 2 * k), w1 = _mm512_loadu_si512(b + 2 * k + 1);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
       uint32_t v;
-      std::memcpy(&v, x + 4 * (kq + u), 4);
+      std::memcpy(&v, x[r] + 4 * k, 4);
       const __m512i xr = _mm512_set1_epi32(int(v ^ kRowXor));
-      a[u][0] = _mm512_dpbusd_epi32(a[u][0], xr, _mm512_loadu_si512(b + 2 * u));
-      a[u][1] = _mm512_dpbusd_epi32(a[u][1], xr, _mm512_loadu_si512(b + 2 * u + 1));
+      a[r][u][0] = _mm512_dpbusd_epi32(a[r][u][0], xr, w0);
+      a[r][u][1] = _mm512_dpbusd_epi32(a[r][u][1], xr, w1);
     }
-  }
-  for (; kq < nq; ++kq, b += 2) {
-    uint32_t v;
-    std::memcpy(&v, x + 4 * kq, 4);
-    const __m512i xr = _mm512_set1_epi32(int(v ^ kRowXor));
-    a[0][0] = _mm512_dpbusd_epi32(a[0][0], xr, _mm512_loadu_si512(b));
-    a[0][1] = _mm512_dpbusd_epi32(a[0][1], xr, _mm512_loadu_si512(b + 1));
-  }
+  });
   const __m512i c0 = _mm512_slli_epi32(_mm512_loadu_si512(colsum), 7);
   const __m512i c1 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + 16), 7);
-  const __m512i s0 = _mm512_add_epi32(_mm512_add_epi32(a[0][0], a[1][0]), _mm512_add_epi32(a[2][0], a[3][0]));
-  const __m512i s1 = _mm512_add_epi32(_mm512_add_epi32(a[0][1], a[1][1]), _mm512_add_epi32(a[2][1], a[3][1]));
-  _mm512_storeu_si512(C, _mm512_sub_epi32(s0, c0));
-  _mm512_storeu_si512(C + 16, _mm512_sub_epi32(s1, c1));
+  for (int r = 0; r < MR; ++r) {
+    __m512i s0 = a[r][0][0], s1 = a[r][0][1];
+    for (int u = 1; u < S; ++u) {
+      s0 = _mm512_add_epi32(s0, a[r][u][0]);
+      s1 = _mm512_add_epi32(s1, a[r][u][1]);
+    }
+    _mm512_storeu_si512(C + r * 32, _mm512_sub_epi32(s0, c0));
+    _mm512_storeu_si512(C + r * 32 + 16, _mm512_sub_epi32(s1, c1));
+  }
+}
+
+template <uint32_t kRowXor = 0>
+static inline void gemm_i8_row(const int8_t* x, const int8_t* B, int64_t kp, const int32_t* colsum, int32_t* C) {
+  gemm_i8_streams<1, 4, kRowXor>(&x, B, kp, colsum, C);
 }
 
 // acc[m, 32] = exact int32 dot products of one 32-column block with m rows (u8 = q + 128 when
@@ -83,8 +87,14 @@ static inline void gemm_i8_row(const int8_t* x, const int8_t* B, int64_t kp, con
 template <uint32_t kRowXor = 0>
 static inline void gemm_i8_vnni_rows(const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t* colsum,
                                      int32_t* C) {
+  switch (m) {  // decode: 8 or 16 accumulators over 4 or 2 streams
+    case 1: return gemm_i8_streams<1, 4, kRowXor>(x, B, kp, colsum, C);
+    case 2: return gemm_i8_streams<2, 4, kRowXor>(x, B, kp, colsum, C);
+    case 3: return gemm_i8_streams<3, 2, kRowXor>(x, B, kp, colsum, C);
+    case 4: return gemm_i8_streams<4, 2, kRowXor>(x, B, kp, colsum, C);
+    default: break;
+  }
   int i = 0;
-  if (m == 1) return gemm_i8_row<kRowXor>(x[0], B, kp, colsum, C);
   for (; i + 8 <= m; i += 8) gemm_i8_tile<8, kRowXor>(x + i, B, kp, colsum, C + i * 32);
   switch (m - i) {
     case 7: gemm_i8_tile<7, kRowXor>(x + i, B, kp, colsum, C + i * 32); break;

@@ -59,6 +59,88 @@ static void gemm_amx(const uint16_t* x, int m, const uint16_t* B, int64_t kp, fl
   }
 }
 
+// W4A16 with tiles (docs/KERNELS.md): per K group (<= kU4TileStepK values at a time), the
+// block's exact (q - z) unpacked to a dense bf16 block, multiplied by tiles against the rows at
+// their own stride (the rows of one call are one matrix: every row `stride` elements after the
+// last), and the group's product scaled into C: C += (rows . (q - z)) * s[g, n], as the driver's
+// general path computes it. False (nothing written) when the rows are not one matrix or are more
+// than kU4TileMaxRows.
+constexpr int64_t kU4TileStepK = 256;
+constexpr int kU4TileMaxRows = 64;
+static bool gemm_u4a16_amx(const uint16_t* const* x, int m, const uint8_t* codes, const float* scale,
+                           const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+  const int64_t stride = x[1] - x[0];
+  if (m > kU4TileMaxRows || stride < kp || x[m - 1] != x[0] + int64_t(m - 1) * stride) return false;
+  alignas(64) uint16_t w[kU4TileStepK * 32];
+  alignas(64) float grp[kU4TileMaxRows * 32];
+  const int64_t row_bytes = stride * 2;
+  TileState tiles;
+  for (int i = 0; i < m * 32; ++i) C[i] = 0.0f;
+  for (int64_t g = 0, k0 = 0; k0 < kp; ++g, k0 += G) {
+    const int64_t kend = k0 + G < kp ? k0 + G : kp;
+    const uint8_t* z = zero + g * gstride;
+    for (int64_t k1 = k0; k1 < kend; k1 += kU4TileStepK) {
+      const int64_t kk = kend - k1 < kU4TileStepK ? kend - k1 : kU4TileStepK;
+      x86_avx512_u4::unpack_u4_avx512(codes, k1, kk, z, w);
+      const int64_t npairs = kk / 2, full = npairs / 16 * 16;
+      const char* bb = reinterpret_cast<const char*>(w);
+      for (int r0 = 0; r0 < m; r0 += 32) {
+        const int rows = m - r0 < 32 ? m - r0 : 32;
+        const bool two = rows > 16;
+        tiles.group(rows);
+        float* c = grp + int64_t(r0) * 32;
+        const char* a0 = reinterpret_cast<const char*>(x[r0] + k1);
+        const char* a1 = a0 + 16 * row_bytes;
+        if (k1 == k0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          if (two) {
+            _tile_zero(2);
+            _tile_zero(3);
+          }
+        } else {
+          _tile_loadd(0, c, 128);
+          _tile_loadd(1, c + 16, 128);
+          if (two) {
+            _tile_loadd(2, c + 16 * 32, 128);
+            _tile_loadd(3, c + 16 * 32 + 16, 128);
+          }
+        }
+        for (int64_t p = 0; p < full; p += 16) {
+          _tile_loadd(6, bb + p * 128, 128);
+          _tile_loadd(7, bb + p * 128 + 64, 128);
+          _tile_loadd(4, a0 + p * 4, row_bytes);
+          DpBf16::c00();
+          DpBf16::c01();
+          if (two) {
+            _tile_loadd(5, a1 + p * 4, row_bytes);
+            DpBf16::c10();
+            DpBf16::c11();
+          }
+        }
+        _tile_stored(0, c, 128);
+        _tile_stored(1, c + 16, 128);
+        if (two) {
+          _tile_stored(2, c + 16 * 32, 128);
+          _tile_stored(3, c + 16 * 32 + 16, 128);
+        }
+      }
+      if (full < npairs) {  // the K pairs after the last whole 16: vdpbf16ps per row
+        for (int i = 0; i < m; ++i) add_tail_row(x[i] + k1, w, full, npairs, grp + int64_t(i) * 32);
+      }
+    }
+    const float* sc = scale + g * gstride;
+    const __m512 s0 = _mm512_loadu_ps(sc), s1 = _mm512_loadu_ps(sc + 16);
+    for (int i = 0; i < m; ++i) {
+      float* ci = C + int64_t(i) * 32;
+      const float* p = grp + int64_t(i) * 32;
+      _mm512_storeu_ps(ci, _mm512_fmadd_ps(_mm512_loadu_ps(p), s0, _mm512_loadu_ps(ci)));
+      _mm512_storeu_ps(ci + 16, _mm512_fmadd_ps(_mm512_loadu_ps(p + 16), s1, _mm512_loadu_ps(ci + 16)));
+    }
+  }
+  return true;
+}
+
 struct MK : Avx512Base {
   static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
   static RowFormat row_format(DType d) { return d == DType::bf16 ? RowFormat::bf16 : RowFormat::f32; }
@@ -76,13 +158,16 @@ struct MK : Avx512Base {
     gemm_amx(x[0], m, B, kp, C);
   }
 
-  // int4_group layouts (W4A16): the unpack to dense bf16 blocks, and few bf16 rows straight from the codes (avx512_u4_bf16.h).
+  // int4_group layouts (W4A16): the unpack to dense bf16 blocks; few bf16 rows straight from the
+  // codes (avx512_u4_bf16.h), more through tiles, one K group at a time (gemm_u4a16_amx).
   static void unpack_u4(const uint8_t* codes, int64_t k0, int64_t kk, const uint8_t* z, uint16_t* out) {
     x86_avx512_u4::unpack_u4_avx512(codes, k0, kk, z, out);
   }
   static bool gemm_u4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const float* scale,
                          const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
-    return x86_avx512_u4_bf16::gemm_u4a16_bf16(fmt, rows, m, codes, scale, zero, gstride, kp, G, C);
+    if (x86_avx512_u4_bf16::gemm_u4a16_bf16(fmt, rows, m, codes, scale, zero, gstride, kp, G, C)) return true;
+    if (fmt != RowFormat::bf16 || m < kAmxMinRows) return false;
+    return gemm_u4a16_amx(reinterpret_cast<const uint16_t* const*>(rows), m, codes, scale, zero, gstride, kp, G, C);
   }
 };
 
