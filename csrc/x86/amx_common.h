@@ -55,6 +55,22 @@ struct TileState {
   }
 };
 
+// The configuration a driver worker keeps loaded across its tasks (MK::WorkerScope = TileScope):
+// loading and releasing a configuration costs about a microsecond here (a KVM guest), as much as
+// one 32 x 32 x 2048 block's tile arithmetic, so it is done once per worker, not once per block.
+// Outside a scope (tests calling a kernel directly) each call loads and releases its own.
+inline thread_local TileState* t_worker_tiles = nullptr;
+struct TileScope {
+  TileState tiles;
+  TileState* prev;
+  TileScope() : prev(t_worker_tiles) { t_worker_tiles = &tiles; }
+  ~TileScope() { t_worker_tiles = prev; }
+  TileScope(const TileScope&) = delete;
+  TileScope& operator=(const TileScope&) = delete;
+};
+// The worker's tile state, or `local` (released when the caller returns) outside a worker.
+static inline TileState& tile_state(TileState& local) { return t_worker_tiles ? *t_worker_tiles : local; }
+
 // The tile dot product of a kernel: C tile (row half, column half) += A tile x B tile. A macro,
 // because the tile intrinsics take tile numbers that the assembler sees as text.
 #define MOEPACK_AMX_DP(NAME, INSN)                  \
@@ -69,9 +85,21 @@ struct TileState {
 // (a multiple of 16) of one 32-column block; a K group is 4 bytes of one row (a bf16 pair, an
 // int8 quad) and 128 bytes of the block (32 columns). A = m consecutive rows of `row_bytes`
 // bytes at `a`. Dp (MOEPACK_AMX_DP) names the tile dot product (tdpbf16ps, tdpbssd).
+// At large T an expert's rows are one or two chunks, so a task's B block comes from memory once,
+// through tile loads that the hardware prefetchers follow poorly: each K step (16 groups, 2 KiB of
+// B) prefetches the step kAmxPrefetchSteps ahead. Prefetches past the block's end touch the next
+// block (the next task's) and never fault.
+constexpr int64_t kAmxPrefetchSteps = 2;
+static inline void prefetch_b_step(const char* bb, int64_t g) {
+  const char* p = bb + (g + 16 * kAmxPrefetchSteps) * 128;
+#pragma GCC unroll 32
+  for (int l = 0; l < 32; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
+}
+
 template <class Dp, class T>
 static inline void tile_block(const char* a, int64_t row_bytes, int m, const char* bb, int64_t groups, T* C) {
-  TileState tiles;
+  TileState local;
+  TileState& tiles = tile_state(local);
   for (int r0 = 0; r0 < m; r0 += 32) {
     const int rows = m - r0 < 32 ? m - r0 : 32;
     const bool two = rows > 16;  // a second row tile (rows r0+16 ..)
@@ -85,6 +113,7 @@ static inline void tile_block(const char* a, int64_t row_bytes, int m, const cha
       _tile_zero(3);
     }
     for (int64_t g = 0; g < groups; g += 16) {
+      if (r0 == 0) prefetch_b_step(bb, g);
       _tile_loadd(6, bb + g * 128, 128);
       _tile_loadd(7, bb + g * 128 + 64, 128);
       _tile_loadd(4, a0 + g * 4, row_bytes);

@@ -74,7 +74,8 @@ static bool gemm_u4a16_amx(const uint16_t* const* x, int m, const uint8_t* codes
   alignas(64) uint16_t w[kU4TileStepK * 32];
   alignas(64) float grp[kU4TileMaxRows * 32];
   const int64_t row_bytes = stride * 2;
-  TileState tiles;
+  TileState local;
+  TileState& tiles = tile_state(local);
   for (int i = 0; i < m * 32; ++i) C[i] = 0.0f;
   for (int64_t g = 0, k0 = 0; k0 < kp; ++g, k0 += G) {
     const int64_t kend = k0 + G < kp ? k0 + G : kp;
@@ -143,6 +144,7 @@ static bool gemm_u4a16_amx(const uint16_t* const* x, int m, const uint8_t* codes
 
 struct MK : Avx512Base {
   static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
+  using WorkerScope = TileScope;  // one tile configuration per driver worker (amx_common.h)
   static RowFormat row_format(DType d) { return d == DType::bf16 ? RowFormat::bf16 : RowFormat::f32; }
 
   // C[m, 32] = A[m, :kp] . B^T for one 32-column block; rows are bf16 bits or fp32 as

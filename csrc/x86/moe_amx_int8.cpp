@@ -54,6 +54,7 @@ static void gemm_amx(const int8_t* x, int m, const int8_t* B, int64_t kp, int32_
 
 struct MK : Avx512Base {
   static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
+  using WorkerScope = TileScope;  // one tile configuration per driver worker (amx_common.h)
 
   // acc[m, 32] = exact int32 dot products of one 32-column int8 block (signed rows; the column
   // sums serve the short-chunk VNNI kernel's u8 encoding).

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdio>  // snprintf: the driver's registrar writes refusal reasons into the table
 #include <cstdint>
+#include <sys/mman.h>  // madvise: the driver advises its scratch for transparent huge pages
 
 #include "moepack/isa_gen.h"
 #include "moepack/layout_shapes.h"
