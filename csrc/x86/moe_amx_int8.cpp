@@ -52,6 +52,113 @@ static void gemm_amx(const int8_t* x, int m, const int8_t* B, int64_t kp, int32_
   }
 }
 
+MOEPACK_AMX_DP(DpS8U8, _tile_dpbsud);
+
+// W4A8 with tiles (docs/KERNELS.md): per K step (<= kU4TileStepK values of one group) the block's
+// codes are unpacked to the i8_n32k4 order as u8 (0..15: a K group's low nibbles are its first
+// quad, its high nibbles the second; two ANDs and a shift per 128 bytes) and multiplied by
+// tdpbsud (s8 rows x u8 codes, exact int32) against the rows at their own stride; K quads after
+// the last whole 16 go to the vpdpbusd core. Per group, the zero point is folded in with the rows'
+// code sums and the scale applied, C += float(acc - z[g, n] * sum_g(x)) * s[g, n], and C *= the
+// row's activation scale at the end: gemm_u4a8_tile's values, in its order. False (nothing
+// written) for rows that are not one matrix, more than kMaxRows, or groups tiles cannot hold
+// (a group size that is not a multiple of 64).
+constexpr int64_t kU4TileStepK = 256;
+static bool gemm_u4a8_amx(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
+                          const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+  const int64_t stride = x[1] - x[0];
+  if (m > kMaxRows || (G != kp && G % 64) || stride < kp || x[m - 1] != x[0] + int64_t(m - 1) * stride) return false;
+  alignas(64) uint8_t w[kU4TileStepK / 4 * 128];
+  alignas(64) int32_t acc[kMaxRows * 32];
+  alignas(64) int32_t tail[kMaxRows * 32];
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  TileState local;
+  TileState& tiles = tile_state(local);
+  for (int i = 0; i < m * 32; ++i) C[i] = 0.0f;
+  for (int64_t g = 0, k0 = 0; k0 < kp; ++g, k0 += G) {
+    const int64_t kend = k0 + G < kp ? k0 + G : kp;
+    for (int64_t k1 = k0; k1 < kend; k1 += kU4TileStepK) {
+      const int64_t kk = kend - k1 < kU4TileStepK ? kend - k1 : kU4TileStepK;
+      for (int64_t j = k1 / 8; j < (k1 + kk) / 8; ++j) {
+        const __m512i* src = reinterpret_cast<const __m512i*>(codes + j * 128);
+        __m512i* dst = reinterpret_cast<__m512i*>(w + (j - k1 / 8) * 256);
+        const __m512i v0 = _mm512_loadu_si512(src), v1 = _mm512_loadu_si512(src + 1);
+        _mm512_store_si512(dst, _mm512_and_si512(v0, m4));
+        _mm512_store_si512(dst + 1, _mm512_and_si512(v1, m4));
+        _mm512_store_si512(dst + 2, _mm512_and_si512(_mm512_srli_epi16(v0, 4), m4));
+        _mm512_store_si512(dst + 3, _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4));
+      }
+      const int64_t nq = kk / 4, full = nq / 16 * 16;
+      const char* bb = reinterpret_cast<const char*>(w);
+      for (int r0 = 0; r0 < m; r0 += 32) {
+        const int rows = m - r0 < 32 ? m - r0 : 32;
+        const bool two = rows > 16;
+        tiles.group(rows);
+        int32_t* c = acc + int64_t(r0) * 32;
+        const char* a0 = reinterpret_cast<const char*>(x[r0] + k1);
+        const char* a1 = a0 + 16 * stride;
+        if (k1 == k0) {
+          _tile_zero(0);
+          _tile_zero(1);
+          if (two) {
+            _tile_zero(2);
+            _tile_zero(3);
+          }
+        } else {
+          _tile_loadd(0, c, 128);
+          _tile_loadd(1, c + 16, 128);
+          if (two) {
+            _tile_loadd(2, c + 16 * 32, 128);
+            _tile_loadd(3, c + 16 * 32 + 16, 128);
+          }
+        }
+        for (int64_t q = 0; q < full; q += 16) {
+          _tile_loadd(6, bb + q * 128, 128);
+          _tile_loadd(7, bb + q * 128 + 64, 128);
+          _tile_loadd(4, a0 + q * 4, stride);
+          DpS8U8::c00();
+          DpS8U8::c01();
+          if (two) {
+            _tile_loadd(5, a1 + q * 4, stride);
+            DpS8U8::c10();
+            DpS8U8::c11();
+          }
+        }
+        _tile_stored(0, c, 128);
+        _tile_stored(1, c + 16, 128);
+        if (two) {
+          _tile_stored(2, c + 16 * 32, 128);
+          _tile_stored(3, c + 16 * 32 + 16, 128);
+        }
+      }
+      if (full < nq) {  // the K quads after the last whole 16 (a partial last group)
+        x86_avx512_u4::dot_u4_rows<AccVnniU4>(x, m, codes, k1 + full * 4, kk - full * 4, tail);
+        for (int i = 0; i < m * 32; ++i) acc[i] += tail[i];
+      }
+    }
+    const uint8_t* z = zero + g * gstride;
+    const float* sc = scale + g * gstride;
+    const __m512i z0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z)));
+    const __m512i z1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + 16)));
+    const __m512 s0 = _mm512_loadu_ps(sc), s1 = _mm512_loadu_ps(sc + 16);
+    for (int i = 0; i < m; ++i) {
+      const __m512i xs = _mm512_set1_epi32(x86_avx512_u4::u4_row_sum(x[i], k0, kend - k0));
+      const int32_t* a = acc + int64_t(i) * 32;
+      float* ci = C + int64_t(i) * 32;
+      const __m512i t0 = _mm512_sub_epi32(_mm512_loadu_si512(a), _mm512_mullo_epi32(z0, xs));
+      const __m512i t1 = _mm512_sub_epi32(_mm512_loadu_si512(a + 16), _mm512_mullo_epi32(z1, xs));
+      _mm512_storeu_ps(ci, _mm512_add_ps(_mm512_loadu_ps(ci), _mm512_mul_ps(_mm512_cvtepi32_ps(t0), s0)));
+      _mm512_storeu_ps(ci + 16, _mm512_add_ps(_mm512_loadu_ps(ci + 16), _mm512_mul_ps(_mm512_cvtepi32_ps(t1), s1)));
+    }
+  }
+  for (int i = 0; i < m; ++i) {
+    const __m512 a = _mm512_set1_ps(rs[i]);
+    _mm512_storeu_ps(C + int64_t(i) * 32, _mm512_mul_ps(_mm512_loadu_ps(C + int64_t(i) * 32), a));
+    _mm512_storeu_ps(C + int64_t(i) * 32 + 16, _mm512_mul_ps(_mm512_loadu_ps(C + int64_t(i) * 32 + 16), a));
+  }
+  return true;
+}
+
 struct MK : Avx512Base {
   static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
   using WorkerScope = TileScope;  // one tile configuration per driver worker (amx_common.h)
@@ -74,9 +181,11 @@ struct MK : Avx512Base {
     }
   }
 
-  // int4_group layouts: the W4A8 fused block GEMM and its integer core (vpdpbusd, not tiles).
+  // int4_group layouts: the W4A8 fused block GEMM (tiles for chunks of kAmxMinRows+ rows as one
+  // matrix, else vpdpbusd) and its integer core (vpdpbusd).
   static void gemm_u4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
                         const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+    if (m >= kAmxMinRows && gemm_u4a8_amx(x, rs, m, codes, scale, zero, gstride, kp, G, C)) return;
     x86_avx512_u4::gemm_u4a8_rows<AccVnniU4>(x, rs, m, codes, scale, zero, gstride, kp, G, C);
   }
   static void dot_u4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
