@@ -85,17 +85,6 @@ static inline TileState& tile_state(TileState& local) { return t_worker_tiles ? 
 // (a multiple of 16) of one 32-column block; a K group is 4 bytes of one row (a bf16 pair, an
 // int8 quad) and 128 bytes of the block (32 columns). A = m consecutive rows of `row_bytes`
 // bytes at `a`. Dp (MOEPACK_AMX_DP) names the tile dot product (tdpbf16ps, tdpbssd).
-// At large T an expert's rows are one or two chunks, so a task's B block comes from memory once,
-// through tile loads that the hardware prefetchers follow poorly: each K step (16 groups, 2 KiB of
-// B) prefetches the step kAmxPrefetchSteps ahead. Prefetches past the block's end touch the next
-// block (the next task's) and never fault.
-constexpr int64_t kAmxPrefetchSteps = 2;
-static inline void prefetch_b_step(const char* bb, int64_t g) {
-  const char* p = bb + (g + 16 * kAmxPrefetchSteps) * 128;
-#pragma GCC unroll 32
-  for (int l = 0; l < 32; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_T0);
-}
-
 template <class Dp, class T>
 static inline void tile_block(const char* a, int64_t row_bytes, int m, const char* bb, int64_t groups, T* C) {
   TileState local;
@@ -113,7 +102,6 @@ static inline void tile_block(const char* a, int64_t row_bytes, int m, const cha
       _tile_zero(3);
     }
     for (int64_t g = 0; g < groups; g += 16) {
-      if (r0 == 0) prefetch_b_step(bb, g);
       _tile_loadd(6, bb + g * 128, 128);
       _tile_loadd(7, bb + g * 128 + 64, 128);
       _tile_loadd(4, a0 + g * 4, row_bytes);

@@ -50,12 +50,12 @@ static inline void add_tail_row(const uint16_t* x, const uint16_t* B, int64_t p0
 
 MOEPACK_AMX_DP(DpBf16, _tile_dpbf16ps);
 
-// C[m, 32] = A[m, :kp] . B^T, A = m consecutive bf16 rows of kp elements at `x`.
-static void gemm_amx(const uint16_t* x, int m, const uint16_t* B, int64_t kp, float* C) {
+// C[m, 32] = A[m, :kp] . B^T, A = m bf16 rows of kp elements at `x`, one every `stride` elements.
+static void gemm_amx(const uint16_t* x, int64_t stride, int m, const uint16_t* B, int64_t kp, float* C) {
   const int64_t npairs = kp / 2, full = npairs / 16 * 16;
-  tile_block<DpBf16>(reinterpret_cast<const char*>(x), kp * 2, m, reinterpret_cast<const char*>(B), full, C);
+  tile_block<DpBf16>(reinterpret_cast<const char*>(x), stride * 2, m, reinterpret_cast<const char*>(B), full, C);
   if (full < npairs) {
-    for (int i = 0; i < m; ++i) add_tail_row(x + int64_t(i) * kp, B, full, npairs, C + int64_t(i) * 32);
+    for (int i = 0; i < m; ++i) add_tail_row(x + int64_t(i) * stride, B, full, npairs, C + int64_t(i) * 32);
   }
 }
 
@@ -152,12 +152,13 @@ struct MK : Avx512Base {
   static void gemm(const LayoutDesc& L, RowFormat fmt, const void* const* rows, int m, const uint16_t* B, int64_t kp, float* C) {
     if (fmt != RowFormat::bf16) return Avx512Base::gemm(L, fmt, rows, m, B, kp, C);
     const uint16_t* const* x = reinterpret_cast<const uint16_t* const*>(rows);
-    // Tiles need the rows as one matrix: the driver's promise, checked (two compares) so that a
-    // caller that breaks it gets the vdpbf16ps kernel, not wrong rows.
-    if (m < kAmxMinRows || x[m - 1] != x[0] + int64_t(m - 1) * kp || x[1] != x[0] + kp) {
-      return gemm_bf16_rows(x, m, B, kp, C);
-    }
-    gemm_amx(x[0], m, B, kp, C);
+    // Tiles need the rows as one matrix (one row every `stride` >= kp elements): the driver's
+    // promise, checked (two compares) so that a caller that breaks it gets the vdpbf16ps kernel,
+    // not wrong rows.
+    if (m < kAmxMinRows) return gemm_bf16_rows(x, m, B, kp, C);
+    const int64_t stride = x[1] - x[0];
+    if (stride < kp || x[m - 1] != x[0] + int64_t(m - 1) * stride) return gemm_bf16_rows(x, m, B, kp, C);
+    gemm_amx(x[0], stride, m, B, kp, C);
   }
 
   // int4_group layouts (W4A16): the unpack to dense bf16 blocks; few bf16 rows straight from the

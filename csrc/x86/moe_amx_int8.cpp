@@ -39,14 +39,14 @@ constexpr int kMaxRows = 64;    // the driver's chunks (kChunkM); more rows go i
 
 MOEPACK_AMX_DP(DpS8, _tile_dpbssd);
 
-// acc[m, 32] = exact int32 dot products, A = m consecutive s8 rows of kp codes at `x`.
-static void gemm_amx(const int8_t* x, int m, const int8_t* B, int64_t kp, int32_t* acc) {
+// acc[m, 32] = exact int32 dot products, A = m s8 rows of kp codes at `x`, one every `stride` bytes.
+static void gemm_amx(const int8_t* x, int64_t stride, int m, const int8_t* B, int64_t kp, int32_t* acc) {
   const int64_t nq = kp / 4, full = nq / 16 * 16;
-  tile_block<DpS8>(reinterpret_cast<const char*>(x), kp, m, reinterpret_cast<const char*>(B), full, acc);
+  tile_block<DpS8>(reinterpret_cast<const char*>(x), stride, m, reinterpret_cast<const char*>(B), full, acc);
   if (full < nq) {  // the last K quads: vector kernel on the rows' tails, added
     const int8_t* xs[kMaxRows];
     alignas(64) int32_t tail[kMaxRows * 32];
-    for (int i = 0; i < m; ++i) xs[i] = x + int64_t(i) * kp + 4 * full;
+    for (int i = 0; i < m; ++i) xs[i] = x + int64_t(i) * stride + 4 * full;
     gemm_i8_signed_rows(xs, m, B + full * 128, (nq - full) * 4, tail);
     for (int i = 0; i < m * 32; ++i) acc[i] += tail[i];
   }
@@ -167,16 +167,18 @@ struct MK : Avx512Base {
   // sums serve the short-chunk VNNI kernel's u8 encoding).
   static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t* colsum,
                       int32_t* acc) {
-    // Tiles need the rows as one matrix: the driver's promise, checked so that a caller that
-    // breaks it (the gemm_i8_block test hook passes any rows) gets the vector kernel.
+    // Tiles need the rows as one matrix (one row every `stride` >= kp bytes): the driver's promise,
+    // checked so that a caller that breaks it (the gemm_i8_block test hook passes any rows) gets
+    // the vector kernel.
     for (int r0 = 0; r0 < m; r0 += kMaxRows) {
       const int mm = m - r0 < kMaxRows ? m - r0 : kMaxRows;
       const int8_t* const* xr = x + r0;
       int32_t* out = acc + int64_t(r0) * 32;
-      if (mm < kAmxMinRows || xr[mm - 1] != xr[0] + int64_t(mm - 1) * kp || xr[1] != xr[0] + kp) {
+      const int64_t stride = mm > 1 ? xr[1] - xr[0] : 0;
+      if (mm < kAmxMinRows || stride < kp || xr[mm - 1] != xr[0] + int64_t(mm - 1) * stride) {
         gemm_i8_vnni_rows<0x80808080u>(xr, mm, B, kp, colsum, out);  // signed rows, u8 on the fly
       } else {
-        gemm_amx(xr[0], mm, B, kp, out);
+        gemm_amx(xr[0], stride, mm, B, kp, out);
       }
     }
   }
