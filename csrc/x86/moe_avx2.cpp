@@ -22,6 +22,7 @@
 #include "moepack/kernel.h"
 #include "moepack/numeric.h"
 #include "avx2_common.h"
+#include "avx2_u4_common.h"
 
 namespace moepack {
 namespace avx2 {
@@ -168,6 +169,25 @@ struct MK : x86_avx2::Avx2Elementwise {
     _mm256_storeu_si256(o + 5, c1);
     _mm256_storeu_si256(o + 6, c2);
     _mm256_storeu_si256(o + 7, c3);
+  }
+
+  // ---- int4_group layouts (avx2_u4_common.h): W4A8 with vpmaddubsw; W4A16 with fp32 rows, one
+  // row straight from the codes, more rows through the SIMD unpack to dense bf16 blocks.
+  static void gemm_u4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
+                        const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+    x86_avx2_u4::gemm_u4a8_rows<x86_avx2_u4::AccMaddubsU4>(x, rs, m, codes, scale, zero, gstride, kp, G, C);
+  }
+  static void dot_u4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
+    x86_avx2_u4::dot_u4_rows<x86_avx2_u4::AccMaddubsU4>(x, m, codes, k0, kk, acc);
+  }
+  static void unpack_u4(const uint8_t* codes, int64_t k0, int64_t kk, const uint8_t* z, uint16_t* out) {
+    x86_avx2_u4::unpack_u4_avx2(codes, k0, kk, z, out);
+  }
+  static bool gemm_u4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const float* scale,
+                         const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+    if (fmt != RowFormat::f32 || m != 1) return false;
+    x86_avx2_u4::gemm_u4a16_f32_row(static_cast<const float*>(rows[0]), codes, scale, zero, gstride, kp, G, C);
+    return true;
   }
 
   // acc[m, 32] for one 32-column int8 block (signed rows; colsum unused).

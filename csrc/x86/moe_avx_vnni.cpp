@@ -29,6 +29,7 @@ void register_avx_vnni(KernelTable&) {}
 #include <cstring>
 
 #include "avx2_common.h"
+#include "avx2_u4_common.h"
 #include "moepack/kernel.h"
 
 namespace moepack {
@@ -105,6 +106,38 @@ static inline void gemm_i8_2(const int8_t* x, const int8_t* z, const int8_t* B, 
   store_corrected(C + 32, c, colsum);
 }
 
+// int4_group (W4A8) integer core: the u4 codes as vpdpbusd's unsigned operand, the s8 rows as its
+// signed one (exact). One row keeps the high nibbles in their own accumulators (8 chains).
+template <int MR>
+struct AccVnniU4 {
+  void operator()(const int8_t* const* x, const uint8_t* codes, int64_t j0, int64_t j1, __m256i acc[][4]) const {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i ah[MR][4];
+    for (int r = 0; r < MR; ++r)
+      for (int q = 0; q < 4; ++q) ah[r][q] = _mm256_setzero_si256();
+    for (int64_t j = j0; j < j1; ++j) {
+      const __m256i* g = reinterpret_cast<const __m256i*>(codes + j * 128);
+      _mm_prefetch(reinterpret_cast<const char*>(g) + x86_avx2_u4::kU4PrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(g) + x86_avx2_u4::kU4PrefetchBytes + 64, _MM_HINT_T0);
+      for (int q = 0; q < 4; ++q) {
+        const __m256i v = _mm256_loadu_si256(g + q);
+        const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+        for (int r = 0; r < MR; ++r) {
+          acc[r][q] = dpbusd(acc[r][q], lo, bcast4(x[r] + 8 * j));
+          if constexpr (MR == 1) {
+            ah[r][q] = dpbusd(ah[r][q], hi, bcast4(x[r] + 8 * j + 4));
+          } else {
+            acc[r][q] = dpbusd(acc[r][q], hi, bcast4(x[r] + 8 * j + 4));
+          }
+        }
+      }
+    }
+    if constexpr (MR == 1) {
+      for (int q = 0; q < 4; ++q) acc[0][q] = _mm256_add_epi32(acc[0][q], ah[0][q]);
+    }
+  }
+};
+
 struct MK : x86_avx2::Avx2Elementwise {
   // int8 layouts: the driver stores quantized rows as u8 = q + 128 (vpdpbusd's unsigned operand).
   static constexpr bool kI8RowsU8 = true;
@@ -116,6 +149,15 @@ struct MK : x86_avx2::Avx2Elementwise {
     int i = 0;
     for (; i + 2 <= m; i += 2) gemm_i8_2(rows[i], rows[i + 1], B, kp, colsum, acc + i * 32);
     if (i < m) gemm_i8_row(rows[i], B, kp, colsum, acc + i * 32);
+  }
+
+  // int4_group layouts (W4A8): the fused block GEMM and its integer core (avx2_u4_common.h).
+  static void gemm_u4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
+                        const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+    x86_avx2_u4::gemm_u4a8_rows<AccVnniU4>(x, rs, m, codes, scale, zero, gstride, kp, G, C);
+  }
+  static void dot_u4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
+    x86_avx2_u4::dot_u4_rows<AccVnniU4>(x, m, codes, k0, kk, acc);
   }
 };
 
