@@ -158,7 +158,7 @@ KERNEL_INSTRUCTIONS: dict[tuple[str, str], str] = {
     ("u4:a8", "avx512"): "vpmaddubsw_zmm",
     ("u4:a8", "avx_vnni"): "vpdpbusd_ymm",
     ("u4:a8", "avx512_vnni"): "vpdpbusd_zmm",
-    ("u4:a8", "amx_int8"): "vpdpbusd_zmm",  # the int4 A8 core is vpdpbusd, not tiles
+    ("u4:a8", "amx_int8"): "tdpbssd",  # tdpbsud on chunks of 4+ rows (tdpbssd's rate); vpdpbusd below
 }
 
 
