@@ -83,23 +83,33 @@ static inline TileState& tile_state(TileState& local) { return t_worker_tiles ? 
 
 // C[m, 32] (4-byte elements: fp32 or int32) = A[m, groups] . B over the first `groups` K groups
 // (a multiple of 16) of one 32-column block; a K group is 4 bytes of one row (a bf16 pair, an
-// int8 quad) and 128 bytes of the block (32 columns). A = m consecutive rows of `row_bytes`
-// bytes at `a`. Dp (MOEPACK_AMX_DP) names the tile dot product (tdpbf16ps, tdpbssd).
+// int8 quad) and 128 bytes of the block (32 columns). A = m rows of `row_bytes` bytes apart at
+// `a`. Dp (MOEPACK_AMX_DP) names the tile dot product (tdpbf16ps, tdpbssd, tdpbsud).
+// `accumulate`: C += (the C tiles are loaded from C first) instead of C =.
 template <class Dp, class T>
-static inline void tile_block(const char* a, int64_t row_bytes, int m, const char* bb, int64_t groups, T* C) {
-  TileState local;
-  TileState& tiles = tile_state(local);
+static inline void tile_rows(TileState& tiles, const char* a, int64_t row_bytes, int m, const char* bb, int64_t groups,
+                             bool accumulate, T* C) {
   for (int r0 = 0; r0 < m; r0 += 32) {
     const int rows = m - r0 < 32 ? m - r0 : 32;
     const bool two = rows > 16;  // a second row tile (rows r0+16 ..)
     tiles.group(rows);
     const char* a0 = a + int64_t(r0) * row_bytes;
     const char* a1 = a0 + 16 * row_bytes;
-    _tile_zero(0);
-    _tile_zero(1);
-    if (two) {
-      _tile_zero(2);
-      _tile_zero(3);
+    T* c = C + int64_t(r0) * 32;
+    if (accumulate) {
+      _tile_loadd(0, c, 128);
+      _tile_loadd(1, c + 16, 128);
+      if (two) {
+        _tile_loadd(2, c + 16 * 32, 128);
+        _tile_loadd(3, c + 16 * 32 + 16, 128);
+      }
+    } else {
+      _tile_zero(0);
+      _tile_zero(1);
+      if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+      }
     }
     for (int64_t g = 0; g < groups; g += 16) {
       _tile_loadd(6, bb + g * 128, 128);
@@ -113,7 +123,6 @@ static inline void tile_block(const char* a, int64_t row_bytes, int m, const cha
         Dp::c11();
       }
     }
-    T* c = C + int64_t(r0) * 32;
     _tile_stored(0, c, 128);
     _tile_stored(1, c + 16, 128);
     if (two) {
@@ -121,6 +130,13 @@ static inline void tile_block(const char* a, int64_t row_bytes, int m, const cha
       _tile_stored(3, c + 16 * 32 + 16, 128);
     }
   }
+}
+
+// C = A . B as tile_rows, with the worker's tile state (or one of its own outside a worker).
+template <class Dp, class T>
+static inline void tile_block(const char* a, int64_t row_bytes, int m, const char* bb, int64_t groups, T* C) {
+  TileState local;
+  tile_rows<Dp>(tile_state(local), a, row_bytes, m, bb, groups, false, C);
 }
 
 }  // namespace

@@ -85,48 +85,8 @@ static bool gemm_u4a16_amx(const uint16_t* const* x, int m, const uint8_t* codes
       const int64_t kk = kend - k1 < kU4TileStepK ? kend - k1 : kU4TileStepK;
       x86_avx512_u4::unpack_u4_avx512(codes, k1, kk, z, w);
       const int64_t npairs = kk / 2, full = npairs / 16 * 16;
-      const char* bb = reinterpret_cast<const char*>(w);
-      for (int r0 = 0; r0 < m; r0 += 32) {
-        const int rows = m - r0 < 32 ? m - r0 : 32;
-        const bool two = rows > 16;
-        tiles.group(rows);
-        float* c = grp + int64_t(r0) * 32;
-        const char* a0 = reinterpret_cast<const char*>(x[r0] + k1);
-        const char* a1 = a0 + 16 * row_bytes;
-        if (k1 == k0) {
-          _tile_zero(0);
-          _tile_zero(1);
-          if (two) {
-            _tile_zero(2);
-            _tile_zero(3);
-          }
-        } else {
-          _tile_loadd(0, c, 128);
-          _tile_loadd(1, c + 16, 128);
-          if (two) {
-            _tile_loadd(2, c + 16 * 32, 128);
-            _tile_loadd(3, c + 16 * 32 + 16, 128);
-          }
-        }
-        for (int64_t p = 0; p < full; p += 16) {
-          _tile_loadd(6, bb + p * 128, 128);
-          _tile_loadd(7, bb + p * 128 + 64, 128);
-          _tile_loadd(4, a0 + p * 4, row_bytes);
-          DpBf16::c00();
-          DpBf16::c01();
-          if (two) {
-            _tile_loadd(5, a1 + p * 4, row_bytes);
-            DpBf16::c10();
-            DpBf16::c11();
-          }
-        }
-        _tile_stored(0, c, 128);
-        _tile_stored(1, c + 16, 128);
-        if (two) {
-          _tile_stored(2, c + 16 * 32, 128);
-          _tile_stored(3, c + 16 * 32 + 16, 128);
-        }
-      }
+      tile_rows<DpBf16>(tiles, reinterpret_cast<const char*>(x[0] + k1), row_bytes, m, reinterpret_cast<const char*>(w), full,
+                        k1 != k0, grp);
       if (full < npairs) {  // the K pairs after the last whole 16: vdpbf16ps per row
         for (int i = 0; i < m; ++i) add_tail_row(x[i] + k1, w, full, npairs, grp + int64_t(i) * 32);
       }

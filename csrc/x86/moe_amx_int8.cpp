@@ -89,48 +89,8 @@ static bool gemm_u4a8_amx(const int8_t* const* x, const float* rs, int m, const 
         _mm512_store_si512(dst + 3, _mm512_and_si512(_mm512_srli_epi16(v1, 4), m4));
       }
       const int64_t nq = kk / 4, full = nq / 16 * 16;
-      const char* bb = reinterpret_cast<const char*>(w);
-      for (int r0 = 0; r0 < m; r0 += 32) {
-        const int rows = m - r0 < 32 ? m - r0 : 32;
-        const bool two = rows > 16;
-        tiles.group(rows);
-        int32_t* c = acc + int64_t(r0) * 32;
-        const char* a0 = reinterpret_cast<const char*>(x[r0] + k1);
-        const char* a1 = a0 + 16 * stride;
-        if (k1 == k0) {
-          _tile_zero(0);
-          _tile_zero(1);
-          if (two) {
-            _tile_zero(2);
-            _tile_zero(3);
-          }
-        } else {
-          _tile_loadd(0, c, 128);
-          _tile_loadd(1, c + 16, 128);
-          if (two) {
-            _tile_loadd(2, c + 16 * 32, 128);
-            _tile_loadd(3, c + 16 * 32 + 16, 128);
-          }
-        }
-        for (int64_t q = 0; q < full; q += 16) {
-          _tile_loadd(6, bb + q * 128, 128);
-          _tile_loadd(7, bb + q * 128 + 64, 128);
-          _tile_loadd(4, a0 + q * 4, stride);
-          DpS8U8::c00();
-          DpS8U8::c01();
-          if (two) {
-            _tile_loadd(5, a1 + q * 4, stride);
-            DpS8U8::c10();
-            DpS8U8::c11();
-          }
-        }
-        _tile_stored(0, c, 128);
-        _tile_stored(1, c + 16, 128);
-        if (two) {
-          _tile_stored(2, c + 16 * 32, 128);
-          _tile_stored(3, c + 16 * 32 + 16, 128);
-        }
-      }
+      tile_rows<DpS8U8>(tiles, reinterpret_cast<const char*>(x[0] + k1), stride, m, reinterpret_cast<const char*>(w), full,
+                        k1 != k0, acc);
       if (full < nq) {  // the K quads after the last whole 16 (a partial last group)
         x86_avx512_u4::dot_u4_rows<AccVnniU4>(x, m, codes, k1 + full * 4, kk - full * 4, tail);
         for (int i = 0; i < m * 32; ++i) acc[i] += tail[i];
