@@ -61,3 +61,40 @@ def test_scratch_kept_between_calls_changes_no_result(layout):
     moepack.run_experts(packed, *big)
     again = moepack.run_experts(packed, *small)
     assert torch.equal(first, again)
+
+
+def _layer(layout, hidden, seed):
+    from tests.conftest import make_moe_inputs
+
+    inp = make_moe_inputs(tokens=24, hidden=hidden, intermediate=64, experts=5, topk=2, dtype=torch.bfloat16,
+                          x_scale="1/sqrt(H)", seed=seed)  # fmt: skip
+    packed = moepack.pack_experts(inp.w13, inp.w2, layout=layout)
+    return packed, (inp.x, inp.topk_weights, inp.topk_ids.int())
+
+
+def test_padded_x_rows_dense_match_scalar():
+    """bf16 x rows of H = 2048 are 4 KiB: the driver pads them by a line (every level reads them
+    at that stride; the tile levels load 16 of them per tile)."""
+    from tests.conftest import isa_cap
+    from tests.reference.tolerances import TOL, assert_close
+
+    packed, args = _layer("bf16_n32k2_x86", 2048, 21)
+    best = moepack.run_experts(packed, *args)
+    with isa_cap("scalar"):
+        ref = moepack.run_experts(packed, *args)
+    assert_close(best, ref, TOL["simd_vs_scalar", torch.bfloat16], "padded x rows, best level vs scalar")
+
+
+def test_padded_x_rows_int8_tiles_equal_vector_kernel():
+    """int8 x rows of H = 4096 are 4 KiB (padded by a line): amx_int8's tiles and avx512_vnni's
+    vpdpbusd give the same exact integers and the same epilogue, so the same bits."""
+    from tests.conftest import isa_cap
+
+    if moepack.kernel_choice("i8_n32k4_x86").isa != "amx_int8":
+        pytest.skip("needs AMX-INT8 (and AVX512_VNNI) on this CPU")
+    packed, args = _layer("i8_n32k4_x86", 4096, 22)
+    tiles = moepack.run_experts(packed, *args)
+    with isa_cap("avx512_vnni"):
+        assert moepack.kernel_choice("i8_n32k4_x86").isa == "avx512_vnni"
+        vec = moepack.run_experts(packed, *args)
+    assert torch.equal(tiles, vec)
