@@ -309,7 +309,8 @@ def pack_experts(
         _check_float("w13", w13)
         _check_float("w2", w2)
     c = _with_biases(scheme.from_float(w13, w2, layout=lay), w13_bias, w2_bias)
-    return in_huge_pages(scheme.pack(c, interleaved=interleaved, layout=lay, use_cpp=use_cpp))
+    packed = scheme.pack(c, interleaved=interleaved, layout=lay, use_cpp=use_cpp)
+    return in_huge_pages(packed) if use_cpp else packed
 
 
 HUGE_PAGE_MIN_BYTES = 4 << 20
@@ -319,16 +320,21 @@ def in_huge_pages(packed: PackedExperts) -> PackedExperts:
     """``packed`` with its tensors of at least 4 MiB copied into memory advised for transparent
     huge pages (torch.ops.moepack.huge_page_copy): decode streams each weight once, and on 4 KiB
     pages every page costs a TLB miss and a hardware-prefetcher restart (docs/KERNELS.md
-    "Decode"). For in-memory packs only (an opened directory stays a memory map);
-    ``MOEPACK_HUGE_PAGES=0`` turns it off. Where the kernel declines, the copies are plain."""
+    "Decode"). For in-memory packs made with the C++ packer only (an opened directory stays a
+    memory map); ``MOEPACK_HUGE_PAGES=0`` turns it off. Where the kernel declines, the copies are plain."""
     if os.environ.get("MOEPACK_HUGE_PAGES", "1") == "0":
         return packed
     from .._ops import ops
 
-    big = {k: v for k, v in packed.tensors.items() if v.device.type == "cpu" and v.numel() * v.element_size() >= HUGE_PAGE_MIN_BYTES}
+    big = {
+        k: v
+        for k, v in packed.tensors.items()
+        if v.device.type == "cpu" and v.numel() * v.element_size() >= HUGE_PAGE_MIN_BYTES
+    }
     if not big:
         return packed
-    return dataclasses.replace(packed, tensors={**packed.tensors, **{k: ops().huge_page_copy(v) for k, v in big.items()}})
+    copies = {k: ops().huge_page_copy(v) for k, v in big.items()}
+    return dataclasses.replace(packed, tensors={**packed.tensors, **copies})
 
 
 def pack_dense(
