@@ -130,6 +130,25 @@ static inline void u4a8_acc_bw(const int8_t* const* x, const uint8_t* codes, int
   }
 }
 
+// One group's zero points and scales of a block (columns 0-15, 16-31), and the W4A8 group
+// epilogue of one row: c += float(acc - z[n] * xs) * s[n], xs = the row's code sum over the group.
+struct U4GroupParams {
+  __m512i z0, z1;
+  __m512 s0, s1;
+};
+static inline U4GroupParams u4_group_params(const uint8_t* zero, const float* scale, int64_t gstride, int64_t g) {
+  const uint8_t* z = zero + g * gstride;
+  const float* s = scale + g * gstride;
+  return {_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z))),
+          _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + 16))), _mm512_loadu_ps(s),
+          _mm512_loadu_ps(s + 16)};
+}
+static inline void u4a8_group_add(const U4GroupParams& p, __m512i a0, __m512i a1, int32_t xs, __m512& c0, __m512& c1) {
+  const __m512i x = _mm512_set1_epi32(xs);
+  c0 = _mm512_add_ps(c0, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a0, _mm512_mullo_epi32(p.z0, x))), p.s0));
+  c1 = _mm512_add_ps(c1, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a1, _mm512_mullo_epi32(p.z1, x))), p.s1));
+}
+
 // The fused W4A8 block GEMM (docs/SEMANTICS.md §3, moepack/reference.py int4_linear_a8_reference):
 // per group g, C += float(acc_g - z[g, n] * sum_g(x)) * s[g, n]; at the end C *= the row's
 // activation scale. Acc(MR, x, codes, j0, j1, acc) adds the K groups [j0, j1) into acc[MR][2].
@@ -143,18 +162,8 @@ static inline void gemm_u4a8_tile(const int8_t* const* x, const float* rs, const
     __m512i acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
     acc_fn(x, codes, k0 / 8, (k0 + kk) / 8, acc);
-    const uint8_t* z = zero + g * gstride;
-    const float* s = scale + g * gstride;
-    const __m512i z0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z)));
-    const __m512i z1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + 16)));
-    const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
-    for (int r = 0; r < MR; ++r) {
-      const __m512i xs = _mm512_set1_epi32(u4_row_sum(x[r], k0, kk));
-      const __m512i t0 = _mm512_sub_epi32(acc[r][0], _mm512_mullo_epi32(z0, xs));
-      const __m512i t1 = _mm512_sub_epi32(acc[r][1], _mm512_mullo_epi32(z1, xs));
-      c[r][0] = _mm512_add_ps(c[r][0], _mm512_mul_ps(_mm512_cvtepi32_ps(t0), s0));
-      c[r][1] = _mm512_add_ps(c[r][1], _mm512_mul_ps(_mm512_cvtepi32_ps(t1), s1));
-    }
+    const U4GroupParams p = u4_group_params(zero, scale, gstride, g);
+    for (int r = 0; r < MR; ++r) u4a8_group_add(p, acc[r][0], acc[r][1], u4_row_sum(x[r], k0, kk), c[r][0], c[r][1]);
   }
   for (int r = 0; r < MR; ++r) {
     const __m512 a = _mm512_set1_ps(rs[r]);

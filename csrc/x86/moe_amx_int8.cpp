@@ -96,19 +96,15 @@ static bool gemm_u4a8_amx(const int8_t* const* x, const float* rs, int m, const 
         for (int i = 0; i < m * 32; ++i) acc[i] += tail[i];
       }
     }
-    const uint8_t* z = zero + g * gstride;
-    const float* sc = scale + g * gstride;
-    const __m512i z0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z)));
-    const __m512i z1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(z + 16)));
-    const __m512 s0 = _mm512_loadu_ps(sc), s1 = _mm512_loadu_ps(sc + 16);
+    const x86_avx512_u4::U4GroupParams p = x86_avx512_u4::u4_group_params(zero, scale, gstride, g);
     for (int i = 0; i < m; ++i) {
-      const __m512i xs = _mm512_set1_epi32(x86_avx512_u4::u4_row_sum(x[i], k0, kend - k0));
       const int32_t* a = acc + int64_t(i) * 32;
       float* ci = C + int64_t(i) * 32;
-      const __m512i t0 = _mm512_sub_epi32(_mm512_loadu_si512(a), _mm512_mullo_epi32(z0, xs));
-      const __m512i t1 = _mm512_sub_epi32(_mm512_loadu_si512(a + 16), _mm512_mullo_epi32(z1, xs));
-      _mm512_storeu_ps(ci, _mm512_add_ps(_mm512_loadu_ps(ci), _mm512_mul_ps(_mm512_cvtepi32_ps(t0), s0)));
-      _mm512_storeu_ps(ci + 16, _mm512_add_ps(_mm512_loadu_ps(ci + 16), _mm512_mul_ps(_mm512_cvtepi32_ps(t1), s1)));
+      __m512 c0 = _mm512_loadu_ps(ci), c1 = _mm512_loadu_ps(ci + 16);
+      x86_avx512_u4::u4a8_group_add(p, _mm512_loadu_si512(a), _mm512_loadu_si512(a + 16),
+                                    x86_avx512_u4::u4_row_sum(x[i], k0, kend - k0), c0, c1);
+      _mm512_storeu_ps(ci, c0);
+      _mm512_storeu_ps(ci + 16, c1);
     }
   }
   for (int i = 0; i < m; ++i) {
