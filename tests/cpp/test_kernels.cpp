@@ -345,6 +345,26 @@ void build(Problem& p, const Case& c) {
   }
 }
 
+// The fields every hand-built call below sets alike: contiguous input rows x [T, H] of dtype dt,
+// T x k routed slots over E experts (all local), the layout and its padded intermediate.
+FusedMoeArgs call_args(const void* x, DType dt, int T, int H, const float* tw, const int32_t* ids, int k, int E, int Ip,
+                       const LayoutDesc& L) {
+  FusedMoeArgs a;
+  a.x = x;
+  a.x_stride = H;
+  a.dtype = dt;
+  a.tokens = T;
+  a.hidden = H;
+  a.topk_weights = tw;
+  a.topk_ids = ids;
+  a.topk = k;
+  a.num_global_experts = E;
+  a.num_experts = E;
+  a.inter_padded = Ip;
+  a.layout = &L;
+  return a;
+}
+
 FusedMoeArgs make_args(const Problem& p, void* out) {
   const Case& c = p.c;
   FusedMoeArgs a;
@@ -1009,12 +1029,7 @@ void test_i8_fused(const std::vector<I8Kernel>& ks) {
               tw[size_t(t) * k + j] = 0.05f + 0.95f * float(rng() % 1000) / 1000.0f;
             }
           }
-          FusedMoeArgs a;
-          a.x = x.data();
-          a.x_stride = H;
-          a.dtype = dt;
-          a.tokens = T;
-          a.hidden = H;
+          FusedMoeArgs a = call_args(x.data(), dt, T, H, tw.data(), ids.data(), k, E, Ip, L);
           a.w13.t[0] = w13p.data();  // the layout's declared order: codes, scales, column sums
           a.w2.t[0] = w2p.data();
           a.interleaved = inter;
@@ -1024,13 +1039,6 @@ void test_i8_fused(const std::vector<I8Kernel>& ks) {
           a.w2.t[1] = s2.data();
           a.w13.t[2] = c13.data();
           a.w2.t[2] = c2.data();
-          a.topk_weights = tw.data();
-          a.topk_ids = ids.data();
-          a.topk = k;
-          a.num_global_experts = E;
-          a.num_experts = E;
-          a.inter_padded = Ip;
-          a.layout = &L;
           a.act = act;
           a.par = make_parallel(variant % 3);
           char name[160];
@@ -1163,25 +1171,13 @@ void test_u4(const std::vector<Registrar>& regs) {
             tw[size_t(t) * k] = 0.6f;
             tw[size_t(t) * k + 1] = 0.4f;
           }
-          FusedMoeArgs a;
-          a.x = x.data();
-          a.x_stride = H;
-          a.dtype = dt;
-          a.tokens = T;
-          a.hidden = H;
+          FusedMoeArgs a = call_args(x.data(), dt, T, H, tw.data(), ids.data(), k, E, Ip, L);
           a.w13.t[0] = w13.data();
           a.w13.t[1] = s13.data();
           a.w13.t[2] = z13.data();
           a.w2.t[0] = w2.data();
           a.w2.t[1] = s2.data();
           a.w2.t[2] = z2.data();
-          a.topk_weights = tw.data();
-          a.topk_ids = ids.data();
-          a.topk = k;
-          a.num_global_experts = E;
-          a.num_experts = E;
-          a.inter_padded = Ip;
-          a.layout = &L;
           a.act_mode = mode;
           a.act = Activation::silu;
           char name[160];
