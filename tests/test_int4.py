@@ -319,6 +319,10 @@ AWKWARD = [
     # H = 2048: bf16 x rows of 4 KiB get the driver's one-line padding (tile loads at a row
     # stride > K); 24 tokens x 2 of E experts give every expert chunks that the tile paths take
     Case(BF16, "silu", "1/sqrt(H)", 2048, 64, 24, 2, False, 16),
+    # decode: one and two rows per expert through the W4A8 streams (H = 1024: 32 / 16 / 8 / 1
+    # groups, 4 streams or a split single group; I = 256: 2 groups of 128, 2 streams)
+    Case(BF16, "silu", "1", 1024, 256, 1, 4, True, 17),
+    Case(F32, "gelu", "1/sqrt(H)", 1024, 256, 2, 5, False, 18),
 ]
 
 

@@ -145,6 +145,92 @@ struct AccVnniU4 {
     }
   }
 };
+
+// Few rows (decode): one block's K groups in S segments streamed at once (S address streams per
+// thread, like gemm_i8_streams). The block's ng groups are dealt out as rounds: round t takes
+// group s * (ng / S) + t of every segment s, each group's integer acc stays exact (the same
+// vpdpbusd sums as AccVnniU4's) and its epilogue is u4a8_group_add's; only the order in which
+// the groups' fp32 terms are added differs from gemm_u4a8_tile's. One group (per channel): its K
+// steps are split instead and the S integer partial sums added exactly. False (nothing written)
+// when the groups cannot be dealt out evenly (ng % S, or a partial last group).
+template <int MR, int S>
+static inline bool gemm_u4a8_streams(const int8_t* const* x, const float* rs, const uint8_t* codes, const float* scale,
+                                     const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+  const int64_t ng = (kp + G - 1) / G;
+  if (ng > 1 && (kp % G || ng % S)) return false;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i* b = reinterpret_cast<const __m512i*>(codes);
+  __m512i a[S][MR][2];
+  auto step = [&](int u, int64_t j) {
+    prefetch_stream(b + 2 * j, 2);
+    const __m512i w0 = _mm512_loadu_si512(b + 2 * j), w1 = _mm512_loadu_si512(b + 2 * j + 1);
+    const __m512i l0 = _mm512_and_si512(w0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), m4);
+    const __m512i l1 = _mm512_and_si512(w1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), m4);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xl = x86_avx512_u4::bcast32(x[r] + 8 * j), xh = x86_avx512_u4::bcast32(x[r] + 8 * j + 4);
+      a[u][r][0] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[u][r][0], l0, xl), h0, xh);
+      a[u][r][1] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(a[u][r][1], l1, xl), h1, xh);
+    }
+  };
+  auto clear = [&] {
+    for (int u = 0; u < S; ++u)
+      for (int r = 0; r < MR; ++r) a[u][r][0] = a[u][r][1] = _mm512_setzero_si512();
+  };
+  __m512 c[MR][2];
+  for (int r = 0; r < MR; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
+  if (ng == 1) {
+    clear();
+    for_k_streams<S>(kp / 8, step);
+    const x86_avx512_u4::U4GroupParams p = x86_avx512_u4::u4_group_params(zero, scale, gstride, 0);
+    for (int r = 0; r < MR; ++r) {
+      __m512i s0 = a[0][r][0], s1 = a[0][r][1];
+      for (int u = 1; u < S; ++u) {
+        s0 = _mm512_add_epi32(s0, a[u][r][0]);
+        s1 = _mm512_add_epi32(s1, a[u][r][1]);
+      }
+      x86_avx512_u4::u4a8_group_add(p, s0, s1, x86_avx512_u4::u4_row_sum(x[r], 0, kp), c[r][0], c[r][1]);
+    }
+  } else {
+    const int64_t rounds = ng / S, gj = G / 8;
+    for (int64_t t = 0; t < rounds; ++t) {
+      clear();
+      for (int64_t jj = 0; jj < gj; ++jj) {
+#pragma GCC unroll 4
+        for (int u = 0; u < S; ++u) step(u, (u * rounds + t) * gj + jj);
+      }
+      for (int u = 0; u < S; ++u) {
+        const int64_t g = u * rounds + t;
+        const x86_avx512_u4::U4GroupParams p = x86_avx512_u4::u4_group_params(zero, scale, gstride, g);
+        for (int r = 0; r < MR; ++r) {
+          x86_avx512_u4::u4a8_group_add(p, a[u][r][0], a[u][r][1], x86_avx512_u4::u4_row_sum(x[r], g * G, G), c[r][0],
+                                        c[r][1]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    const __m512 s = _mm512_set1_ps(rs[r]);
+    _mm512_storeu_ps(C + r * 32, _mm512_mul_ps(c[r][0], s));
+    _mm512_storeu_ps(C + r * 32 + 16, _mm512_mul_ps(c[r][1], s));
+  }
+  return true;
+}
+
+// The W4A8 block GEMM of the VNNI levels: decode rows through the streams where the groups deal
+// out evenly, everything else through gemm_u4a8_tile with AccVnniU4.
+static inline void gemm_u4a8_vnni(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
+                                  const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+  if (m == 1 && (gemm_u4a8_streams<1, 4>(x, rs, codes, scale, zero, gstride, kp, G, C) ||
+                 gemm_u4a8_streams<1, 2>(x, rs, codes, scale, zero, gstride, kp, G, C))) {
+    return;
+  }
+  if (m == 2 && (gemm_u4a8_streams<2, 4>(x, rs, codes, scale, zero, gstride, kp, G, C) ||
+                 gemm_u4a8_streams<2, 2>(x, rs, codes, scale, zero, gstride, kp, G, C))) {
+    return;
+  }
+  x86_avx512_u4::gemm_u4a8_rows<AccVnniU4>(x, rs, m, codes, scale, zero, gstride, kp, G, C);
+}
 }  // namespace
 }  // namespace x86_avx512_vnni
 }  // namespace moepack

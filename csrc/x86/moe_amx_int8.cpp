@@ -144,7 +144,7 @@ struct MK : Avx512Base {
   static void gemm_u4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
                         const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
     if (m >= kAmxMinRows && gemm_u4a8_amx(x, rs, m, codes, scale, zero, gstride, kp, G, C)) return;
-    x86_avx512_u4::gemm_u4a8_rows<AccVnniU4>(x, rs, m, codes, scale, zero, gstride, kp, G, C);
+    gemm_u4a8_vnni(x, rs, m, codes, scale, zero, gstride, kp, G, C);
   }
   static void dot_u4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
     x86_avx512_u4::dot_u4_rows<AccVnniU4>(x, m, codes, k0, kk, acc);
