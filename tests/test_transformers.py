@@ -408,3 +408,75 @@ def test_generate_refuses_bad_prompts(packs):
         hf.greedy_generate(model, [1, 500], 2)
     with pytest.raises(UnsupportedError, match="at least one token"):
         hf.greedy_generate(model, [], 2)
+
+
+# --------------------------------------------------------------------------- moepack generate
+
+
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from moepack.cli.main import app
+
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def test_cli_generate_json_matches_the_original(packs):
+    r = _cli("generate", packs("glm4_moe"), "--prompt-ids", ",".join(map(str, PROMPT[:4])), "--max-new-tokens", 6, "--json")
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["tokens"] == hf.greedy_generate(load_hf_model("glm4_moe"), PROMPT[:4], 6).tokens
+    assert out["model_type"] == "glm4_moe" and out["dtype"] == "bfloat16" and out["prompt_ids"] == PROMPT[:4]
+    assert out["tokens_per_second"] > 0 and 0 < out["moe_share"] < 1 and out["moe_seconds"] <= out["seconds"]
+
+
+def test_cli_generate_text_output(packs):
+    r = _cli("generate", packs("olmoe"), "--prompt-ids", "1, 2, 3", "--max-new-tokens", 3)
+    assert r.exit_code == 0, r.stderr
+    want = hf.greedy_generate(load_hf_model("olmoe"), [1, 2, 3], 3).tokens
+    text = " ".join(r.stdout.split())
+    assert f"tokens {want}" in text and "tokens/s" in text and "% of the time in the MoE layers" in text
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--prompt-ids", "1,x"], "--prompt-ids '1,x': expected comma-separated integer token ids"),
+        (["--prompt-ids", "1,400"], "prompt token id 400: must be in [0, vocab_size=128)"),
+        ([], "give the prompt as either --prompt-ids 1,2,3 or --prompt TEXT"),
+        (["--prompt", "hello"], "carries no tokenizer files (use --prompt-ids)"),
+        (["--prompt-ids", "1", "--max-new-tokens", "0"], "--max-new-tokens 0: must be at least 1"),
+        (["--prompt-ids", "1", "--dtype", "int8"], "--dtype 'int8': must be one of"),
+    ],
+)
+def test_cli_generate_refusals(packs, args, message):
+    r = _cli("generate", packs("olmoe"), *args)
+    assert r.exit_code == 2, r.stdout
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("moepack: error: ") and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def _word_tokenizer(dst: Path) -> None:
+    """A word-level tokenizer of the fixtures' 128 ids, saved the way transformers saves one."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 128)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>").save_pretrained(dst)
+
+
+def test_cli_generate_from_text_with_a_carried_tokenizer(tmp_path):
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("qwen3_moe"), src)
+    _word_tokenizer(src)
+    moepack.convert(src, tmp_path / "p")
+    assert "tokenizer.json" in json.loads((tmp_path / "p" / "moepack.json").read_text())["carried_files"]
+    r = _cli("generate", tmp_path / "p", "--prompt", "w5 w77 w23", "--max-new-tokens", 4, "--json")
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["prompt_ids"] == [5, 77, 23]
+    want = hf.greedy_generate(load_hf_model("qwen3_moe"), [5, 77, 23], 4).tokens
+    assert out["tokens"] == want and out["text"] == " ".join(f"w{t}" if t > 2 else "" for t in want).strip()
