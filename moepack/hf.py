@@ -45,9 +45,14 @@ class Family:
     experts transformers would select.
     ``in_major``: the in-memory fused expert weights are ``[E, H, 2I]`` / ``[E, I, H]``.
     ``shared``: the attribute of the shared expert module (None: the family has none).
+    ``router_attr``: the block's router module, whose class transformers' OutputRecorder watches
+    to collect ``router_logits`` (``output_router_logits=True``, the aux loss); ``logits_index``:
+    where the logits sit in that router's output tuple.
     """
 
     block_attr: str
+    router_attr: str = "gate"
+    logits_index: int = 0
     returns: str = "tensor"
     router_fp32: bool = False
     in_major: bool = False
@@ -56,15 +61,16 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "mixtral": Family("mlp"),
-    "phimoe": Family("mlp"),
+    "phimoe": Family("mlp", router_attr="router"),
     "qwen2_moe": Family("mlp", shared="shared_expert"),
     "qwen3_moe": Family("mlp"),
     "olmoe": Family("mlp"),
     "deepseek_v3": Family("mlp", router_fp32=True, shared="shared_experts"),
     "glm4_moe": Family("mlp", router_fp32=True, shared="shared_experts"),
-    "granitemoe": Family("block_sparse_moe"),
-    "gpt_oss": Family("mlp", returns="gpt_oss", in_major=True),
-    "llama4_text": Family("feed_forward", returns="llama4", in_major=True, shared="shared_expert"),
+    "granitemoe": Family("block_sparse_moe", router_attr="router"),
+    "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
+    "llama4_text": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
+                          shared="shared_expert"),  # fmt: skip
 }
 
 # config.json keys that decide the MoE layers' shapes and routing: a pack and a model must agree
@@ -96,15 +102,32 @@ def _family(model_type: str) -> Family:
     return fam
 
 
+def _router_recorder(router: torch.nn.Module | None, fam: Family) -> torch.nn.Module | None:
+    """A weightless instance of the family's router class whose forward returns what it is given.
+
+    transformers collects ``router_logits`` with forward hooks on modules of the router's class;
+    calling this stand-in with the packed block's logits (at the router's output index) lets
+    ``output_router_logits=True`` and the aux loss work after the real router is gone."""
+    if router is None:
+        return None
+    cls = type(router)
+    rec = cls.__new__(cls)
+    torch.nn.Module.__init__(rec)
+    rec.forward = lambda *outputs: outputs
+    rec.extra_repr = lambda: "moepack: records the packed block's router outputs"
+    return rec
+
+
 class PackedMoEBlock(torch.nn.Module):
     """A transformers MoE block on a ``PackedMoELayer``: same input, same outputs as the family's
     block (SEMANTICS.md §1-§2 inside). ``seconds`` accumulates the wall time of its forwards
     (``moepack generate`` reports the share of time in the MoE layers from it)."""
 
-    def __init__(self, layer, family: Family, model_type: str):
+    def __init__(self, layer, family: Family, model_type: str, recorder: torch.nn.Module | None = None):
         super().__init__()
         self.layer = layer
         self.family = family
+        self.recorder = recorder  # a module: transformers' output hooks find it among the children
         self.model_type = model_type
         self.seconds = 0.0
         self.calls = 0
@@ -124,6 +147,10 @@ class PackedMoEBlock(torch.nn.Module):
         logits = self._logits(x)
         out = self.layer(x, logits.float())
         fam = self.family.returns
+        if self.recorder is not None and self.recorder._forward_hooks:  # hooked: output_router_logits can ask
+            rec = [None] * (self.family.logits_index + 1)
+            rec[self.family.logits_index] = logits
+            self.recorder(*rec)
         if fam == "llama4":
             res = (out, logits)
         elif fam == "gpt_oss":
@@ -252,10 +279,33 @@ def patch(model, packed, *, strict: bool | None = None):
     finally:
         pm.strict = was
     layers = _decoder_layers(model)
-    for i in blocks:
-        setattr(layers[i], fam.block_attr, PackedMoEBlock(pm.layers[i], fam, model.config.model_type))
+    new = {}
+    for i, block in blocks.items():
+        rec = _router_recorder(getattr(block, fam.router_attr, None), fam)
+        new[i] = PackedMoEBlock(pm.layers[i], fam, model.config.model_type, rec)
+        setattr(layers[i], fam.block_attr, new[i])
+    _hook_recorders(model, [b.recorder for b in new.values() if b.recorder is not None])
     model._moepack = pm  # keeps the memory map alive as long as the model
     return model
+
+
+def _hook_recorders(model, recorders: list) -> None:
+    """transformers installs its output hooks once, at a model's first forward: for a model that
+    ran before it was patched, hook the new recorders the way it hooked the routers."""
+    try:
+        from transformers.modeling_utils import PreTrainedModel
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputRecorder, install_output_capuring_hook
+    except ImportError:  # another transformers: router_logits are then not recorded for a model run before patch
+        return
+    for sub in model.modules():
+        if not (isinstance(sub, PreTrainedModel) and getattr(sub, "_output_capturing_hooks_installed", False)):
+            continue
+        for key, spec in (_CAN_RECORD_REGISTRY.get(sub) or {}).items():
+            for sp in spec if isinstance(spec, list) else [spec]:
+                if isinstance(sp, OutputRecorder) and sp.target_class is not None:
+                    for rec in recorders:
+                        if isinstance(rec, sp.target_class):
+                            install_output_capuring_hook(rec, key, sp.index, sp.capture_initial_hidden_state)
 
 
 def packed_blocks(model) -> list[PackedMoEBlock]:

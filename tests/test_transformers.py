@@ -480,3 +480,21 @@ def test_cli_generate_from_text_with_a_carried_tokenizer(tmp_path):
     assert out["prompt_ids"] == [5, 77, 23]
     want = hf.greedy_generate(load_hf_model("qwen3_moe"), [5, 77, 23], 4).tokens
     assert out["tokens"] == want and out["text"] == " ".join(f"w{t}" if t > 2 else "" for t in want).strip()
+
+
+@pytest.mark.parametrize("run_first", [False, True], ids=["patched-then-run", "run-then-patched"])
+def test_router_logits_and_aux_loss_are_recorded(packs, run_first):
+    """output_router_logits=True: transformers' hooks find the blocks' recorders (also when the model
+    ran, and so was hooked, before patch); layer 0's logits equal transformers' (same input)."""
+    ids = torch.tensor([PROMPT])
+    ref = load_hf_model("gpt_oss")
+    model = load_hf_model("gpt_oss")
+    with torch.no_grad():
+        want = ref(ids, output_router_logits=True)
+        if run_first:
+            model(ids)
+        hf.patch(model, packs("gpt_oss"))
+        got = model(ids, output_router_logits=True)
+    assert len(got.router_logits) == len(want.router_logits) == 2
+    assert torch.equal(got.router_logits[0], want.router_logits[0])
+    assert abs(float(got.aux_loss) - float(want.aux_loss)) <= 1e-2 * abs(float(want.aux_loss))
