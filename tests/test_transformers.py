@@ -54,7 +54,8 @@ def packs(tmp_path_factory):
     def get(name: str, scheme: str = "dense") -> Path:
         if (name, scheme) not in made:
             dst = root / f"{name}-{scheme}"
-            moepack.convert(fixture_dir(name), dst, quantize="int8" if scheme == "int8" else None)
+            moepack.convert(fixture_dir(name), dst, quantize="int8" if scheme == "int8" else None,
+                            act_mode="a8" if scheme == "a8" else None)  # fmt: skip
             made[(name, scheme)] = dst
         return made[(name, scheme)]
 
@@ -150,7 +151,8 @@ def _oracle(name: str, scheme: str):
             m.tie_weights()
             return m
 
-        return make(torch.float32), lambda: make(dtype), dtype, A8_TOL if name.endswith("w8a8") else ACT_TOL[dtype]
+        a8 = name.endswith("w8a8") or scheme == "a8"
+        return make(torch.float32), lambda: make(dtype), dtype, A8_TOL if a8 else ACT_TOL[dtype]
     dtype = saved_dtype(name)
     m32 = load_hf_model(name, dtype=torch.float32)
     if scheme == "int8":
@@ -198,12 +200,13 @@ CASES = (
     [pytest.param(n, "dense", id=f"{n}-dense") for n in DENSE]
     + [pytest.param(n, "int8", id=f"{n}-int8") for n in DENSE]
     + [pytest.param(n, "as-saved", id=n) for n in QUANTIZED]
+    + [pytest.param(n, "a8", id=f"{n}-a8") for n in QUANTIZED if "w4a16" in n]  # int4 run as W4A8
 )
 
 
 @pytest.mark.parametrize("name,scheme", CASES)
 def test_model_matches_original(packs, name, scheme):
-    pack = packs(name, "int8" if scheme == "int8" else "dense")
+    pack = packs(name, scheme if scheme in ("int8", "a8") else "dense")
     m32, make_orig, dtype, tol = _oracle(name, scheme)
     orig = make_orig()
     ids = torch.tensor([PROMPT])
