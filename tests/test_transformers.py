@@ -501,3 +501,27 @@ def test_router_logits_and_aux_loss_are_recorded(packs, run_first):
     assert len(got.router_logits) == len(want.router_logits) == 2
     assert torch.equal(got.router_logits[0], want.router_logits[0])
     assert abs(float(got.aux_loss) - float(want.aux_loss)) <= 1e-2 * abs(float(want.aux_loss))
+
+
+def test_patch_frees_the_original_blocks(packs):
+    import gc
+    import weakref
+
+    model = load_hf_model("qwen2_moe")
+    refs = [weakref.ref(layer.mlp) for layer in model.model.layers]
+    refs += [weakref.ref(layer.mlp.experts.gate_up_proj) for layer in model.model.layers]
+    refs += [weakref.ref(layer.mlp.shared_expert) for layer in model.model.layers]
+    hf.patch(model, packs("qwen2_moe"))
+    gc.collect()
+    assert all(r() is None for r in refs)
+    assert not any(".mlp." in n for n, _ in model.named_parameters())
+
+
+def test_importing_moepack_hf_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, moepack, moepack.hf; assert moepack.load_model and 'transformers' not in sys.modules, 'imported'"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
