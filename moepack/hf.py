@@ -230,7 +230,12 @@ def check_compatible(model, packed) -> dict[int, torch.nn.Module]:
         raise ModelMismatchError(
             f"MoE layers: the model has {sorted(blocks)}, the packed directory {packed.path} has {sorted(packed.layers)}"
         )
-    routing = packed.routing or {}
+    if packed.routing is None:
+        raise UnsupportedError(
+            f"{packed.path}: the manifest has no routing config ({packed.manifest.get('routing_note')}): "
+            "a whole model needs the packed layers to route"
+        )
+    routing = packed.routing
     k = getattr(cfg, "num_experts_per_tok", None)
     if routing.get("top_k") is not None and k is not None and int(routing["top_k"]) != int(k):
         raise ModelMismatchError(f"top_k: the model routes to {k} experts, the packed directory's routing to {routing['top_k']}")
@@ -365,7 +370,11 @@ def _rebuild_buffers(model) -> None:
         try:
             fresh = type(mod)(config=cfg)
         except TypeError:
-            fresh = type(mod)(cfg)
+            try:
+                fresh = type(mod)(cfg)
+            except Exception as e:  # noqa: BLE001 - a module we cannot rebuild: name it
+                raise UnsupportedError(f"module {name} ({type(mod).__name__}): its buffers are not saved and it cannot be "
+                                       f"rebuilt from the config ({type(e).__name__})") from None  # fmt: skip
         for bname, b in mod._buffers.items():
             if b is not None and b.is_meta:
                 nb = fresh._buffers.get(bname)

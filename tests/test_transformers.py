@@ -324,6 +324,16 @@ def _cfg(name: str) -> dict:
     return c
 
 
+def test_patch_refuses_a_pack_without_routing(packs):
+    model = load_hf_model("qwen3_moe")
+    before = _state(model)
+    pm = moepack.open(packs("qwen3_moe"))
+    pm.routing = None
+    with pytest.raises(UnsupportedError, match="the manifest has no routing config"):
+        hf.patch(model, pm)
+    _assert_unchanged(model, before)
+
+
 def test_patch_twice_is_refused(packs):
     model = hf.patch(load_hf_model("mixtral"), packs("mixtral"))
     with pytest.raises(hf.ModelMismatchError, match="already a PackedMoEBlock"):
