@@ -175,3 +175,4 @@ def bench(
         if not quiet:
             err_console.print(f"[dim]wrote {json_path}[/]", highlight=False, soft_wrap=True)
 from . import packdir  # noqa: E402,F401  (registers convert, verify, inspect)
+from . import generate  # noqa: E402,F401  (registers generate)

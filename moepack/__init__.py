@@ -37,8 +37,24 @@ def verify(dst, **kwargs):
     return _verify(dst, **kwargs)
 
 
+def patch(model, packed, *, strict=None):
+    """Run a loaded transformers model's MoE blocks on a packed directory's layers (see moepack.hf)."""
+    from .hf import patch as _patch
+
+    return _patch(model, packed, strict=strict)
+
+
+def load_model(packed_dir, dtype=None, *, strict: bool = False):
+    """The transformers model of a packed directory, built from the directory alone (see moepack.hf)."""
+    from .hf import load_model as _load
+
+    return _load(packed_dir, dtype=dtype, strict=strict)
+
+
 __all__ = [
     "open",
+    "patch",
+    "load_model",
     "convert",
     "verify",
     "DEFAULT_LAYOUT",

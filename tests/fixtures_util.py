@@ -113,8 +113,12 @@ def load_hf_model(name: str, dtype=None, experts_implementation: str = "eager"):
     return model
 
 
-_BLOCK_ATTRS = ("mlp", "block_sparse_moe", "feed_forward")
-_ROUTER_ATTRS = ("gate", "router")
+def _family(model):
+    """The family facts moepack keeps for whole-model runs (moepack.hf.FAMILIES: where the block
+    and its router sit, in transformers 5's in-memory names)."""
+    from moepack.hf import FAMILIES
+
+    return FAMILIES[model.config.model_type]
 
 
 def moe_block(model, layer_index: int) -> tuple["object", Callable]:
@@ -137,15 +141,10 @@ def moe_block(model, layer_index: int) -> tuple["object", Callable]:
     import torch
 
     layer = model.model.layers[layer_index]
-    block = None
-    for attr in _BLOCK_ATTRS:
-        m = getattr(layer, attr, None)
-        if m is not None and hasattr(m, "experts"):
-            block = m
-            break
-    if block is None:
-        kinds = {a: type(getattr(layer, a)).__name__ for a in _BLOCK_ATTRS if hasattr(layer, a)}
-        raise ValueError(f"layer {layer_index} of {type(model).__name__} is not an MoE layer ({kinds})")
+    attr = _family(model).block_attr
+    block = getattr(layer, attr, None)
+    if block is None or not hasattr(block, "experts"):
+        raise ValueError(f"layer {layer_index} of {type(model).__name__} is not an MoE layer ({attr}: {type(block).__name__})")
     dtype = block.experts.down_proj.dtype
     hidden = model.config.hidden_size
 
@@ -179,7 +178,7 @@ def route(block, x):
     """
     import torch
 
-    router = next(getattr(block, a) for a in _ROUTER_ATTRS if hasattr(block, a))
+    router = block.gate if hasattr(block, "gate") else block.router  # the block has no config: both names
     dtype = block.experts.down_proj.dtype
     with torch.no_grad():
         out = router(x.to(dtype))

@@ -1,0 +1,509 @@
+"""Whole transformers models on packed experts: ``patch``, ``load_model``, ``greedy_generate``.
+
+``patch(model, packed)`` swaps every MoE block of a loaded transformers model for a
+``PackedMoEBlock``, a module that calls the packed layer (router, routed experts, shared expert)
+and returns what the family's own block returns, so the decoder layer around it is untouched.
+``load_model(packed_dir)`` builds the model from the packed directory alone: the architecture on
+the meta device, the MoE blocks replaced, then every other tensor assigned as a view of the
+directory's memory map, so dense expert weights never exist in memory.
+
+Everything is checked before anything is changed: a model whose architecture differs from the
+pack's, a family this module (or the installed transformers) does not know, or a layer whose
+kernel strict mode refuses is a ``ModelMismatchError`` / ``UnsupportedError`` naming the field,
+and the model is left as it was.
+
+transformers is imported lazily (moepack itself does not depend on it). Family knowledge (where
+the block sits, how its router computes logits, what the block returns) is ``FAMILIES`` below;
+the names are transformers 5's in-memory ones (docs/COMPATIBILITY.md lists what is tested).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import MoepackError, UnsupportedError
+
+
+class ModelMismatchError(MoepackError, ValueError):
+    """A transformers model and a packed directory describe different architectures."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between the transformers MoE blocks (transformers 5 names, in memory).
+
+    ``returns``: "tensor" (the block returns hidden states [B, S, H]), "gpt_oss" (``(hidden [B, S, H],
+    router_scores [T, k])``) or "llama4" (``(hidden [T, H], router_logits [T, E])``).
+    ``router_fp32``: the family computes router logits in fp32 (its gate weight is kept fp32);
+    otherwise in the model's dtype, as ``F.linear(x, W, b)`` does, so that near-ties select the
+    experts transformers would select.
+    ``in_major``: the in-memory fused expert weights are ``[E, H, 2I]`` / ``[E, I, H]``.
+    ``shared``: the attribute of the shared expert module (None: the family has none).
+    ``router_attr``: the block's router module, whose class transformers' OutputRecorder watches
+    to collect ``router_logits`` (``output_router_logits=True``, the aux loss); ``logits_index``:
+    where the logits sit in that router's output tuple.
+    """
+
+    block_attr: str
+    router_attr: str = "gate"
+    logits_index: int = 0
+    returns: str = "tensor"
+    router_fp32: bool = False
+    in_major: bool = False
+    shared: str | None = None
+
+
+FAMILIES: dict[str, Family] = {
+    "mixtral": Family("mlp"),
+    "phimoe": Family("mlp", router_attr="router"),
+    "qwen2_moe": Family("mlp", shared="shared_expert"),
+    "qwen3_moe": Family("mlp"),
+    "olmoe": Family("mlp"),
+    "deepseek_v3": Family("mlp", router_fp32=True, shared="shared_experts"),
+    "glm4_moe": Family("mlp", router_fp32=True, shared="shared_experts"),
+    "granitemoe": Family("block_sparse_moe", router_attr="router"),
+    "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
+    "llama4_text": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
+                          shared="shared_expert"),  # fmt: skip
+}
+
+# config.json keys that decide the MoE layers' shapes and routing: a pack and a model must agree
+# on every one that both carry (transformers' attribute_map aliases are followed on the model side).
+ARCH_KEYS = (
+    "hidden_size", "num_hidden_layers", "num_experts", "num_local_experts", "n_routed_experts",
+    "num_experts_per_tok", "moe_intermediate_size", "intermediate_size", "shared_expert_intermediate_size",
+    "n_shared_experts", "first_k_dense_replace", "decoder_sparse_step", "mlp_only_layers", "moe_layers",
+    "interleave_moe_layer_step", "moe_layer_freq", "norm_topk_prob", "n_group", "topk_group",
+    "routed_scaling_factor", "scoring_func", "topk_method", "router_jitter_noise", "swiglu_limit", "swiglu_alpha",
+)  # fmt: skip
+_MISSING = object()
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise UnsupportedError("moepack.patch / load_model need transformers (pip install transformers)") from None
+    return transformers
+
+
+def _family(model_type: str) -> Family:
+    fam = FAMILIES.get(model_type)
+    if fam is None:
+        raise UnsupportedError(
+            f"model_type={model_type!r}: moepack runs whole models of {', '.join(sorted(FAMILIES))} only"
+        )
+    return fam
+
+
+def _router_recorder(router: torch.nn.Module | None, fam: Family) -> torch.nn.Module | None:
+    """A weightless instance of the family's router class whose forward returns what it is given.
+
+    transformers collects ``router_logits`` with forward hooks on modules of the router's class;
+    calling this stand-in with the packed block's logits (at the router's output index) lets
+    ``output_router_logits=True`` and the aux loss work after the real router is gone."""
+    if router is None:
+        return None
+    cls = type(router)
+    rec = cls.__new__(cls)
+    torch.nn.Module.__init__(rec)
+    rec.forward = lambda *outputs: outputs
+    rec.extra_repr = lambda: "moepack: records the packed block's router outputs"
+    return rec
+
+
+class PackedMoEBlock(torch.nn.Module):
+    """A transformers MoE block on a ``PackedMoELayer``: same input, same outputs as the family's
+    block (SEMANTICS.md §1-§2 inside). ``seconds`` accumulates the wall time of its forwards
+    (``moepack generate`` reports the share of time in the MoE layers from it)."""
+
+    def __init__(self, layer, family: Family, model_type: str, recorder: torch.nn.Module | None = None):
+        super().__init__()
+        self.layer = layer
+        self.family = family
+        self.recorder = recorder  # a module: transformers' output hooks find it among the children
+        self.model_type = model_type
+        self.seconds = 0.0
+        self.calls = 0
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.layer.router_weight, self.layer.router_bias
+        if w is None:
+            return self.layer.router_logits(x)  # raises, naming the layer
+        if self.family.router_fp32:
+            return torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float())
+        return torch.nn.functional.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        t0 = time.perf_counter()
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])
+        logits = self._logits(x)
+        out = self.layer(x, logits.float())
+        fam = self.family.returns
+        if self.recorder is not None and self.recorder._forward_hooks:  # hooked: output_router_logits can ask
+            rec = [None] * (self.family.logits_index + 1)
+            rec[self.family.logits_index] = logits
+            self.recorder(*rec)
+        if fam == "llama4":
+            res = (out, logits)
+        elif fam == "gpt_oss":
+            weights, _ = self.layer.route(logits.float(), x)
+            res = (out.reshape(shape), weights.to(x.dtype))
+        else:
+            res = out.reshape(shape)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return res
+
+    def extra_repr(self) -> str:
+        return f"model_type={self.model_type}"
+
+
+def _decoder_layers(model):
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise ModelMismatchError(f"{type(model).__name__}: no decoder layers at model.model.layers")
+    return layers
+
+
+def _norm(v):
+    if isinstance(v, (list, tuple)):
+        return [_norm(x) for x in v]
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+def _moe_blocks(model, fam: Family) -> dict[int, torch.nn.Module]:
+    """Decoder layer index -> its MoE block (a module with ``experts``, or an already patched one)."""
+    out = {}
+    for i, layer in enumerate(_decoder_layers(model)):
+        m = getattr(layer, fam.block_attr, None)
+        if m is not None and (hasattr(m, "experts") or isinstance(m, PackedMoEBlock)):
+            out[i] = m
+    return out
+
+
+def _block_shapes(block, fam: Family) -> tuple[int, int, int] | None:
+    """(E, H, I) of a transformers block's fused expert weights, or None when it holds none."""
+    ex = getattr(block, "experts", None)
+    gu = getattr(ex, "gate_up_proj", None)
+    if gu is None or gu.dim() != 3:
+        return None
+    e = gu.shape[0]
+    return (e, gu.shape[1], gu.shape[2] // 2) if fam.in_major else (e, gu.shape[2], gu.shape[1] // 2)
+
+
+def _shared_intermediate(block, fam: Family) -> int | None:
+    m = getattr(block, fam.shared, None) if fam.shared else None
+    g = getattr(m, "gate_proj", None) if m is not None else None
+    return None if g is None else int(g.weight.shape[0])
+
+
+def check_compatible(model, packed) -> dict[int, torch.nn.Module]:
+    """Refuse (``ModelMismatchError``, naming the field) a model whose architecture differs from
+    ``packed``'s; returns the model's MoE blocks by layer. Changes nothing."""
+    cfg = model.config
+    pcfg = packed.config or {}
+    ptype = (packed.manifest.get("model") or {}).get("model_type") or pcfg.get("model_type")
+    if cfg.model_type != ptype:
+        raise ModelMismatchError(f"model_type: the model is {cfg.model_type!r}, the packed directory {packed.path} is {ptype!r}")
+    fam = _family(cfg.model_type)
+    for key in ARCH_KEYS:
+        if key not in pcfg:
+            continue
+        mine = getattr(cfg, key, _MISSING)
+        if mine is _MISSING:
+            continue
+        if _norm(mine) != _norm(pcfg[key]):
+            raise ModelMismatchError(f"config field {key}: the model has {mine!r}, the packed directory {packed.path} has {pcfg[key]!r}")
+    blocks = _moe_blocks(model, fam)
+    if sorted(blocks) != sorted(packed.layers):
+        raise ModelMismatchError(
+            f"MoE layers: the model has {sorted(blocks)}, the packed directory {packed.path} has {sorted(packed.layers)}"
+        )
+    if packed.routing is None:
+        raise UnsupportedError(
+            f"{packed.path}: the manifest has no routing config ({packed.manifest.get('routing_note')}): "
+            "a whole model needs the packed layers to route"
+        )
+    routing = packed.routing
+    k = getattr(cfg, "num_experts_per_tok", None)
+    if routing.get("top_k") is not None and k is not None and int(routing["top_k"]) != int(k):
+        raise ModelMismatchError(f"top_k: the model routes to {k} experts, the packed directory's routing to {routing['top_k']}")
+    for i, block in blocks.items():
+        layer = packed.layers[i]
+        if isinstance(block, PackedMoEBlock):
+            raise ModelMismatchError(f"layer {i}: the model's MoE block is already a PackedMoEBlock (patched once)")
+        got = _block_shapes(block, fam)
+        want = (layer.num_experts, layer.hidden_size, layer.intermediate_size)
+        for name, a, b in zip(("num_experts", "hidden_size", "expert intermediate_size"), got or want, want):
+            if a != b:
+                raise ModelMismatchError(f"layer {i}: {name} is {a} in the model, {b} in the packed directory {packed.path}")
+        si = _shared_intermediate(block, fam)
+        psi = None if layer.shared is None else layer.shared.intermediate
+        if fam.shared and si != psi:
+            raise ModelMismatchError(
+                f"layer {i}: the shared expert's intermediate_size is {si} in the model, {psi} in the packed directory"
+            )
+    return blocks
+
+
+def _as_packed(packed, strict: bool | None):
+    from .runtime.model import PackedModel, open_packed
+
+    if isinstance(packed, PackedModel):
+        return packed
+    return open_packed(packed, strict=bool(strict))
+
+
+def patch(model, packed, *, strict: bool | None = None):
+    """Replace every MoE block of the transformers ``model`` by a ``PackedMoEBlock`` on the
+    matching layer of ``packed`` (a packed directory or ``moepack.open``'s ``PackedModel``), and
+    free the block's own weights (experts, router, shared expert: the packed layer carries them).
+
+    Refused, with the model unchanged: a family moepack does not run, an architecture that differs
+    (``ModelMismatchError`` naming the field), a layer whose kernel strict mode (``strict=True``,
+    the PackedModel's, or ``MOEPACK_STRICT=1``) refuses. Returns the model."""
+    pm = _as_packed(packed, strict)
+    blocks = check_compatible(model, pm)
+    fam = _family(model.config.model_type)
+    was = pm.strict
+    pm.strict = was or bool(strict)
+    try:
+        for i in blocks:
+            pm.layers[i].check_strict()
+    finally:
+        pm.strict = was
+    layers = _decoder_layers(model)
+    new = {}
+    for i, block in blocks.items():
+        rec = _router_recorder(getattr(block, fam.router_attr, None), fam)
+        new[i] = PackedMoEBlock(pm.layers[i], fam, model.config.model_type, rec)
+        setattr(layers[i], fam.block_attr, new[i])
+    _hook_recorders(model, [b.recorder for b in new.values() if b.recorder is not None])
+    model._moepack = pm  # keeps the memory map alive as long as the model
+    return model
+
+
+def _hook_recorders(model, recorders: list) -> None:
+    """transformers installs its output hooks once, at a model's first forward: for a model that
+    ran before it was patched, hook the new recorders the way it hooked the routers."""
+    try:
+        from transformers.modeling_utils import PreTrainedModel
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY, OutputRecorder, install_output_capuring_hook
+    except ImportError:  # another transformers: router_logits are then not recorded for a model run before patch
+        return
+    for sub in model.modules():
+        if not (isinstance(sub, PreTrainedModel) and getattr(sub, "_output_capturing_hooks_installed", False)):
+            continue
+        for key, spec in (_CAN_RECORD_REGISTRY.get(sub) or {}).items():
+            for sp in spec if isinstance(spec, list) else [spec]:
+                if isinstance(sp, OutputRecorder) and sp.target_class is not None:
+                    for rec in recorders:
+                        if isinstance(rec, sp.target_class):
+                            install_output_capuring_hook(rec, key, sp.index, sp.capture_initial_hidden_state)
+
+
+def packed_blocks(model) -> list[PackedMoEBlock]:
+    """The model's PackedMoEBlocks (empty: not patched)."""
+    return [m for m in model.modules() if isinstance(m, PackedMoEBlock)]
+
+
+# --------------------------------------------------------------------------- load_model
+
+
+def _config_dict(pm) -> dict:
+    cfg = dict(pm.config or {})
+    if not cfg.get("model_type"):
+        raise UnsupportedError(f"{pm.path}: the manifest carries no model config (model.config.model_type)")
+    cfg.pop("quantization_config", None)  # the experts are packed; other quantized linears are dequantized on load
+    return cfg
+
+
+def _quantized_weight(pm, prefix: str, qc: dict | None) -> torch.Tensor | None:
+    """fp32 weight of a compressed-tensors Linear ``prefix`` the directory carries quantized
+    (int-quantized int8 ``weight`` + ``weight_scale``; pack-quantized ``weight_packed``), or None
+    when it carries ``prefix.weight`` as floats."""
+    names = pm._tensor_file
+    if f"{prefix}.weight_packed" in names:
+        from .sources.ct_pack_quantized import _check_group, _group_of
+        from .sources.int4_common import dequantize, unpack_nibbles
+
+        groups = (qc or {}).get("config_groups") or {}
+        cfg = {"groups": [_check_group(n, g, g.get("format") or (qc or {}).get("format")) for n, g in groups.items()]}
+        g = _group_of(cfg, prefix)
+        n, k = (int(v) for v in pm.tensor(f"{prefix}.weight_shape"))
+        q = unpack_nibbles(pm.tensor(f"{prefix}.weight_packed"))[:, :k]
+        scale = pm.tensor(f"{prefix}.weight_scale").float()
+        if f"{prefix}.weight_zero_point" in names:
+            zero = unpack_nibbles(pm.tensor(f"{prefix}.weight_zero_point").t())[:, :n].t()
+        else:
+            zero = torch.full_like(scale, 8, dtype=torch.uint8)
+        if f"{prefix}.weight_g_idx" in names:
+            raise UnsupportedError(f"tensor {prefix}.weight_g_idx: load_model does not dequantize act-order non-expert linears")
+        return dequantize(q, scale, zero, g["group_size"])
+    w = f"{prefix}.weight"
+    if w in names and pm.tensor(w).dtype == torch.int8:
+        s = f"{prefix}.weight_scale"
+        if s not in names:
+            raise UnsupportedError(f"tensor {w!r} is int8 with no {s!r}: load_model cannot dequantize it")
+        return pm.tensor(w).float() * pm.tensor(s).float().reshape(-1, 1)
+    return None
+
+
+def _rebuild_buffers(model) -> None:
+    """Non-persistent buffers (rotary ``inv_freq``) are computed, never saved: build each module
+    that holds one on the meta device again, on the CPU, from the model config."""
+    for name, mod in list(model.named_modules()):
+        if not any(b is not None and b.is_meta for b in mod._buffers.values()):
+            continue
+        cfg = getattr(mod, "config", None) or model.config
+        try:
+            fresh = type(mod)(config=cfg)
+        except TypeError:
+            try:
+                fresh = type(mod)(cfg)
+            except Exception as e:  # noqa: BLE001 - a module we cannot rebuild: name it
+                raise UnsupportedError(f"module {name} ({type(mod).__name__}): its buffers are not saved and it cannot be "
+                                       f"rebuilt from the config ({type(e).__name__})") from None  # fmt: skip
+        for bname, b in mod._buffers.items():
+            if b is not None and b.is_meta:
+                nb = fresh._buffers.get(bname)
+                if nb is None or nb.is_meta:
+                    raise UnsupportedError(f"buffer {name}.{bname}: not in the packed directory and not computable from the config")
+                mod._buffers[bname] = nb
+
+
+def load_model(packed_dir, dtype=None, *, strict: bool = False):
+    """The transformers model of a packed directory, built from the directory alone.
+
+    The architecture comes from the carried config.json (instantiated on the meta device, so no
+    weight is allocated), its MoE blocks become ``PackedMoEBlock``s on the memory-mapped experts,
+    and every other parameter is a view of the directory's memory map (a copy only where ``dtype``
+    differs from the stored dtype, or where a compressed-tensors source quantized a non-expert
+    Linear: those are dequantized to fp32 and cast to ``dtype``). The views are read-only: do not
+    train or modify the weights in place. ``dtype``: default the config's ``dtype``."""
+    pm = _as_packed(packed_dir, strict)
+    tf = _transformers()
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cfgd = _config_dict(pm)
+    model_type = cfgd["model_type"]
+    if model_type not in CONFIG_MAPPING:
+        raise UnsupportedError(f"model_type={model_type!r}: the installed transformers {tf.__version__} has no such family")
+    _family(model_type)
+    if dtype is None:
+        dtype = getattr(torch, str(cfgd.get("dtype") or cfgd.get("torch_dtype") or "bfloat16").replace("torch.", ""))
+    cfgd.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfgd)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    patch(model, pm, strict=strict)
+    qc = (pm.config or {}).get("quantization_config")
+    names = pm._tensor_file
+    tied = []
+    for pname, p in list(model.named_parameters(remove_duplicate=False)):
+        mod_name, _, leaf = pname.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        t = _quantized_weight(pm, mod_name, qc) if leaf == "weight" else None
+        if t is None and pname in names:
+            t = pm.tensor(pname)
+        if t is None:
+            tied.append(pname)
+            continue
+        if list(t.shape) != list(p.shape):
+            raise ModelMismatchError(f"tensor {pname}: {list(t.shape)} in the packed directory, the model expects {list(p.shape)}")
+        if t.dtype != p.dtype:
+            t = t.to(p.dtype)
+        mod._parameters[leaf] = torch.nn.Parameter(t, requires_grad=False)
+    if tied:
+        model.tie_weights()
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        if p.is_meta:
+            raise UnsupportedError(f"tensor {pname}: the model needs it and the packed directory {pm.path} does not carry it")
+    _rebuild_buffers(model)
+    model.eval()
+    return model
+
+
+# --------------------------------------------------------------------------- generation
+
+
+@dataclass
+class Generation:
+    tokens: list[int]  # the new tokens
+    logits: list[torch.Tensor]  # the fp32 logits [V] each new token was chosen from
+    seconds: float  # wall time of the generation (prefill + decode)
+    moe_seconds: float  # of which inside the packed MoE blocks (0 when the model is not patched)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.tokens) / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def moe_share(self) -> float:
+        return self.moe_seconds / self.seconds if self.seconds > 0 else 0.0
+
+
+@torch.no_grad()
+def greedy_generate(model, prompt_ids, max_new_tokens: int) -> Generation:
+    """Greedy decoding of exactly ``max_new_tokens`` tokens (no stop at eos) with the KV cache:
+    argmax of the last position's logits at each step (ties: the lowest id, torch.argmax's rule)."""
+    ids = torch.as_tensor(list(prompt_ids), dtype=torch.long).reshape(1, -1)
+    if ids.numel() == 0:
+        raise UnsupportedError("prompt: at least one token id is needed")
+    vocab = int(model.config.vocab_size)
+    bad = [int(i) for i in ids[0] if not 0 <= int(i) < vocab]
+    if bad:
+        raise UnsupportedError(f"prompt token id {bad[0]}: must be in [0, vocab_size={vocab})")
+    blocks = packed_blocks(model)
+    moe0 = sum(b.seconds for b in blocks)
+    import inspect
+
+    # transformers 5.24 renamed past_key_values to cache (the old name warns)
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out, steps, past = [], [], None
+    t0 = time.perf_counter()
+    x = ids
+    for _ in range(int(max_new_tokens)):
+        res = model(input_ids=x, use_cache=True, **({key: past} if past is not None else {}))
+        past = getattr(res, key)
+        last = res.logits[0, -1].float()
+        nxt = int(torch.argmax(last))
+        out.append(nxt)
+        steps.append(last)
+        x = torch.tensor([[nxt]], dtype=torch.long)
+    secs = time.perf_counter() - t0
+    return Generation(out, steps, secs, sum(b.seconds for b in blocks) - moe0)
+
+
+def load_tokenizer(packed_dir):
+    """The tokenizer the packed directory carries, loaded offline (AutoTokenizer, local files only)."""
+    path = Path(packed_dir)
+    manifest = json.loads((path / "moepack.json").read_text()) if (path / "moepack.json").is_file() else {}
+    carried = set(manifest.get("carried_files") or [])
+    tok_files = {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}
+    if not carried & tok_files:
+        raise UnsupportedError(f"{path}: the packed directory carries no tokenizer files (use --prompt-ids)")
+    _transformers()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; the user sees one line
+        raise UnsupportedError(f"{path}: its tokenizer does not load offline ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+
+
+__all__ = ["FAMILIES", "ModelMismatchError", "PackedMoEBlock", "check_compatible", "greedy_generate", "load_model",
+           "load_tokenizer", "packed_blocks", "patch"]  # fmt: skip
