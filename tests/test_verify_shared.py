@@ -284,7 +284,7 @@ def test_compressed_tensors_source_with_a_shared_expert(tmp_path, shared_dtype):
     "field,value,words",
     [
         ("intermediate", 100, ["shared tensor 'moepack.layers.1.shared_w13' is bfloat16 [1, 128, 72]", "layout math says bfloat16 [1, 256, 72]"]),
-        ("padded_intermediate", 96, ["shared padded_intermediate=96", "layout math says 64"]),
+        ("padded_intermediate", 96, ["shared.padded_intermediate=96", "layout math says 64"]),
     ],
 )
 def test_open_checks_the_shared_expert_against_layout_math(tmp_root, tmp_path, field, value, words):
