@@ -229,11 +229,12 @@ def check_manifest(path: str | os.PathLike, m: Any) -> None:
             rule = f"duplicates layer {idx}" if idx == prev else f"comes after layer {prev}"
             c.fail(f"layers[{pos}].index", idx, f"{rule}: layer indices must be unique and ascending")
         prev = idx
-        c.ctx = ""
+        c.ctx = f" (layer {idx})"
         if entry["prefix"] in prefixes:
             c.fail(f"layers[{pos}].prefix", entry["prefix"], f"is also layer {prefixes[entry['prefix']]}'s: "
                                                              "every MoE layer has its own source prefix")  # fmt: skip
         prefixes[entry["prefix"]] = idx
+        c.ctx = ""
 
 
 def _identity(desc: dict) -> dict:
@@ -280,7 +281,9 @@ def _check_routing(c: _Check, m: dict):
     try:
         return RoutingConfig.from_dict(r)
     except UnsupportedError as e:
-        raise ManifestError(f"{c.path}: {MANIFEST}: routing: {str(e).removeprefix('RoutingConfig ')}") from None
+        msg = str(e)  # "RoutingConfig <field>=<value> ...: <rule>": the field is routing's
+        raise ManifestError(f"{c.path}: {MANIFEST}: " + ("routing." + msg[len("RoutingConfig "):] if msg.startswith("RoutingConfig ")
+                                                         else f"routing: {msg}")) from None  # fmt: skip
 
 
 def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing, n_layers: int | None) -> int:

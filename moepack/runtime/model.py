@@ -94,8 +94,8 @@ class PackedMoELayer(torch.nn.Module):
         """The router's logits ``[T, E]`` in fp32 from this layer's router weight (and bias)."""
         if self.router_weight is None:
             raise UnsupportedError(f"layer {self.index}: the packed directory has no router weight for this layer")
-        bias = None if self.router_bias is None else self.router_bias.float()
-        return torch.nn.functional.linear(hidden_states.float(), self.router_weight.float(), bias)
+        bias = None if self.router_bias is None else _like(self.router_bias.float(), hidden_states)
+        return torch.nn.functional.linear(hidden_states.float(), _like(self.router_weight.float(), hidden_states), bias)
 
     def route(self, router_logits: torch.Tensor, hidden_states: torch.Tensor | None = None):
         """(topk_weights fp32, topk_ids int32) for ``router_logits [T, E]`` per the manifest."""
@@ -160,11 +160,13 @@ class PackedMoELayer(torch.nn.Module):
         if self.shared is None:
             return None
         t = hidden_states.shape[0]
+        dev = hidden_states.device if hidden_states.device.type == "meta" else None
         if self.shared_gate is not None:
-            sw = torch.sigmoid(torch.nn.functional.linear(hidden_states.float(), self.shared_gate.float()))
+            sw = torch.sigmoid(torch.nn.functional.linear(hidden_states.float(), _like(self.shared_gate.float(), hidden_states)))
         else:
-            sw = torch.ones(t, 1, dtype=torch.float32)
-        return run_experts(self.shared, hidden_states, sw.contiguous(), torch.zeros(t, 1, dtype=torch.int32), act_mode=act_mode)
+            sw = torch.ones(t, 1, dtype=torch.float32, device=dev)
+        ids = torch.zeros(t, 1, dtype=torch.int32, device=dev)
+        return run_experts(self.shared, hidden_states, sw.contiguous(), ids, act_mode=act_mode)
 
     def extra_repr(self) -> str:
         return (
@@ -172,6 +174,13 @@ class PackedMoELayer(torch.nn.Module):
             f"intermediate={self.intermediate_size}, activation={self.activation}, layout={self.packed.layout.name}, "
             f"act_mode={self.act_mode}"
         )
+
+
+def _like(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A mapped weight (router, bias, shared gate) for a product with ``x``: as it is, or, when ``x``
+    is a meta tensor (shape tracing: torch.compile, FakeTensor), on the meta device too, so that
+    tracing a layer computes shapes instead of failing on a device mismatch."""
+    return weight.to("meta") if x.device.type == "meta" else weight
 
 
 class PackedModel:
