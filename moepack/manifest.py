@@ -267,16 +267,18 @@ def _check_routing(c: _Check, m: dict):
     for k in r:
         if k not in names:
             c.fail(f"routing.{k}", r[k], f"is not a routing field (fields: {', '.join(names)})")
+    # every field that decides how tokens are routed is required (the writer writes them all,
+    # RoutingConfig.to_dict): a default filled in for a deleted one would route differently
     c.val(r, "method", "routing.method", "str", choices=CONFIG_METHODS)
     c.val(r, "top_k", "routing.top_k", "int", lo=1)
     for k in ("renormalize", "has_correction_bias", "apply_router_weight_on_input"):
-        c.val(r, k, f"routing.{k}", "bool", required=False)
+        c.val(r, k, f"routing.{k}", "bool")
     for k in ("num_expert_group", "topk_group"):
-        c.val(r, k, f"routing.{k}", "int", required=False, lo=0)
+        c.val(r, k, f"routing.{k}", "int", lo=0)
     c.val(r, "scoring_func", "routing.scoring_func", "str", required=False)
-    c.val(r, "routed_scaling_factor", "routing.routed_scaling_factor", "num", required=False)
-    c.val(r, "sparsemixer_eps", "routing.sparsemixer_eps", "num", required=False)
-    c.val(r, "num_experts", "routing.num_experts", "int", required=False, null=True, lo=1)
+    c.val(r, "routed_scaling_factor", "routing.routed_scaling_factor", "num")
+    c.val(r, "sparsemixer_eps", "routing.sparsemixer_eps", "num")
+    c.val(r, "num_experts", "routing.num_experts", "int", null=True, lo=1)
     c.val(r, "model_type", "routing.model_type", "str", required=False, null=True)
     try:
         return RoutingConfig.from_dict(r)

@@ -88,6 +88,7 @@ CASES = {
     "activation true": ("qwen3_moe", _set(["layers", 1, "activation"], True), ["layers[1].activation=True (layer 1)", "must be a string"]),
     "activation relu9": ("qwen3_moe", _set(["layers", 1, "activation"], "relu9"),
                          ["layers[1].activation='relu9' (layer 1)", "must be one of 'silu', 'gelu', 'gelu_tanh', 'swigluoai'"]),
+    "renormalize deleted": ("qwen3_moe", _del(["routing", "renormalize"]), ["routing.renormalize is missing", "must be a boolean"]),
     "renormalize []": ("qwen3_moe", _set(["routing", "renormalize"], []), ["routing.renormalize=[]", "must be a boolean"]),
     "format_version '2'": ("qwen3_moe", _set(["format_version"], "2"), ["format_version='2' (a string: the version is a JSON integer)"]),
     "format_version true": ("qwen3_moe", _set(["format_version"], True), ["format_version=True (a boolean"]),
