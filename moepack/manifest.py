@@ -312,7 +312,9 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
     c.val(entry, "padded_intermediate", f"{at}.padded_intermediate", "int", lo=1)
     c.val(entry, "activation", f"{at}.activation", "str", choices=ACTIVATIONS)
     c.val(entry, "alpha", f"{at}.alpha", "num", required=False)
-    c.val(entry, "limit", f"{at}.limit", "num", required=False, lo=0)
+    limit = c.val(entry, "limit", f"{at}.limit", "num", required=False)
+    if limit is not None and not limit > 0:  # the op's rule for swigluoai's clamp (found by tools/fuzz_manifest.py)
+        c.fail(f"{at}.limit", limit, "must be > 0 (swigluoai clamps the gate at limit)")
     c.val(entry, "interleaved", f"{at}.interleaved", "bool")
     lid = c.val(entry, "layout_id", f"{at}.layout_id", "int")
     if str(lid) not in m["layouts"]:

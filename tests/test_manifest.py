@@ -102,6 +102,8 @@ CASES = {
     "sha256 not hex": ("qwen3_moe", _set(["tensors", W13, "sha256"], "xyz"), [f"tensors['{W13}'].sha256='xyz'", "64 lowercase hex"]),
     "dtype unknown": ("qwen3_moe", _set(["tensors", W13, "dtype"], "bfloat17"), [f"tensors['{W13}'].dtype='bfloat17'", "must be one of"]),
     "file size negative": ("qwen3_moe", _set(["files", "model-00001-of-00001.safetensors", "size"], -1), ["size=-1", "must be >= 0"]),
+    "limit 0 (fuzz)": ("qwen3_moe", _set(["layers", 0, "limit"], 0), ["layers[0].limit=0 (layer 0)", "must be > 0"]),
+    "limit -0.0 (fuzz)": ("qwen3_moe", _set(["layers", 0, "limit"], -0.0), ["layers[0].limit=-0.0 (layer 0)", "must be > 0"]),
     "alpha NaN-like string": ("qwen3_moe", _set(["layers", 0, "alpha"], "1.7"), ["layers[0].alpha='1.7' (layer 0)", "finite number"]),
     "model missing": ("qwen3_moe", _del(["model"]), ["model is missing", "must be an object"]),
     # defect 1: a duplicated layer index was caught by verify but opened as one layer by open/inspect/run
