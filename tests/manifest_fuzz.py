@@ -15,7 +15,9 @@ outcome in one class:
   checksums of ``verify`` fail instead, since ``open`` does not hash);
 * ``crash``: any other exception (a bug: a traceback for the user);
 * ``silent``: outputs differ although the meaning did not (a bug: something the schema does not
-  check changed what the model computes).
+  check changed what the model computes);
+* ``missed`` (targets that know their source): an ``other_model`` manifest case that
+  ``verify --source`` passes (a bug: verify must tell another model from the source's).
 
 Each case is reproducible from (seed, case number) alone.
 """
@@ -39,7 +41,7 @@ import moepack
 from moepack.errors import MoepackError
 
 MANIFEST = "moepack.json"
-CLASSES = ("refused", "identical", "other_model", "crash", "silent")
+CLASSES = ("refused", "identical", "other_model", "crash", "silent", "missed")
 TOKENS = 5
 
 # Values a mutation drops in where another value was: every JSON type, edges of ranges.
@@ -64,6 +66,7 @@ class Target:
     outputs: dict
     meaning: str
     shards: dict = field(default_factory=dict)  # file name -> bytes (for header cases)
+    source: Path | None = None  # its source checkpoint: an ``other_model`` case must fail verify --source
 
 
 def run_outputs(d: Path) -> dict:
@@ -144,13 +147,13 @@ def meaning(m: dict) -> str:
     return json.dumps({"routing": routing, "layers": layers}, sort_keys=True)
 
 
-def make_target(path: Path) -> Target:
+def make_target(path: Path, source: Path | None = None) -> Target:
     text = (path / MANIFEST).read_text()
     m = json.loads(text)
     shards = {f: (path / f).read_bytes() for f in m["files"]}
     out = run_outputs(path)
     assert out.pop("verify_ok") is True, f"{path} does not verify"
-    return Target(path, text, m, out, meaning(m), shards)
+    return Target(path, text, m, out, meaning(m), shards, source)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,6 +316,13 @@ def _classify(t: Target, d: Path, new_meaning) -> Outcome:
         return Outcome("identical")  # (a changed sha256 only makes verify fail: what it is for)
     m = new_meaning()
     if m is not None and m != t.meaning:
+        if t.source is not None:  # another model: verify --source must say so
+            try:
+                caught = not moepack.verify(d, source=t.source).ok
+            except MoepackError:
+                caught = True
+            if not caught:
+                return Outcome("missed", "another model, and verify --source passes it")
         return Outcome("other_model")
     if m is None and verify_ok is False:  # header case: different bytes read, verify says so
         return Outcome("other_model", "checksums differ")
@@ -369,7 +379,7 @@ def fuzz(targets: list[Target], work: Path, cases: int, seed: int, kind: str = "
         k = kind if kind != "both" else ("manifest" if i % 4 else "header")
         o, edits = (run_manifest_case if k == "manifest" else run_header_case)(t, work, seed, i)
         counts[(k, o.cls)] += 1
-        if o.cls in ("crash", "silent"):
+        if o.cls in ("crash", "silent", "missed"):
             bugs.append((k, t.path.name, i, edits, o.detail))
             if log:
                 log(f"{o.cls}: {k} case {i} on {t.path.name}: {edits}: {o.detail}")

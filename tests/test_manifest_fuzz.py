@@ -2,8 +2,8 @@
 deleted, retyped, replaced, swapped, renamed, duplicated, out of range, at every depth) and bent
 shard headers (dtype, shape, offsets, metadata, raw bytes, length prefix, truncation). Every
 outcome must be a MoepackError, a result bit-for-bit identical to the unbent directory's, or a
-well-formed directory of another model (its manifest's meaning differs, or for a header case
-verify's checksums fail). tools/fuzz_manifest.py runs the long version."""
+well-formed directory of another model (its manifest's meaning differs, and verify --source
+fails it; for a header case verify's checksums fail). tools/fuzz_manifest.py runs the long version."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def targets(tmp_path_factory):
     out = []
     for name in FIXTURES:
         moepack.convert(fixture_dir(name), root / name)
-        out.append(make_target(root / name))
+        out.append(make_target(root / name, fixture_dir(name)))
     return out
 
 
