@@ -18,7 +18,8 @@ from ..container.reader import open_shard
 from ..errors import MoepackError, PackedDirError, UnsupportedError
 from ..isa import host_isa
 from ..layout import layout_get
-from ..manifest import FORMAT_VERSION, MANIFEST, PERM_FORMAT_VERSION, READABLE_VERSIONS, check_manifest, load_manifest
+# the version constants are re-exported: convert_dir and older callers import them from here
+from ..manifest import FORMAT_VERSION, MANIFEST, PERM_FORMAT_VERSION, READABLE_VERSIONS, check_manifest, load_manifest  # noqa: F401
 from ..pack import PackedExperts
 from .experts import resolve_act_mode, run_experts
 
@@ -287,4 +288,5 @@ def open_packed(path: str | os.PathLike, *, strict: bool = False) -> PackedModel
     return model
 
 
-__all__ = ["PackedModel", "PackedMoELayer", "open_packed", "validate_manifest", "MANIFEST", "FORMAT_VERSION", "host_isa"]
+__all__ = ["PackedModel", "PackedMoELayer", "open_packed", "validate_manifest", "MANIFEST", "FORMAT_VERSION", "PERM_FORMAT_VERSION",
+           "READABLE_VERSIONS", "host_isa"]
