@@ -109,7 +109,8 @@ def convert(
     console.print(t)
 
 
-@command(help="Verify a packed directory: checksums of every tensor; with --source, weights and outputs against the source.")
+@command(help="Verify a packed directory: checksums of every tensor; with --source, the whole model (MoE layers, experts, "
+              "routing, carried-over tensors), the weights and the outputs against the source, one block of experts at a time.")
 def verify(
     dst: Path = typer.Argument(..., help="Packed directory."),
     source: Optional[Path] = typer.Option(None, "--source", help="The checkpoint DST was converted from."),
@@ -133,6 +134,14 @@ def verify(
         )
         for t_ in bad:
             console.print(f"  [red]MISMATCH[/] {t_.name} ({t_.file}): {t_.detail}", highlight=False)
+        if report.source is not None:
+            console.print(
+                "model: the same MoE layers, experts, routing and carried-over tensors as the source"
+                if not report.model else f"model: {len(report.model)} difference(s) from the source",
+                style="green" if not report.model else "red",
+            )
+            for line in report.model:
+                console.print(f"  [red]DIFFERS[/] {escape(line)}", highlight=False)
         if report.layers:
             if report.fingerprint_match is False:
                 err_console.print("[yellow]note:[/] the source's fingerprint differs from the one recorded at convert time")

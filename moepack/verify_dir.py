@@ -18,24 +18,46 @@
    gate bit for bit, and its gated output is part of the layer output compared.
    A differing tensor is named with its first differing element ([expert, row, col] of the
    unpacked values), both values and the rule; the report counts the tensors compared.
+4. With the source, the whole model, not only what the manifest lists (``_check_model``): the
+   set of MoE layers (index, prefix) the source reader finds, each layer's experts (count, H, I,
+   activation and swigluoai's alpha/limit, row order, biases, act-order, shared expert and its
+   gate, router tensors, the scheme a quantized source keeps) and the routing config convert
+   derives from config.json, against the manifest; and the carried-over tensors (every source
+   tensor no MoE layer consumes) as a set, with dtype, shape and bytes (the source's sha256
+   against the manifest's, which step 2 proved against the pack). Any difference fails, named.
+
+Memory: verify streams. Checksums read each tensor in 16 MiB pieces with pread (the pack's
+mapping is not touched, so its pages never count against verify). The weight and output checks
+take one block of experts at a time (``BLOCK_BYTES`` of fp32 weights, at least one expert):
+the block's source weights, its packed tensors (read with pread), what the spec packer makes
+of the source, and the block's part of the output (``expert_map`` restricts the kernel to the
+block; the reference sees the block's routes only). Peak memory is therefore a few blocks,
+whatever the number of experts or layers.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .errors import MoepackError
+from .errors import MoepackError, PackedDirError
 from .pack import PackedExperts, unpack_weight_reference
 from .reference import moe_reference
-from .schemes import get_scheme
+from .runtime.experts import run_experts
 from .runtime.model import PackedModel, open_packed
+from .schemes import get_scheme
 
 CHUNK = 64 << 20
+READ_CHUNK = 16 << 20  # pread piece of the checksums (one reused buffer)
+# fp32 bytes of the experts one step of the weight/output check holds (the source's weights, and
+# the packed and recomputed tensors are of the same order): 64 MiB is 3 experts of
+# Qwen3-30B-A3B, 1 of DeepSeek-V3 (which alone is 176 MiB).
+BLOCK_BYTES = 64 << 20
 
 
 def tensor_sha256(t: torch.Tensor) -> str:
@@ -77,10 +99,11 @@ class VerifyReport:
     layers: list[LayerCheck] = field(default_factory=list)
     source: str | None = None
     fingerprint_match: bool | None = None
+    model: list[str] = field(default_factory=list)  # where the pack's model differs from the source's (step 4)
 
     @property
     def ok(self) -> bool:
-        return all(t.ok for t in self.tensors) and all(layer.ok for layer in self.layers)
+        return all(t.ok for t in self.tensors) and all(layer.ok for layer in self.layers) and not self.model
 
     def weights_checked(self, shared: bool = False) -> tuple[int, int]:
         """(equal, checked): packed expert tensors compared with the source (``shared``: only
@@ -93,6 +116,7 @@ class VerifyReport:
     def failures(self) -> list[str]:
         out = [f"tensor {t.name!r} in {t.file}: {t.detail}" for t in self.tensors if not t.ok]
         out += [f"layer {c.index}: {c.detail}" for c in self.layers if not c.ok]
+        out += [f"model: {p}" for p in self.model]
         return out
 
     def to_dict(self) -> dict:
@@ -104,14 +128,34 @@ class VerifyReport:
             "tensors_checked": len(self.tensors),
             "weights_checked": self.weights_checked()[1],
             "shared_weights_checked": self.weights_checked(shared=True)[1],
+            "model_differences": list(self.model),
             "failures": self.failures(),
             "layers": [c.__dict__ for c in self.layers],
         }
 
 
+def file_sha256(path, offset: int, nbytes: int, buf: bytearray | None = None) -> str:
+    """sha256 of ``nbytes`` bytes of a file from ``offset``, read with pread in pieces into one
+    buffer: memory stays at the buffer's size (a mapped file's pages would count as ours)."""
+    h = hashlib.sha256()
+    buf = buf if buf is not None else bytearray(READ_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < nbytes:
+            n = os.preadv(f.fileno(), [view[: min(len(buf), nbytes - done)]], offset + done)
+            if n <= 0:
+                raise PackedDirError(f"{path}: short read at byte {offset + done} (file truncated while verifying?)")
+            h.update(view[:n])
+            done += n
+    return h.hexdigest()
+
+
 def _check_tensors(model: PackedModel, report: VerifyReport, notify) -> None:
+    buf = bytearray(READ_CHUNK)
     for name, e in model.manifest["tensors"].items():
-        digest = tensor_sha256(model.tensor(name))
+        info = model._shards[e["file"]].info(name)
+        digest = file_sha256(model._shards[e["file"]].path, info.file_offset, info.nbytes, buf)
         ok = digest == e.get("sha256")
         report.tensors.append(
             TensorCheck(name, e["file"], ok, "" if ok else f"sha256 {digest[:16]}… differs from the manifest's {str(e.get('sha256'))[:16]}…")
@@ -182,8 +226,10 @@ def _expected_tensors(p: PackedExperts, want: _Want, scheme) -> dict[str, tuple[
     }
 
 
-def _where(role: str, idx: list[int], p: PackedExperts) -> str:
-    """Element ``idx`` of ``role``'s unpacked values in words: [expert, row (output channel), col]."""
+def _where(role: str, idx: list[int], p: PackedExperts, e0: int = 0) -> str:
+    """Element ``idx`` of ``role``'s unpacked values in words: [expert, row (output channel), col]
+    (``e0``: the first expert of the block ``p`` holds)."""
+    idx = [idx[0] + e0, *idx[1:]] if idx else idx
     if role.endswith("_perm"):
         return f"[expert {idx[0]}, code column {idx[1]}]" if len(idx) == 2 else str(idx)
     if not role.startswith(("w13", "w2")):
@@ -208,8 +254,10 @@ def _where(role: str, idx: list[int], p: PackedExperts) -> str:
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
-def _difference(name: str, role: str, got: torch.Tensor, want: torch.Tensor, p: PackedExperts, rule: str) -> str | None:
-    """None when ``got`` equals ``want`` bit for bit; else the first differing element named."""
+def _difference(name: str, role: str, got: torch.Tensor, want: torch.Tensor, p: PackedExperts, rule: str,
+                e0: int = 0, experts: int | None = None) -> str | None:  # fmt: skip
+    """None when ``got`` equals ``want`` bit for bit; else the first differing element named
+    (``e0``/``experts``: the block of experts compared, of the layer's ``experts``)."""
     if got.dtype != want.dtype:  # the manifest's shapes and dtypes were checked by open
         return f"tensor {name!r} is {got.dtype}, {rule} is {want.dtype}"
     bits = _BITS.get(got.dtype)
@@ -219,15 +267,19 @@ def _difference(name: str, role: str, got: torch.Tensor, want: torch.Tensor, p: 
         return None
     idx = diff.nonzero()[0].tolist()
     g, w = got[tuple(idx)].item(), want[tuple(idx)].item()
+    block = "" if experts is None or (e0 == 0 and p.num_experts == experts) else f", in experts {e0}..{e0 + p.num_experts - 1}"
     return (
-        f"tensor {name!r} {_where(role, idx, p)} is {g!r}, {rule} gives {w!r} "
-        f"({n} of {got.numel()} elements differ; packed values must equal it exactly)"
+        f"tensor {name!r} {_where(role, idx, p, e0)} is {g!r}, {rule} gives {w!r} "
+        f"({n} of {got.numel()} elements differ{block}; packed values must equal it exactly)"
     )
 
 
-def _compare(p: PackedExperts, names: dict, want: _Want, what: str, results: dict, problems: list, scheme) -> bool:
+def _compare(p: PackedExperts, names: dict, want: _Want, what: str, results: dict, problems: list, scheme,
+             e0: int = 0, experts: int | None = None) -> bool:  # fmt: skip
     """Every packed tensor of ``p`` (``names``: role -> tensor name) against ``want``: results
-    ``{name: equal}``, a message per differing tensor. False when the shapes do not even agree."""
+    ``{name: equal}``, a message per differing tensor. False when the shapes do not even agree.
+    ``p``/``want`` may be a block of a layer's experts (from ``e0``, of ``experts``): a tensor is
+    equal when every block's part is, and named once, at its first differing block."""
     e, h, i = p.num_experts, p.hidden, p.intermediate
     if tuple(want.w13.shape) != (e, 2 * i, h) or tuple(want.w2.shape) != (e, h, i):
         problems.append(
@@ -237,16 +289,16 @@ def _compare(p: PackedExperts, names: dict, want: _Want, what: str, results: dic
         results.update({names[r]: False for r in ("w13", "w2")})
         return False
     for role, src_b, packed_b in (("w13_bias", want.w13_bias, p.w13_bias), ("w2_bias", want.w2_bias, p.w2_bias)):
-        if (src_b is None) != (packed_b is None):
+        if (src_b is None) != (packed_b is None) and e0 == 0:
             has, lacks = ("the source", "the packed " + what) if packed_b is None else ("the packed " + what, "the source")
             problems.append(f"{role}: {has} has one and {lacks} does not: biases must be packed exactly when the source has them")
             # a missing tensor fails the weights check as a differing one does (listed under its role)
             results[names[role] if packed_b is not None else f"{role} (missing from the packed {what})"] = False
     for role, (got, exp) in _expected_tensors(p, want, scheme).items():
-        msg = _difference(names[role], role, got, exp, p, want.rule)
-        results[names[role]] = msg is None
-        if msg:
+        msg = _difference(names[role], role, got, exp, p, want.rule, e0, experts)
+        if msg and results.get(names[role], True):
             problems.append(msg)
+        results[names[role]] = results.get(names[role], True) and msg is None
     return True
 
 
@@ -291,34 +343,107 @@ def _check_shared(ckpt, reader, spec, layer, results: dict, problems: list) -> t
     return want, gate
 
 
+def _block_size(spec) -> int:
+    """Experts per step of the weight and output checks: BLOCK_BYTES of fp32 weights, >= 1."""
+    return max(1, BLOCK_BYTES // (4 * 3 * spec.hidden * spec.intermediate))
+
+
+def _read_rows(model: PackedModel, name: str, e0: int, e1: int) -> torch.Tensor:
+    """Rows ``[e0, e1)`` (dim 0: experts) of a packed tensor, read with pread: a copy of that block
+    only, and no page of the directory's mapping touched."""
+    shard = model._shards[model.manifest["tensors"][name]["file"]]
+    info = shard.info(name)
+    row = info.nbytes // info.shape[0]
+    out = torch.empty((e1 - e0, *info.shape[1:]), dtype=info.torch_dtype)
+    buf = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    with open(shard.path, "rb", buffering=0) as f:
+        done = 0
+        while done < len(buf):
+            n = os.preadv(f.fileno(), [buf[done:]], info.file_offset + e0 * row + done)
+            if n <= 0:
+                raise PackedDirError(f"{shard.path}: short read of tensor {name!r} (file truncated while verifying?)")
+            done += n
+    return out
+
+
+def _packed_block(model: PackedModel, layer, e0: int, e1: int) -> PackedExperts:
+    p = layer.packed
+    names = layer.entry["tensors"]
+    tensors = {role: _read_rows(model, names[role], e0, e1) for role in p.tensors}
+    return PackedExperts(layout=p.layout, num_experts=e1 - e0, hidden=p.hidden, intermediate=p.intermediate,
+                         padded_intermediate=p.padded_intermediate, interleaved=p.interleaved, tensors=tensors,
+                         act_mode=p.act_mode)  # fmt: skip
+
+
+def _source_block(ckpt, reader, spec, scheme, layout, e0: int, e1: int, biases) -> _Want:
+    """What experts ``[e0, e1)`` of the layer must hold, from the source, as convert made it (the
+    per-expert readers convert streams from; a quantized source's own canonical tensors)."""
+    w13 = torch.stack([reader.read_expert_w13(ckpt, spec, e) for e in range(e0, e1)])
+    w2 = torch.stack([reader.read_expert_w2(ckpt, spec, e) for e in range(e0, e1)])
+    q = None
+    if reader.scheme == scheme.name and scheme.name != "dense":
+        per = [{**reader.read_expert_canonical(ckpt, spec, "w13", e), **reader.read_expert_canonical(ckpt, spec, "w2", e)}
+               for e in range(e0, e1)]  # fmt: skip
+        q = {k: torch.stack([x[k] for x in per]) for k in per[0]}
+    b13, b2 = biases
+    return _want(scheme, w13, w2, q, reader.name, layout, None if b13 is None else b13[e0:e1], None if b2 is None else b2[e0:e1])
+
+
+def _local_routes(w: torch.Tensor, ids: torch.Tensor, e0: int, e1: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routes to experts ``[e0, e1)`` as local ids, every other route weighted 0 (to local
+    expert 0: 0 x a finite output adds nothing)."""
+    inside = (ids >= e0) & (ids < e1)
+    return torch.where(inside, w, torch.zeros_like(w)).contiguous(), torch.where(inside, ids - e0, torch.zeros_like(ids)).contiguous()
+
+
 def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, tokens: int, seed: int) -> LayerCheck:
+    """One layer against the source, one block of experts at a time (module docstring)."""
     layer = model.layers[layer_index]
     p = layer.packed
     scheme = get_scheme(p.layout)
-    canon = reader.read_layer(ckpt, spec)
-    q = canon.canonical if reader.scheme == scheme.name else None
-    routed = _want(scheme, canon.w13, canon.w2, q, reader.name, p.layout, canon.w13_bias, canon.w2_bias)
+    e_all = p.num_experts
     tensors, shared_tensors, problems = {}, {}, []
-    shapes_ok = _compare(p, layer.entry["tensors"], routed, "experts", tensors, problems, scheme)
-    exact = shapes_ok and all(tensors.values())
-    shared, gate = _check_shared(ckpt, reader, spec, layer, shared_tensors, problems)
-    shared_exact = all(shared_tensors.values()) if shared_tensors else None
-    if not shapes_ok:  # another model: no output to compare
+    if (spec.num_experts, spec.hidden, spec.intermediate) != (e_all, p.hidden, p.intermediate):
+        problems.append(
+            f"the source's experts: E={spec.num_experts}, H={spec.hidden}, I={spec.intermediate}; the packed experts: "
+            f"E={e_all}, H={p.hidden}, I={p.intermediate}: shapes must agree"
+        )
+        tensors.update({layer.entry["tensors"][r]: False for r in ("w13", "w2")})
         nan = float("nan")
         detail = "packed weights differ from the source: " + "; ".join(problems)
-        return LayerCheck(layer_index, False, nan, nan, False, detail, None, shared_exact, tensors, shared_tensors)
+        return LayerCheck(layer_index, False, nan, nan, False, detail, None, None, tensors, shared_tensors)
 
-    # numerics on seeded tokens: the packed layer's experts (+ its shared expert, gated as the
-    # block gates it) against the scheme's reference on the canonical tensors, and (schemes
-    # with an fp32 tolerance) the fp32 reference on the source's own weights
-    x, w, ids = _tokens(model, layer_index, p.num_experts, p.hidden, tokens, seed)
-    kw = dict(activation=layer.activation, alpha=layer.alpha, limit=layer.limit, interleaved=p.interleaved,
-              w13_bias=routed.w13_bias, w2_bias=routed.w2_bias)  # fmt: skip
+    # numerics on seeded tokens, accumulated block by block: the packed layer's experts (the
+    # kernel restricted to the block by expert_map) against the scheme's reference on the block's
+    # canonical tensors and (schemes with an fp32 tolerance) the fp32 reference on its weights
+    x, w, ids = _tokens(model, layer_index, e_all, p.hidden, tokens, seed)
+    kw = dict(activation=layer.activation, alpha=layer.alpha, limit=layer.limit, interleaved=p.interleaved)
     mode = layer.act_mode  # the layer's own (the manifest's act_mode, or MOEPACK_ACT_MODE)
     rkw = dict(act_mode=mode) if len(p.layout.act_modes) > 1 else {}  # the reference of a two-mode scheme takes it
-    out = layer.experts(x, w, ids, act_mode=mode)
-    ref32 = moe_reference(x, routed.w13, routed.w2, w, ids, **kw)
-    ref, flip = scheme.reference(x, routed.canonical, w, ids, **kw, **rkw)
+    layer.check_strict()
+    biases = reader.read_biases(ckpt, spec)
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    ref, ref32, flip = torch.zeros_like(out), torch.zeros_like(out), 0.0
+    step = _block_size(spec)
+    for e0 in range(0, e_all, step):
+        e1 = min(e_all, e0 + step)
+        want = _source_block(ckpt, reader, spec, scheme, p.layout, e0, e1, biases)
+        block = _packed_block(model, layer, e0, e1)
+        _compare(block, layer.entry["tensors"], want, "experts", tensors, problems, scheme, e0, e_all)
+        emap = torch.full((e_all,), -1, dtype=torch.int32)
+        emap[e0:e1] = torch.arange(e1 - e0, dtype=torch.int32)
+        out += run_experts(block, x, w, ids, activation=layer.activation, alpha=layer.alpha, limit=layer.limit,
+                           expert_map=emap, act_mode=mode).float()  # fmt: skip
+        wb, ib = _local_routes(w, ids, e0, e1)
+        bkw = dict(kw, w13_bias=want.w13_bias, w2_bias=want.w2_bias)
+        ref32 += moe_reference(x, want.w13, want.w2, wb, ib, **bkw).float()
+        r, f = scheme.reference(x, want.canonical, wb, ib, **bkw, **rkw)
+        ref += r.float()
+        flip = max(flip, f)
+        del want, block
+    exact = all(tensors.values())
+    shared, gate = _check_shared(ckpt, reader, spec, layer, shared_tensors, problems)
+    shared_exact = all(shared_tensors.values()) if shared_tensors else None
     if shared is not None:
         sw = torch.ones(x.shape[0], 1) if gate is None else torch.sigmoid(torch.nn.functional.linear(x, gate.float()))
         sid = torch.zeros(x.shape[0], 1, dtype=torch.int32)
@@ -341,6 +466,105 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
         detail.append(f"output differs from the fp32 reference on the source's weights: {rel32:.3g} > {orule.fp32_tol:g}")
     return LayerCheck(layer_index, exact, rel, tol, ok, "; ".join(detail), rel32, shared_exact, tensors, shared_tensors)
 
+
+def _norm_routing(r: dict | None) -> dict | None:
+    from .routing import RoutingConfig
+
+    return None if r is None else RoutingConfig.from_dict(r).to_dict()
+
+
+def _check_model(model: PackedModel, ckpt, reader, specs: dict) -> list[str]:
+    """Step 4 of the module docstring: what the source says the model is, against the manifest.
+    Returns one line per difference (empty: the same model)."""
+    from .convert_dir import _routing_for, _swiglu_params
+    from .sources import text_config
+
+    out = []
+    m = model.manifest
+    config = text_config(ckpt.config)
+    packed = {e["index"]: e for e in m["layers"]}
+    for idx in sorted(set(specs) - set(packed)):
+        out.append(f"layer {idx} ({specs[idx].prefix}) is a MoE layer of the source but not in the pack")
+    for idx in sorted(set(packed) - set(specs)):
+        out.append(f"layer {idx} ({packed[idx]['prefix']}) is in the pack but is no MoE layer of the source")
+    alpha, limit = _swiglu_params(config)
+    for idx in sorted(set(specs) & set(packed)):
+        s, e = specs[idx], packed[idx]
+        lay = model.layers[idx].packed.layout
+        scheme = get_scheme(lay)
+        sh = e.get("shared") or {}
+        router = {k: v for k, v in (e.get("router") or {}).items() if v}
+        want = {
+            "prefix": (s.prefix, e["prefix"]),
+            "num_experts": (s.num_experts, e["num_experts"]),
+            "hidden": (s.hidden, e["hidden"]),
+            "intermediate": (s.intermediate, e["intermediate"]),
+            "activation": (s.activation, e["activation"]),
+            "alpha": (alpha, e.get("alpha", 1.702)),
+            "limit": (limit, e.get("limit", 7.0)),
+            "interleaved": (s.interleaved, e["interleaved"]),
+            "biases": (s.has_bias, "w13_bias" in e["tensors"] or "w2_bias" in e["tensors"]),
+            "act-order w13_perm": (scheme.has_perm(s), "w13_perm" in e["tensors"]),
+            "router": ({k: v for k, v in s.router.items() if v}, router),
+            "shared expert": (bool(s.shared), bool(sh)),
+        }
+        if s.shared and sh:
+            want["shared.intermediate"] = (s.shared["intermediate"], sh["intermediate"])
+            want["shared.gate"] = (s.shared.get("gate"), sh.get("gate"))
+            want["shared act-order w13_perm"] = (scheme.has_perm(s, True), "w13_perm" in sh)
+        if reader.scheme != "dense":  # a quantized source keeps its scheme (convert never re-quantizes)
+            want["scheme"] = (reader.scheme, lay.scheme)
+        for what, (src, got) in want.items():
+            if src != got:
+                out.append(f"layer {idx} {what}: pack {got!r}, source {src!r}")
+    src_routing, note = _routing_for(config)
+    try:
+        pack_routing = _norm_routing(m["routing"])
+    except MoepackError as ex:  # unreachable after the schema; kept so that verify never crashes on it
+        pack_routing = None
+        out.append(f"routing: the pack's is not a RoutingConfig ({ex})")
+    if (src_routing is None) != (pack_routing is None):
+        out.append(f"routing: pack {'none' if pack_routing is None else 'has one'}, source config "
+                   f"{'none (' + note + ')' if src_routing is None else 'has one'}")  # fmt: skip
+    elif src_routing is not None:
+        for k in src_routing:
+            if src_routing[k] != pack_routing.get(k):
+                out.append(f"routing.{k}: pack {pack_routing.get(k)!r}, source config {src_routing[k]!r}")
+    out += _check_carried(model, ckpt, specs)
+    return out
+
+
+def _check_carried(model: PackedModel, ckpt, specs: dict) -> list[str]:
+    """The carried-over tensors: the source's tensors that no MoE layer consumes, as a set, and
+    each one's dtype, shape and bytes (the source's sha256 against the manifest's)."""
+    consumed = {n for s in specs.values() for n in s.expert_tensors}
+    src = [n for n in ckpt.tensors if n not in consumed]
+    ours = {n for n in model.manifest["tensors"] if not n.startswith("moepack.layers.")}
+    out = []
+    for words, names in (("in the source but not in the pack", [n for n in src if n not in ours]),
+                         ("in the pack but not in the source", sorted(ours - set(src)))):  # fmt: skip
+        if names:
+            more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+            out.append(f"{len(names)} carried-over tensor(s) {words}: {', '.join(map(repr, names[:3]))}{more}")
+    buf = bytearray(READ_CHUNK)
+    for n in (n for n in src if n in ours):
+        ti, e = ckpt.info(n), model.manifest["tensors"][n]
+        dt = str(ti.dtype).replace("torch.", "") if ti.dtype_str != "F4" and _has_dtype(ti) else ti.dtype_str
+        if dt != e["dtype"] or list(ti.shape) != list(e["shape"]):
+            out.append(f"carried-over tensor {n!r}: pack {e['dtype']} {e['shape']}, source {dt} {list(ti.shape)}")
+        elif file_sha256(ti.file, ti.offset, ti.nbytes, buf) != e["sha256"]:
+            out.append(f"carried-over tensor {n!r}: its bytes differ from the source's (sha256)")
+    return out
+
+
+def _has_dtype(ti) -> bool:
+    try:
+        ti.dtype
+    except Exception:  # noqa: BLE001 - a dtype this torch has no type for: compare names
+        return False
+    return True
+
+
 def verify(
     dst: str | Path,
     *,
@@ -361,12 +585,13 @@ def verify(
         report.source = str(source)
         report.fingerprint_match = ckpt.fingerprint() == model.manifest["source"].get("fingerprint")
         specs = {s.index: s for s in reader.layers(ckpt)}
+        report.model = _check_model(model, ckpt, reader, specs)
         for idx in sorted(model.layers):
             if idx not in specs:
-                raise MoepackError(f"layer {idx} of {dst} has no MoE layer in the source {source}")
+                continue  # named in report.model
             report.layers.append(_check_layer(model, idx, ckpt, reader, specs[idx], tokens, seed))
             notify("layer", index=idx, ok=report.layers[-1].ok)
     return report
 
 
-__all__ = ["verify", "VerifyReport", "tensor_sha256"]
+__all__ = ["verify", "VerifyReport", "tensor_sha256", "file_sha256", "BLOCK_BYTES"]

@@ -25,7 +25,7 @@ def write_synthetic_checkpoint(path: Path, *, layers: int, experts: int, hidden:
     path.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(seed)
     # Cheap distinct weights: windows of one random buffer (randn of the whole model is slow).
-    base = (torch.randn((1 << 20) + 4096, generator=g) * 0.03).to(BF16)
+    base = (torch.randn(max(1 << 20, h * i) + 4096, generator=g) * 0.03).to(BF16)
     weight_map, total = {}, 0
     for layer in range(layers):
         p = f"model.layers.{layer}.mlp"

@@ -212,7 +212,8 @@ def test_act_mode_refusals_and_w4a8_default(tmp_path):
     m = json.loads((tmp_path / "p8" / "moepack.json").read_text())
     m["layers"][0]["act_mode"] = "a4"
     (tmp_path / "p8" / "moepack.json").write_text(json.dumps(m))
-    with pytest.raises(MoepackError, match=r"layer 0: act_mode='a4': layout u4g32_n32k8_x86 runs with a16 or a8 activations"):
+    with pytest.raises(MoepackError, match=r"layers\[0\]\.act_mode='a4' \(layer 0\): must be one of 'a16', 'a8' \(layout u4g32_n32k8_x86 runs with a16 or a8 "
+                                              r"activations\)"):
         moepack.open(tmp_path / "p8")
     for x in m["layers"]:
         del x["act_mode"]

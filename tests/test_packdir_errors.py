@@ -504,7 +504,7 @@ def test_manifest_tensor_dtype_differs_from_the_file(damaged):
 
 def test_manifest_layer_entry_malformed(damaged):
     edit_manifest(damaged, lambda m: m["layers"][0].pop("hidden"))
-    assert_open_refused(damaged, "layer entry 0 is malformed", "hidden")
+    assert_open_refused(damaged, "moepack.json: layers[0].hidden is missing (layer 0)", "must be an integer")
 
 
 def test_manifest_tensor_in_an_unlisted_file(damaged):
@@ -513,7 +513,7 @@ def test_manifest_tensor_in_an_unlisted_file(damaged):
 
 
 def test_manifest_tensor_missing_from_its_shard(damaged):
-    edit_manifest(damaged, lambda m: m["tensors"].update({"lm_head.weight": {"file": OTHER, "dtype": "bfloat16", "shape": [128, 72]}}))
+    edit_manifest(damaged, lambda m: m["tensors"].update({"lm_head.weight": {"file": OTHER, "dtype": "bfloat16", "shape": [128, 72], "sha256": "0" * 64}}))
     assert_open_refused(damaged, "'lm_head.weight'", f"is not in {OTHER}")
 
 

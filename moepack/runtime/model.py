@@ -8,7 +8,6 @@ milliseconds, and memory grows only as experts are used. Each MoE layer is a
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -18,20 +17,12 @@ from .._ops import kernel_choice
 from ..container.reader import open_shard
 from ..errors import MoepackError, PackedDirError, UnsupportedError
 from ..isa import host_isa
-from ..layout import LAYOUTS, PERM_SCHEMES, V1_FIELDS, layout_get, layout_padded_i, layout_tensor_plan
+from ..layout import layout_get
+# the version constants are re-exported: convert_dir and older callers import them from here
+from ..manifest import FORMAT_VERSION, MANIFEST, PERM_FORMAT_VERSION, READABLE_VERSIONS, check_manifest, load_manifest  # noqa: F401
 from ..pack import PackedExperts
 from .experts import resolve_act_mode, run_experts
 
-MANIFEST = "moepack.json"
-# The manifest's format version (docs/PACKED_FORMAT.md). 2: layouts in the manifest declare their
-# tensors (scheme, act_modes, tensors). Version 1 directories (before that) still open: their
-# layouts are the same table entries, compared on the fields version 1 had.
-# 3: version 2 plus the act-order permutation w13_perm of int4_group layers; written only by
-# directories that have one (a version-2 reader would ignore the tensor and run such a layer
-# wrongly), every other directory is still written as version 2.
-FORMAT_VERSION = 2
-PERM_FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -104,8 +95,8 @@ class PackedMoELayer(torch.nn.Module):
         """The router's logits ``[T, E]`` in fp32 from this layer's router weight (and bias)."""
         if self.router_weight is None:
             raise UnsupportedError(f"layer {self.index}: the packed directory has no router weight for this layer")
-        bias = None if self.router_bias is None else self.router_bias.float()
-        return torch.nn.functional.linear(hidden_states.float(), self.router_weight.float(), bias)
+        bias = None if self.router_bias is None else _like(self.router_bias.float(), hidden_states)
+        return torch.nn.functional.linear(hidden_states.float(), _like(self.router_weight.float(), hidden_states), bias)
 
     def route(self, router_logits: torch.Tensor, hidden_states: torch.Tensor | None = None):
         """(topk_weights fp32, topk_ids int32) for ``router_logits [T, E]`` per the manifest."""
@@ -170,11 +161,13 @@ class PackedMoELayer(torch.nn.Module):
         if self.shared is None:
             return None
         t = hidden_states.shape[0]
+        dev = hidden_states.device if hidden_states.device.type == "meta" else None
         if self.shared_gate is not None:
-            sw = torch.sigmoid(torch.nn.functional.linear(hidden_states.float(), self.shared_gate.float()))
+            sw = torch.sigmoid(torch.nn.functional.linear(hidden_states.float(), _like(self.shared_gate.float(), hidden_states)))
         else:
-            sw = torch.ones(t, 1, dtype=torch.float32)
-        return run_experts(self.shared, hidden_states, sw.contiguous(), torch.zeros(t, 1, dtype=torch.int32), act_mode=act_mode)
+            sw = torch.ones(t, 1, dtype=torch.float32, device=dev)
+        ids = torch.zeros(t, 1, dtype=torch.int32, device=dev)
+        return run_experts(self.shared, hidden_states, sw.contiguous(), ids, act_mode=act_mode)
 
     def extra_repr(self) -> str:
         return (
@@ -182,6 +175,13 @@ class PackedMoELayer(torch.nn.Module):
             f"intermediate={self.intermediate_size}, activation={self.activation}, layout={self.packed.layout.name}, "
             f"act_mode={self.act_mode}"
         )
+
+
+def _like(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A mapped weight (router, bias, shared gate) for a product with ``x``: as it is, or, when ``x``
+    is a meta tensor (shape tracing: torch.compile, FakeTensor), on the meta device too, so that
+    tracing a layer computes shapes instead of failing on a device mismatch."""
+    return weight.to("meta") if x.device.type == "meta" else weight
 
 
 class PackedModel:
@@ -192,7 +192,7 @@ class PackedModel:
         self.manifest = manifest
         self._shards = shards
         self.strict = strict
-        self.config = manifest.get("model", {}).get("config", {})
+        self.config = manifest["model"].get("config") or {}
         self.routing = manifest.get("routing")
         self._tensor_file = {n: e["file"] for n, e in manifest["tensors"].items()}
         self.layers: dict[int, PackedMoELayer] = {}
@@ -234,103 +234,35 @@ def _fail(path: Path, msg: str):
     raise PackedDirError(f"{path}: {msg}")
 
 
-def _identity(desc: dict) -> dict:
-    """A layout descriptor without its words: the tensors' ``note`` strings document, they do not
-    decide how bytes are read, so editing one never makes a directory unreadable."""
-    out = dict(desc)
-    if isinstance(out.get("tensors"), list):
-        out["tensors"] = [{k: v for k, v in t.items() if k != "note"} if isinstance(t, dict) else t for t in out["tensors"]]
-    return out
+# The manifest's schema lives in moepack/manifest.py; this name is kept for callers of the
+# earlier structural check, which the schema replaces.
+validate_manifest = check_manifest
 
 
-def validate_manifest(path: Path, m: dict) -> None:
-    """Structural checks of a manifest against this build (layouts, shapes, files)."""
-    if not isinstance(m, dict) or m.get("format") != "moepack":
-        _fail(path, f"{MANIFEST}: format={m.get('format') if isinstance(m, dict) else None!r}, expected 'moepack'")
-    version = m.get("format_version")
-    if version not in READABLE_VERSIONS:
-        _fail(
-            path,
-            f"{MANIFEST}: format_version={version!r}; this moepack reads versions "
-            f"{', '.join(map(str, READABLE_VERSIONS))}: convert the checkpoint again with this moepack "
-            "(`moepack convert SRC DST --overwrite`) or open it with the release that wrote it",
-        )
-    for key, typ in (("layers", list), ("tensors", dict), ("files", dict), ("layouts", dict)):
-        if not isinstance(m.get(key), typ):
-            _fail(path, f"{MANIFEST}: field {key!r} must be a {typ.__name__}")
-    known = {str(x.id): x for x in LAYOUTS}
-    for lid, desc in m["layouts"].items():
-        if lid not in known:
-            _fail(path, f"{MANIFEST}: layout id {lid} is unknown to this build (known: {sorted(known)})")
-        ours = _identity(known[lid].to_dict())
-        fields = V1_FIELDS if version == 1 else tuple(ours)
-        desc = _identity(desc) if isinstance(desc, dict) else {}
-        for k in fields:
-            if desc.get(k) != ours[k]:
-                _fail(path, f"layout {ours['name']} (id {lid}) in the file has {k}={desc.get(k)!r}, this build has {k}={ours[k]!r}")
-    for name, e in m["tensors"].items():
-        if not isinstance(e, dict) or e.get("file") not in m["files"]:
-            _fail(path, f"{MANIFEST}: tensor {name!r} names file {e.get('file') if isinstance(e, dict) else None!r}, not listed in 'files'")
-    for entry in m["layers"]:
-        try:
-            if str(entry["layout_id"]) not in m["layouts"]:
-                _fail(path, f"layer {entry['index']}: layout_id={entry['layout_id']!r} is not described in the manifest's "
-                            f"'layouts' ({sorted(m['layouts'])}): every layer's layout must be")  # fmt: skip
-            lay = layout_get(int(entry["layout_id"]))
-            for key, typ in (("interleaved", bool), ("activation", str)):
-                if not isinstance(entry.get(key), typ):
-                    _fail(path, f"layer {entry['index']}: {key}={entry.get(key)!r}: must be a {typ.__name__}")
-            mode = entry.get("act_mode")
-            if mode is not None and mode not in lay.act_modes:
-                _fail(path, f"layer {entry['index']}: act_mode={mode!r}: layout {lay.name} runs with "
-                            f"{' or '.join(lay.act_modes)} activations")  # fmt: skip
-            e, h, i = int(entry["num_experts"]), int(entry["hidden"]), int(entry["intermediate"])
-            sh_e = entry.get("shared")
-            for what, names in (("", entry["tensors"]), ("shared ", sh_e or {})):
-                if "w13_perm" in names and lay.scheme not in PERM_SCHEMES:
-                    _fail(path, f"layer {entry['index']}: {what}tensor role 'w13_perm' with layout {lay.name} (scheme "
-                                f"{lay.scheme}): only {' / '.join(PERM_SCHEMES)} layouts carry an act-order permutation")  # fmt: skip
-            sets = [("", entry, layout_tensor_plan(lay, e, h, i, bias=True, perm="w13_perm" in entry["tensors"]),
-                     layout_padded_i(lay, i))]  # fmt: skip
-            if sh_e:  # a one-expert set of the same layout
-                si = int(sh_e["intermediate"])
-                sets.append(("shared ", sh_e, layout_tensor_plan(lay, 1, h, si, perm="w13_perm" in sh_e), layout_padded_i(lay, si)))
-            for what, src, plan, want_ip in sets:
-                names = src["tensors"] if "tensors" in src else src  # the shared entry holds its names itself
-                for t in plan:
-                    if t.role == "bias" and t.name not in names:
-                        continue
-                    if t.name not in names:
-                        _fail(path, f"layer {entry['index']}: {what}tensor role {t.name!r} (layout {lay.name}) is missing")
-                    tname = names[t.name]
-                    got = m["tensors"][tname]
-                    if list(got["shape"]) != list(t.shape) or got.get("dtype") != t.dtype:
-                        _fail(path, f"layer {entry['index']}: {what}tensor {tname!r} is {got.get('dtype')} {got['shape']}, "
-                                    f"layout math says {t.dtype} {list(t.shape)}")  # fmt: skip
-                if int(src["padded_intermediate"]) != want_ip:
-                    _fail(path, f"layer {entry['index']}: {what}padded_intermediate={src['padded_intermediate']}, layout math says {want_ip}")
-        except (KeyError, TypeError, ValueError) as ex:
-            if isinstance(ex, MoepackError):
-                raise
-            _fail(path, f"{MANIFEST}: layer entry {entry.get('index') if isinstance(entry, dict) else entry!r} is malformed ({ex!r})")
+def _file_kind(p: Path) -> str:
+    import stat
+
+    try:
+        mode = os.stat(p).st_mode
+    except OSError:
+        return "a dangling symbolic link"
+    for test, word in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):  # fmt: skip
+        if test(mode):
+            return word
+    return "not a plain file"
 
 
 def open_packed(path: str | os.PathLike, *, strict: bool = False) -> PackedModel:
     """Validate and memory-map the packed directory at ``path``."""
     path = Path(path)
-    mpath = path / MANIFEST
-    if not mpath.is_file():
-        _fail(path, f"no {MANIFEST} (not a packed directory; make one with `moepack convert`)")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        _fail(path, f"{MANIFEST} is not valid JSON ({e})")
-    validate_manifest(path, manifest)
+    manifest = load_manifest(path)  # the schema: after it, every field read below is there and typed
     shards = {}
     for fname, meta in manifest["files"].items():
         fpath = path / fname
         if not fpath.is_file():
-            _fail(path, f"shard {fname} listed in {MANIFEST} is missing")
+            what = "is missing" if not os.path.lexists(fpath) else f"is not a regular file ({_file_kind(fpath)})"
+            _fail(path, f"shard {fname} listed in {MANIFEST} {what}")
         size = fpath.stat().st_size
         if size != meta.get("size"):
             _fail(path, f"shard {fname} has {size} bytes, {MANIFEST} says {meta.get('size')}")
@@ -356,4 +288,5 @@ def open_packed(path: str | os.PathLike, *, strict: bool = False) -> PackedModel
     return model
 
 
-__all__ = ["PackedModel", "PackedMoELayer", "open_packed", "validate_manifest", "MANIFEST", "FORMAT_VERSION", "host_isa"]
+__all__ = ["PackedModel", "PackedMoELayer", "open_packed", "validate_manifest", "MANIFEST", "FORMAT_VERSION", "PERM_FORMAT_VERSION",
+           "READABLE_VERSIONS", "host_isa"]
