@@ -39,6 +39,7 @@ def convert(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it exists (atomically)."),
     shard_gib: float = typer.Option(2.0, "--shard-gib", help="Largest shard file, in GiB."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary instead of tables."),
+    resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue a hard-killed convert to DST with the same plan from its last complete shard (default); --no-resume deletes its temporary directory and starts over."),
 ) -> None:
     from moepack.convert_dir import convert as do_convert
     from moepack.errors import ConvertError
@@ -75,10 +76,14 @@ def convert(
                 bar.advance(task)
             elif event == "other_done":
                 bar.update(task, description=f"copied {info['tensors']} other tensors")
+            elif event == "resume":
+                err_console.print(f"note: resuming the interrupted convert in {info['path']} (same plan; its finished shards are re-checked)", highlight=False)
+            elif event == "stale_removed":
+                err_console.print(f"note: removed {info['path']}, left by an interrupted convert: {info['reason']}", highlight=False)
 
         report = do_convert(
             src, dst, layout=layout, quantize=quantize, overwrite=overwrite, threads=threads,
-            shard_bytes=int(shard_gib * 2**30), progress=progress, act_mode=act_mode,
+            shard_bytes=int(shard_gib * 2**30), progress=progress, act_mode=act_mode, resume=resume,
         )  # fmt: skip
     layout = moepack_layout_get(report.layout or layout.name)
 

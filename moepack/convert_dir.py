@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import json
+import os
 import shutil
+import signal
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +30,8 @@ from typing import Callable
 import torch
 
 from ._version import __version__
-from .container.writer import ShardPlan, ShardWriter, atomic_directory
+from .container.reader import read_safetensors_header, sha256_update
+from .container.writer import ShardPlan, ShardWriter, atomic_directory, os_reason
 from .errors import ConvertError, LayoutError, MoepackError
 from .errors import UnsupportedError
 from .layout import DEFAULT_LAYOUT, PackedLayout, int4_layout_for, layout_expert_shapes, layout_get, layout_tensor_plan
@@ -219,6 +224,8 @@ def convert(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
     progress: ProgressFn | None = None,
     act_mode: str | None = None,
+    resume: bool = True,
+    pipeline: bool = True,
 ) -> ConvertReport:
     """Convert the checkpoint at ``src`` into a packed directory at ``dst``.
 
@@ -226,7 +233,14 @@ def convert(
     pack them into the family's int8 layout (an int8 source is packed into it anyway).
     ``act_mode`` ("a16" / "a8"): the activation mode recorded as every layer's default (the
     manifest's ``act_mode``), refused when the layout does not serve it; None: each layer's own
-    (int4: a16, the checkpoint's meaning; a8 for a compressed-tensors W4A8 checkpoint)."""
+    (int4: a16, the checkpoint's meaning; a8 for a compressed-tensors W4A8 checkpoint).
+
+    ``resume``: a temporary directory left by a hard-killed convert to the same ``dst`` with the
+    same plan (source fingerprint, layout, options, moepack version) is continued from its last
+    complete, re-checked shard; False (or a plan that differs) deletes it and starts over.
+    ``pipeline``: pack, hash and write on three threads (False: one after the other on the
+    calling thread, the reference path; the bytes are the same). SIGTERM and SIGHUP delete the
+    temporary directory like Ctrl-C does (docs/ARCHITECTURE.md, "convert")."""
     t0 = time.perf_counter()
     lay = layout_get(layout)
     src, dst = Path(src), Path(dst)
@@ -238,8 +252,61 @@ def convert(
         raise ConvertError(f"threads={threads}: must be a positive integer")
     if act_mode is not None and act_mode not in ("a16", "a8"):
         raise ConvertError(f"act_mode={act_mode!r}: must be 'a16' or 'a8' (or None: each layer's default)")
-    with torch_threads(threads):
-        return _convert(src, dst, lay, quantize, overwrite, shard_bytes, progress, t0, act_mode)
+    opts = _Options(quantize, act_mode, shard_bytes, resume, pipeline)
+    with torch_threads(threads), _signals_interrupt():
+        return _convert(src, dst, lay, overwrite, progress, t0, opts)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP during a convert: raised like Ctrl-C's KeyboardInterrupt, so the same
+    cleanup runs (the temporary directory is deleted), then the signal is delivered again."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"convert stopped by {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _signals_interrupt():
+    """SIGTERM / SIGHUP raise ``Terminated`` in the main thread for the block. After the cleanup,
+    a signal whose previous handler was the default is sent again so that the process ends by
+    it (exit status 128+N, as without moepack); a Python handler is called instead. A second
+    signal during the cleanup is ignored rather than cutting the cleanup short."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = [x for x in (signal.SIGTERM, getattr(signal, "SIGHUP", None)) if x is not None]
+    fired: list[int] = []
+
+    def handler(signum, frame):
+        if not fired:
+            fired.append(signum)
+            raise Terminated(signum)
+
+    before = {x: signal.signal(x, handler) for x in sigs}
+    try:
+        yield
+    except Terminated as e:
+        for x, h in before.items():
+            signal.signal(x, h)
+        prev = before[e.signum]
+        if prev == signal.SIG_DFL:
+            os.kill(os.getpid(), e.signum)
+        elif callable(prev):
+            prev(e.signum, None)
+        raise
+    finally:
+        for x, h in before.items():
+            signal.signal(x, h)
+
+
+@dataclass(frozen=True)
+class _Options:
+    quantize: str | None
+    act_mode: str | None
+    shard_bytes: int
+    resume: bool
+    pipeline: bool
 
 
 @contextlib.contextmanager
@@ -278,6 +345,7 @@ class _Plan:
     alpha: float
     limit: float
     act_modes: dict  # layer index -> the act mode recorded as its default
+    shard_plans: dict = field(default_factory=dict)  # file name -> ShardPlan (every shard, planned up front)
 
 
 def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: str | None = None) -> _Plan:
@@ -298,13 +366,43 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
     expert_shards = _split_shards(specs, lambda s: sum(_nbytes(d, sh) for _, d, sh in layer_tensors[s.index]), shard_bytes)
     other_shards = _split_shards(other, lambda n: ckpt.info(n).nbytes, shard_bytes) if other else []
     ne, no = len(expert_shards), len(other_shards)
+    _check_top_k(config, specs)
     routing, routing_note = _routing_for(config)
     alpha, limit = _swiglu_params(config)
-    return _Plan(
+    pl = _Plan(
         src, ckpt, reader, scheme, lay, specs, config, layer_tensors, expert_shards,
         [f"experts-{i + 1:05d}-of-{ne:05d}.safetensors" for i in range(ne)], other_shards,
         [f"model-{i + 1:05d}-of-{no:05d}.safetensors" for i in range(no)], routing, routing_note, alpha, limit, act_modes,
     )  # fmt: skip
+    for fname, shard_specs in zip(pl.expert_files, pl.expert_shards):
+        shard = pl.shard_plans[fname] = ShardPlan()
+        for s in shard_specs:
+            for name, dt, shape in pl.layer_tensors[s.index]:
+                shard.add(name, dt, shape)
+    for fname, names in zip(pl.other_files, pl.other_shards):
+        shard = pl.shard_plans[fname] = ShardPlan()
+        for n in names:
+            ti = ckpt.info(n)
+            shard.add(n, ti.dtype, ti.shape)
+    return pl
+
+
+_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token")
+
+
+def _check_top_k(config: dict, specs: list) -> None:
+    """config.json's experts-per-token, where it has one, must be an integer in [1, experts] for
+    every MoE layer: refused here, at convert, rather than by ``run`` on the packed directory."""
+    key = next((k for k in _TOP_K_KEYS if config.get(k) is not None), None)
+    if key is None or not specs:
+        return
+    k = config[key]
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise ConvertError(f"config.json: {key}={k!r} must be an integer (the number of experts each token is routed to)")
+    fewest = min(specs, key=lambda x: x.num_experts)
+    if not 1 <= k <= fewest.num_experts:
+        raise ConvertError(f"config.json: {key}={k} with {fewest.num_experts} experts (layer {fewest.index}): each token is "
+                           f"routed to between 1 and num_experts experts")  # fmt: skip
 
 
 def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fname: str, tensors: dict, report) -> dict:
@@ -362,24 +460,16 @@ def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fnam
     }
 
 
-def _write_other(pl: _Plan, tmp: Path, tensors: dict, report, notify) -> None:
-    """Stage 3: every non-expert tensor, unchanged (names and bytes)."""
-    for fname, names in zip(pl.other_files, pl.other_shards):
-        shard = ShardPlan()
-        for n in names:
-            ti = pl.ckpt.info(n)
-            shard.add(n, ti.dtype, ti.shape)
-        with ShardWriter(tmp / fname, shard) as w:
-            for n in names:
-                t = pl.ckpt.read(n)
-                tensors[n] = {"file": fname, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "sha256": w.write(n, t)}
-                report.other_bytes += t.numel() * t.element_size()
-                del t
-        report.files.append(fname)
-        notify("other_done", file=fname, tensors=len(names))
+def _write_other(pl: _Plan, fname: str, names: list, w: ShardWriter, tensors: dict, report) -> None:
+    """Stage 3, one shard: its non-expert tensors, unchanged (names and bytes)."""
+    for n in names:
+        t = pl.ckpt.read(n)
+        tensors[n] = {"file": fname, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "sha256": w.write(n, t)}
+        report.other_bytes += t.numel() * t.element_size()
+        del t
 
 
-def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, report) -> dict:
+def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, report, created_at: str) -> dict:
     """Stage 4: the manifest (docs/PACKED_FORMAT.md §4)."""
     return {
         "format": "moepack",
@@ -388,7 +478,7 @@ def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, 
         "format_version": PERM_FORMAT_VERSION if any("w13_perm" in x["tensors"] or "w13_perm" in (x["shared"] or {})
                                                       for x in layers) else FORMAT_VERSION,  # fmt: skip
         "created_by": f"moepack {__version__}",
-        "created_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": created_at,  # when the convert started (a resumed one: the first run's start)
         "source": {
             "path": str(pl.src.resolve()),
             "reader": pl.reader.name,
@@ -406,37 +496,181 @@ def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, 
     }
 
 
-def _convert(src: Path, dst: Path, lay: PackedLayout, quantize, overwrite: bool, shard_bytes: int, progress, t0: float,
-             act_mode: str | None = None):  # fmt: skip
+RESUME_DIR = ".moepack-resume"  # inside the temporary directory: the plan's key and one journal per finished shard
+
+
+def _resume_key(pl: _Plan, opts: _Options) -> dict:
+    """What must be identical for a temporary directory to be continued: the source (fingerprint
+    of config.json and headers, plus every file's size and mtime, so rewritten data counts), the
+    layout, scheme, options and moepack version, and every planned shard's header."""
+    files = []
+    for f in pl.ckpt.files:
+        st = f.stat()
+        files.append([f.name, st.st_size, st.st_mtime_ns])
+    return {
+        "moepack": __version__,
+        "source": str(pl.src.resolve()),
+        "fingerprint": pl.ckpt.fingerprint(),
+        "source_files": files,
+        "layout_id": pl.layout.id,
+        "scheme": pl.scheme.name,
+        "quantize": opts.quantize,
+        "act_mode": opts.act_mode,
+        "shard_bytes": opts.shard_bytes,
+        "shards": {f: hashlib.sha256(sp.header_bytes()).hexdigest() for f, sp in pl.shard_plans.items()},
+    }
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    part = path.with_name(path.name + ".part")
+    with open(part, "w") as f:
+        json.dump(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+class _Resume:
+    """The journal of one convert inside its temporary directory (``RESUME_DIR``): ``plan.json``
+    (the resume key and the run's ``created_at``) and, per finished shard, ``<file>.json`` with
+    the manifest entries it produced. A shard is journaled only after it is closed and fsync'd."""
+
+    def __init__(self, key: dict, notify):
+        self.key = key
+        self.notify = notify
+        self.created_at = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        self.resumed: Path | None = None
+
+    def matches(self, tmp: Path) -> bool:
+        """atomic_directory's ``reuse`` check of a temporary directory left by a dead run."""
+        why = None
+        try:
+            old = json.loads((tmp / RESUME_DIR / "plan.json").read_text())
+            key = old.get("key") if isinstance(old, dict) else None
+        except (OSError, ValueError):
+            key, why = None, "it has no readable plan (killed before the first shard?)"
+        if key is not None and key != self.key:
+            diff = next((k for k in self.key if key.get(k) != self.key[k]), "the plan")
+            why = f"its {diff} differs from this run's"
+        if why is None and self.resumed is None:
+            self.resumed = tmp
+            self.created_at = old.get("created_at", self.created_at)
+            self.notify("resume", path=str(tmp))
+            return True
+        self.notify("stale_removed", path=str(tmp), reason=why or "another temporary directory is being resumed")
+        return False
+
+    def start(self, tmp: Path) -> None:
+        (tmp / RESUME_DIR).mkdir(exist_ok=True)
+        _write_json_atomic(tmp / RESUME_DIR / "plan.json", {"key": self.key, "created_at": self.created_at})
+
+    def done(self, tmp: Path, fname: str, entry: dict) -> None:
+        _write_json_atomic(tmp / RESUME_DIR / f"{fname}.json", entry)
+
+    def finished(self, tmp: Path, fname: str, plan: ShardPlan) -> dict | None:
+        """The journal entry of shard ``fname`` if the file on disk is complete and right: its
+        size and header are the planned ones and every tensor's bytes hash to the journaled
+        sha256 (re-read here: a journal is trusted only as far as the bytes agree)."""
+        path, jpath = tmp / fname, tmp / RESUME_DIR / f"{fname}.json"
+        try:
+            entry = json.loads(jpath.read_text())
+            if path.stat().st_size != plan.nbytes:
+                return None
+            with open(path, "rb") as f:
+                if f.read(plan.data_start) != plan.header_bytes():
+                    return None
+            hdr = read_safetensors_header(path)
+            names = plan.names
+            if sorted(entry["tensors"]) != sorted(names):
+                return None
+            with open(path, "rb", buffering=0) as f:
+                for n in names:
+                    ti = hdr.tensors[n]
+                    h = hashlib.sha256()
+                    left, off = ti.nbytes, ti.file_offset
+                    while left:
+                        b = os.pread(f.fileno(), min(left, 64 << 20), off)
+                        if not b:
+                            return None
+                        h.update(b)
+                        left -= len(b)
+                        off += len(b)
+                    if h.hexdigest() != entry["tensors"][n]["sha256"]:
+                        return None
+            return entry
+        except (OSError, ValueError, KeyError, TypeError, MoepackError):
+            return None
+
+    def finish(self, tmp: Path) -> None:
+        shutil.rmtree(tmp / RESUME_DIR, ignore_errors=True)
+
+
+def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress, t0: float, opts: _Options):
     """plan -> per layer, the scheme's packer streams into the expert shards -> the other tensors
-    -> the manifest, all inside a temporary directory renamed to ``dst`` only when complete."""
+    -> the manifest, all inside a temporary directory renamed to ``dst`` only when complete; a
+    hard-killed run's directory with the same plan is continued from its last complete shard."""
     notify = progress or (lambda *a, **k: None)
-    pl = _plan(src, lay, quantize, shard_bytes, act_mode)
+    pl = _plan(src, lay, opts.quantize, opts.shard_bytes, opts.act_mode)
     notify("plan", layers=len(pl.specs), expert_files=len(pl.expert_files), other_files=len(pl.other_files),
            other_tensors=sum(len(x) for x in pl.other_shards))  # fmt: skip
     report = ConvertReport(dst=dst, layout=pl.layout.name, act_modes=sorted(set(pl.act_modes.values())))
     tensors: dict[str, dict] = {}
     layers = []
-    with atomic_directory(dst, overwrite=overwrite) as tmp:
-        for fname, shard_specs in zip(pl.expert_files, pl.expert_shards):
-            shard = ShardPlan()
-            for s in shard_specs:
-                for name, dt, shape in pl.layer_tensors[s.index]:
-                    shard.add(name, dt, shape)
-            with ShardWriter(tmp / fname, shard) as w:
-                for s in shard_specs:
-                    notify("layer_start", layer=s.index, num_experts=s.num_experts)
-                    layers.append(_write_layer(pl, s, w, shard, fname, tensors, report))
-                    report.layers += 1
-                    notify("layer_done", layer=s.index, bytes=sum(_nbytes(d, shp) for _, d, shp in pl.layer_tensors[s.index]))
+    journal = _Resume(_resume_key(pl, opts), notify)
+    reuse = journal.matches if opts.resume else None
+    with atomic_directory(dst, overwrite=overwrite, reuse=reuse) as tmp:
+        journal.start(tmp)
+        work = [(f, sh, "experts") for f, sh in zip(pl.expert_files, pl.expert_shards)]
+        work += [(f, names, "other") for f, names in zip(pl.other_files, pl.other_shards)]
+        fresh = journal.resumed is None
+        for fname, items, kind in work:
+            shard = pl.shard_plans[fname]
+            entry = None if fresh else journal.finished(tmp, fname, shard)
+            if entry is not None:  # already written by the killed run, and checked
+                tensors.update(entry["tensors"])
+                layers += entry["layers"]
+                report.layers += len(entry["layers"])
+                report.experts_bytes += entry["experts_bytes"]
+                report.other_bytes += entry["other_bytes"]
+                report.files.append(fname)
+                notify("shard_resumed", file=fname)
+                continue
+            if not fresh:  # the first shard that is not complete: it and everything after are redone
+                fresh = True
+                for f, _, _ in work[work.index((fname, items, kind)) :]:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp / f)
+            before = (dict(tensors), len(layers), report.experts_bytes, report.other_bytes)
+            with ShardWriter(tmp / fname, shard, pipeline=opts.pipeline, display=dst / fname) as w:
+                if kind == "experts":
+                    for s in items:
+                        notify("layer_start", layer=s.index, num_experts=s.num_experts)
+                        layers.append(_write_layer(pl, s, w, shard, fname, tensors, report))
+                        report.layers += 1
+                        notify("layer_done", layer=s.index, bytes=sum(_nbytes(d, shp) for _, d, shp in pl.layer_tensors[s.index]))
+                else:
+                    _write_other(pl, fname, items, w, tensors, report)
             report.files.append(fname)
-        _write_other(pl, tmp, tensors, report, notify)
+            journal.done(tmp, fname, {
+                "tensors": {k: v for k, v in tensors.items() if k not in before[0]}, "layers": layers[before[1] :],
+                "experts_bytes": report.experts_bytes - before[2], "other_bytes": report.other_bytes - before[3],
+            })  # fmt: skip
+            notify("shard_done", file=fname)
+            if kind == "other":
+                notify("other_done", file=fname, tensors=len(items))
         carried = []
-        for p in pl.ckpt.carried_files():
-            shutil.copy2(p, tmp / p.name)
-            carried.append(p.name)
-        manifest = _manifest(pl, tmp, layers, tensors, carried, report)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+        what = dst
+        try:
+            for p in pl.ckpt.carried_files():
+                what = dst / p.name
+                shutil.copy2(p, tmp / p.name)
+                carried.append(p.name)
+            journal.finish(tmp)
+            manifest = _manifest(pl, tmp, layers, tensors, carried, report, journal.created_at)
+            what = dst / MANIFEST
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+        except OSError as e:
+            raise ConvertError(f"{what}: cannot write: {os_reason(e)}") from None
     report.seconds = time.perf_counter() - t0
     notify("done", report=report)
     return report

@@ -10,15 +10,21 @@ only once it is complete. The format is specified in docs/PACKED_FORMAT.md.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
+import mmap
 import os
+import queue
 import secrets
 import shutil
+import stat
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -64,6 +70,20 @@ class PlanEntry:
     @property
     def is_filler(self) -> bool:
         return self.name.startswith(PAD_PREFIX)
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """One part of ``ShardWriter.write_parts`` given as tensors whose bytes, one after the other,
+    are the part's bytes (e.g. the two packed halves of one expert's w13 along dim 1, where the
+    dims before are 1): the writer streams them in turn, so nothing joins them with a copy."""
+
+    tensors: tuple
+    shape: tuple
+    dtype: torch.dtype
+
+    def dim(self) -> int:
+        return len(self.shape)
 
 
 def _is_pow2(x: int) -> bool:
@@ -196,8 +216,16 @@ class ShardWriter:
       reader). If the ``with`` block raises, the partial file is deleted.
     """
 
-    def __init__(self, path: str | os.PathLike, plan: ShardPlan, *, fsync: bool = True):
+    def __init__(
+        self, path: str | os.PathLike, plan: ShardPlan, *, fsync: bool = True, pipeline: bool = False,
+        display: str | os.PathLike | None = None,
+    ):  # fmt: skip
+        """``pipeline``: hash and write on two background threads (``_Sink``) while the caller
+        packs the next part; the bytes are the same as the serial path's. ``display``: the path
+        named in error messages (convert writes into a hidden temporary directory but names the
+        file under DST)."""
         self.path = os.fspath(path)
+        self.display = os.fspath(display) if display is not None else self.path
         self.plan = plan
         self.fsync = fsync
         self.digests: dict[str, str] = {}
@@ -207,12 +235,17 @@ class ShardWriter:
         self._pos = 0
         self._closed = False
         self._broken: str | None = None
+        self._sink: _Sink | None = None
+        self._f = None
         try:
-            self._f = open(self.path, "xb")
+            if pipeline:
+                self._sink = _Sink(self.path, self.display)
+            else:
+                self._f = open(self.path, "xb")
         except FileExistsError:
-            raise ContainerError(f"{self.path}: already exists; the writer never overwrites a shard") from None
+            raise ContainerError(f"{self.display}: already exists; the writer never overwrites a shard") from None
         except OSError as e:
-            raise ContainerError(f"{self.path}: cannot create: {e}") from e
+            raise ContainerError(f"{self.display}: cannot create: {os_reason(e)}") from None
         try:
             self._raw_write(self._header)
         except BaseException:
@@ -229,7 +262,13 @@ class ShardWriter:
             self._abort()
 
     def _raw_write(self, b) -> None:
-        self._f.write(b)
+        if self._sink is not None:
+            self._sink.put(torch.frombuffer(bytearray(b), dtype=torch.uint8) if len(b) else None, None)
+        else:
+            try:
+                self._f.write(b)
+            except OSError as e:
+                raise ContainerError(f"{self.display}: cannot write: {os_reason(e)}") from None
         self._pos += len(b) if isinstance(b, bytes) else memoryview(b).nbytes
 
     def _fail(self, msg: str) -> ContainerError:
@@ -271,6 +310,11 @@ class ShardWriter:
     def _stream(self, h, t: torch.Tensor) -> int:
         b = _byte_view(t)
         n = b.numel()
+        if self._sink is not None:
+            if n:
+                self._sink.put(b, h)  # hashed, then written, by the sink's threads; no copy here
+            self._pos += n
+            return n
         for i in range(0, n, _WRITE_CHUNK):
             mv = memoryview(b[i : i + _WRITE_CHUNK].numpy())
             h.update(mv)
@@ -305,13 +349,23 @@ class ShardWriter:
         start = self._pos
         rows = 0
         for p in parts:
+            pieces = None
+            if isinstance(p, Pieces):
+                pieces = p.tensors
+                n = sum(x.numel() for x in pieces)
+                if any(x.dtype != p.dtype for x in pieces) or n != torch.Size(p.shape).numel():
+                    raise self._fail(f"tensor {e.name!r}: pieces of {n} elements do not make a {list(p.shape)} part")
+                if p.dtype != e.torch_dtype or tuple(p.shape[1:]) != e.shape[1:] or len(p.shape) != len(e.shape):
+                    raise self._fail(f"tensor {e.name!r}: expected {e.torch_dtype} {['*', *e.shape[1:]]}, got {p.dtype} {list(p.shape)}")
             if split:
-                ok = isinstance(p, torch.Tensor) and p.dim() == len(e.shape) and tuple(p.shape[1:]) == e.shape[1:]
-                self._check(e, p, ok, ("*",) + e.shape[1:])
+                if pieces is None:
+                    ok = isinstance(p, torch.Tensor) and p.dim() == len(e.shape) and tuple(p.shape[1:]) == e.shape[1:]
+                    self._check(e, p, ok, ("*",) + e.shape[1:])
                 rows += p.shape[0]
                 if rows > e.shape[0]:
                     raise self._fail(f"tensor {e.name!r}: parts add up to more than {e.shape[0]} rows")
-            self._stream(h, p)
+            for x in pieces if pieces is not None else (p,):
+                self._stream(h, x)
         written = self._pos - start
         if written != e.nbytes:
             raise self._fail(
@@ -320,7 +374,7 @@ class ShardWriter:
                 else f"tensor {e.name!r}: wrote {written} bytes, plan says {e.nbytes}"
             )
         self._next += 1
-        digest = h.hexdigest()
+        digest = self._sink.digest(h) if self._sink is not None else h.hexdigest()
         self.digests[e.name] = digest
         return digest
 
@@ -338,13 +392,23 @@ class ShardWriter:
                     f"closed with {len(missing)} planned tensor(s) not written: {', '.join(map(repr, missing[:5]))}"
                     + (" ..." if len(missing) > 5 else "")
                 )
-            self._f.flush()
-            if self.fsync:
-                os.fsync(self._f.fileno())
-            size = os.fstat(self._f.fileno()).st_size
+            try:
+                if self._sink is not None:
+                    fd = self._sink.finish()
+                else:
+                    self._f.flush()
+                    fd = self._f.fileno()
+                if self.fsync:
+                    os.fsync(fd)
+                size = os.fstat(fd).st_size
+            except OSError as e:
+                raise ContainerError(f"{self.display}: cannot write: {os_reason(e)}") from None
             if size != self.plan.nbytes or self._pos != size:
                 raise self._fail(f"file is {size} bytes, plan says {self.plan.nbytes}")
-            self._f.close()
+            if self._sink is not None:
+                self._sink.close()
+            else:
+                self._f.close()
             self._closed = True
         except BaseException:
             self._abort()
@@ -356,9 +420,192 @@ class ShardWriter:
             return
         self._closed = True
         with contextlib.suppress(OSError):
-            self._f.close()
+            if self._sink is not None:
+                self._sink.abort()
+            elif self._f is not None:
+                self._f.close()
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+
+
+def os_reason(e: OSError) -> str:
+    """An OSError's reason without its own path (the message names the path the user knows)."""
+    return f"{e.strerror or e} [errno {e.errno}]" if e.errno else str(e)
+
+
+_STAGE_BYTES = 16 << 20  # one O_DIRECT write: large, sequential, page-aligned
+_SINK_INFLIGHT_BYTES = 256 << 20  # parts queued but not yet written: bounds the pipeline's memory
+
+
+class _Sink:
+    """The byte stream of one shard, hashed on one thread and written on another.
+
+    The caller (convert's packer, on the main thread) queues each part's bytes and moves on to
+    the next part: hashlib's sha256 and ``os.write`` both release the GIL, so packing, hashing
+    and writing run at once. Writes go through one page-aligned staging buffer with O_DIRECT
+    where the filesystem allows it (a buffered write costs a CPU copy into the page cache, which
+    on two cores is what the packer needs), in ``_STAGE_BYTES`` pieces; the unaligned tail is
+    written buffered. Memory is bounded: at most ``_SINK_INFLIGHT_BYTES`` of queued parts
+    (or one part, if larger) plus the staging buffer. The first error of either thread is kept
+    and raised to the caller on its next call."""
+
+    def __init__(self, path: str, display: str):
+        self.path, self.display = path, display
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        self.direct = hasattr(os, "O_DIRECT")
+        try:
+            self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o644)
+        except OSError as e:
+            if e.errno != errno.EINVAL or not self.direct:  # EINVAL: no O_DIRECT here (tmpfs)
+                raise
+            self.direct = False
+            self.fd = os.open(path, flags, 0o644)
+        self._stage = mmap.mmap(-1, _STAGE_BYTES)
+        self._stage_t = torch.frombuffer(self._stage, dtype=torch.uint8)
+        self._fill = 0
+        self._error: BaseException | None = None
+        self._aborting = False
+        self._inflight = 0
+        self._cv = threading.Condition()
+        self._hq: queue.Queue = queue.Queue()
+        self._wq: queue.Queue = queue.Queue()
+        self._threads = [threading.Thread(target=self._run, args=(f,), daemon=True, name=f"moepack-{n}")
+                         for n, f in (("hash", self._hash_item), ("write", self._write_item))]  # fmt: skip
+        self._threads[0].queue, self._threads[1].queue = self._hq, self._wq
+        self._next_q = {self._hq: self._wq, self._wq: None}
+        for t in self._threads:
+            t.start()
+
+    # -- caller side
+    def _raise_error(self) -> None:
+        e = self._error
+        if e is None:
+            return
+        if isinstance(e, OSError):
+            raise ContainerError(f"{self.display}: cannot write: {os_reason(e)}") from None
+        raise e
+
+    def _wait(self, pred) -> None:
+        with self._cv:
+            while not pred() and self._error is None:
+                self._cv.wait(0.1)  # a timeout keeps the main thread responsive to signals
+        self._raise_error()
+
+    def put(self, b: torch.Tensor | None, h) -> None:
+        """Queue ``b`` (flat uint8) to be hashed into ``h`` (None: not hashed) and written."""
+        self._raise_error()
+        if b is None:
+            return
+        n = b.numel()
+        self._wait(lambda: self._inflight == 0 or self._inflight + n <= _SINK_INFLIGHT_BYTES)
+        with self._cv:
+            self._inflight += n
+        self._hq.put(("data", b, h))
+
+    def digest(self, h) -> str:
+        """``h``'s hex digest once every part queued for it is hashed (writing goes on)."""
+        box: list = []
+        self._hq.put(("digest", h, box))
+        self._wait(lambda: bool(box))
+        return box[0]
+
+    def finish(self) -> int:
+        """Write everything queued, the tail included; returns the file descriptor."""
+        box: list = []
+        self._hq.put(("end", None, box))
+        self._wait(lambda: bool(box))
+        return self.fd
+
+    def close(self) -> None:
+        self._stop()
+        os.close(self.fd)
+
+    def abort(self) -> None:
+        self._aborting = True
+        self._stop()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+    def _stop(self) -> None:
+        self._hq.put(("stop", None, None))
+        for t in self._threads:
+            t.join()
+        self._stage_t = None
+        with contextlib.suppress(BufferError):
+            self._stage.close()
+
+    # -- threads
+    def _run(self, handle) -> None:
+        q = threading.current_thread().queue
+        nxt = self._next_q[q]
+        while True:
+            item = q.get()
+            kind = item[0]
+            try:
+                if self._error is None and not self._aborting:
+                    handle(item)
+                elif kind in ("digest", "end"):
+                    item[2].append(None)
+            except BaseException as e:  # kept for the caller; the thread keeps draining its queue
+                with self._cv:
+                    if self._error is None:
+                        self._error = e
+            if kind == "data" and nxt is None:
+                with self._cv:
+                    self._inflight -= item[1].numel()
+            with self._cv:
+                self._cv.notify_all()
+            if nxt is not None and kind != "digest":  # digests are the hash thread's alone
+                nxt.put(item)
+            if kind == "stop":
+                return
+
+    def _hash_item(self, item) -> None:
+        if item[0] == "data" and item[2] is not None:  # ("data", bytes, hasher)
+            b, h = item[1], item[2]
+            for i in range(0, b.numel(), _WRITE_CHUNK):
+                h.update(memoryview(b[i : i + _WRITE_CHUNK].numpy()))
+        elif item[0] == "digest":  # ("digest", hasher, box)
+            item[2].append(item[1].hexdigest())
+
+    def _write_item(self, item) -> None:
+        kind, b, _ = item
+        if kind == "data":
+            n, i = b.numel(), 0
+            while i < n:
+                k = min(n - i, _STAGE_BYTES - self._fill)
+                self._stage_t[self._fill : self._fill + k].copy_(b[i : i + k])
+                self._fill += k
+                i += k
+                if self._fill == _STAGE_BYTES:
+                    self._flush(_STAGE_BYTES)
+        elif kind == "end":
+            aligned = self._fill - self._fill % DATA_ALIGNMENT if self.direct else self._fill
+            self._flush(aligned)
+            if self._fill:  # the unaligned tail: O_DIRECT off for the last < 4096 bytes
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                self.direct = False
+                self._flush(self._fill)
+            item[2].append(True)
+
+    def _flush(self, n: int) -> None:
+        """Write the staging buffer's first ``n`` bytes and keep the rest at its start."""
+        mv = memoryview(self._stage)
+        done = 0
+        while done < n:
+            try:
+                done += os.write(self.fd, mv[done:n])
+            except OSError as e:
+                if e.errno == errno.EINVAL and self.direct and done == 0:  # O_DIRECT refused after all
+                    fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                    self.direct = False
+                    continue
+                raise
+        rest = self._fill - n
+        if rest:
+            self._stage_t[:rest].copy_(self._stage_t[n : self._fill].clone())
+        self._fill = rest
+        mv.release()
 
 
 def _fsync_path(path: Path, directory: bool) -> None:
@@ -386,9 +633,122 @@ def _remove(path: Path) -> None:
             os.unlink(path)
 
 
+OWNER_FILE = ".moepack-owner"  # inside a temporary directory: the owner's pid, flock'ed while it runs
+
+
+def _lock_path(final: Path) -> Path:
+    return final.parent / f".{final.name}.lock"
+
+
+def _tmp_prefix(final: Path) -> str:
+    return f".{final.name}.tmp-"
+
+
+class _FileLock:
+    """An exclusive ``flock`` on ``path``, taken without waiting and held until ``release``.
+
+    The file holds the owner's pid, for messages only: ownership is the lock itself, which the
+    kernel drops when the process dies however it dies (SIGKILL included), so a reused pid never
+    makes a dead owner look alive. ``release(unlink=True)`` deletes the file while still holding
+    the lock; ``acquire`` re-checks that the file it locked is still the one at ``path`` (it may
+    have been unlinked by the previous owner in between) and retries if not."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd: int | None = None
+
+    def acquire(self) -> bool:
+        """True when taken; False when another live process holds it."""
+        for _ in range(100):
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            try:
+                same = os.fstat(fd).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+                self.fd = fd
+                return True
+            os.close(fd)  # locked a file its owner had just unlinked: take the new one
+        return False  # pragma: no cover
+
+    def owner(self) -> str:
+        with contextlib.suppress(OSError, ValueError):
+            return f"pid {int(self.path.read_text().split()[0])}"
+        return "another process"
+
+    def release(self, unlink: bool = False) -> None:
+        if self.fd is None:
+            return
+        if unlink:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        os.close(self.fd)
+        self.fd = None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _stale_owner_lock(tmp: Path) -> _FileLock | None:
+    """The owner lock of temporary directory ``tmp`` taken by this process, or None when a live
+    process owns ``tmp``. A directory without an owner file (written by a moepack before owner
+    files) counts as owned while the pid in its name is alive."""
+    owner = tmp / OWNER_FILE
+    if not owner.exists():
+        try:
+            pid = int(tmp.name.rsplit(".tmp-", 1)[1].split("-")[0])
+        except ValueError:
+            pid = None
+        if pid is not None and pid != os.getpid() and _pid_alive(pid):
+            return None
+    lock = _FileLock(owner)
+    try:
+        ok = lock.acquire()
+    except OSError:
+        return None
+    return lock if ok else None
+
+
+def stale_temporaries(final_path: str | os.PathLike) -> list[Path]:
+    """The temporary siblings ``.<name>.tmp-*`` of ``final_path`` that no live process owns."""
+    final = Path(final_path)
+    out = []
+    with contextlib.suppress(OSError):
+        for p in sorted(final.parent.iterdir()):
+            if p.name.startswith(_tmp_prefix(final)) and p.is_dir() and not p.is_symlink():
+                lock = _stale_owner_lock(p)
+                if lock is not None:
+                    lock.release()
+                    out.append(p)
+    return out
+
+
+def _refuse_os(final: Path, e: OSError, what: str) -> ContainerError:
+    """A write refused in DST's parent (read-only, no permission, full), named by DST."""
+    return ContainerError(f"{final}: cannot {what} in {str(final.parent)!r}: {os_reason(e)}")
+
+
 @contextlib.contextmanager
 def atomic_directory(
-    final_path: str | os.PathLike, *, overwrite: bool = False, fsync: bool = True
+    final_path: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    fsync: bool = True,
+    reuse: Callable[[Path], bool] | None = None,
 ) -> Iterator[Path]:
     """Build a directory under a temporary sibling name and rename it to ``final_path`` at the end.
 
@@ -399,6 +759,13 @@ def atomic_directory(
     parent is fsync'd. An existing ``final_path`` is refused unless ``overwrite``, in which case it
     is renamed away, the new directory renamed in, and the old one deleted (open mmaps of old files
     stay valid).
+
+    Ownership: the whole run holds an exclusive lock on the sibling ``.<name>.lock`` (a second
+    writer of the same ``final_path`` is refused, naming the owner's pid), and each temporary
+    directory holds a locked ``.moepack-owner`` file. A temporary sibling whose owner lock can be
+    taken belongs to a dead run (a SIGKILL, a power cut): it is handed to ``reuse`` (convert's
+    resume check) and kept as the directory to continue in if that returns True, else deleted.
+    Temporaries that a live process owns are never touched.
     """
     final = Path(final_path)
     if not final.name or final.name in (".", ".."):
@@ -408,10 +775,47 @@ def atomic_directory(
         raise ContainerError(f"{final_path}: parent directory {str(parent)!r} does not exist")
     if (final.exists() or final.is_symlink()) and not overwrite:
         raise ContainerError(f"{final_path}: already exists (pass overwrite=True to replace it)")
-    tmp = parent / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-    os.mkdir(tmp)
+    run_lock = _FileLock(_lock_path(final))
+    try:
+        taken = run_lock.acquire()
+    except OSError as e:
+        raise _refuse_os(final, e, "create the output directory") from None
+    if not taken:
+        raise ContainerError(
+            f"{final_path}: {run_lock.owner()} is writing it right now ({run_lock.path.name} is locked): "
+            "wait for that run to finish or choose another destination"
+        )
+    tmp, owner = None, None
+    try:
+        for p in sorted(parent.iterdir()):
+            if not (p.name.startswith(_tmp_prefix(final)) and p.is_dir() and not p.is_symlink()):
+                continue
+            lock = _stale_owner_lock(p)
+            if lock is None:
+                continue  # a live process owns it: not ours to touch
+            if tmp is None and reuse is not None and reuse(p):
+                tmp, owner = p, lock
+                continue
+            lock.release()
+            _remove(p)
+        if tmp is None:
+            tmp = parent / f"{_tmp_prefix(final)}{os.getpid()}-{secrets.token_hex(4)}"
+            try:
+                os.mkdir(tmp)
+            except OSError as e:
+                raise _refuse_os(final, e, "create the output directory") from None
+            owner = _FileLock(tmp / OWNER_FILE)
+            try:
+                owner.acquire()
+            except OSError as e:
+                _remove(tmp)
+                raise _refuse_os(final, e, "create the output directory") from None
+    except BaseException:
+        run_lock.release(unlink=True)
+        raise
     try:
         yield tmp
+        owner.release(unlink=True)
         if fsync:
             _fsync_tree(tmp)
         if final.exists() or final.is_symlink():
@@ -433,5 +837,8 @@ def atomic_directory(
         if fsync:
             _fsync_path(parent, directory=True)
     except BaseException:
+        owner.release()
         _remove(tmp)
         raise
+    finally:
+        run_lock.release(unlink=True)

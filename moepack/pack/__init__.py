@@ -196,6 +196,22 @@ def pack_w13(
         raise LayoutError(f"w13: {e}".split("\n")[0]) from None
 
 
+def pack_w13_pieces(w13: torch.Tensor, *, interleaved: bool = False, layout: PackedLayout, use_cpp: bool = True) -> list[torch.Tensor]:
+    """``pack_w13`` of ONE expert ([1, 2I, H]) as the packed tensors whose bytes, in order, are
+    its result (the gate half then the up half; one tensor if interleaved): convert writes them
+    one after the other instead of paying a ``torch.cat`` copy per expert."""
+    lay = layout_get(layout)
+    if w13.dim() != 3 or w13.shape[0] != 1 or w13.shape[1] % 2 or interleaved:
+        return [pack_w13(w13, interleaved=interleaved, layout=lay, use_cpp=use_cpp)]
+    _check_weight_dtype("w13", w13, lay)
+    i = w13.shape[1] // 2
+    ip = layout_padded_i(lay, i)
+    try:
+        return [_pack(w13[:, :i], lay, use_cpp, n_padded=ip), _pack(w13[:, i:], lay, use_cpp, n_padded=ip)]
+    except ValueError as e:
+        raise LayoutError(f"w13: {e}".split("\n")[0]) from None
+
+
 def pack_w2(w2: torch.Tensor, *, layout: int | str | PackedLayout = DEFAULT_LAYOUT, use_cpp: bool = True) -> torch.Tensor:
     """[E, H, I] canonical down -> packed [E, Np(H), Ip] (zero columns up to Ip)."""
     lay = layout_get(layout)

@@ -13,13 +13,16 @@ class DenseLayer(LayerPacker):
     """One layer's float experts rounded to bf16 and packed, one expert at a time."""
 
     def parts(self, name: str):
-        from ..pack import pack_w2, pack_w13
+        from ..container.writer import Pieces
+        from ..pack import pack_w2, pack_w13_pieces
 
         src, s, lay = self.src, self.spec, self.layout
         if name == "w13":
             for e in range(s.num_experts):
                 w = src.reader.read_expert_w13(src.ckpt, s, e)[None]
-                yield src.checked(lambda t: pack_w13(t, interleaved=s.interleaved, layout=lay), w, "w13", e)
+                pieces = src.checked(lambda t: pack_w13_pieces(t, interleaved=s.interleaved, layout=lay), w, "w13", e)
+                shape = (1, sum(x.shape[1] for x in pieces), *pieces[0].shape[2:])
+                yield Pieces(tuple(pieces), shape, pieces[0].dtype)  # the halves' bytes in order: no cat copy
         elif name == "w2":
             for e in range(s.num_experts):
                 yield src.checked(lambda t: pack_w2(t, layout=lay), src.reader.read_expert_w2(src.ckpt, s, e)[None], "w2", e)

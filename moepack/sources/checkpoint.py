@@ -61,6 +61,25 @@ def _parse_header(path: Path):
         raise SourceError(f"source file is not valid safetensors: {e}") from None
 
 
+def _check_regular(f: Path, what: str) -> None:
+    """A shard must be a regular file (a symlink to one is fine); a directory, FIFO, socket or
+    device is named as what it is, not as missing (opening a FIFO would block)."""
+    import stat
+
+    try:
+        mode = f.stat().st_mode
+    except FileNotFoundError:
+        raise SourceError(f"{what}, which does not exist") from None
+    except OSError as e:
+        raise SourceError(f"{what}, which cannot be read: {e.strerror}") from None
+    if stat.S_ISREG(mode):
+        return
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+            else "a character device" if stat.S_ISCHR(mode) else "a block device" if stat.S_ISBLK(mode)
+            else "a socket" if stat.S_ISSOCK(mode) else "not a regular file")  # fmt: skip
+    raise SourceError(f"{what}, which is {kind}: a shard must be a regular safetensors file")
+
+
 class Checkpoint:
     """Lazy view of a checkpoint directory."""
 
@@ -108,12 +127,13 @@ class Checkpoint:
             names = sorted(set(weight_map.values()))
             files = [self.path / n for n in names]
             for f in files:
-                if not f.is_file():
-                    raise SourceError(f"{idx}: lists shard {f.name}, which does not exist")
+                _check_regular(f, f"{idx}: lists shard {f.name}")
             return files
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise SourceError(f"source {self.path}: has no *.safetensors files")
+        for f in files:
+            _check_regular(f, f"source shard {f}")
         return files
 
     def info(self, name: str) -> TensorInfo:

@@ -163,6 +163,9 @@ def discover_layers(ckpt: Checkpoint, weights: tuple[set, str] = DENSE_WEIGHTS) 
             f"source {ckpt.path}: not a MoE checkpoint (model_type={model_type!r}): no expert tensors "
             "('...experts.<e>.{gate,up,down}_proj.weight', '...experts.gate_up_proj', ...) were found"
         )
+    if num_experts is not None and (not isinstance(num_experts, int) or isinstance(num_experts, bool)):
+        key = next(k for k in _NUM_EXPERTS_KEYS if _cfg(config, k) is not None)
+        raise SourceError(f"config.json: {key}={num_experts!r} ({type(num_experts).__name__}) must be an integer (the number of routed experts)")
     if not isinstance(num_experts, int) or num_experts <= 0:
         raise SourceError(f"config.json: number of experts ({'/'.join(_NUM_EXPERTS_KEYS)}) is missing or not positive")
 
