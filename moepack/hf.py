@@ -65,6 +65,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family("mlp", shared="shared_expert"),
     "qwen3_moe": Family("mlp"),
     "olmoe": Family("mlp"),
+    "deepseek_v2": Family("mlp", router_fp32=True, shared="shared_experts"),
     "deepseek_v3": Family("mlp", router_fp32=True, shared="shared_experts"),
     "glm4_moe": Family("mlp", router_fp32=True, shared="shared_experts"),
     "granitemoe": Family("block_sparse_moe", router_attr="router"),

@@ -20,6 +20,8 @@ exactly what transformers computes; by hand it is ``F.linear(x, W, b)`` with:
 
 - mixtral:     ``block.gate``;   disk ``block_sparse_moe.gate.weight``; ``x @ W.T`` in the model dtype
 - qwen2_moe, qwen3_moe, olmoe: ``block.gate``; disk ``mlp.gate.weight``; ``x @ W.T`` in the model dtype
+- deepseek_v2: ``block.gate``; disk ``mlp.gate.weight`` (BF16); ``x.float() @ W.float().T`` (W is
+  kept F32 in memory); no correction bias
 - deepseek_v3, glm4_moe: ``block.gate``; disk ``mlp.gate.weight`` (BF16) and
   ``mlp.gate.e_score_correction_bias`` (F32, used for expert selection only, not in the logits);
   ``x.float() @ W.float().T`` (W is kept F32 in memory)
@@ -131,10 +133,11 @@ def moe_block(model, layer_index: int) -> tuple["object", Callable]:
     input is passed as [1, T, H] because most blocks require 3-D input.
 
     ``run`` gives the complete MoE block output: routed experts (weighted) plus any shared
-    expert (qwen2_moe: ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``; deepseek_v3 /
-    glm4_moe / llama4_text: ``+ shared_expert(s)(x)`` unweighted).
+    expert (qwen2_moe: ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``; deepseek_v2 /
+    deepseek_v3 / glm4_moe / llama4_text: ``+ shared_expert(s)(x)`` unweighted).
 
-    Raises ValueError for a dense layer (e.g. layer 0 of deepseek_v3, glm4_moe, llama4_text).
+    Raises ValueError for a dense layer (e.g. layer 0 of deepseek_v2, deepseek_v3, glm4_moe,
+    llama4_text).
     For the router logits [T, E] of the same input use ``route(block, x)[0]`` (see the module
     docstring for which Linear that is).
     """
@@ -164,9 +167,9 @@ def route(block, x):
     """Routing of hidden states ``x`` [T, H] by ``block``'s router, as transformers computes it.
 
     Returns ``(logits [T, E], weights [T, k], indices [T, k])``; ``logits`` are the raw router
-    logits (F32 for deepseek_v3/glm4_moe/granitemoe, else the model dtype; gpt_oss includes the
-    router bias; deepseek_v3/glm4_moe do NOT include ``e_score_correction_bias``), ``weights``
-    the per-token expert weights actually applied (deepseek/glm4: already
+    logits (F32 for deepseek_v2/deepseek_v3/glm4_moe/granitemoe, else the model dtype; gpt_oss
+    includes the router bias; deepseek_v3/glm4_moe do NOT include ``e_score_correction_bias``),
+    ``weights`` the per-token expert weights actually applied (deepseek/glm4: already
     x ``routed_scaling_factor``; llama4: ``sigmoid(logit)``, which multiplies the expert INPUT),
     ``indices`` the selected experts (order as transformers returns it, not necessarily sorted;
     for phimoe the order matters: column 0 is the sparsemixer's first pick).

@@ -40,7 +40,7 @@ F32, BF16 = torch.float32, torch.bfloat16
 REPO = Path(__file__).resolve().parents[1]
 
 # Families whose MoE block adds a shared expert (fixtures/README.md); checked against FIXTURE.json.
-SHARED_FAMILIES = {"deepseek_v3", "glm4_moe", "qwen2_moe", "llama4_text"}
+SHARED_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe", "qwen2_moe", "llama4_text"}
 # SEMANTICS.md §4: bf16 (rounded) weights against the fp32 original: <= 1e-2 relative. Measured on
 # these fixtures: 2.7e-3 .. 3.3e-3 (qwen2_moe F32, olmoe F16).
 ROUNDED_SOURCE_REL = 1e-2
@@ -49,7 +49,7 @@ TIGHT = TOL[("scalar_vs_reference", F32)]  # fp32 summation order only: rel 1e-5
 
 def test_fixture_set_is_complete():
     assert set(FIXTURES) == {
-        "qwen3_moe", "mixtral", "mixtral_sharded", "deepseek_v3", "glm4_moe", "qwen2_moe",
+        "qwen3_moe", "mixtral", "mixtral_sharded", "deepseek_v2", "deepseek_v3", "glm4_moe", "qwen2_moe",
         "olmoe", "phimoe", "granitemoe", "gpt_oss", "llama4_text",
     }  # fmt: skip
 

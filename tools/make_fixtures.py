@@ -115,6 +115,26 @@ FIXTURES: dict[str, dict] = {
         # the official DeepSeek-V3 release (router weight stays BF16).
         randomize=["e_score_correction_bias"],
     ),
+    "deepseek_v2": dict(
+        model_type="deepseek_v2",
+        dtype="bfloat16",
+        config=dict(
+            hidden_size=72, num_attention_heads=2, num_key_value_heads=2,
+            q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            intermediate_size=96,  # dense MLP of layers < first_k_dense_replace
+            moe_intermediate_size=40, n_routed_experts=8, num_experts_per_tok=2,
+            # DeepseekV2TopkRouter: softmax, then group_limited_greedy (group score = the
+            # group's max softmax score, keep topk_group of n_group groups), top-k, no
+            # renormalisation (transformers defines norm_topk_prob=False and never reads
+            # it), x routed_scaling_factor. No e_score_correction_bias in this family.
+            topk_method="group_limited_greedy", n_group=2, topk_group=1,
+            n_shared_experts=2, routed_scaling_factor=2.0,
+            first_k_dense_replace=1, norm_topk_prob=False,
+            # Not read by transformers' DeepseekV2 code (softmax is hard-coded) but present
+            # in the official DeepSeek-V2 config.json.
+            scoring_func="softmax", moe_layer_freq=1,
+        ),
+    ),
     "qwen2_moe": dict(
         model_type="qwen2_moe",
         dtype="float32",  # covers an F32 source checkpoint
