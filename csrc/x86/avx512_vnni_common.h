@@ -195,6 +195,14 @@ static inline bool gemm_u4a8_streams(const int8_t* const* x, const float* rs, co
     const int64_t rounds = ng / S, gj = G / 8;
     for (int64_t t = 0; t < rounds; ++t) {
       clear();
+      if (t + 1 < rounds) {  // the next round's scale and zero rows: one line each a page apart, not streamed
+        for (int u = 0; u < S; ++u) {
+          const int64_t g = u * rounds + t + 1;
+          _mm_prefetch(reinterpret_cast<const char*>(scale + g * gstride), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(scale + g * gstride + 16), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(zero + g * gstride), _MM_HINT_T0);
+        }
+      }
       for (int64_t jj = 0; jj < gj; ++jj) {
 #pragma GCC unroll 4
         for (int u = 0; u < S; ++u) step(u, (u * rounds + t) * gj + jj);
