@@ -370,11 +370,14 @@ def run_header_case(t: Target, work: Path, seed: int, i: int) -> tuple[Outcome, 
     return _classify(t, d, lambda: None), [f"{fname}: {desc}"]
 
 
-def fuzz(targets: list[Target], work: Path, cases: int, seed: int, kind: str = "both", log=None) -> dict:
-    """Run ``cases`` cases over ``targets`` (round robin); returns {"counts": Counter by
-    (kind, class), "bugs": [(kind, target, case, edits, detail)]}."""
+def fuzz(targets: list[Target], work: Path, cases: int, seed: int, kind: str = "both", log=None, *, job: int = 0,
+         jobs: int = 1) -> dict:  # fmt: skip
+    """Run cases ``job, job + jobs, ...`` below ``cases`` over ``targets`` (round robin: a case's
+    target and edits depend only on its number and the seed, so the counts do not depend on
+    ``jobs``); returns {"counts": Counter by (kind, class), "bugs": [(kind, target, case, edits,
+    detail)]}."""
     counts, bugs = Counter(), []
-    for i in range(cases):
+    for i in range(job, cases, jobs):
         t = targets[i % len(targets)]
         k = kind if kind != "both" else ("manifest" if i % 4 else "header")
         o, edits = (run_manifest_case if k == "manifest" else run_header_case)(t, work, seed, i)

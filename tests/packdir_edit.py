@@ -6,6 +6,7 @@ keep the manifest's sha256 consistent, so that only a comparison with the source
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -53,3 +54,14 @@ def set_element(idx: tuple, value):
         t[idx] = value
 
     return edit
+
+
+def edited(packs: dict, tmp_path: Path, fixture: str, fn) -> Path:
+    """A copy of the packed directory ``packs[fixture]`` under ``tmp_path`` whose manifest ``fn``
+    has edited in place."""
+    d = tmp_path / fixture
+    shutil.copytree(packs[fixture], d)
+    m = json.loads((d / MANIFEST).read_text())
+    fn(m)
+    (d / MANIFEST).write_text(json.dumps(m, indent=1))
+    return d

@@ -19,6 +19,7 @@ from moepack.convert_dir import MANIFEST
 from moepack.errors import PackedDirError
 from moepack.manifest import ManifestError, check_manifest
 from tests.fixtures_util import fixture_dir
+from tests.packdir_edit import edited
 from tests.test_packdir_errors import assert_one_error_line, cli
 
 
@@ -32,15 +33,6 @@ def packs(tmp_path_factory) -> dict[str, Path]:
         moepack.convert(fixture_dir(name), root / name)
         out[name] = root / name
     return out
-
-
-def edited(packs, tmp_path, fixture: str, fn) -> Path:
-    d = tmp_path / fixture
-    shutil.copytree(packs[fixture], d)
-    m = json.loads((d / MANIFEST).read_text())
-    fn(m)
-    (d / MANIFEST).write_text(json.dumps(m, indent=1))
-    return d
 
 
 def assert_refused_everywhere(d: Path, *needles: str) -> str:

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 
 import moepack
-from moepack.convert_dir import MANIFEST
 from tests.fixtures_util import fixture_dir
-from tests.packdir_edit import rewrite_tensor, set_element
+from tests.packdir_edit import edited, rewrite_tensor, set_element
 from tests.synthetic import mib
 from tests.test_packdir_errors import cli
 
@@ -32,15 +31,6 @@ def packs(tmp_path_factory) -> dict[str, Path]:
         moepack.convert(fixture_dir(name), root / name)
         out[name] = root / name
     return out
-
-
-def edited(packs, tmp_path, fixture, fn) -> Path:
-    d = tmp_path / fixture
-    shutil.copytree(packs[fixture], d)
-    m = json.loads((d / MANIFEST).read_text())
-    fn(m)
-    (d / MANIFEST).write_text(json.dumps(m, indent=1))
-    return d
 
 
 def assert_differs(d: Path, fixture: str, *lines: str) -> None:

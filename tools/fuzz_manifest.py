@@ -28,21 +28,13 @@ def _worker(args) -> tuple[Counter, list]:
     import torch
 
     torch.set_num_threads(1)
-    from tests.manifest_fuzz import make_target, run_header_case, run_manifest_case
+    from tests.manifest_fuzz import fuzz, make_target
 
     from tests.fixtures_util import fixture_dir
 
     targets = [make_target(Path(root) / name, fixture_dir(name) if with_source else None) for name in FIXTURES]
-    work = Path(root) / f"work-{job}"
-    counts, bugs = Counter(), []
-    for i in range(job, cases, jobs):
-        t = targets[i % len(targets)]
-        k = kind if kind != "both" else ("manifest" if i % 4 else "header")
-        o, edits = (run_manifest_case if k == "manifest" else run_header_case)(t, work, seed, i)
-        counts[(k, o.cls)] += 1
-        if o.cls in ("crash", "silent", "missed"):
-            bugs.append((k, t.path.name, i, edits, o.detail))
-    return counts, bugs
+    r = fuzz(targets, Path(root) / f"work-{job}", cases, seed, kind, job=job, jobs=jobs)
+    return r["counts"], r["bugs"]
 
 
 def main() -> int:
