@@ -1,5 +1,5 @@
 """The synthetic checkpoint of the convert-streaming and open-memory tests (tests/test_convert.py,
-tests/test_open.py; not a test module): a dense BF16 Qwen3-MoE-style checkpoint of ~190 MB.
+tests/test_open.py; not a test module), and the child process those tests measure peak RSS in: a dense BF16 Qwen3-MoE-style checkpoint of ~190 MB.
 The session fixtures ``synthetic_checkpoint`` / ``synthetic_packed`` (tests/conftest.py) write it
 and convert it once per test session.
 """
@@ -7,6 +7,10 @@ and convert it once per test session.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -55,3 +59,47 @@ def write_synthetic_checkpoint(path: Path, *, layers: int, experts: int, hidden:
 
 def mib(b: float) -> str:
     return f"{b / 2**20:.1f} MiB"
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+# The child's own peak RSS: VmHWM of /proc/self/status, reset after the setup through
+# /proc/self/clear_refs where the kernel allows it. NOT getrusage's ru_maxrss: Linux carries the
+# PARENT's peak over fork+exec into it, so a child of this (large) pytest process would report
+# pytest's size.
+_CHILD = """
+import json, sys, time
+
+def status_kib(key):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+
+import torch
+torch.set_num_threads(2)  # per-thread stacks and arenas of a many-core CI box are not the model
+import moepack
+moepack.load_extension()
+{setup}
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current RSS
+    reset = True
+except OSError:
+    reset = False
+base = status_kib("VmRSS")
+{measured}
+print(json.dumps(dict(result, base_kib=base, hwm_kib=status_kib("VmHWM"), reset=reset)))
+"""
+
+
+def peak_rss_child(setup: str, measured: str, args: list, timeout: float) -> dict:
+    """Run ``setup`` (imports: before the baseline) then ``measured`` (which sets ``result``, a
+    dict) in a child python with ``args`` as sys.argv[1:]; returns ``result`` plus ``base_kib``
+    (RSS after the setup), ``hwm_kib`` (peak RSS) and ``reset`` (whether VmHWM was reset)."""
+    code = _CHILD.format(setup=textwrap.dedent(setup).strip(), measured=textwrap.dedent(measured).strip())
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=timeout, check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])

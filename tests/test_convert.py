@@ -17,10 +17,6 @@ packed layers against transformers' own MoE blocks, and convert's memory (it str
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from functools import cache
 from pathlib import Path
 
@@ -31,13 +27,12 @@ import moepack
 from moepack.convert_dir import MANIFEST
 from tests.fixtures_util import fixture_dir, fixture_info, fixture_names, moe_block, route
 from tests.reference.tolerances import TOL, assert_close
-from tests.synthetic import SYNTH, mib
+from tests.synthetic import SYNTH, mib, peak_rss_child
 
 pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 
 FIXTURES = fixture_names()
 F32, BF16 = torch.float32, torch.bfloat16
-REPO = Path(__file__).resolve().parents[1]
 
 # Families whose MoE block adds a shared expert (fixtures/README.md); checked against FIXTURE.json.
 SHARED_FAMILIES = {"deepseek_v2", "deepseek_v3", "glm4_moe", "qwen2_moe", "llama4_text"}
@@ -268,48 +263,19 @@ def test_forward_matches_transformers_block(packed, name):
 # ---------------------------------------------------------------------------------------------
 # convert streams (memory)
 
-# Peak RSS is the child's own VmHWM (reset after the imports through /proc/self/clear_refs when
-# the kernel allows it). NOT getrusage's ru_maxrss: Linux carries the PARENT's peak over
-# fork+exec into it, so a child of this (large) pytest process would report pytest's size.
-CHILD_CONVERT = textwrap.dedent(
-    r"""
-    import json, sys, time
-
-    def status_kib(key):
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-
-    import torch
-    torch.set_num_threads(2)  # per-thread stacks and arenas of a many-core CI box are not the model
-    import moepack
-    moepack.load_extension()
-    import moepack.convert_dir, moepack.routing  # everything convert imports, before the baseline
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        reset = True
-    except OSError:
-        reset = False
-    base = status_kib("VmRSS")
-    t0 = time.perf_counter()
-    r = moepack.convert(sys.argv[1], sys.argv[2])
-    print(json.dumps({"base_kib": base, "hwm_kib": status_kib("VmHWM"), "reset": reset,
-                      "seconds": time.perf_counter() - t0, "experts_bytes": r.experts_bytes, "layers": r.layers}))
-    """
-)
-
-
 def test_convert_streams_one_layer_at_most(synthetic_checkpoint, tmp_path):
     src, src_bytes = synthetic_checkpoint
     dst = tmp_path / "packed"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD_CONVERT, str(src), str(dst)], capture_output=True, text=True, env=env, timeout=120, check=False
+    r = peak_rss_child(
+        "import moepack.convert_dir, moepack.routing  # everything convert imports, before the baseline",
+        """
+        t0 = time.perf_counter()
+        c = moepack.convert(sys.argv[1], sys.argv[2])
+        result = {"seconds": time.perf_counter() - t0, "experts_bytes": c.experts_bytes, "layers": c.layers}
+        """,
+        [src, dst],
+        timeout=120,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["layers"] == SYNTH["layers"]
     m = json.loads((dst / MANIFEST).read_text())
     layer_bytes = max(sum(_nbytes(m["tensors"][t]) for t in e["tensors"].values()) for e in m["layers"])

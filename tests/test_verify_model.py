@@ -4,12 +4,7 @@ and it streams (its memory does not grow with the number of experts)."""
 
 from __future__ import annotations
 
-import json
-import os
 import shutil
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,10 +12,9 @@ import pytest
 import moepack
 from tests.fixtures_util import fixture_dir
 from tests.packdir_edit import edited, rewrite_tensor, set_element
-from tests.synthetic import mib
+from tests.synthetic import mib, peak_rss_child
 from tests.test_packdir_errors import cli
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -122,34 +116,6 @@ def test_a_difference_is_named_at_its_expert_whatever_the_block(packs, tmp_path,
     assert "tensor 'moepack.layers.1.w2' [expert 6, row 3, col 5] is 1.0" in msg and "in experts 6..6" in msg, msg
 
 
-CHILD_VERIFY = textwrap.dedent(
-    r"""
-    import json, sys
-
-    def status_kib(key):
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-
-    import torch
-    torch.set_num_threads(2)
-    import moepack, moepack.verify_dir, moepack.routing, moepack.convert_dir
-    moepack.load_extension()
-    moepack.verify_dir.BLOCK_BYTES = int(sys.argv[3])
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-        reset = True
-    except OSError:
-        reset = False
-    base = status_kib("VmRSS")
-    r = moepack.verify(sys.argv[1], source=sys.argv[2])
-    print(json.dumps({"ok": r.ok, "base_kib": base, "hwm_kib": status_kib("VmHWM"), "reset": reset}))
-    """
-)
-
-
 def _verify_growth(tmp_path: Path, experts: int, block_bytes: int) -> int:
     """Peak RSS growth (the child's own VmHWM) of verify --source on a one-layer synthetic model."""
     from tests.synthetic import write_synthetic_checkpoint
@@ -157,11 +123,15 @@ def _verify_growth(tmp_path: Path, experts: int, block_bytes: int) -> int:
     src, dst = tmp_path / f"src{experts}", tmp_path / f"dst{experts}"
     write_synthetic_checkpoint(src, layers=1, experts=experts, hidden=512, intermediate=256)
     moepack.convert(src, dst)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", CHILD_VERIFY, str(dst), str(src), str(block_bytes)],
-                          capture_output=True, text=True, env=env, timeout=300, check=False)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    r = peak_rss_child(
+        "import moepack.verify_dir, moepack.routing, moepack.convert_dir",
+        """
+        moepack.verify_dir.BLOCK_BYTES = int(sys.argv[3])
+        result = {"ok": moepack.verify(sys.argv[1], source=sys.argv[2]).ok}
+        """,
+        [dst, src, block_bytes],
+        timeout=300,
+    )
     assert r["ok"]
     return (r["hwm_kib"] - r["base_kib"]) * 1024
 
