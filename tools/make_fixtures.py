@@ -60,6 +60,14 @@ COMMON = dict(
     pad_token_id=0,
 )
 
+# The attention (MLA) and expert shapes both DeepSeek fixtures share; their routing differs.
+_DEEPSEEK_SHAPES = dict(
+    hidden_size=72, num_attention_heads=2, num_key_value_heads=2,
+    q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+    intermediate_size=96,  # dense MLP of layers < first_k_dense_replace
+    moe_intermediate_size=40, n_routed_experts=8, num_experts_per_tok=2,
+)
+
 # name -> spec. "config" is passed verbatim (with COMMON) to AutoConfig.for_model.
 # H = hidden_size (never a power of two nor a multiple of 32); the expert
 # intermediate size is a multiple of 8 but not of 32.
@@ -99,10 +107,7 @@ FIXTURES: dict[str, dict] = {
         model_type="deepseek_v3",
         dtype="bfloat16",
         config=dict(
-            hidden_size=72, num_attention_heads=2, num_key_value_heads=2,
-            q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-            intermediate_size=96,  # dense MLP of layers < first_k_dense_replace
-            moe_intermediate_size=40, n_routed_experts=8, num_experts_per_tok=2,
+            **_DEEPSEEK_SHAPES,
             n_group=2, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5,
             first_k_dense_replace=1, norm_topk_prob=True,
             # Not read by transformers' DeepseekV3 code (which hard-codes sigmoid +
@@ -119,10 +124,7 @@ FIXTURES: dict[str, dict] = {
         model_type="deepseek_v2",
         dtype="bfloat16",
         config=dict(
-            hidden_size=72, num_attention_heads=2, num_key_value_heads=2,
-            q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
-            intermediate_size=96,  # dense MLP of layers < first_k_dense_replace
-            moe_intermediate_size=40, n_routed_experts=8, num_experts_per_tok=2,
+            **_DEEPSEEK_SHAPES,
             # DeepseekV2TopkRouter: softmax, then group_limited_greedy (group score = the
             # group's max softmax score, keep topk_group of n_group groups), top-k, no
             # renormalisation (transformers defines norm_topk_prob=False and never reads
