@@ -127,15 +127,17 @@ struct MK : Avx512Base {
   static void unpack_u4(const uint8_t* codes, int64_t k0, int64_t kk, const uint8_t* z, uint16_t* out) {
     x86_avx512_u4::unpack_u4_avx512(codes, k0, kk, z, out);
   }
+  using U4A16Memo = x86_avx512_u4_bf16::U4A16Rows;
   static bool gemm_u4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const float* scale,
-                         const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+                         const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C, void* memo) {
     // From kU4AmxMinRows rows the tiles win: the unpack decodes each code once for all rows (the
     // decode kernel decodes it once per row pair), and the tiles' products cost next to nothing.
     if (fmt == RowFormat::bf16 && m >= kU4AmxMinRows &&
         gemm_u4a16_amx(reinterpret_cast<const uint16_t* const*>(rows), m, codes, scale, zero, gstride, kp, G, C)) {
       return true;
     }
-    return x86_avx512_u4_bf16::gemm_u4a16_bf16(fmt, rows, m, codes, scale, zero, gstride, kp, G, C);
+    return x86_avx512_u4_bf16::gemm_u4a16_bf16(fmt, rows, m, codes, scale, zero, gstride, kp, G, C,
+                                               static_cast<U4A16Memo*>(memo));
   }
 };
 

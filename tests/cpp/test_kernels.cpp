@@ -22,6 +22,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <array>
 #include <vector>
 
 #include "moepack/kernel.h"
@@ -1129,8 +1130,10 @@ void test_u4(const std::vector<Registrar>& regs) {
     const LayoutDesc& L = *Lp;
     for (const int mode : {kAct_a16, kAct_a8}) {
       for (const DType dt : {DType::bf16, DType::f32}) {
-        for (int T : {1, 3, 40}) {
-          const int E = 3, H = 200, I = 88, k = 2;
+        // H 200: partial last groups (the tile kernels); H 512, I 256, one token: groups that deal
+        // out evenly to the decode streams (4 and 2 segments)
+        for (const auto [T, H, I] : {std::array<int, 3>{1, 200, 88}, {3, 200, 88}, {40, 200, 88}, {1, 512, 256}}) {
+          const int E = 3, k = 2;
           std::mt19937_64 rng(seed++);
           std::normal_distribution<float> nd(0.0f, 1.0f);
           const int Ip = int(round_up(I, L.i_align)), Kp1 = int(round_up(H, 8)), Np2 = int(round_up(H, 32));
