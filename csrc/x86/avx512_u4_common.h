@@ -78,6 +78,9 @@ static inline void unpack_u4_avx512(const uint8_t* codes, int64_t k0, int64_t kk
   for (int64_t j = k0 / 8; j < (k0 + kk) / 8; ++j) {
     const __m512i* g = reinterpret_cast<const __m512i*>(codes + j * 128);
     uint16_t* o = out + (j * 8 - k0) / 2 * 64;  // pair (j*8 - k0)/2 .. +3 of the output, 64 words each
+    // the code stream 1 KiB ahead, into L2 (qwen3 T=512 W4A16 through tiles: 70 -> 48 ms)
+    _mm_prefetch(reinterpret_cast<const char*>(g) + kU4PrefetchBytes, _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(g) + kU4PrefetchBytes + 64, _MM_HINT_T1);
     for (int half = 0; half < 2; ++half) {
       __m512i p[4];
       u4_group_pairs(_mm512_loadu_si512(g + half), off[2 * half], off[2 * half + 1], table, p);

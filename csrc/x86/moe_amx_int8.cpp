@@ -82,6 +82,9 @@ static bool gemm_u4a8_amx(const int8_t* const* x, const float* rs, int m, const 
       for (int64_t j = k1 / 8; j < (k1 + kk) / 8; ++j) {
         const __m512i* src = reinterpret_cast<const __m512i*>(codes + j * 128);
         __m512i* dst = reinterpret_cast<__m512i*>(w + (j - k1 / 8) * 256);
+        // the code stream 1 KiB ahead, into L2 (qwen3 T=512: 65 -> 55 ms; 4 and 8 KiB ahead ~57)
+        _mm_prefetch(reinterpret_cast<const char*>(src) + x86_avx512_u4::kU4PrefetchBytes, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(src) + x86_avx512_u4::kU4PrefetchBytes + 64, _MM_HINT_T1);
         const __m512i v0 = _mm512_loadu_si512(src), v1 = _mm512_loadu_si512(src + 1);
         _mm512_store_si512(dst, _mm512_and_si512(v0, m4));
         _mm512_store_si512(dst + 1, _mm512_and_si512(v1, m4));
