@@ -27,22 +27,6 @@ static inline __m256i bcast32(const void* p) {
   return _mm256_set1_epi32(v);
 }
 
-// Sum of a row's s8 codes over [k0, k0 + kk) (kk a multiple of 8): psadbw on the codes offset to u8.
-static inline int32_t u4_row_sum(const int8_t* x, int64_t k0, int64_t kk) {
-  const __m256i flip = _mm256_set1_epi8(char(0x80));
-  __m256i s = _mm256_setzero_si256();
-  int64_t k = k0;
-  for (; k + 32 <= k0 + kk; k += 32) {
-    const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k)), flip);
-    s = _mm256_add_epi64(s, _mm256_sad_epu8(v, _mm256_setzero_si256()));
-  }
-  alignas(32) int64_t lanes[4];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), s);
-  int64_t total = -128 * (k - k0) + lanes[0] + lanes[1] + lanes[2] + lanes[3];
-  for (; k < k0 + kk; ++k) total += x[k];
-  return int32_t(total);
-}
-
 // The W4A8 integer core with vpmaddubsw (u4 codes as the unsigned operand, s8 rows; each i16
 // pair at most 2 x 15 x 128, the sum of the low- and high-nibble pairs at most 7680: exact) and
 // vpmaddwd: acc[r][q] (columns 8q..8q+7) += the K groups [j0, j1) of the block.
@@ -69,10 +53,13 @@ struct AccMaddubsU4 {
 
 // The fused W4A8 block GEMM (docs/SEMANTICS.md §3, moepack/reference.py int4_linear_a8_reference):
 // per group g, C += float(acc_g - z[g, n] * sum_g(x)) * s[g, n]; at the end C *= the row's
-// activation scale. Acc(x, codes, j0, j1, acc) adds the K groups [j0, j1) into acc[MR][4].
+// activation scale; sum_g(x) is xsum[r * ng + g], given (the driver's U4A8RowSums: summed
+// once per row, not per block). Acc(x, codes, j0, j1, acc) adds the K groups [j0, j1) into acc[MR][4].
 template <int MR, class Acc>
 static inline void gemm_u4a8_tile(const int8_t* const* x, const float* rs, const uint8_t* codes, const float* scale,
-                                  const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C, Acc acc_fn) {
+                                  const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, const int32_t* xsum, float* C,
+                                  Acc acc_fn) {
+  const int64_t ng = (kp + G - 1) / G;
   __m256 c[MR][4];
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < 4; ++q) c[r][q] = _mm256_setzero_ps();
@@ -85,7 +72,7 @@ static inline void gemm_u4a8_tile(const int8_t* const* x, const float* rs, const
     const uint8_t* z = zero + g * gstride;
     const float* s = scale + g * gstride;
     for (int r = 0; r < MR; ++r) {
-      const __m256i xs = _mm256_set1_epi32(u4_row_sum(x[r], k0, kk));
+      const __m256i xs = _mm256_set1_epi32(xsum[r * ng + g]);
       for (int q = 0; q < 4; ++q) {
         const __m256i zq = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(z + 8 * q)));
         const __m256i t = _mm256_sub_epi32(acc[r][q], _mm256_mullo_epi32(zq, xs));
@@ -102,10 +89,11 @@ static inline void gemm_u4a8_tile(const int8_t* const* x, const float* rs, const
 // Rows two at a time (the accumulators and the row broadcasts fill the 16 ymm), then one.
 template <template <int> class AccT>
 static inline void gemm_u4a8_rows(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
-                                  const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+                                  const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, const int32_t* xsum, float* C) {
+  const int64_t ng = (kp + G - 1) / G;
   int i = 0;
-  for (; i + 2 <= m; i += 2) gemm_u4a8_tile<2>(x + i, rs + i, codes, scale, zero, gstride, kp, G, C + i * 32, AccT<2>{});
-  if (i < m) gemm_u4a8_tile<1>(x + i, rs + i, codes, scale, zero, gstride, kp, G, C + i * 32, AccT<1>{});
+  for (; i + 2 <= m; i += 2) gemm_u4a8_tile<2>(x + i, rs + i, codes, scale, zero, gstride, kp, G, xsum + i * ng, C + i * 32, AccT<2>{});
+  if (i < m) gemm_u4a8_tile<1>(x + i, rs + i, codes, scale, zero, gstride, kp, G, xsum + i * ng, C + i * 32, AccT<1>{});
 }
 
 // The integer core as the test hook sees it (U4BlockDotFn): acc[i * 32 + n] over K [k0, k0 + kk).

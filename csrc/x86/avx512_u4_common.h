@@ -94,22 +94,6 @@ static inline void unpack_u4_avx512(const uint8_t* codes, int64_t k0, int64_t kk
   }
 }
 
-// Sum of a row's s8 codes over [k0, k0 + kk) (kk a multiple of 8).
-static inline int32_t u4_row_sum(const int8_t* x, int64_t k0, int64_t kk) {
-  const __m512i flip = _mm512_set1_epi8(char(0x80));
-  __m512i s = _mm512_setzero_si512();
-  int64_t k = k0;
-  for (; k + 64 <= k0 + kk; k += 64) {
-    s = _mm512_add_epi64(s, _mm512_sad_epu8(_mm512_xor_si512(_mm512_loadu_si512(x + k), flip), _mm512_setzero_si512()));
-  }
-  alignas(64) int64_t lanes[8];
-  _mm512_store_si512(lanes, s);
-  int64_t total = -128 * (k - k0);
-  for (int i = 0; i < 8; ++i) total += lanes[i];
-  for (; k < k0 + kk; ++k) total += x[k];
-  return int32_t(total);
-}
-
 // The W4A8 integer core with vpmaddubsw (u8 codes x s8 rows -> i16 pairs, exact: 2 x 15 x 128)
 // and vpmaddwd: acc[r][h] (16 columns each) += the K groups [j0, j1) of the block.
 template <int MR>
@@ -154,10 +138,13 @@ static inline void u4a8_group_add(const U4GroupParams& p, __m512i a0, __m512i a1
 
 // The fused W4A8 block GEMM (docs/SEMANTICS.md §3, moepack/reference.py int4_linear_a8_reference):
 // per group g, C += float(acc_g - z[g, n] * sum_g(x)) * s[g, n]; at the end C *= the row's
-// activation scale. Acc(MR, x, codes, j0, j1, acc) adds the K groups [j0, j1) into acc[MR][2].
+// activation scale; sum_g(x) is xsum[r * ng + g], given (the driver's U4A8RowSums: summed
+// once per row, not per block). Acc(MR, x, codes, j0, j1, acc) adds the K groups [j0, j1) into acc[MR][2].
 template <int MR, class Acc>
 static inline void gemm_u4a8_tile(const int8_t* const* x, const float* rs, const uint8_t* codes, const float* scale,
-                                  const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C, Acc acc_fn) {
+                                  const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, const int32_t* xsum, float* C,
+                                  Acc acc_fn) {
+  const int64_t ng = (kp + G - 1) / G;
   __m512 c[MR][2];
   for (int r = 0; r < MR; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
   for (int64_t g = 0, k0 = 0; k0 < kp; ++g, k0 += G) {
@@ -166,7 +153,7 @@ static inline void gemm_u4a8_tile(const int8_t* const* x, const float* rs, const
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
     acc_fn(x, codes, k0 / 8, (k0 + kk) / 8, acc);
     const U4GroupParams p = u4_group_params(zero, scale, gstride, g);
-    for (int r = 0; r < MR; ++r) u4a8_group_add(p, acc[r][0], acc[r][1], u4_row_sum(x[r], k0, kk), c[r][0], c[r][1]);
+    for (int r = 0; r < MR; ++r) u4a8_group_add(p, acc[r][0], acc[r][1], xsum[r * ng + g], c[r][0], c[r][1]);
   }
   for (int r = 0; r < MR; ++r) {
     const __m512 a = _mm512_set1_ps(rs[r]);
@@ -178,13 +165,14 @@ static inline void gemm_u4a8_tile(const int8_t* const* x, const float* rs, const
 // Rows in tiles of up to 4 (acc[4][2] + the weights' 4 registers fit the 32 zmm).
 template <template <int> class AccT>
 static inline void gemm_u4a8_rows(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
-                                  const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+                                  const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, const int32_t* xsum, float* C) {
+  const int64_t ng = (kp + G - 1) / G;
   int i = 0;
-  for (; i + 4 <= m; i += 4) gemm_u4a8_tile<4>(x + i, rs + i, codes, scale, zero, gstride, kp, G, C + i * 32, AccT<4>{});
+  for (; i + 4 <= m; i += 4) gemm_u4a8_tile<4>(x + i, rs + i, codes, scale, zero, gstride, kp, G, xsum + i * ng, C + i * 32, AccT<4>{});
   switch (m - i) {
-    case 3: gemm_u4a8_tile<3>(x + i, rs + i, codes, scale, zero, gstride, kp, G, C + i * 32, AccT<3>{}); break;
-    case 2: gemm_u4a8_tile<2>(x + i, rs + i, codes, scale, zero, gstride, kp, G, C + i * 32, AccT<2>{}); break;
-    case 1: gemm_u4a8_tile<1>(x + i, rs + i, codes, scale, zero, gstride, kp, G, C + i * 32, AccT<1>{}); break;
+    case 3: gemm_u4a8_tile<3>(x + i, rs + i, codes, scale, zero, gstride, kp, G, xsum + i * ng, C + i * 32, AccT<3>{}); break;
+    case 2: gemm_u4a8_tile<2>(x + i, rs + i, codes, scale, zero, gstride, kp, G, xsum + i * ng, C + i * 32, AccT<2>{}); break;
+    case 1: gemm_u4a8_tile<1>(x + i, rs + i, codes, scale, zero, gstride, kp, G, xsum + i * ng, C + i * 32, AccT<1>{}); break;
     default: break;
   }
 }

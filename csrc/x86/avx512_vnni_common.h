@@ -155,7 +155,7 @@ struct AccVnniU4 {
 // when the groups cannot be dealt out evenly (ng % S, or a partial last group).
 template <int MR, int S>
 static inline bool gemm_u4a8_streams(const int8_t* const* x, const float* rs, const uint8_t* codes, const float* scale,
-                                     const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+                                     const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, const int32_t* xsum, float* C) {
   const int64_t ng = (kp + G - 1) / G;
   if (ng > 1 && (kp % G || ng % S)) return false;
   const __m512i m4 = _mm512_set1_epi8(0x0F);
@@ -189,7 +189,7 @@ static inline bool gemm_u4a8_streams(const int8_t* const* x, const float* rs, co
         s0 = _mm512_add_epi32(s0, a[u][r][0]);
         s1 = _mm512_add_epi32(s1, a[u][r][1]);
       }
-      x86_avx512_u4::u4a8_group_add(p, s0, s1, x86_avx512_u4::u4_row_sum(x[r], 0, kp), c[r][0], c[r][1]);
+      x86_avx512_u4::u4a8_group_add(p, s0, s1, xsum[r], c[r][0], c[r][1]);
     }
   } else {
     const int64_t rounds = ng / S, gj = G / 8;
@@ -211,8 +211,7 @@ static inline bool gemm_u4a8_streams(const int8_t* const* x, const float* rs, co
         const int64_t g = u * rounds + t;
         const x86_avx512_u4::U4GroupParams p = x86_avx512_u4::u4_group_params(zero, scale, gstride, g);
         for (int r = 0; r < MR; ++r) {
-          x86_avx512_u4::u4a8_group_add(p, a[u][r][0], a[u][r][1], x86_avx512_u4::u4_row_sum(x[r], g * G, G), c[r][0],
-                                        c[r][1]);
+          x86_avx512_u4::u4a8_group_add(p, a[u][r][0], a[u][r][1], xsum[r * ng + g], c[r][0], c[r][1]);
         }
       }
     }
@@ -228,16 +227,16 @@ static inline bool gemm_u4a8_streams(const int8_t* const* x, const float* rs, co
 // The W4A8 block GEMM of the VNNI levels: decode rows through the streams where the groups deal
 // out evenly, everything else through gemm_u4a8_tile with AccVnniU4.
 static inline void gemm_u4a8_vnni(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
-                                  const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
-  if (m == 1 && (gemm_u4a8_streams<1, 4>(x, rs, codes, scale, zero, gstride, kp, G, C) ||
-                 gemm_u4a8_streams<1, 2>(x, rs, codes, scale, zero, gstride, kp, G, C))) {
+                                  const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, const int32_t* xsum, float* C) {
+  if (m == 1 && (gemm_u4a8_streams<1, 4>(x, rs, codes, scale, zero, gstride, kp, G, xsum, C) ||
+                 gemm_u4a8_streams<1, 2>(x, rs, codes, scale, zero, gstride, kp, G, xsum, C))) {
     return;
   }
-  if (m == 2 && (gemm_u4a8_streams<2, 4>(x, rs, codes, scale, zero, gstride, kp, G, C) ||
-                 gemm_u4a8_streams<2, 2>(x, rs, codes, scale, zero, gstride, kp, G, C))) {
+  if (m == 2 && (gemm_u4a8_streams<2, 4>(x, rs, codes, scale, zero, gstride, kp, G, xsum, C) ||
+                 gemm_u4a8_streams<2, 2>(x, rs, codes, scale, zero, gstride, kp, G, xsum, C))) {
     return;
   }
-  x86_avx512_u4::gemm_u4a8_rows<AccVnniU4>(x, rs, m, codes, scale, zero, gstride, kp, G, C);
+  x86_avx512_u4::gemm_u4a8_rows<AccVnniU4>(x, rs, m, codes, scale, zero, gstride, kp, G, xsum, C);
 }
 }  // namespace
 }  // namespace x86_avx512_vnni

@@ -65,7 +65,8 @@ MOEPACK_AMX_DP(DpS8U8, _tile_dpbsud);
 // (a group size that is not a multiple of 64).
 constexpr int64_t kU4TileStepK = 256;
 static bool gemm_u4a8_amx(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
-                          const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+                          const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, const int32_t* xsum, float* C) {
+  const int64_t ng = (kp + G - 1) / G;
   const int64_t stride = x[1] - x[0];
   if (m > kMaxRows || (G != kp && G % 64) || stride < kp || x[m - 1] != x[0] + int64_t(m - 1) * stride) return false;
   alignas(64) uint8_t w[kU4TileStepK / 4 * 128];
@@ -105,7 +106,7 @@ static bool gemm_u4a8_amx(const int8_t* const* x, const float* rs, int m, const 
       float* ci = C + int64_t(i) * 32;
       __m512 c0 = _mm512_loadu_ps(ci), c1 = _mm512_loadu_ps(ci + 16);
       x86_avx512_u4::u4a8_group_add(p, _mm512_loadu_si512(a), _mm512_loadu_si512(a + 16),
-                                    x86_avx512_u4::u4_row_sum(x[i], k0, kend - k0), c0, c1);
+                                    xsum[i * ng + g], c0, c1);
       _mm512_storeu_ps(ci, c0);
       _mm512_storeu_ps(ci + 16, c1);
     }
@@ -145,9 +146,9 @@ struct MK : Avx512Base {
   // int4_group layouts: the W4A8 fused block GEMM (tiles for chunks of kAmxMinRows+ rows as one
   // matrix, else vpdpbusd) and its integer core (vpdpbusd).
   static void gemm_u4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
-                        const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
-    if (m >= kAmxMinRows && gemm_u4a8_amx(x, rs, m, codes, scale, zero, gstride, kp, G, C)) return;
-    gemm_u4a8_vnni(x, rs, m, codes, scale, zero, gstride, kp, G, C);
+                        const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, const int32_t* xsum, float* C) {
+    if (m >= kAmxMinRows && gemm_u4a8_amx(x, rs, m, codes, scale, zero, gstride, kp, G, xsum, C)) return;
+    gemm_u4a8_vnni(x, rs, m, codes, scale, zero, gstride, kp, G, xsum, C);
   }
   static void dot_u4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
     x86_avx512_u4::dot_u4_rows<AccVnniU4>(x, m, codes, k0, kk, acc);

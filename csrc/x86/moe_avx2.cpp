@@ -174,8 +174,9 @@ struct MK : x86_avx2::Avx2Elementwise {
   // ---- int4_group layouts (avx2_u4_common.h): W4A8 with vpmaddubsw; W4A16 with fp32 rows, one
   // row straight from the codes, more rows through the SIMD unpack to dense bf16 blocks.
   static void gemm_u4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
-                        const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
-    x86_avx2_u4::gemm_u4a8_rows<x86_avx2_u4::AccMaddubsU4>(x, rs, m, codes, scale, zero, gstride, kp, G, C);
+                        const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, const int32_t* xsum,
+                        float* C) {
+    x86_avx2_u4::gemm_u4a8_rows<x86_avx2_u4::AccMaddubsU4>(x, rs, m, codes, scale, zero, gstride, kp, G, xsum, C);
   }
   static void dot_u4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
     x86_avx2_u4::dot_u4_rows<x86_avx2_u4::AccMaddubsU4>(x, m, codes, k0, kk, acc);

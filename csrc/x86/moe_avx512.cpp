@@ -38,8 +38,9 @@ struct MK : Avx512Base {
 
   // int4_group layouts: the W4A8 fused block GEMM and its integer core, the W4A16 unpack.
   static void gemm_u4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
-                        const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
-    x86_avx512_u4::gemm_u4a8_rows<x86_avx512_u4::AccBw>(x, rs, m, codes, scale, zero, gstride, kp, G, C);
+                        const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, const int32_t* xsum,
+                        float* C) {
+    x86_avx512_u4::gemm_u4a8_rows<x86_avx512_u4::AccBw>(x, rs, m, codes, scale, zero, gstride, kp, G, xsum, C);
   }
   static void dot_u4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
     x86_avx512_u4::dot_u4_rows<x86_avx512_u4::AccBw>(x, m, codes, k0, kk, acc);
