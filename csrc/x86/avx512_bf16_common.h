@@ -41,8 +41,7 @@ static inline void gemm_bf16_streams(const uint16_t* const* x, const uint16_t* B
   for (int r = 0; r < MR; ++r)
     for (int u = 0; u < S; ++u) a[r][u][0] = a[r][u][1] = _mm512_setzero_ps();
   const __m512i* b = reinterpret_cast<const __m512i*>(B);
-  for_k_streams<S>(kp / 2, [&](int u, int64_t k) {
-    prefetch_stream(b + 2 * k, 2);
+  for_k_streams<S>(kp / 2, B, 128, 2, [&](int u, int64_t k) {
     const __m512bh w0 = as_bh(_mm512_loadu_si512(b + 2 * k)), w1 = as_bh(_mm512_loadu_si512(b + 2 * k + 1));
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {

@@ -165,7 +165,6 @@ static inline bool gemm_u4a16_bf16_streams(const uint16_t* const* xp, const floa
   const __m512i* b = reinterpret_cast<const __m512i*>(codes);
   __m512 a[S][MR][2][P];
   auto step = [&](int u, int64_t j) {
-    prefetch_stream(b + 2 * j, 2);
     __m512i q[2][4];
     u4a16_step_codes(b + 2 * j, q);
 #pragma GCC unroll 4
@@ -192,7 +191,7 @@ static inline bool gemm_u4a16_bf16_streams(const uint16_t* const* xp, const floa
   for (int r = 0; r < MR; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
   if (ng == 1) {
     clear();
-    for_k_streams<S>(kp / 8, step);
+    for_k_streams<S>(kp / 8, codes, 128, 2, step);
     for (int r = 0; r < MR; ++r) {
       __m512 t0 = half(0, r, 0), t1 = half(0, r, 1);
       for (int u = 1; u < S; ++u) {
@@ -202,7 +201,7 @@ static inline bool gemm_u4a16_bf16_streams(const uint16_t* const* xp, const floa
       u4a16_group_add(scale, zero, 0, gsum[r][0], t0, t1, c[r][0], c[r][1]);
     }
   } else {
-    const int64_t rounds = ng / S, gj = G / 8;
+    const int64_t rounds = ng / S, gj = G / 8, seg_bytes = rounds * G * 16;  // a segment's bytes of codes
     for (int64_t t = 0; t < rounds; ++t) {
       clear();
       for (int u = 0; u < S; ++u) {  // the next round's scale and zero rows (past the last: the next block's)
@@ -213,7 +212,11 @@ static inline bool gemm_u4a16_bf16_streams(const uint16_t* const* xp, const floa
       }
       for (int64_t jj = 0; jj < gj; ++jj) {
 #pragma GCC unroll 4
-        for (int u = 0; u < S; ++u) step(u, (u * rounds + t) * gj + jj);
+        for (int u = 0; u < S; ++u) {
+          const int64_t j = (u * rounds + t) * gj + jj;
+          prefetch_segment(codes, j * 128, (u + 1) * seg_bytes, kp * 16 - seg_bytes, 2);
+          step(u, j);
+        }
       }
       for (int u = 0; u < S; ++u) {
         const int64_t g = u * rounds + t;

@@ -52,8 +52,7 @@ static inline void gemm_i8_streams(const int8_t* const* x, const int8_t* B, int6
   for (int r = 0; r < MR; ++r)
     for (int u = 0; u < S; ++u) a[r][u][0] = a[r][u][1] = _mm512_setzero_si512();
   const __m512i* b = reinterpret_cast<const __m512i*>(B);
-  for_k_streams<S>(kp / 4, [&](int u, int64_t k) {
-    prefetch_stream(b + 2 * k, 2);
+  for_k_streams<S>(kp / 4, B, 128, 2, [&](int u, int64_t k) {
     const __m512i w0 = _mm512_loadu_si512(b + 2 * k), w1 = _mm512_loadu_si512(b + 2 * k + 1);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
@@ -162,7 +161,6 @@ static inline bool gemm_u4a8_streams(const int8_t* const* x, const float* rs, co
   const __m512i* b = reinterpret_cast<const __m512i*>(codes);
   __m512i a[S][MR][2];
   auto step = [&](int u, int64_t j) {
-    prefetch_stream(b + 2 * j, 2);
     const __m512i w0 = _mm512_loadu_si512(b + 2 * j), w1 = _mm512_loadu_si512(b + 2 * j + 1);
     const __m512i l0 = _mm512_and_si512(w0, m4), h0 = _mm512_and_si512(_mm512_srli_epi16(w0, 4), m4);
     const __m512i l1 = _mm512_and_si512(w1, m4), h1 = _mm512_and_si512(_mm512_srli_epi16(w1, 4), m4);
@@ -181,7 +179,7 @@ static inline bool gemm_u4a8_streams(const int8_t* const* x, const float* rs, co
   for (int r = 0; r < MR; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
   if (ng == 1) {
     clear();
-    for_k_streams<S>(kp / 8, step);
+    for_k_streams<S>(kp / 8, codes, 128, 2, step);
     const x86_avx512_u4::U4GroupParams p = x86_avx512_u4::u4_group_params(zero, scale, gstride, 0);
     for (int r = 0; r < MR; ++r) {
       __m512i s0 = a[0][r][0], s1 = a[0][r][1];
@@ -192,20 +190,24 @@ static inline bool gemm_u4a8_streams(const int8_t* const* x, const float* rs, co
       x86_avx512_u4::u4a8_group_add(p, s0, s1, xsum[r], c[r][0], c[r][1]);
     }
   } else {
-    const int64_t rounds = ng / S, gj = G / 8;
+    const int64_t rounds = ng / S, gj = G / 8, seg_bytes = rounds * G * 16;  // a segment's bytes of codes
     for (int64_t t = 0; t < rounds; ++t) {
       clear();
-      if (t + 1 < rounds) {  // the next round's scale and zero rows: one line each a page apart, not streamed
-        for (int u = 0; u < S; ++u) {
-          const int64_t g = u * rounds + t + 1;
-          _mm_prefetch(reinterpret_cast<const char*>(scale + g * gstride), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(scale + g * gstride + 16), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(zero + g * gstride), _MM_HINT_T0);
-        }
+      // The next round's scale and zero rows (one line each, a page apart: not streamed); past the
+      // last round, the next block's first ones (32 columns on in the same rows).
+      for (int u = 0; u < S; ++u) {
+        const int64_t off = t + 1 < rounds ? (u * rounds + t + 1) * gstride : u * rounds * gstride + 32;
+        _mm_prefetch(reinterpret_cast<const char*>(scale + off), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(scale + off + 16), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(zero + off), _MM_HINT_T0);
       }
       for (int64_t jj = 0; jj < gj; ++jj) {
 #pragma GCC unroll 4
-        for (int u = 0; u < S; ++u) step(u, (u * rounds + t) * gj + jj);
+        for (int u = 0; u < S; ++u) {
+          const int64_t j = (u * rounds + t) * gj + jj;
+          prefetch_segment(codes, j * 128, (u + 1) * seg_bytes, kp * 16 - seg_bytes, 2);
+          step(u, j);
+        }
       }
       for (int u = 0; u < S; ++u) {
         const int64_t g = u * rounds + t;
