@@ -201,29 +201,10 @@ static inline bool gemm_u4a16_bf16_streams(const uint16_t* const* xp, const floa
       u4a16_group_add(scale, zero, 0, gsum[r][0], t0, t1, c[r][0], c[r][1]);
     }
   } else {
-    const int64_t rounds = ng / S, gj = G / 8, seg_bytes = rounds * G * 16;  // a segment's bytes of codes
-    for (int64_t t = 0; t < rounds; ++t) {
-      clear();
-      for (int u = 0; u < S; ++u) {  // the next round's scale and zero rows (past the last: the next block's)
-        const int64_t off = t + 1 < rounds ? (u * rounds + t + 1) * gstride : u * rounds * gstride + 32;
-        _mm_prefetch(reinterpret_cast<const char*>(scale + off), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(scale + off + 16), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(zero + off), _MM_HINT_T0);
-      }
-      for (int64_t jj = 0; jj < gj; ++jj) {
-#pragma GCC unroll 4
-        for (int u = 0; u < S; ++u) {
-          const int64_t j = (u * rounds + t) * gj + jj;
-          prefetch_segment(codes, j * 128, (u + 1) * seg_bytes, kp * 16 - seg_bytes, 2);
-          step(u, j);
-        }
-      }
-      for (int u = 0; u < S; ++u) {
-        const int64_t g = u * rounds + t;
-        for (int r = 0; r < MR; ++r)
-          u4a16_group_add(scale, zero, g * gstride, gsum[r][g], half(u, r, 0), half(u, r, 1), c[r][0], c[r][1]);
-      }
-    }
+    for_group_streams<S>(codes, scale, zero, gstride, kp, G, clear, step, [&](int u, int64_t g) {
+      for (int r = 0; r < MR; ++r)
+        u4a16_group_add(scale, zero, g * gstride, gsum[r][g], half(u, r, 0), half(u, r, 1), c[r][0], c[r][1]);
+    });
   }
   for (int r = 0; r < MR; ++r) {
     _mm512_storeu_ps(C + r * 32, c[r][0]);

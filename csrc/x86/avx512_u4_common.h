@@ -94,6 +94,37 @@ static inline void unpack_u4_avx512(const uint8_t* codes, int64_t k0, int64_t kk
   }
 }
 
+// The grouped decode streams of the int4 kernels (gemm_u4a8_streams, gemm_u4a16_bf16_streams with
+// ng = kp / G > 1 groups, ng % S == 0): the block's groups dealt to S segments of ng / S; round t
+// runs begin(), then group u * (ng / S) + t of every segment u, its K steps interleaved across the
+// segments (step(u, j) for K step j, each prefetched by prefetch_segment), then end(u, g) for
+// each segment's group g. Each round first prefetches the next round's scale and zero rows (one
+// line each, a page apart: not streamed); past the last round, the next block's first ones (32
+// columns on in the same rows).
+template <int S, class Begin, class Step, class End>
+static inline void for_group_streams(const uint8_t* codes, const float* scale, const uint8_t* zero, int64_t gstride,
+                                     int64_t kp, int64_t G, Begin&& begin, Step&& step, End&& end) {
+  const int64_t rounds = kp / G / S, gj = G / 8, seg_bytes = rounds * G * 16;  // a segment's bytes of codes
+  for (int64_t t = 0; t < rounds; ++t) {
+    begin();
+    for (int u = 0; u < S; ++u) {
+      const int64_t off = t + 1 < rounds ? (u * rounds + t + 1) * gstride : u * rounds * gstride + 32;
+      _mm_prefetch(reinterpret_cast<const char*>(scale + off), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(scale + off + 16), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(zero + off), _MM_HINT_T0);
+    }
+    for (int64_t jj = 0; jj < gj; ++jj) {
+#pragma GCC unroll 4
+      for (int u = 0; u < S; ++u) {
+        const int64_t j = (u * rounds + t) * gj + jj;
+        prefetch_segment(codes, j * 128, (u + 1) * seg_bytes, kp * 16 - seg_bytes, 2);
+        step(u, j);
+      }
+    }
+    for (int u = 0; u < S; ++u) end(u, u * rounds + t);
+  }
+}
+
 // The W4A8 integer core with vpmaddubsw (u8 codes x s8 rows -> i16 pairs, exact: 2 x 15 x 128)
 // and vpmaddwd: acc[r][h] (16 columns each) += the K groups [j0, j1) of the block.
 template <int MR>

@@ -190,33 +190,10 @@ static inline bool gemm_u4a8_streams(const int8_t* const* x, const float* rs, co
       x86_avx512_u4::u4a8_group_add(p, s0, s1, xsum[r], c[r][0], c[r][1]);
     }
   } else {
-    const int64_t rounds = ng / S, gj = G / 8, seg_bytes = rounds * G * 16;  // a segment's bytes of codes
-    for (int64_t t = 0; t < rounds; ++t) {
-      clear();
-      // The next round's scale and zero rows (one line each, a page apart: not streamed); past the
-      // last round, the next block's first ones (32 columns on in the same rows).
-      for (int u = 0; u < S; ++u) {
-        const int64_t off = t + 1 < rounds ? (u * rounds + t + 1) * gstride : u * rounds * gstride + 32;
-        _mm_prefetch(reinterpret_cast<const char*>(scale + off), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(scale + off + 16), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(zero + off), _MM_HINT_T0);
-      }
-      for (int64_t jj = 0; jj < gj; ++jj) {
-#pragma GCC unroll 4
-        for (int u = 0; u < S; ++u) {
-          const int64_t j = (u * rounds + t) * gj + jj;
-          prefetch_segment(codes, j * 128, (u + 1) * seg_bytes, kp * 16 - seg_bytes, 2);
-          step(u, j);
-        }
-      }
-      for (int u = 0; u < S; ++u) {
-        const int64_t g = u * rounds + t;
-        const x86_avx512_u4::U4GroupParams p = x86_avx512_u4::u4_group_params(zero, scale, gstride, g);
-        for (int r = 0; r < MR; ++r) {
-          x86_avx512_u4::u4a8_group_add(p, a[u][r][0], a[u][r][1], xsum[r * ng + g], c[r][0], c[r][1]);
-        }
-      }
-    }
+    x86_avx512_u4::for_group_streams<S>(codes, scale, zero, gstride, kp, G, clear, step, [&](int u, int64_t g) {
+      const x86_avx512_u4::U4GroupParams p = x86_avx512_u4::u4_group_params(zero, scale, gstride, g);
+      for (int r = 0; r < MR; ++r) x86_avx512_u4::u4a8_group_add(p, a[u][r][0], a[u][r][1], xsum[r * ng + g], c[r][0], c[r][1]);
+    });
   }
   for (int r = 0; r < MR; ++r) {
     const __m512 s = _mm512_set1_ps(rs[r]);
