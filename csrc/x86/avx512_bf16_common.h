@@ -14,12 +14,15 @@ using namespace x86_avx512;
 static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
 // ---- bf16 rows: vdpbf16ps ------------------------------------------------------------------
+// `nl`: the next block's lines this tile prefetches (NextLines).
 template <int MR>
-static inline void gemm_bf16_tile(const uint16_t* const* x, const uint16_t* B, int64_t kp, float* C) {
+static inline void gemm_bf16_tile(const uint16_t* const* x, const uint16_t* B, int64_t kp, float* C, NextLines nl = {}) {
   __m512 acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const __m512i* b = reinterpret_cast<const __m512i*>(B);
+  const bool two = nl.lines > kp / 2;
   for (int64_t kk = 0; kk < kp / 2; ++kk, b += 2) {
+    next_lines_step(nl, two);
     const __m512bh w0 = as_bh(_mm512_loadu_si512(b)), w1 = as_bh(_mm512_loadu_si512(b + 1));
     for (int r = 0; r < MR; ++r) {
       const __m512bh xr = as_bh(_mm512_set1_epi32(int(load_u32(x[r] + 2 * kk))));
@@ -65,8 +68,10 @@ static inline void gemm_bf16_row(const uint16_t* x, const uint16_t* B, int64_t k
   gemm_bf16_streams<1, 4>(&x, B, kp, C);
 }
 
-// C[m, 32] for one 32-column block of bf16 rows (row pointers), m <= kChunkM.
-static inline void gemm_bf16_rows(const uint16_t* const* x, int m, const uint16_t* B, int64_t kp, float* C) {
+// C[m, 32] for one 32-column block of bf16 rows (row pointers), m <= kChunkM; the tiles prefetch
+// `next` (the worker's next block) between them.
+static inline void gemm_bf16_rows(const uint16_t* const* x, int m, const uint16_t* B, int64_t kp, float* C,
+                                  NextLines next = {}) {
   switch (m) {  // decode: 8 or 16 accumulators over 4 or 2 streams
     case 1: return gemm_bf16_streams<1, 4>(x, B, kp, C);
     case 2: return gemm_bf16_streams<2, 4>(x, B, kp, C);
@@ -74,15 +79,17 @@ static inline void gemm_bf16_rows(const uint16_t* const* x, int m, const uint16_
     case 4: return gemm_bf16_streams<4, 2>(x, B, kp, C);
     default: break;
   }
+  const int tiles = (m + 7) / 8;
   int i = 0;
-  for (; i + 8 <= m; i += 8) gemm_bf16_tile<8>(x + i, B, kp, C + i * 32);
+  for (; i + 8 <= m; i += 8) gemm_bf16_tile<8>(x + i, B, kp, C + i * 32, next.share(i / 8, tiles));
+  const NextLines nl = next.share(i / 8, tiles);
   switch (m - i) {
-    case 7: gemm_bf16_tile<7>(x + i, B, kp, C + i * 32); break;
-    case 6: gemm_bf16_tile<6>(x + i, B, kp, C + i * 32); break;
-    case 5: gemm_bf16_tile<5>(x + i, B, kp, C + i * 32); break;
-    case 4: gemm_bf16_tile<4>(x + i, B, kp, C + i * 32); break;
-    case 3: gemm_bf16_tile<3>(x + i, B, kp, C + i * 32); break;
-    case 2: gemm_bf16_tile<2>(x + i, B, kp, C + i * 32); break;
+    case 7: gemm_bf16_tile<7>(x + i, B, kp, C + i * 32, nl); break;
+    case 6: gemm_bf16_tile<6>(x + i, B, kp, C + i * 32, nl); break;
+    case 5: gemm_bf16_tile<5>(x + i, B, kp, C + i * 32, nl); break;
+    case 4: gemm_bf16_tile<4>(x + i, B, kp, C + i * 32, nl); break;
+    case 3: gemm_bf16_tile<3>(x + i, B, kp, C + i * 32, nl); break;
+    case 2: gemm_bf16_tile<2>(x + i, B, kp, C + i * 32, nl); break;
     case 1: gemm_bf16_row(x[i], B, kp, C + i * 32); break;
     default: break;
   }

@@ -22,12 +22,16 @@ using namespace x86_avx512;
 // saturating (it is vpdpbusds that saturates); int32 wraparound cancels in the subtraction.
 // kRowXor: what the row's code words are XORed with before use: 0 for rows stored as u8 = q + 128,
 // 0x80808080 for signed rows (q ^ 0x80 = q + 128 as u8: the same arithmetic, encoded on the fly).
+// `nl`: the next block's lines this tile prefetches (NextLines).
 template <int MR, uint32_t kRowXor = 0>
-static inline void gemm_i8_tile(const int8_t* const* x, const int8_t* B, int64_t kp, const int32_t* colsum, int32_t* C) {
+static inline void gemm_i8_tile(const int8_t* const* x, const int8_t* B, int64_t kp, const int32_t* colsum, int32_t* C,
+                                NextLines nl = {}) {
   __m512i acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
   const __m512i* b = reinterpret_cast<const __m512i*>(B);
+  const bool two = nl.lines > kp / 4;
   for (int64_t kq = 0; kq < kp / 4; ++kq, b += 2) {
+    next_lines_step(nl, two);
     const __m512i w0 = _mm512_loadu_si512(b), w1 = _mm512_loadu_si512(b + 1);
     for (int r = 0; r < MR; ++r) {
       uint32_t v;
@@ -85,7 +89,7 @@ static inline void gemm_i8_row(const int8_t* x, const int8_t* B, int64_t kp, con
 // kRowXor = 0, signed codes when kRowXor = 0x80808080), m <= 64.
 template <uint32_t kRowXor = 0>
 static inline void gemm_i8_vnni_rows(const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t* colsum,
-                                     int32_t* C) {
+                                     int32_t* C, NextLines next = {}) {
   switch (m) {  // decode: 8 or 16 accumulators over 4 or 2 streams
     case 1: return gemm_i8_streams<1, 4, kRowXor>(x, B, kp, colsum, C);
     case 2: return gemm_i8_streams<2, 4, kRowXor>(x, B, kp, colsum, C);
@@ -93,15 +97,17 @@ static inline void gemm_i8_vnni_rows(const int8_t* const* x, int m, const int8_t
     case 4: return gemm_i8_streams<4, 2, kRowXor>(x, B, kp, colsum, C);
     default: break;
   }
+  const int tiles = (m + 7) / 8;
   int i = 0;
-  for (; i + 8 <= m; i += 8) gemm_i8_tile<8, kRowXor>(x + i, B, kp, colsum, C + i * 32);
+  for (; i + 8 <= m; i += 8) gemm_i8_tile<8, kRowXor>(x + i, B, kp, colsum, C + i * 32, next.share(i / 8, tiles));
+  const NextLines nl = next.share(i / 8, tiles);
   switch (m - i) {
-    case 7: gemm_i8_tile<7, kRowXor>(x + i, B, kp, colsum, C + i * 32); break;
-    case 6: gemm_i8_tile<6, kRowXor>(x + i, B, kp, colsum, C + i * 32); break;
-    case 5: gemm_i8_tile<5, kRowXor>(x + i, B, kp, colsum, C + i * 32); break;
-    case 4: gemm_i8_tile<4, kRowXor>(x + i, B, kp, colsum, C + i * 32); break;
-    case 3: gemm_i8_tile<3, kRowXor>(x + i, B, kp, colsum, C + i * 32); break;
-    case 2: gemm_i8_tile<2, kRowXor>(x + i, B, kp, colsum, C + i * 32); break;
+    case 7: gemm_i8_tile<7, kRowXor>(x + i, B, kp, colsum, C + i * 32, nl); break;
+    case 6: gemm_i8_tile<6, kRowXor>(x + i, B, kp, colsum, C + i * 32, nl); break;
+    case 5: gemm_i8_tile<5, kRowXor>(x + i, B, kp, colsum, C + i * 32, nl); break;
+    case 4: gemm_i8_tile<4, kRowXor>(x + i, B, kp, colsum, C + i * 32, nl); break;
+    case 3: gemm_i8_tile<3, kRowXor>(x + i, B, kp, colsum, C + i * 32, nl); break;
+    case 2: gemm_i8_tile<2, kRowXor>(x + i, B, kp, colsum, C + i * 32, nl); break;
     case 1: gemm_i8_row<kRowXor>(x[i], B, kp, colsum, C + i * 32); break;
     default: break;
   }

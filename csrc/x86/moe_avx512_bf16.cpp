@@ -38,6 +38,13 @@ struct MK : Avx512Base {
     if (fmt == RowFormat::bf16) return gemm_bf16_rows(reinterpret_cast<const uint16_t* const*>(rows), m, B, kp, C);
     Avx512Base::gemm(L, fmt, rows, m, B, kp, C);
   }
+  // ... and prefetching `next_bytes` of the worker's next block (`next`) while its tiles compute.
+  static void gemm(const LayoutDesc& L, RowFormat fmt, const void* const* rows, int m, const uint16_t* B, int64_t kp, float* C,
+                   const char* next, int64_t next_bytes) {
+    if (fmt == RowFormat::bf16)
+      return gemm_bf16_rows(reinterpret_cast<const uint16_t* const*>(rows), m, B, kp, C, NextLines{next, next_bytes / 64});
+    Avx512Base::gemm(L, fmt, rows, m, B, kp, C);
+  }
 
   // int4_group layouts (W4A16): the unpack to dense bf16 blocks, and few bf16 rows straight from the codes (avx512_u4_bf16.h).
   static void unpack_u4(const uint8_t* codes, int64_t k0, int64_t kk, const uint8_t* z, uint16_t* out) {

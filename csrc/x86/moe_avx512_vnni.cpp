@@ -29,6 +29,11 @@ struct MK : Avx512Base {
                       int32_t* C) {
     gemm_i8_vnni_rows(x, m, B, kp, colsum, C);
   }
+  // ... and prefetching `next_bytes` of the worker's next block (`next`) while its tiles compute.
+  static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t* colsum,
+                      int32_t* C, const char* next, int64_t next_bytes) {
+    gemm_i8_vnni_rows(x, m, B, kp, colsum, C, NextLines{next, next_bytes / 64});
+  }
 
   // int4_group layouts: the W4A8 fused block GEMM and its integer core, the W4A16 unpack.
   static void gemm_u4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
