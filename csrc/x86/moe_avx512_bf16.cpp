@@ -33,14 +33,10 @@ struct MK : Avx512Base {
   static RowFormat row_format(DType d) { return d == DType::bf16 ? RowFormat::bf16 : RowFormat::f32; }
 
   // C[m, 32] = A[m, :kp] . B^T for one 32-column block; rows are bf16 bits or fp32 as
-  // row_format(dtype) chose; m <= kChunkM.
-  static void gemm(const LayoutDesc& L, RowFormat fmt, const void* const* rows, int m, const uint16_t* B, int64_t kp, float* C) {
-    if (fmt == RowFormat::bf16) return gemm_bf16_rows(reinterpret_cast<const uint16_t* const*>(rows), m, B, kp, C);
-    Avx512Base::gemm(L, fmt, rows, m, B, kp, C);
-  }
-  // ... and prefetching `next_bytes` of the worker's next block (`next`) while its tiles compute.
+  // row_format(dtype) chose; m <= kChunkM. bf16 rows prefetch `next_bytes` of the worker's next
+  // block (`next`) while the tiles compute.
   static void gemm(const LayoutDesc& L, RowFormat fmt, const void* const* rows, int m, const uint16_t* B, int64_t kp, float* C,
-                   const char* next, int64_t next_bytes) {
+                   const char* next = nullptr, int64_t next_bytes = 0) {
     if (fmt == RowFormat::bf16)
       return gemm_bf16_rows(reinterpret_cast<const uint16_t* const*>(rows), m, B, kp, C, NextLines{next, next_bytes / 64});
     Avx512Base::gemm(L, fmt, rows, m, B, kp, C);

@@ -24,14 +24,10 @@ struct MK : Avx512Base {
   // int8 layouts: the driver stores quantized rows as u8 = q + 128 (vpdpbusd's unsigned operand).
   static constexpr bool kI8RowsU8 = true;
 
-  // acc[m, 32] = exact int32 dot products of one 32-column int8 block (rows u8 = q + 128).
+  // acc[m, 32] = exact int32 dot products of one 32-column int8 block (rows u8 = q + 128),
+  // prefetching `next_bytes` of the worker's next block (`next`) while the tiles compute.
   static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t* colsum,
-                      int32_t* C) {
-    gemm_i8_vnni_rows(x, m, B, kp, colsum, C);
-  }
-  // ... and prefetching `next_bytes` of the worker's next block (`next`) while its tiles compute.
-  static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t* colsum,
-                      int32_t* C, const char* next, int64_t next_bytes) {
+                      int32_t* C, const char* next = nullptr, int64_t next_bytes = 0) {
     gemm_i8_vnni_rows(x, m, B, kp, colsum, C, NextLines{next, next_bytes / 64});
   }
 
