@@ -75,7 +75,12 @@ def progress(ev, **kw):
         if seen[0] == int(nth):
             if how == "pause":
                 print("paused", flush=True)
-                time.sleep(60)
+                # short sleeps: a process-directed signal may land on one of the writer's or
+                # torch's threads, which does not interrupt a long sleep of the main thread;
+                # Python runs the handler at the next slice (the real convert never blocks
+                # longer than 0.1 s on its main thread: _Sink._wait)
+                for _ in range(600):
+                    time.sleep(0.1)
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
 convert(src, dst, shard_bytes=int(shard), progress=progress)
