@@ -31,12 +31,14 @@ def info(
 
     from moepack.bench import describe_limits, kernel_instruction, machine_info, machine_limits
     from moepack import kernel_choice
+    from moepack._ops import decode_streams
     from moepack.isa import available_isas
     from moepack.layout import DEFAULT_LAYOUT, LAYOUTS
 
     info = machine_info()
     info["available_isas"] = available_isas()
     info["max_isa_env"] = os.environ.get("MOEPACK_MAX_ISA") or None
+    info["decode_streams"] = decode_streams()
     info["default_layout"] = DEFAULT_LAYOUT.name
     info["layouts"] = [f"{x.name} (id {x.id})" for x in LAYOUTS]
     info["kernels"] = {}  # per layout: the ISA level its kernel runs at here, why, and whether that is a fallback
@@ -67,6 +69,7 @@ def info(
         ("host ISA", info["host_isa"]),
         ("ISAs usable", ", ".join(info["available_isas"])),
         ("MOEPACK_MAX_ISA", info["max_isa_env"] or "(unset)"),
+        ("decode streams", info["decode_streams"]),
     ]
     for name, k in info["kernels"].items():
         rows.append((f"kernel {name}", k["reason"]))

@@ -17,7 +17,49 @@ const char* isa_name(Isa isa) { return int(isa) >= 0 && int(isa) < kNumIsa ? kIs
 #if !MOEPACK_ARCH_KNOWN
 // An architecture moepack/isa_levels.py does not list: no features, the scalar level only.
 CpuFeatures detect_cpu_features() { return {}; }
+const char* cpu_vendor() { return ""; }
 #endif
+
+namespace {
+struct DecodeStreams {
+  bool one = false;
+  std::string reason, error;
+};
+DecodeStreams choose_decode_streams() {
+  DecodeStreams d;
+  const bool amd = std::strcmp(cpu_vendor(), "AuthenticAMD") == 0;
+  d.one = amd;
+  d.reason = amd ? "one stream per weight block (AMD CPU; MOEPACK_DECODE_STREAMS=4 for several)"
+                 : std::string("4 K segments per weight block at once (") + (*cpu_vendor() ? cpu_vendor() : "this CPU") +
+                       "; MOEPACK_DECODE_STREAMS=1 for one stream)";
+  const char* v = std::getenv("MOEPACK_DECODE_STREAMS");
+  if (v != nullptr && *v != '\0') {
+    if (std::strcmp(v, "1") == 0 || std::strcmp(v, "4") == 0) {
+      d.one = v[0] == '1';
+      d.reason = std::string(d.one ? "one stream per weight block" : "4 K segments per weight block at once") +
+                 " (MOEPACK_DECODE_STREAMS=" + v + ")";
+    } else {
+      d.error = std::string("MOEPACK_DECODE_STREAMS='") + v +
+                "' is not 1 or 4 (1: the decode kernels read each weight block as one stream; 4: as several K "
+                "segments at once; unset: chosen by CPU)";
+    }
+  }
+  return d;
+}
+const DecodeStreams& decode_streams() {
+  static const DecodeStreams d = choose_decode_streams();
+  return d;
+}
+int g_decode_override = -1;  // set by tests only, between kernel calls
+}  // namespace
+
+bool decode_one_stream() {
+  const int o = __atomic_load_n(&g_decode_override, __ATOMIC_RELAXED);
+  return o >= 0 ? o != 0 : decode_streams().one;
+}
+const char* decode_streams_reason() { return decode_streams().reason.c_str(); }
+const char* decode_streams_error() { return decode_streams().error.empty() ? nullptr : decode_streams().error.c_str(); }
+void set_decode_one_stream(int one) { __atomic_store_n(&g_decode_override, one < 0 ? -1 : one != 0, __ATOMIC_RELAXED); }
 
 const CpuFeatures& cpu_features() {
   static const CpuFeatures f = detect_cpu_features();

@@ -122,3 +122,10 @@ def kernel_choice(layout: int | str | PackedLayout = DEFAULT_LAYOUT, act_mode: s
 
 def cpu_flags() -> list[str]:
     return list(ops().cpu_flags())
+
+
+def decode_streams() -> str:
+    """How the decode kernels read a weight block on this CPU (one stream, or several K segments
+    at once) and why: the CPU's vendor or MOEPACK_DECODE_STREAMS (docs/KERNELS.md, "Decode
+    streams"). Raises ValueError naming the variable when MOEPACK_DECODE_STREAMS is not 1 or 4."""
+    return str(ops().decode_streams())

@@ -208,3 +208,64 @@ def test_info_names_the_kernel_of_every_layout(monkeypatch):
     for lay in LAYOUTS:
         line = next(ln for ln in r.output.splitlines() if ln.startswith(f"kernel {lay.name}"))
         assert "scalar: " in line and ("MOEPACK_MAX_ISA=scalar" in line or host_isa() == "scalar")
+
+
+# ---- decode streams (csrc/dispatch.cpp decode_one_stream; read once per process) -----------------
+_DECODE_CHILD = r"""
+import sys, torch, moepack
+from moepack._ops import decode_streams
+g = torch.Generator().manual_seed(3)
+E, H, I = 6, 200, 88  # awkward on purpose: neither a multiple of 32
+w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.05).to(torch.bfloat16)
+w2 = (torch.randn(E, H, I, generator=g) * 0.05).to(torch.bfloat16)
+x = torch.randn(2, H, generator=g).to(torch.bfloat16)
+ids = torch.tensor([[0, 3], [3, 5]], dtype=torch.int32)
+w = torch.tensor([[0.7, 0.3], [0.5, 0.5]])
+try:
+    reason = decode_streams()
+except ValueError as e:
+    reason = "error: " + str(e)
+outs = {}
+for layout in ("bf16_n32k2_x86", "i8_n32k4_x86", "u4g32_n32k8_x86"):
+    p = moepack.pack_experts(w13, w2, layout=layout)
+    modes = ("a16", "a8") if layout.startswith("u4") else (None,)
+    for m in modes:
+        try:
+            outs[(layout, m)] = moepack.run_experts(p, x, w, ids, act_mode=m).float()
+        except ValueError as e:
+            outs[(layout, m)] = str(e)
+torch.save({"reason": reason, "outs": outs}, sys.argv[1])
+"""
+
+
+def _decode_child(tmp_path, value):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MOEPACK_DECODE_STREAMS"}
+    if value is not None:
+        env["MOEPACK_DECODE_STREAMS"] = value
+    out = tmp_path / f"decode_{value}.pt"
+    r = subprocess.run([sys.executable, "-c", _DECODE_CHILD, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return torch.load(out)
+
+
+def test_decode_streams_choice_override_and_refusal(tmp_path):
+    auto = _decode_child(tmp_path, None)
+    vendor_amd = "AuthenticAMD" in pathlib.Path("/proc/cpuinfo").read_text() if pathlib.Path("/proc/cpuinfo").exists() else False
+    assert auto["reason"].startswith("one stream" if vendor_amd else "4 K segments"), auto["reason"]
+    one, seg = _decode_child(tmp_path, "1"), _decode_child(tmp_path, "4")
+    assert one["reason"] == "one stream per weight block (MOEPACK_DECODE_STREAMS=1)"
+    assert seg["reason"] == "4 K segments per weight block at once (MOEPACK_DECODE_STREAMS=4)"
+    for key, a in one["outs"].items():
+        b = seg["outs"][key]
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), (key, a, b)
+        # the same sums in another fp32 order, rounded to bf16: at most an ulp here and there
+        assert torch.allclose(a, b, rtol=1e-2, atol=1e-3), key
+        assert torch.equal(a, auto["outs"][key]) or torch.allclose(a, auto["outs"][key], rtol=1e-2, atol=1e-3)
+    bad = _decode_child(tmp_path, "2")
+    msg = "MOEPACK_DECODE_STREAMS='2' is not 1 or 4"
+    assert bad["reason"].startswith("error: " + msg), bad["reason"]
+    assert all(isinstance(v, str) and msg in v for v in bad["outs"].values()), bad["outs"]

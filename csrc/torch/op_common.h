@@ -85,6 +85,7 @@ Selection select_under_cap(int64_t layout, int32_t act_mode = 0) {
   } catch (const std::invalid_argument& e) {
     TORCH_CHECK_VALUE(false, e.what());
   }
+  TORCH_CHECK_VALUE(decode_streams_error() == nullptr, decode_streams_error());
   Selection sel = select_fused(int32_t(layout), cap, act_mode);
   TORCH_CHECK_VALUE(sel.fn != nullptr, sel.reason);
   return sel;

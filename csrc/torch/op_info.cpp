@@ -141,6 +141,13 @@ std::vector<std::string> cpu_flags() {
   return out;
 }
 
+// How the decode kernels read a weight block here (decode_one_stream) and why; refused when
+// MOEPACK_DECODE_STREAMS is not understood.
+std::string decode_streams_info() {
+  TORCH_CHECK_VALUE(decode_streams_error() == nullptr, decode_streams_error());
+  return decode_streams_reason();
+}
+
 }  // namespace
 }  // namespace moepack
 
@@ -151,6 +158,7 @@ TORCH_LIBRARY_FRAGMENT(moepack, m) {
   m.def("kernel_choice(int layout, str act_mode=\"\") -> (str, str, bool)", &moepack::kernel_choice);
   m.def("dot_u4_block(Tensor rows, Tensor block, int k0, int kk, int layout, str isa) -> Tensor");
   m.def("cpu_flags() -> str[]", &moepack::cpu_flags);
+  m.def("decode_streams() -> str", &moepack::decode_streams_info);
 }
 
 TORCH_LIBRARY_IMPL(moepack, CPU, m) {

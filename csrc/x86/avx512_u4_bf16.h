@@ -252,6 +252,9 @@ static inline bool gemm_u4a16_bf16(RowFormat fmt, const void* const* rows, int m
     xps[i] = memo->xp[i];
     gss[i] = memo->gs[i];
   }
+  if (m == 1 && decode_one_stream() && gemm_u4a16_bf16_streams<1, 1>(xps, gss, codes, scale, zero, gstride, kp, G, C)) {
+    return true;  // one stream per block (decode_one_stream); a partial last group takes the tile below
+  }
   if (m == 1 && (gemm_u4a16_bf16_streams<1, 4>(xps, gss, codes, scale, zero, gstride, kp, G, C) ||
                  gemm_u4a16_bf16_streams<1, 2>(xps, gss, codes, scale, zero, gstride, kp, G, C))) {
     return true;

@@ -82,6 +82,7 @@ static inline void gemm_i8_streams(const int8_t* const* x, const int8_t* B, int6
 
 template <uint32_t kRowXor = 0>
 static inline void gemm_i8_row(const int8_t* x, const int8_t* B, int64_t kp, const int32_t* colsum, int32_t* C) {
+  if (decode_one_stream()) return gemm_i8_streams<1, 1, kRowXor>(&x, B, kp, colsum, C);
   gemm_i8_streams<1, 4, kRowXor>(&x, B, kp, colsum, C);
 }
 
@@ -90,6 +91,15 @@ static inline void gemm_i8_row(const int8_t* x, const int8_t* B, int64_t kp, con
 template <uint32_t kRowXor = 0>
 static inline void gemm_i8_vnni_rows(const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t* colsum,
                                      int32_t* C, NextLines next = {}) {
+  if (m <= 4 && decode_one_stream()) {  // decode, one stream per block (decode_one_stream)
+    switch (m) {
+      case 1: return gemm_i8_streams<1, 1, kRowXor>(x, B, kp, colsum, C);
+      case 2: return gemm_i8_streams<2, 1, kRowXor>(x, B, kp, colsum, C);
+      case 3: return gemm_i8_streams<3, 1, kRowXor>(x, B, kp, colsum, C);
+      case 4: return gemm_i8_streams<4, 1, kRowXor>(x, B, kp, colsum, C);
+      default: break;
+    }
+  }
   switch (m) {  // decode: 8 or 16 accumulators over 4 or 2 streams
     case 1: return gemm_i8_streams<1, 4, kRowXor>(x, B, kp, colsum, C);
     case 2: return gemm_i8_streams<2, 4, kRowXor>(x, B, kp, colsum, C);
@@ -213,6 +223,10 @@ static inline bool gemm_u4a8_streams(const int8_t* const* x, const float* rs, co
 // out evenly, everything else through gemm_u4a8_tile with AccVnniU4.
 static inline void gemm_u4a8_vnni(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const float* scale,
                                   const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, const int32_t* xsum, float* C) {
+  if (decode_one_stream() && ((m == 1 && gemm_u4a8_streams<1, 1>(x, rs, codes, scale, zero, gstride, kp, G, xsum, C)) ||
+                              (m == 2 && gemm_u4a8_streams<2, 1>(x, rs, codes, scale, zero, gstride, kp, G, xsum, C)))) {
+    return;  // one stream per block (decode_one_stream); a partial last group takes the tile below
+  }
   if (m == 1 && (gemm_u4a8_streams<1, 4>(x, rs, codes, scale, zero, gstride, kp, G, xsum, C) ||
                  gemm_u4a8_streams<1, 2>(x, rs, codes, scale, zero, gstride, kp, G, xsum, C))) {
     return;

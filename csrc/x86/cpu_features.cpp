@@ -3,6 +3,8 @@
 // ISA flags (setup.py), so it never executes an instruction the CPU may lack; csrc/dispatch.cpp
 // calls the ISA translation units' register_* only after this says their level can run.
 #include <cpuid.h>
+
+#include <cstring>
 #if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -63,6 +65,21 @@ CpuFeatures detect_cpu_features() {
 #endif
   }
   return f;
+}
+
+const char* cpu_vendor() {
+  static const struct Vendor {
+    char s[13] = {0};
+    Vendor() {
+      unsigned a, b, c, d;
+      if (__get_cpuid(0, &a, &b, &c, &d)) {
+        std::memcpy(s, &b, 4);
+        std::memcpy(s + 4, &d, 4);
+        std::memcpy(s + 8, &c, 4);
+      }
+    }
+  } v;
+  return v.s;
 }
 
 }  // namespace moepack

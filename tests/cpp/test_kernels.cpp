@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <cstdlib>
 #include <map>
 #include <random>
 #include <string>
@@ -559,6 +560,30 @@ void note_row_counts(const Problem& p) {
   }
 }
 
+// Decode-sized calls (T <= 3 tokens: at most 3 rows per expert, the stream kernels) run under
+// both decode-stream choices (set_decode_one_stream: several K segments, one stream); larger
+// calls once, under the process's own choice.
+std::vector<int> decode_stream_modes(int T) { return T <= 3 ? std::vector<int>{0, 1} : std::vector<int>{-1}; }
+std::string stream_mode_suffix(int one) { return one < 0 ? "" : one ? " [1 stream]" : " [K segments]"; }
+
+// The decode-stream choice: the test override and back; without MOEPACK_DECODE_STREAMS the
+// process's choice is the vendor rule (AMD: one stream).
+void test_decode_streams() {
+  set_decode_one_stream(1);
+  const bool forced_one = decode_one_stream();
+  set_decode_one_stream(0);
+  const bool forced_many = !decode_one_stream();
+  set_decode_one_stream(-1);
+  check(forced_one && forced_many, "set_decode_one_stream(1 / 0) forces one stream / K segments");
+  const char* env = std::getenv("MOEPACK_DECODE_STREAMS");
+  if (env == nullptr || *env == '\0') {
+    const bool amd = std::strcmp(cpu_vendor(), "AuthenticAMD") == 0;
+    check(decode_one_stream() == amd && decode_streams_error() == nullptr,
+          "decode streams by vendor '%s': %s (%s)", cpu_vendor(), decode_one_stream() ? "one" : "several",
+          decode_streams_reason());
+  }
+}
+
 void run_case(const Case& c) {
   Problem p;
   build(p, c);
@@ -587,18 +612,23 @@ void run_case(const Case& c) {
           ref.empty() ? 0.0 : ref[m.worst_i]);
   }
   for (const Kernel& k : g_simd) {
-    const std::vector<float> got = run_kernel(p, k.fn, k.name, ok, why);
-    if (!ok) {
-      check(false, "%-10s %s: %s", k.name.c_str(), name.c_str(), why.c_str());
-      continue;
+    for (const int one : decode_stream_modes(c.T)) {
+      set_decode_one_stream(one);
+      const std::vector<float> got = run_kernel(p, k.fn, k.name, ok, why);
+      set_decode_one_stream(-1);
+      const std::string kn = k.name + stream_mode_suffix(one);
+      if (!ok) {
+        check(false, "%-10s %s: %s", kn.c_str(), name.c_str(), why.c_str());
+        continue;
+      }
+      const Cmp m = compare(got, scal);
+      record(k.name + "/" + dtype_name(c.dt), m);
+      const double tol = half ? std::max(kTolSimdHalf, allow) : kTolSimdF32;
+      if (m.rel > (half ? kTolSimdHalf : kTolSimdF32)) g_allowance_used++;
+      check(m.rel <= tol, "%-10s %s: rel %.3g (tol %.2g) worst %.3g at t=%zu h=%zu (%g vs scalar %g), %zu/%zu differ",
+            kn.c_str(), name.c_str(), m.rel, tol, m.worst, m.worst_i / c.H, m.worst_i % c.H,
+            got.empty() ? 0.0 : got[m.worst_i], scal.empty() ? 0.0 : scal[m.worst_i], m.ndiff, got.size());
     }
-    const Cmp m = compare(got, scal);
-    record(k.name + "/" + dtype_name(c.dt), m);
-    const double tol = half ? std::max(kTolSimdHalf, allow) : kTolSimdF32;
-    if (m.rel > (half ? kTolSimdHalf : kTolSimdF32)) g_allowance_used++;
-    check(m.rel <= tol, "%-10s %s: rel %.3g (tol %.2g) worst %.3g at t=%zu h=%zu (%g vs scalar %g), %zu/%zu differ",
-          k.name.c_str(), name.c_str(), m.rel, tol, m.worst, m.worst_i / c.H, m.worst_i % c.H,
-          got.empty() ? 0.0 : got[m.worst_i], scal.empty() ? 0.0 : scal[m.worst_i], m.ndiff, got.size());
   }
 }
 
@@ -1045,24 +1075,29 @@ void test_i8_fused(const std::vector<I8Kernel>& ks) {
           char name[160];
           std::snprintf(name, sizeof(name), "T=%d H=%d I=%d k=%d %s %s%s", T, H, I, k, act_name(act), dtype_name(dt),
                         bias ? " bias" : "");
-          std::vector<std::vector<float>> outs;
-          for (const I8Kernel& kk : ks) {
-            std::vector<uint8_t> buf(size_t(T) * H * elem_size(dt), 0xff);  // NaN in every dtype
-            a.out = buf.data();
-            kk.fused(a);
-            std::vector<float> o(size_t(T) * H);
-            bool finite = true;
-            for (int i = 0; i < T * H; ++i) finite &= std::isfinite(o[i] = load_elem(dt, buf.data(), i));
-            check(finite, "%-10s int8 %s: every output written and finite", kk.name.c_str(), name);
-            outs.push_back(std::move(o));
-          }
-          for (size_t i = 1; i < ks.size(); ++i) {
-            const Cmp m = compare(outs[i], outs[0]);
-            ++cases;
-            equal += m.ndiff == 0;
-            worst = std::max(worst, m.rel);
-            check(m.rel <= 1e-2, "%-10s int8 %s vs scalar: rel %.3g (bound 1e-2: int8-code flips only), %zu/%zu differ",
-                  ks[i].name.c_str(), name, m.rel, m.ndiff, outs[i].size());
+          for (const int one : decode_stream_modes(T)) {
+            set_decode_one_stream(one);
+            std::vector<std::vector<float>> outs;
+            for (const I8Kernel& kk : ks) {
+              std::vector<uint8_t> buf(size_t(T) * H * elem_size(dt), 0xff);  // NaN in every dtype
+              a.out = buf.data();
+              kk.fused(a);
+              std::vector<float> o(size_t(T) * H);
+              bool finite = true;
+              for (int i = 0; i < T * H; ++i) finite &= std::isfinite(o[i] = load_elem(dt, buf.data(), i));
+              check(finite, "%-10s int8 %s%s: every output written and finite", kk.name.c_str(), name,
+                    stream_mode_suffix(one).c_str());
+              outs.push_back(std::move(o));
+            }
+            set_decode_one_stream(-1);
+            for (size_t i = 1; i < ks.size(); ++i) {
+              const Cmp m = compare(outs[i], outs[0]);
+              ++cases;
+              equal += m.ndiff == 0;
+              worst = std::max(worst, m.rel);
+              check(m.rel <= 1e-2, "%-10s int8 %s%s vs scalar: rel %.3g (bound 1e-2: int8-code flips only), %zu/%zu differ",
+                    ks[i].name.c_str(), name, stream_mode_suffix(one).c_str(), m.rel, m.ndiff, outs[i].size());
+            }
           }
         }
       }
@@ -1199,10 +1234,15 @@ void test_u4(const std::vector<Registrar>& regs) {
             r.reg(t);
             const FusedMoeFn fn = t.fused[L.id][act_index(mode)][int(r.isa)];
             if (!fn) continue;
-            const Cmp c = compare(run(fn), ref);
-            // a16 fp32 rows: summation order only; bf16 outputs and a8: rounding / code flips
-            const double bound = (mode == kAct_a16 && dt == DType::f32) ? 1e-5 : 1e-2;
-            check(c.rel <= bound, "%-16s u4 %s vs scalar: rel %.3g (bound %.0e)", r.name.c_str(), name, c.rel, bound);
+            for (const int one : decode_stream_modes(T)) {
+              set_decode_one_stream(one);
+              const Cmp c = compare(run(fn), ref);
+              set_decode_one_stream(-1);
+              // a16 fp32 rows: summation order only; bf16 outputs and a8: rounding / code flips
+              const double bound = (mode == kAct_a16 && dt == DType::f32) ? 1e-5 : 1e-2;
+              check(c.rel <= bound, "%-16s u4 %s%s vs scalar: rel %.3g (bound %.0e)", r.name.c_str(), name,
+                    stream_mode_suffix(one).c_str(), c.rel, bound);
+            }
           }
         }
       }
@@ -1223,6 +1263,7 @@ int main(int argc, char** argv) {
   test_empty();
   test_select();
   test_register_refusals();
+  test_decode_streams();
   {
     const std::vector<I8Kernel> i8 = collect_i8_kernels();
     test_i8_quantizer();

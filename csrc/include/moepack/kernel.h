@@ -132,6 +132,20 @@ MOEPACK_ISA_LEVELS(MOEPACK_DECLARE_REGISTER)
 // an architecture moepack/isa_levels.py does not list. cpu_features() caches it.
 CpuFeatures detect_cpu_features();
 const CpuFeatures& cpu_features();
+// The CPU's vendor string (x86: cpuid leaf 0, e.g. "AuthenticAMD", "GenuineIntel"; "" elsewhere).
+const char* cpu_vendor();
+// Decode streams (docs/KERNELS.md, "Decode streams"): whether the few-row (decode) kernels read a
+// weight block as one sequential stream (true) or as several K segments at once (false: 4, or 2
+// from 3 rows). Chosen once per process: MOEPACK_DECODE_STREAMS=1 or 4 when set, else by CPU
+// (AMD: one stream, measured faster on Zen 4; other vendors: several, measured faster on
+// Sapphire Rapids). The kernels read decode_one_stream() per block call.
+bool decode_one_stream();
+// Why that choice (a sentence for `moepack info`), and why MOEPACK_DECODE_STREAMS was not
+// understood (nullptr when it was; the op layer then refuses to run a kernel).
+const char* decode_streams_reason();
+const char* decode_streams_error();
+// Tests: force one stream (1) or several (0); -1 returns to the process's choice.
+void set_decode_one_stream(int one);
 // Best (highest) ISA level the CPU and OS support (ignores MOEPACK_MAX_ISA).
 Isa host_isa();
 // Why `isa` is not available on this host, or nullptr if it is.
