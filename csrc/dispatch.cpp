@@ -30,13 +30,13 @@ DecodeStreams choose_decode_streams() {
   const bool amd = std::strcmp(cpu_vendor(), "AuthenticAMD") == 0;
   d.one = amd;
   d.reason = amd ? "one stream per weight block (AMD CPU; MOEPACK_DECODE_STREAMS=4 for several)"
-                 : std::string("4 K segments per weight block at once (") + (*cpu_vendor() ? cpu_vendor() : "this CPU") +
-                       "; MOEPACK_DECODE_STREAMS=1 for one stream)";
+                 : std::string("4 K segments per weight block at once, 2 from 3 rows (") +
+                       (*cpu_vendor() ? cpu_vendor() : "this CPU") + "; MOEPACK_DECODE_STREAMS=1 for one stream)";
   const char* v = std::getenv("MOEPACK_DECODE_STREAMS");
   if (v != nullptr && *v != '\0') {
     if (std::strcmp(v, "1") == 0 || std::strcmp(v, "4") == 0) {
       d.one = v[0] == '1';
-      d.reason = std::string(d.one ? "one stream per weight block" : "4 K segments per weight block at once") +
+      d.reason = std::string(d.one ? "one stream per weight block" : "4 K segments per weight block at once, 2 from 3 rows") +
                  " (MOEPACK_DECODE_STREAMS=" + v + ")";
     } else {
       d.error = std::string("MOEPACK_DECODE_STREAMS='") + v +

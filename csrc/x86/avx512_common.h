@@ -126,7 +126,7 @@ static inline void prefetch_segment(const void* block, int64_t off, int64_t seg_
 // so that one thread keeps S address streams in flight. Which S is faster depends on the CPU
 // (decode_one_stream(), docs/KERNELS.md "Decode streams"): on Sapphire Rapids one sequential
 // stream reached ~83% of the S = 4 rate (the L2 streamer stops at every 4 KiB page and one stream
-// has too few misses outstanding); on Zen 4, S = 1 is 10-25% faster than S = 4. The kernels
+// has too few misses outstanding); on Zen 4, S = 1 takes 7-24% less time than S = 4. The kernels
 // instantiate both and pick per call. step(s, k) adds K step k
 // (`step_bytes` of the block from k * step_bytes on, prefetched here by prefetch_segment, `lines`
 // lines per step) into segment s's accumulators; the steps after S * (nsteps / S) go to segment 0.

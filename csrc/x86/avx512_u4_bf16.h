@@ -161,7 +161,7 @@ static inline bool gemm_u4a16_bf16_streams(const uint16_t* const* xp, const floa
                                            int64_t G, float* C) {
   const int64_t ng = (kp + G - 1) / G;
   if (ng > 1 && (kp % G || ng % S)) return false;
-  constexpr int P = S >= 4 ? 1 : 2;  // chains per (segment, row, half): 8 or more in all
+  constexpr int P = S >= 4 ? 1 : 2;  // chains per (segment, row, half): 8 or more from 2 segments, 4 with one stream
   const __m512i* b = reinterpret_cast<const __m512i*>(codes);
   __m512 a[S][MR][2][P];
   auto step = [&](int u, int64_t j) {

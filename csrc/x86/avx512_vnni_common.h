@@ -82,7 +82,6 @@ static inline void gemm_i8_streams(const int8_t* const* x, const int8_t* B, int6
 
 template <uint32_t kRowXor = 0>
 static inline void gemm_i8_row(const int8_t* x, const int8_t* B, int64_t kp, const int32_t* colsum, int32_t* C) {
-  if (decode_one_stream()) return gemm_i8_streams<1, 1, kRowXor>(&x, B, kp, colsum, C);
   gemm_i8_streams<1, 4, kRowXor>(&x, B, kp, colsum, C);
 }
 

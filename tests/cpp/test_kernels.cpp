@@ -560,10 +560,10 @@ void note_row_counts(const Problem& p) {
   }
 }
 
-// Decode-sized calls (T <= 3 tokens: at most 3 rows per expert, the stream kernels) run under
+// Decode-sized calls (T <= 4 tokens: at most 4 rows per expert, the stream kernels) run under
 // both decode-stream choices (set_decode_one_stream: several K segments, one stream); larger
 // calls once, under the process's own choice.
-std::vector<int> decode_stream_modes(int T) { return T <= 3 ? std::vector<int>{0, 1} : std::vector<int>{-1}; }
+std::vector<int> decode_stream_modes(int T) { return T <= 4 ? std::vector<int>{0, 1} : std::vector<int>{-1}; }
 std::string stream_mode_suffix(int one) { return one < 0 ? "" : one ? " [1 stream]" : " [K segments]"; }
 
 // The decode-stream choice: the test override and back; without MOEPACK_DECODE_STREAMS the
@@ -999,7 +999,7 @@ void test_i8_fused(const std::vector<I8Kernel>& ks) {
   int variant = 0, equal = 0, cases = 0;
   double worst = 0;
   for (const auto& sh : shapes) {
-    for (int T : {1, 3, 67}) {
+    for (int T : {1, 3, 4, 67}) {
       for (const Activation act : acts) {
         for (const DType dt : dts) {
           ++variant;
@@ -1167,7 +1167,9 @@ void test_u4(const std::vector<Registrar>& regs) {
       for (const DType dt : {DType::bf16, DType::f32}) {
         // H 200: partial last groups (the tile kernels); H 512, I 256, one token: groups that deal
         // out evenly to the decode streams (4 and 2 segments)
-        for (const auto [T, H, I] : {std::array<int, 3>{1, 200, 88}, {3, 200, 88}, {40, 200, 88}, {1, 512, 256}}) {
+        // H 512, I 256, two tokens: 4 routed slots over 3 experts, so one expert has 2 rows (the
+        // 2-row W4A8 streams)
+        for (const auto [T, H, I] : {std::array<int, 3>{1, 200, 88}, {3, 200, 88}, {40, 200, 88}, {1, 512, 256}, {2, 512, 256}}) {
           const int E = 3, k = 2;
           std::mt19937_64 rng(seed++);
           std::normal_distribution<float> nd(0.0f, 1.0f);
@@ -1315,6 +1317,15 @@ int main(int argc, char** argv) {
           }
         }
       }
+    }
+  }
+  // Every expert with exactly 4 rows (T = 4, k = E): the 4-row decode streams of every kernel.
+  for (const Shape& sh : shapes) {
+    for (const DType dt : dts) {
+      ++variant;
+      Case c{4, sh.H, sh.I, 5, 5, Activation::silu, dt, variant % 2 == 0, false, variant % 3, 0};
+      c.seed = seed++;
+      run_case(c);
     }
   }
   // An expert with > 64 rows (several row chunks per expert), T*k = 300 over 3 experts.

@@ -134,7 +134,7 @@ CpuFeatures detect_cpu_features();
 const CpuFeatures& cpu_features();
 // The CPU's vendor string (x86: cpuid leaf 0, e.g. "AuthenticAMD", "GenuineIntel"; "" elsewhere).
 const char* cpu_vendor();
-// Decode streams (docs/KERNELS.md, "Decode streams"): whether the few-row (decode) kernels read a
+// Decode streams (docs/KERNELS.md, "Decode streams"): whether the AVX-512 few-row (decode) kernels read a
 // weight block as one sequential stream (true) or as several K segments at once (false: 4, or 2
 // from 3 rows). Chosen once per process: MOEPACK_DECODE_STREAMS=1 or 4 when set, else by CPU
 // (AMD: one stream, measured faster on Zen 4; other vendors: several, measured faster on
