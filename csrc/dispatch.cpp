@@ -26,18 +26,18 @@ struct DecodeStreams {
   std::string reason, error;
 };
 DecodeStreams choose_decode_streams() {
+  static constexpr const char* kOne = "one stream per weight block";
+  static constexpr const char* kSegments = "4 K segments per weight block at once, 2 from 3 rows";
   DecodeStreams d;
-  const bool amd = std::strcmp(cpu_vendor(), "AuthenticAMD") == 0;
-  d.one = amd;
-  d.reason = amd ? "one stream per weight block (AMD CPU; MOEPACK_DECODE_STREAMS=4 for several)"
-                 : std::string("4 K segments per weight block at once, 2 from 3 rows (") +
-                       (*cpu_vendor() ? cpu_vendor() : "this CPU") + "; MOEPACK_DECODE_STREAMS=1 for one stream)";
+  const char* vendor = cpu_vendor();
+  d.one = std::strcmp(vendor, "AuthenticAMD") == 0;
+  d.reason = d.one ? std::string(kOne) + " (AMD CPU; MOEPACK_DECODE_STREAMS=4 for several)"
+                   : std::string(kSegments) + " (" + (*vendor ? vendor : "this CPU") + "; MOEPACK_DECODE_STREAMS=1 for one stream)";
   const char* v = std::getenv("MOEPACK_DECODE_STREAMS");
   if (v != nullptr && *v != '\0') {
     if (std::strcmp(v, "1") == 0 || std::strcmp(v, "4") == 0) {
       d.one = v[0] == '1';
-      d.reason = std::string(d.one ? "one stream per weight block" : "4 K segments per weight block at once, 2 from 3 rows") +
-                 " (MOEPACK_DECODE_STREAMS=" + v + ")";
+      d.reason = std::string(d.one ? kOne : kSegments) + " (MOEPACK_DECODE_STREAMS=" + v + ")";
     } else {
       d.error = std::string("MOEPACK_DECODE_STREAMS='") + v +
                 "' is not 1 or 4 (1: the decode kernels read each weight block as one stream; 4: as several K "

@@ -8,6 +8,7 @@ Run it with the vLLM venv's python (same torch as moepack's build) and moepack o
     OMP_NUM_THREADS=2 PYTHONPATH=$PWD /tmp/moepack-peers/vllm/bin/python tools/ab_peers.py bf16 1 [N]
 
 SCHEME: bf16 or int8 (vLLM's INT8 W8A8). Prints each arm's median, 25th percentile and minimum.
+docs/BENCH.md ("In one process") says what it takes from the harness and how to set it up.
 A third arm (moepack again) keeps the arm count odd, so every arm sees every one of the 8
 routing sets. Env: SHAPE (default qwen3-30b-a3b), PEERS (default ../shared/peers)."""
 

@@ -74,21 +74,15 @@ static inline void gemm_bf16_row(const uint16_t* x, const uint16_t* B, int64_t k
 // `next` (the worker's next block) between them.
 static inline void gemm_bf16_rows(const uint16_t* const* x, int m, const uint16_t* B, int64_t kp, float* C,
                                   NextLines next = {}) {
-  if (m <= 4 && decode_one_stream()) {  // decode, one stream per block (decode_one_stream)
+  if (m <= 4) {  // decode: one stream per block (decode_one_stream), else 4 or 2 K segments
+    const bool one = decode_one_stream();
     switch (m) {
-      case 1: return gemm_bf16_streams<1, 1>(x, B, kp, C);
-      case 2: return gemm_bf16_streams<2, 1>(x, B, kp, C);
-      case 3: return gemm_bf16_streams<3, 1>(x, B, kp, C);
-      case 4: return gemm_bf16_streams<4, 1>(x, B, kp, C);
+      case 1: return one ? gemm_bf16_streams<1, 1>(x, B, kp, C) : gemm_bf16_streams<1, 4>(x, B, kp, C);
+      case 2: return one ? gemm_bf16_streams<2, 1>(x, B, kp, C) : gemm_bf16_streams<2, 4>(x, B, kp, C);
+      case 3: return one ? gemm_bf16_streams<3, 1>(x, B, kp, C) : gemm_bf16_streams<3, 2>(x, B, kp, C);
+      case 4: return one ? gemm_bf16_streams<4, 1>(x, B, kp, C) : gemm_bf16_streams<4, 2>(x, B, kp, C);
       default: break;
     }
-  }
-  switch (m) {  // decode: 8 or 16 accumulators over 4 or 2 streams
-    case 1: return gemm_bf16_streams<1, 4>(x, B, kp, C);
-    case 2: return gemm_bf16_streams<2, 4>(x, B, kp, C);
-    case 3: return gemm_bf16_streams<3, 2>(x, B, kp, C);
-    case 4: return gemm_bf16_streams<4, 2>(x, B, kp, C);
-    default: break;
   }
   const int tiles = (m + 7) / 8;
   int i = 0;

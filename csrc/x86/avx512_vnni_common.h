@@ -90,21 +90,15 @@ static inline void gemm_i8_row(const int8_t* x, const int8_t* B, int64_t kp, con
 template <uint32_t kRowXor = 0>
 static inline void gemm_i8_vnni_rows(const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t* colsum,
                                      int32_t* C, NextLines next = {}) {
-  if (m <= 4 && decode_one_stream()) {  // decode, one stream per block (decode_one_stream)
+  if (m <= 4) {  // decode: one stream per block (decode_one_stream), else 4 or 2 K segments
+    const bool one = decode_one_stream();
     switch (m) {
-      case 1: return gemm_i8_streams<1, 1, kRowXor>(x, B, kp, colsum, C);
-      case 2: return gemm_i8_streams<2, 1, kRowXor>(x, B, kp, colsum, C);
-      case 3: return gemm_i8_streams<3, 1, kRowXor>(x, B, kp, colsum, C);
-      case 4: return gemm_i8_streams<4, 1, kRowXor>(x, B, kp, colsum, C);
+      case 1: return one ? gemm_i8_streams<1, 1, kRowXor>(x, B, kp, colsum, C) : gemm_i8_streams<1, 4, kRowXor>(x, B, kp, colsum, C);
+      case 2: return one ? gemm_i8_streams<2, 1, kRowXor>(x, B, kp, colsum, C) : gemm_i8_streams<2, 4, kRowXor>(x, B, kp, colsum, C);
+      case 3: return one ? gemm_i8_streams<3, 1, kRowXor>(x, B, kp, colsum, C) : gemm_i8_streams<3, 2, kRowXor>(x, B, kp, colsum, C);
+      case 4: return one ? gemm_i8_streams<4, 1, kRowXor>(x, B, kp, colsum, C) : gemm_i8_streams<4, 2, kRowXor>(x, B, kp, colsum, C);
       default: break;
     }
-  }
-  switch (m) {  // decode: 8 or 16 accumulators over 4 or 2 streams
-    case 1: return gemm_i8_streams<1, 4, kRowXor>(x, B, kp, colsum, C);
-    case 2: return gemm_i8_streams<2, 4, kRowXor>(x, B, kp, colsum, C);
-    case 3: return gemm_i8_streams<3, 2, kRowXor>(x, B, kp, colsum, C);
-    case 4: return gemm_i8_streams<4, 2, kRowXor>(x, B, kp, colsum, C);
-    default: break;
   }
   const int tiles = (m + 7) / 8;
   int i = 0;
