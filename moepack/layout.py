@@ -92,6 +92,11 @@ class PackedLayout:
     scheme: str = "dense"  # SCHEMES: what a packed weight means
     act_modes: tuple[str, ...] = ("a16",)  # ACT_MODES this layout's kernels serve
     tensors: tuple[TensorSpec, ...] = ()  # one packed weight's tensors; tensors[0] is the codes
+    # Sub-byte codes only (weight_bits < 8): where element j (0 <= j < k_pack) of one column's run
+    # of k_pack consecutive K values sits inside the run's k_pack * weight_bits / 8 bytes, as a slot
+    # s: byte s // (8 // weight_bits), bits (s % (8 // weight_bits)) * weight_bits upward. Empty =
+    # slot j (K order, low bits first). layout_code_position is the one reader of it.
+    code_order: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         where = f"layout {self.name}"
@@ -117,6 +122,9 @@ class PackedLayout:
             raise LayoutError(f"{where}: act_modes={self.act_modes!r} must be a non-empty subset of {ACT_MODES}")
         if self.weight_bits < 16 and self.scale_dtype == "none":
             raise LayoutError(f"{where}: integer weights ({self.weight_dtype}) need a scale_dtype")
+        if self.code_order and (self.weight_bits >= 8 or sorted(self.code_order) != list(range(self.k_pack))):
+            raise LayoutError(f"{where}: code_order={self.code_order!r} must be a permutation of 0..k_pack-1 "
+                              f"(k_pack={self.k_pack}), and only sub-byte codes have one")  # fmt: skip
         if self.group_size < 0 or (self.group_size and self.group_size % self.k_pack):
             raise LayoutError(f"{where}: group_size={self.group_size} must be 0 or a positive multiple of k_pack={self.k_pack}")
         self._check_tensors(where)
@@ -172,6 +180,7 @@ class PackedLayout:
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["act_modes"] = list(self.act_modes)
+        d["code_order"] = list(self.code_order)
         d["tensors"] = [t.to_dict() for t in self.tensors]
         return d
 
@@ -179,6 +188,7 @@ class PackedLayout:
     def from_dict(cls, d: dict) -> "PackedLayout":
         d = dict(d)
         d["act_modes"] = tuple(d.get("act_modes", ("a16",)))
+        d["code_order"] = tuple(d.get("code_order", ()))
         d["tensors"] = tuple(TensorSpec(**t) for t in d.get("tensors", ()))
         return cls(**d)
 
@@ -229,13 +239,14 @@ def _u4_layout(id_: int, group: int) -> "PackedLayout":
     return PackedLayout(
         id=id_, name=f"u4{tag}_n32k8_x86", weight_dtype="u4", weight_bits=4, group_size=group, block_n=32,
         k_pack=8, scale_dtype="f32", zero_kind="u4", family="x86", i_align=32, scheme="int4_group",
-        act_modes=("a16", "a8"), tensors=_u4_tensors("group" if group else "channel"),
+        act_modes=("a16", "a8"), tensors=_u4_tensors("group" if group else "channel"), code_order=U4_CODE_ORDER,
     )  # fmt: skip
 
 
 # Within the k_pack = 8 codes of one column in a u4 K group: element j sits in byte j % 4, low
-# nibble for j < 4, high nibble for j >= 4.
+# nibble for j < 4, high nibble for j >= 4: slot 2 * (j % 4) + j // 4 (PackedLayout.code_order).
 U4_NIBBLE_ORDER = "byte j%4, nibble j//4"
+U4_CODE_ORDER = tuple(2 * (j % 4) + j // 4 for j in range(8))  # (0, 2, 4, 6, 1, 3, 5, 7)
 U4_GROUP_SIZES = (32, 64, 128)  # the u4 layouts' group sizes (and 0 = per channel)
 
 LAYOUTS: tuple[PackedLayout, ...] = (
@@ -343,6 +354,21 @@ def layout_element_offset(layout: PackedLayout, n: int, k: int, kp: int) -> int:
     return (n // bn) * bn * kp + (k // kpk) * bn * kpk + (n % bn) * kpk + k % kpk
 
 
+def layout_code_position(layout: PackedLayout, n: int, k: int, kp: int) -> tuple[int, int]:
+    """``(byte, bit shift)`` of logical code ``(n, k)`` inside one packed matrix whose padded K is
+    ``kp``: ``layout_element_offset`` gives the element's run of ``k_pack`` values, the layout's
+    ``code_order`` the slot inside the run (sub-byte codes); wider codes start at
+    ``offset * weight_bits / 8`` with shift 0."""
+    e = layout_element_offset(layout, n, k, kp)
+    bits = layout.weight_bits
+    if bits >= 8:
+        return e * bits // 8, 0
+    j = k % layout.k_pack
+    slot = layout.code_order[j] if layout.code_order else j
+    bit = (e - j + slot) * bits
+    return bit // 8, bit % 8
+
+
 @dataclass(frozen=True)
 class ExpertShapes:
     """Logical and padded sizes of one MoE layer's packed experts."""
@@ -428,6 +454,8 @@ def layout_flops(tokens: int, topk: int, hidden: int, intermediate: int) -> int:
 
 
 __all__ = [
+    "layout_code_position",
+    "U4_CODE_ORDER",
     "LAYOUTS",
     "DEFAULT_LAYOUT",
     "INT8_LAYOUT",

@@ -184,6 +184,8 @@ def check_manifest(path: str | os.PathLike, m: Any) -> None:
         ours = _identity(known[lid].to_dict())
         theirs = _identity(desc)
         for k in V1_FIELDS if version == 1 else tuple(ours):
+            if k in IMPLIED_LAYOUT_FIELDS and k not in theirs:
+                continue  # written before the field existed: the layout id implies its value
             if theirs.get(k) != ours[k] or type(theirs.get(k)) is not type(ours[k]):
                 raise ManifestError(f"{c.path}: {MANIFEST}: layout {ours['name']} (id {lid}) in the file has "
                                     f"{k}={_short(theirs.get(k))}, this build has {k}={ours[k]!r}")  # fmt: skip
@@ -235,6 +237,11 @@ def check_manifest(path: str | os.PathLike, m: Any) -> None:
                                                              "every MoE layer has its own source prefix")  # fmt: skip
         prefixes[entry["prefix"]] = idx
         c.ctx = ""
+
+
+# Layout fields added after a format version was released: a manifest written before a field
+# existed lacks it, and the layout id fixes its value (code_order: the u4 layouts always had it).
+IMPLIED_LAYOUT_FIELDS = ("code_order",)
 
 
 def _identity(desc: dict) -> dict:
