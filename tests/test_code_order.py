@@ -71,5 +71,5 @@ def test_a_manifest_without_code_order_still_opens(tmp_path):
     moepack.open(dst)  # no error: the id implies the order
     desc["code_order"] = list(range(8))
     mpath.write_text(json.dumps(m))
-    with pytest.raises(ManifestError, match=r"code_order=\[0, 1, 2, 3, 4, 5, 6, 7\], this build has code_order=\(0, 2, 4, 6, 1, 3, 5, 7\)"):
+    with pytest.raises(ManifestError, match=r"code_order=\[0, 1, 2, 3, 4, 5, 6, 7\], this build has code_order=\[0, 2, 4, 6, 1, 3, 5, 7\]"):
         moepack.open(dst)
