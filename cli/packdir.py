@@ -250,6 +250,7 @@ def inspect(
                 "scheme": get_scheme(p.layout).name,
                 "quantized": get_scheme(p.layout).quantized,
                 "scheme_source": layer.entry.get("scheme_source"),
+                "quantizer": layer.entry.get("quantizer"),  # the quantizer convert ran on float weights, with its options
                 "bytes": p.nbytes,
                 "kernel": isa,
                 "reason": reason,
@@ -303,6 +304,8 @@ def inspect(
         console.print(f"act-order (w13_perm): layers {', '.join(act_order)}", highlight=False)
     for note in sorted({x["scheme_source"] for x in layers if x["scheme_source"] and x["quantized"]}):
         console.print(f"weights: {note}", highlight=False)
+    for q in sorted({x["quantizer"] for x in layers if x["quantizer"]}):
+        console.print(f"quantizer: {q} (moepack verify --source reports its error)", highlight=False)
     total = sum(v["size"] for v in m["files"].values())
     console.print(f"{len(m['files'])} files, {_human(total)}", highlight=False)
 

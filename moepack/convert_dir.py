@@ -659,6 +659,9 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
                 report.layers += len(entry["layers"])
                 report.experts_bytes += entry["experts_bytes"]
                 report.other_bytes += entry["other_bytes"]
+                for i, (d, r) in entry.get("quant_error", {}).items():  # the killed run's quantization error of its layers
+                    error.layers[int(i)] = [d, r]
+                    error.err2, error.ref2 = error.err2 + d, error.ref2 + r
                 report.files.append(fname)
                 notify("shard_resumed", file=fname)
                 continue
@@ -667,7 +670,7 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
                 for f, _, _ in work[work.index((fname, items, kind)) :]:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(tmp / f)
-            before = (dict(tensors), len(layers), report.experts_bytes, report.other_bytes)
+            before = (dict(tensors), len(layers), report.experts_bytes, report.other_bytes, set(error.layers))
             with ShardWriter(tmp / fname, shard, pipeline=opts.pipeline, display=dst / fname) as w:
                 if kind == "experts":
                     for s in items:
@@ -681,6 +684,7 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
             journal.done(tmp, fname, {
                 "tensors": {k: v for k, v in tensors.items() if k not in before[0]}, "layers": layers[before[1] :],
                 "experts_bytes": report.experts_bytes - before[2], "other_bytes": report.other_bytes - before[3],
+                "quant_error": {str(i): v for i, v in error.layers.items() if i not in before[4]},
             })  # fmt: skip
             notify("shard_done", file=fname)
             if kind == "other":
@@ -699,7 +703,7 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
         except OSError as e:
             raise ConvertError(f"{what}: cannot write: {os_reason(e)}") from None
     report.seconds = time.perf_counter() - t0
-    report.quant_error = error.rel  # None when nothing was quantized here (or every layer was resumed)
+    report.quant_error = error.rel  # None when nothing was quantized (resumed shards: from their journal)
     report.quant_error_worst = error.worst()
     notify("done", report=report)
     return report

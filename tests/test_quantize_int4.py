@@ -121,6 +121,8 @@ def test_cli_options_summary_and_verify_table(tmp_path):
     assert r.exit_code == 0, r.stderr
     text = " ".join(r.stdout.split())
     assert "int4_group:ch:sym" in text and "weight error" in text
+    r = cli("inspect", tmp_path / "a", "--json")
+    assert r.exit_code == 0 and {x["quantizer"] for x in json.loads(r.stdout)["layers"]} == {"int4_group:g64:asym"}
     r = cli("verify", tmp_path / "a", "--source", fixture_dir("qwen3_moe"))
     assert r.exit_code == 0, r.stdout
     assert f"({INT4_FROM_FLOAT_TOL:g})" in r.stdout  # the rule the fp32 column was judged by, beside it
@@ -195,7 +197,10 @@ def test_resume_key_holds_the_options(tmp_path):
     dst2 = tmp_path / "pk2"
     killed(dst2, "int4:g64:asym")
     events = []
-    moepack.convert(src, dst2, quantize="int4:g64:asym", shard_bytes=1, progress=lambda ev, **kw: events.append(ev))
+    resumed = moepack.convert(src, dst2, quantize="int4:g64:asym", shard_bytes=1, progress=lambda ev, **kw: events.append(ev))
     assert "resume" in events and "shard_resumed" in events
+    # the summary's error covers every layer, the ones the killed run wrote too (from its journal)
+    whole = moepack.convert(src, tmp_path / "pk3", quantize="int4:g64:asym")
+    assert resumed.quant_error == pytest.approx(whole.quant_error, rel=1e-12) and resumed.quant_error_worst == whole.quant_error_worst
     assert json.loads((dst2 / MANIFEST).read_text())["layers"][0]["quantizer"] == "int4_group:g64:asym"
     assert moepack.verify(dst2, source=src).ok

@@ -113,3 +113,14 @@ def test_every_layout_has_a_scheme_that_says_what_generic_code_asks():
         assert s.name == lay.scheme and isinstance(s.quantized, bool) and s.weights_note
         assert s.bench.check_tol > 0
     assert not get_scheme("dense").quantized and get_scheme("int8").quantized and get_scheme("int4").quantized
+
+
+def test_every_package_is_in_the_wheel():
+    """pyproject.toml lists the packages a wheel holds: a scheme package missing there imports in
+    an editable checkout and fails in an installed one."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "moepack").rglob("__init__.py")
+             if not p.parent.is_symlink() and "__pycache__" not in p.parts}  # fmt: skip
+    assert found - listed == set(), f"packages missing from pyproject.toml: {sorted(found - listed)}"

@@ -85,13 +85,17 @@ def _pack_runs(codes: torch.Tensor, pos: tuple, bits: int) -> torch.Tensor:
     nbytes = kpk * bits // 8
     mask = (1 << bits) - 1
     if kpk in (1, 2, 4, 8):
-        x = codes.contiguous().view(torch.uint8).view(_WORDS[kpk]).view(e, r).to(torch.int64)
-        acc = torch.zeros_like(x)
-        t = torch.empty_like(x)  # one scratch word per run, reused (fresh big temporaries cost page faults)
-        for j, (b, sh) in enumerate(pos):
-            torch.bitwise_right_shift(x, 8 * j, out=t).bitwise_and_(mask).bitwise_left_shift_(8 * b + sh)
-            acc.bitwise_or_(t)
-        return acc.view(torch.uint8).view(e, r, 8)[:, :, :nbytes].contiguous()
+        words = codes.contiguous().view(torch.uint8).view(_WORDS[kpk]).view(e, r)
+        out = torch.empty(e, r, nbytes, dtype=torch.uint8)
+        acc, t = torch.empty(r, dtype=torch.int64), torch.empty(r, dtype=torch.int64)  # reused: one expert at a time
+        for i in range(e):  # (int64 scratch of a whole layer would be 8x its codes)
+            x = words[i].to(torch.int64)
+            acc.zero_()
+            for j, (b, sh) in enumerate(pos):
+                torch.bitwise_right_shift(x, 8 * j, out=t).bitwise_and_(mask).bitwise_left_shift_(8 * b + sh)
+                acc.bitwise_or_(t)
+            out[i] = acc.view(torch.uint8).view(r, 8)[:, :nbytes]
+        return out
     runs = torch.zeros(e, r, nbytes, dtype=torch.uint8)
     for j, (b, sh) in enumerate(pos):
         runs[:, :, b] |= codes[:, :, j] << sh
@@ -103,13 +107,17 @@ def _unpack_runs(runs: torch.Tensor, pos: tuple, bits: int, kpk: int) -> torch.T
     e, r, nbytes = runs.shape
     mask = (1 << bits) - 1
     if kpk in (1, 2, 4, 8) and nbytes in _WORDS:
-        w = runs.contiguous().view(_WORDS[nbytes]).view(e, r).to(torch.int64).bitwise_and_((1 << (8 * nbytes)) - 1)
-        acc = torch.zeros_like(w)
-        t = torch.empty_like(w)
-        for j, (b, sh) in enumerate(pos):
-            torch.bitwise_right_shift(w, 8 * b + sh, out=t).bitwise_and_(mask).bitwise_left_shift_(8 * j)
-            acc.bitwise_or_(t)
-        return acc.view(torch.uint8).view(e, r, 8)[:, :, :kpk].contiguous()
+        words = runs.contiguous().view(_WORDS[nbytes]).view(e, r)
+        out = torch.empty(e, r, kpk, dtype=torch.uint8)
+        acc, t = torch.empty(r, dtype=torch.int64), torch.empty(r, dtype=torch.int64)
+        for i in range(e):
+            w = words[i].to(torch.int64).bitwise_and_((1 << (8 * nbytes)) - 1)
+            acc.zero_()
+            for j, (b, sh) in enumerate(pos):
+                torch.bitwise_right_shift(w, 8 * b + sh, out=t).bitwise_and_(mask).bitwise_left_shift_(8 * j)
+                acc.bitwise_or_(t)
+            out[i] = acc.view(torch.uint8).view(r, 8)[:, :kpk]
+        return out
     out = torch.empty(e, r, kpk, dtype=torch.uint8)
     for j, (b, sh) in enumerate(pos):
         out[:, :, j] = (runs[:, :, b] >> sh) & mask
