@@ -190,14 +190,16 @@ class _Want:
     w2_bias: torch.Tensor | None = None
 
 
-def _want(scheme, w13, w2, q: dict | None, reader_name: str, layout, w13_bias=None, w2_bias=None, options=None) -> _Want:
-    """``q``: the source's own canonical tensors of ``scheme`` (an int8 source's codes and
+def _want(scheme, w13, w2, q: dict | None, source_dtype: str, reader_name: str, layout, w13_bias=None, w2_bias=None,
+          options=None) -> _Want:  # fmt: skip
+    """``q``: the source's own canonical tensors of ``scheme`` (a quantized source's codes and
     scales), or None: the scheme makes them from the float weights for ``layout`` with the
-    quantizer ``options`` convert recorded, as convert did."""
+    quantizer ``options`` convert recorded, as convert did. ``source_dtype``: the stored dtype of
+    the source's weights (the scheme's words for where the values come from depend on it)."""
+    rule = scheme.rule(source_dtype, reader_name)
     if q is not None:
-        return _Want(w13, w2, scheme.rule("I8", reader_name), scheme.complete(dict(q), layout), w13_bias, w2_bias)
-    c = scheme.from_float(w13, w2, layout=layout, options=options)
-    return _Want(w13, w2, scheme.rule("", reader_name), c, w13_bias, w2_bias)
+        return _Want(w13, w2, rule, scheme.complete(dict(q), layout), w13_bias, w2_bias)
+    return _Want(w13, w2, rule, scheme.from_float(w13, w2, layout=layout, options=options), w13_bias, w2_bias)
 
 
 def _unpacked(t: torch.Tensor, name: str, p: PackedExperts) -> torch.Tensor:
@@ -305,7 +307,7 @@ def _shared_want(ckpt, reader, spec, scheme, layout, options=None) -> _Want:
     source's own codes, or quantized by moepack when the source's shared expert is float)."""
     w13, w2 = reader.read_shared(ckpt, spec)
     q = reader.read_shared_canonical(ckpt, spec) if scheme.keeps_source(reader) else None
-    return _want(scheme, w13, w2, q, reader.name, layout, options=options)
+    return _want(scheme, w13, w2, q, ckpt.info(spec.shared["gate_proj"]).dtype_str, reader.name, layout, options=options)
 
 
 def _check_shared(ckpt, reader, spec, layer, results: dict, problems: list, options=None) -> tuple[_Want | None, torch.Tensor | None]:
@@ -384,8 +386,8 @@ def _source_block(ckpt, reader, spec, scheme, layout, e0: int, e1: int, biases, 
                for e in range(e0, e1)]  # fmt: skip
         q = {k: torch.stack([x[k] for x in per]) for k in per[0]}
     b13, b2 = biases
-    return _want(scheme, w13, w2, q, reader.name, layout, None if b13 is None else b13[e0:e1], None if b2 is None else b2[e0:e1],
-                 options)  # fmt: skip
+    return _want(scheme, w13, w2, q, spec.dtype, reader.name, layout, None if b13 is None else b13[e0:e1],
+                 None if b2 is None else b2[e0:e1], options)  # fmt: skip
 
 
 def _local_routes(w: torch.Tensor, ids: torch.Tensor, e0: int, e1: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -370,3 +370,24 @@ def test_pack_codes_refuses_a_padding_that_is_not_whole_blocks():
         pack_codes(L, torch.zeros(1, 33, 7), n_padded=40)
     with pytest.raises(LayoutError, match=r"not a codes tensor of layout i8_n32k4_x86"):
         unpack_codes("i8_n32k4_x86", torch.zeros(1, 32, 4, dtype=torch.uint8))
+
+
+def test_verify_reads_sub_byte_codes_through_the_packed_layouts_own_order():
+    """verify compares a directory's codes after reading them back with unpack_codes of the
+    directory's own layout: a 4-bit layout whose code_order is not the u4 nibble order is read
+    right (through the u4 order its codes would come back scrambled)."""
+    from moepack.layout import INT4_LAYOUT
+    from moepack.pack import PackedExperts
+    from moepack.verify_dir import _unpacked
+
+    lay = dataclasses.replace(INT4_LAYOUT, id=906, name="u4g128_test_reversed", code_order=tuple(range(7, -1, -1)))
+    e, h, i = 2, 40, 24
+    g = torch.Generator().manual_seed(4)
+    c13 = torch.randint(0, 16, (e, 2 * 32, 40), generator=g, dtype=torch.uint8)  # already padded: Ip = 32, Kp(H) = 40
+    c2 = torch.randint(0, 16, (e, 64, 32), generator=g, dtype=torch.uint8)
+    tensors = {"w13": pack_codes(lay, c13), "w2": pack_codes(lay, c2),
+               "w13_scale": torch.ones(e, 1, 64), "w13_zero": torch.full((e, 1, 64), 8, dtype=torch.uint8),
+               "w2_scale": torch.ones(e, 1, 64), "w2_zero": torch.full((e, 1, 64), 8, dtype=torch.uint8)}  # fmt: skip
+    p = PackedExperts(lay, e, h, i, 32, False, tensors)
+    assert torch.equal(_unpacked(p.w13, "w13", p), c13) and torch.equal(_unpacked(p.w2, "w2", p), c2)
+    assert not torch.equal(unpack_codes(INT4_LAYOUT, p.w13), c13)
