@@ -99,8 +99,8 @@ def bench(
     tokens: str = typer.Option("1,8,64,512", "--tokens", help="Comma-separated token counts T."),
     threads: int = typer.Option(2, "--threads", help="torch.set_num_threads, and the machine probe's threads."),
     dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype: bf16, fp32 or fp16 (weights are bf16)."),
-    scheme: str = typer.Option(
-        "dense", "--scheme", help="Packed experts: dense (alias bf16), int8_channel (alias int8; W8A8: the bf16 weights quantized per channel; GB/s of int8 bytes, GOP/s), or int4_group (alias int4: symmetric group 128; GB/s of packed int4 bytes)."
+    scheme: Optional[str] = typer.Option(
+        None, "--scheme", help="Packed experts (default: dense): dense (alias bf16), int8_channel (alias int8; W8A8: the bf16 weights quantized per channel; GB/s of int8 bytes, GOP/s), or int4_group (alias int4: symmetric group 128; GB/s of packed int4 bytes)."
     ),
     act_mode: Optional[str] = typer.Option(
         None, "--act-mode", help="Schemes with two activation modes (int4): a16 (default, W4A16) or a8 (W4A8)."
@@ -130,7 +130,7 @@ def bench(
         tokens=B.parse_tokens(tokens),
         threads=threads,
         dtype=dtype,
-        scheme=scheme,
+        **({"scheme": scheme} if scheme else {}),  # default: BenchConfig's (the float layout's scheme)
         act_mode=act_mode,
         skip_torch=skip_torch,
         min_time=min_time,

@@ -29,8 +29,17 @@ def convert(
     dst: Path = typer.Argument(..., help="Packed directory to create (must not exist unless --overwrite)."),
     isa: str = typer.Option("x86", "--isa", help="Target ISA family of the packed layout: x86."),
     quantize: Optional[str] = typer.Option(
-        None, "--quantize", help="Quantize a dense source's experts into a scheme: int8_channel (alias int8: W8A8, per output channel). An int8 source stays int8."
+        None, "--quantize", help="Quantize a float source's experts into a scheme: int8_channel (alias int8: W8A8, "
+        "symmetric per output channel) or int4_group (alias int4: round to nearest, symmetric, group 128 by default, as "
+        "GPTQ/compressed-tensors W4A16; see --group-size, --asym). Options may follow the name: int4:g64:asym, int4:ch. "
+        "A quantized source stays in its own scheme, never re-quantized."
     ),
+    group_size: Optional[int] = typer.Option(
+        None, "--group-size", help="--quantize int4: K values per scale, 32, 64 or 128 (default), or -1 for one scale per "
+        "output channel."
+    ),
+    asym: bool = typer.Option(False, "--asym", help="--quantize int4: asymmetric (scale and zero point from each group's "
+                              "min and max, as W4A16_ASYM / AWQ) instead of symmetric (zero point 8)."),
     act_mode: Optional[str] = typer.Option(
         None, "--act-mode", help="Every layer's default activation mode: a16 or a8 (layouts that serve it: int4). "
         "Default: int4 a16 (the checkpoint's meaning), a8 for a compressed-tensors W4A8 checkpoint."
@@ -48,13 +57,15 @@ def convert(
 
     from moepack.schemes import get_scheme
 
-    family_layouts = get_scheme("dense").layouts(isa)
+    # the family's layout for float weights kept as floats (a quantized source or --quantize picks its scheme's)
+    family_layouts = [x for x in LAYOUTS if x.family == isa and not get_scheme(x).quantized]
     if not family_layouts:
         fams = sorted({x.family for x in LAYOUTS})
-        raise ConvertError(f"--isa {isa!r}: no dense layout for that family in this build (available: {', '.join(fams)})")
+        raise ConvertError(f"--isa {isa!r}: no float layout for that family in this build (available: {', '.join(fams)})")
     layout = family_layouts[0]
     if shard_gib <= 0:
         raise ConvertError(f"--shard-gib {shard_gib}: must be positive")
+    quantize = _quantize_spec(quantize, group_size, asym)
 
     with Progress(
         TextColumn("[bold]{task.description}"),
@@ -91,6 +102,10 @@ def convert(
         "dst": str(report.dst),
         "layers": report.layers,
         "layout": layout.name,
+        "scheme": report.scheme,
+        "quantizer": report.quantize,
+        "quant_error": report.quant_error,  # ||dequant(q) - w|| / ||w|| of the weights quantized here
+        "quant_error_worst_layer": list(report.quant_error_worst) if report.quant_error_worst else None,
         "act_modes": report.act_modes,
         "expert_bytes": report.experts_bytes,
         "other_bytes": report.other_bytes,
@@ -107,11 +122,32 @@ def convert(
     t.add_row("MoE layers", str(report.layers))
     t.add_row("layout", layout.name)
     t.add_row("act mode", ", ".join(report.act_modes) or "-")
+    if report.quantize:
+        t.add_row("quantized", report.quantize)
+    if report.quant_error is not None:
+        worst = report.quant_error_worst
+        t.add_row("weight error", f"{report.quant_error:.3g} (||dequant - w|| / ||w||"
+                  + (f"; worst layer {worst[0]}: {worst[1]:.3g}" if worst else "") + "; moepack verify --source judges the output)")
     t.add_row("packed experts", _human(report.experts_bytes))
     t.add_row("other tensors", _human(report.other_bytes))
     t.add_row("files", ", ".join(report.files))
     t.add_row("time", f"{report.seconds:.2f} s ({report.mb_per_s:.0f} MB/s)")
     console.print(t)
+
+
+def _quantize_spec(quantize: str | None, group_size: int | None, asym: bool) -> str | None:
+    """--quantize with --group-size / --asym folded in as options ("int4" + 64 + asym ->
+    "int4:g64:asym"); the scheme refuses options it does not take (moepack.convert_dir.parse_quantize)."""
+    from moepack.errors import ConvertError
+
+    words = []
+    if group_size is not None:
+        words.append("ch" if group_size == -1 else f"g{group_size}")
+    if asym:
+        words.append("asym")
+    if words and quantize is None:
+        raise ConvertError(f"--group-size / --asym ({' '.join(words)}) quantize float weights: give --quantize int4 with them")
+    return quantize if not words else ":".join([quantize, *words])
 
 
 @command(help="Verify a packed directory: checksums of every tensor; with --source, the whole model (MoE layers, experts, "
@@ -156,11 +192,14 @@ def verify(
                 style="green" if eq == n else "red",
             )
             t = Table(title=f"layers against {report.source}")
-            int8 = any(c.rel_err_fp32 is not None for c in report.layers)
+            # the columns each scheme's checks fill (LayerCheck: what the weights were compared as, the
+            # fp32 rule of schemes judged against the source's float weights too)
+            fp32 = any(c.rel_err_fp32 is not None for c in report.layers)
             shared = any(c.shared_exact is not None for c in report.layers)
-            cols = ["layer", "weights == source (int8 codes)" if int8 else "weights == source (bf16)"]
+            what = sorted({c.weights for c in report.layers if c.weights})
+            cols = ["layer", f"weights == source ({', '.join(what) or 'values'})"]
             cols += ["shared expert == source"] if shared else []
-            for col in cols + ["output rel. error", "tolerance"] + (["vs fp32 reference (3e-2)"] if int8 else []) + ["result"]:
+            for col in cols + ["output rel. error", "tolerance"] + (["vs fp32 reference on the source (tolerance)"] if fp32 else []) + ["result"]:
                 t.add_column(col)
             yes_no = {True: "yes", False: "[red]no[/]", None: "-"}
             for c in report.layers:
@@ -169,8 +208,8 @@ def verify(
                     yes_no[c.weights_exact],
                     *([yes_no[c.shared_exact]] if shared else []),
                     f"{c.rel_err:.2e}",
-                    f"{c.tol:.1e}" if int8 else f"{c.tol:.0e}",
-                    *(["-" if c.rel_err_fp32 is None else f"{c.rel_err_fp32:.2e}"] if int8 else []),
+                    f"{c.tol:.1e}" if c.tol != float(f"{c.tol:.0e}") else f"{c.tol:.0e}",
+                    *(["-" if c.rel_err_fp32 is None else f"{c.rel_err_fp32:.2e} ({c.fp32_tol:g})"] if fp32 else []),
                     "[green]ok[/]" if c.ok else "[red]FAIL[/]",
                 )
             console.print(t)
@@ -187,6 +226,7 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     import moepack
+    from moepack.schemes import get_scheme
 
     model = moepack.open(dst)
     m = model.manifest
@@ -207,8 +247,10 @@ def inspect(
                 "act_mode": layer.act_mode,
                 "act_mode_recorded": layer.entry.get("act_mode"),
                 "act_order": p.w13_perm is not None,
-                "scheme": layer.entry.get("scheme", "dense"),
+                "scheme": get_scheme(p.layout).name,
+                "quantized": get_scheme(p.layout).quantized,
                 "scheme_source": layer.entry.get("scheme_source"),
+                "quantizer": layer.entry.get("quantizer"),  # the quantizer convert ran on float weights, with its options
                 "bytes": p.nbytes,
                 "kernel": isa,
                 "reason": reason,
@@ -260,8 +302,10 @@ def inspect(
     act_order = [str(x["index"]) for x in layers if x["act_order"]]
     if act_order:
         console.print(f"act-order (w13_perm): layers {', '.join(act_order)}", highlight=False)
-    for note in sorted({x["scheme_source"] for x in layers if x["scheme_source"] and x["scheme"] != "dense"}):
+    for note in sorted({x["scheme_source"] for x in layers if x["scheme_source"] and x["quantized"]}):
         console.print(f"weights: {note}", highlight=False)
+    for q in sorted({x["quantizer"] for x in layers if x["quantizer"]}):
+        console.print(f"quantizer: {q} (moepack verify --source reports its error)", highlight=False)
     total = sum(v["size"] for v in m["files"].values())
     console.print(f"{len(m['files'])} files, {_human(total)}", highlight=False)
 

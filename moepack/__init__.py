@@ -12,6 +12,7 @@ from ._ops import cpu_flags, fused_experts, kernel_choice, load_extension, pack_
 from .errors import ExtensionError, LayoutError, MoepackError, UnsupportedError
 from .layout import DEFAULT_LAYOUT, LAYOUTS, PackedLayout, layout_get
 from .pack import PackedExperts, pack_experts
+from . import schemes as _schemes  # noqa: F401,E402 - registers the weight schemes, which moepack.pack looks up
 from .runtime import open_packed, run_experts
 
 from ._version import __version__

@@ -6,10 +6,12 @@ then one layer at a time is read, packed and written. Everything goes into a tem
 of DST that is renamed to DST only when complete (moepack/container), so an interrupted or
 failed convert never leaves a directory under the final name.
 
-int8 (W8A8, SEMANTICS.md §3 "int8 channel"): a compressed-tensors int-quantized source is packed
-into the family's int8 layout with its own codes and scales (never re-quantized); a dense source
-is quantized per output channel (``quantize="int8"``, ``moepack.pack.quantize_int8_per_channel``)
-one expert at a time. Each layer's manifest entry records ``scheme`` and ``scheme_source``.
+Schemes (moepack.schemes): a quantized source (int8 compressed-tensors, int4 GPTQ / AWQ /
+pack-quantized) is packed into its scheme's layout with its own codes and scales (never
+re-quantized); a float source is packed as is, or quantized one expert at a time into the scheme
+``quantize`` names, with that scheme's options (``"int4:g64:asym"``: parse_quantize). Each
+layer's manifest entry records ``scheme`` and ``scheme_source``; the report carries the
+quantization error of what was quantized (``ConvertReport.quant_error``).
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ from .container.reader import read_safetensors_header, sha256_update
 from .container.writer import ShardPlan, ShardWriter, atomic_directory, os_reason
 from .errors import ConvertError, LayoutError, MoepackError
 from .errors import UnsupportedError
-from .layout import DEFAULT_LAYOUT, PackedLayout, int4_layout_for, layout_expert_shapes, layout_get, layout_tensor_plan
+from .layout import DEFAULT_LAYOUT, PackedLayout, layout_expert_shapes, layout_get, layout_tensor_plan
 from .runtime.model import FORMAT_VERSION, MANIFEST, PERM_FORMAT_VERSION
-from .schemes import LayerSource, Scheme, get_scheme, schemes
+from .schemes import LayerSource, QuantError, Scheme, get_scheme, schemes
 from .sources import Checkpoint, LayerSpec, SourceReader, open_source, text_config
 
 DEFAULT_SHARD_BYTES = 2 << 30
@@ -51,7 +53,11 @@ def expert_tensor_name(layer: int, role: str) -> str:
 @dataclass
 class ConvertReport:
     dst: Path
-    layout: str = ""  # the layout written (an int8 source or quantize="int8": the int8 layout)
+    layout: str = ""  # the layout written (a quantized source or quantize=: that scheme's layout)
+    scheme: str = ""  # the scheme written
+    quantize: str | None = None  # the quantizer and its options when float weights were quantized ("int4_group:g128:sym")
+    quant_error: float | None = None  # ||dequant(q) - w|| / ||w|| over every weight quantized from float
+    quant_error_worst: tuple | None = None  # (layer index, its relative error) of the layer quantized worst
     act_modes: list = field(default_factory=list)  # the act modes recorded as the layers' defaults
     layers: int = 0
     experts_bytes: int = 0
@@ -93,59 +99,56 @@ def _plan_layer_tensors(spec: LayerSpec, layout: PackedLayout, scheme: Scheme) -
     return [(expert_tensor_name(spec.index, t.name), getattr(torch, t.dtype), t.shape) for t in plan]
 
 
-def _target_scheme(lay: PackedLayout, quantize: str | None, reader: SourceReader) -> Scheme:
-    """The scheme a convert packs into: ``quantize`` when given, else the source's own (an int8
-    source stays int8: A8 checkpoints are never dequantized), else the layout's."""
-    if quantize is not None:
-        try:
-            scheme = get_scheme(quantize)
-        except UnsupportedError:
-            scheme = None
-        if scheme is None or scheme.name == "dense":
-            known = ", ".join(f"{x.name!r}" + (f" (or {', '.join(map(repr, x.aliases))})" if x.aliases else "")
-                              for x in schemes() if x.name != "dense")  # fmt: skip
-            raise ConvertError(f"quantize={quantize!r}: moepack quantizes to {known}")
-        if reader.scheme not in ("dense", scheme.name):
-            raise ConvertError(f"quantize={quantize!r} with a {reader.scheme} source: moepack never re-quantizes a quantized checkpoint")
-        return scheme
+def parse_quantize(quantize: str | None) -> tuple[Scheme | None, object]:
+    """``quantize`` -> (the scheme, its options object or None). The spelling: a scheme name or
+    alias, then its options after colons (``"int8"``, ``"int4"``, ``"int4:g64:asym"``,
+    ``"int4_group:ch"``); None -> (None, None). Refused naming the value and the rule: an unknown
+    scheme, a scheme that does not quantize float weights, an option the scheme does not take."""
+    if quantize is None:
+        return None, None
+    name, *words = str(quantize).split(":")
+    try:
+        scheme = get_scheme(name)
+    except UnsupportedError:
+        scheme = None
+    if scheme is None or not scheme.quantized:
+        known = ", ".join(f"{x.name!r}" + (f" (or {', '.join(map(repr, x.aliases))})" if x.aliases else "")
+                          for x in schemes() if x.quantized)  # fmt: skip
+        raise ConvertError(f"quantize={quantize!r}: moepack quantizes to {known}")
+    try:
+        return scheme, scheme.options(tuple(words))
+    except (UnsupportedError, ConvertError) as e:
+        raise ConvertError(f"quantize={quantize!r}: {e}") from None
+
+
+def _target_scheme(lay: PackedLayout, scheme: Scheme | None, reader: SourceReader) -> Scheme:
+    """The scheme a convert packs into: ``scheme`` (``quantize``) when given, else the source's own
+    (a quantized source stays in its scheme: A8 checkpoints are never dequantized), else the
+    layout's."""
     try:
         source = get_scheme(reader.scheme)
     except UnsupportedError:
         raise ConvertError(f"source reader {reader.name!r} has scheme {reader.scheme!r}, which convert cannot pack") from None
-    return source if source.name != "dense" else get_scheme(lay)
+    if scheme is not None:
+        if source.quantized and source is not scheme:
+            raise ConvertError(f"quantize={scheme.name!r} with a {reader.scheme} source: moepack never re-quantizes a quantized checkpoint")
+        return scheme
+    return source if source.quantized else get_scheme(lay)
 
 
-def _target_layout(lay: PackedLayout, scheme: Scheme) -> PackedLayout:
-    """``lay`` when it is of ``scheme``, else the scheme's layout of ``lay``'s ISA family."""
-    if lay.scheme == scheme.name:
-        return lay
+def _target_layout(lay: PackedLayout, scheme: Scheme, options, reader: SourceReader, specs: list) -> PackedLayout:
+    """The layout a convert writes: a source of ``scheme`` packs into the layout its own facts
+    call for (int4: its group size; ``Scheme.source_layout``); quantizer options name theirs
+    (int4: the group size's); else ``lay`` when it is of ``scheme``, else the scheme's layout of
+    ``lay``'s ISA family."""
     try:
-        return scheme.layout_for(lay.family)
-    except UnsupportedError as e:
+        if scheme.keeps_source(reader) and scheme.source_layout is not None:
+            return scheme.source_layout(specs, lay if lay.scheme == scheme.name else scheme.layout_for(lay.family))
+        if options is not None and hasattr(options, "layout"):
+            return options.layout(lay.family)
+        return lay if lay.scheme == scheme.name else scheme.layout_for(lay.family)
+    except (UnsupportedError, LayoutError) as e:
         raise ConvertError(str(e)) from None
-
-
-def _source_group_layout(lay: PackedLayout, scheme: Scheme, reader: SourceReader, specs: list) -> PackedLayout:
-    """An int4 source packs into the int4 layout of its own group size (never re-grouped): every
-    MoE layer's (and quantized shared expert's) group size must be the same, and moepack must
-    have a layout for it."""
-    if reader.scheme != "int4_group" or scheme.name != "int4_group":
-        return lay
-    sizes = {}
-    for s in specs:
-        q = getattr(s, "quant", None) or {}
-        sizes.setdefault(q.get("group_size"), f"layer {s.index} ({s.prefix})")
-        sh = q.get("shared") or {}
-        if sh.get("group_size") is not None:
-            sizes.setdefault(sh["group_size"], f"layer {s.index}'s shared expert")
-    if len(sizes) != 1:
-        listed = "; ".join(f"group_size={g} in {where}" for g, where in sizes.items())
-        raise ConvertError(f"int4 source with several group sizes ({listed}): moepack packs one int4 layout per directory")
-    (g,) = sizes
-    try:
-        return int4_layout_for(g, lay.family)
-    except LayoutError as e:
-        raise ConvertError(f"{sizes[g]}: {e}") from None
 
 
 def _source_element(s: LayerSpec, role: str, e: int, idx: list[int]) -> tuple[str, list[int]]:
@@ -229,8 +232,12 @@ def convert(
 ) -> ConvertReport:
     """Convert the checkpoint at ``src`` into a packed directory at ``dst``.
 
-    ``quantize="int8"``: quantize a dense source's experts to W8A8 int8 (per output channel) and
-    pack them into the family's int8 layout (an int8 source is packed into it anyway).
+    ``quantize``: quantize a float source's experts into a scheme, ``"<scheme>[:option...]"``:
+    ``"int8"`` (W8A8, per output channel) or ``"int4"`` (round to nearest; options ``g32`` /
+    ``g64`` / ``g128`` (default) / ``ch`` for the group size, ``sym`` (default) / ``asym``, e.g.
+    ``"int4:g64:asym"``), packed into that scheme's layout of the family (a quantized source is
+    packed into its own scheme anyway, never re-quantized). ``ConvertReport.quant_error`` is the
+    resulting weight error; ``verify(..., source=)`` judges the output error.
     ``act_mode`` ("a16" / "a8"): the activation mode recorded as every layer's default (the
     manifest's ``act_mode``), refused when the layout does not serve it; None: each layer's own
     (int4: a16, the checkpoint's meaning; a8 for a compressed-tensors W4A8 checkpoint).
@@ -252,6 +259,7 @@ def convert(
         raise ConvertError(f"threads={threads}: must be a positive integer")
     if act_mode is not None and act_mode not in ("a16", "a8"):
         raise ConvertError(f"act_mode={act_mode!r}: must be 'a16' or 'a8' (or None: each layer's default)")
+    parse_quantize(quantize)  # refused before anything is opened
     opts = _Options(quantize, act_mode, shard_bytes, resume, pipeline)
     with torch_threads(threads), _signals_interrupt():
         return _convert(src, dst, lay, overwrite, progress, t0, opts)
@@ -334,6 +342,7 @@ class _Plan:
     scheme: Scheme
     layout: PackedLayout
     specs: list
+    options: object  # the quantizer's options (Scheme.options), or None
     config: dict
     layer_tensors: dict  # layer index -> [(stored name, dtype, shape)] in write order
     expert_shards: list  # [[LayerSpec]] per experts-*.safetensors
@@ -347,14 +356,27 @@ class _Plan:
     act_modes: dict  # layer index -> the act mode recorded as its default
     shard_plans: dict = field(default_factory=dict)  # file name -> ShardPlan (every shard, planned up front)
 
+    @property
+    def quantizer(self) -> str | None:
+        """The quantizer with every option spelled out ("int4_group:g128:sym", "int8_channel")
+        when this convert quantizes float weights; None when it does not."""
+        if not self.scheme.quantized or self.scheme.keeps_source(self.reader):
+            return None
+        return self.options.key() if self.options is not None else self.scheme.name
+
 
 def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: str | None = None) -> _Plan:
     """Stage 1: the source, the scheme and layout it packs into, every tensor and shard."""
     ckpt, reader = open_source(src)
-    scheme = _target_scheme(lay, quantize, reader)
-    lay = _target_layout(lay, scheme)
+    qscheme, options = parse_quantize(quantize)
+    scheme = _target_scheme(lay, qscheme, reader)
     specs = reader.layers(ckpt)
-    lay = _source_group_layout(lay, scheme, reader, specs)
+    if scheme.keeps_source(reader):
+        if ":" in str(quantize or ""):
+            raise ConvertError(f"quantize={quantize!r} with a {reader.scheme} source ({reader.name}): its own codes are packed "
+                               "as stored, never re-quantized; quantizer options apply to float sources only")  # fmt: skip
+        options = None  # a source of the scheme is packed as stored: no quantizer runs
+    lay = _target_layout(lay, scheme, options, reader, specs)
     config = text_config(ckpt.config)
     expert_names = {n for s in specs for n in s.expert_tensors}
     other = [n for n in ckpt.tensors if n not in expert_names]
@@ -370,7 +392,7 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
     routing, routing_note = _routing_for(config)
     alpha, limit = _swiglu_params(config)
     pl = _Plan(
-        src, ckpt, reader, scheme, lay, specs, config, layer_tensors, expert_shards,
+        src, ckpt, reader, scheme, lay, specs, options, config, layer_tensors, expert_shards,
         [f"experts-{i + 1:05d}-of-{ne:05d}.safetensors" for i in range(ne)], other_shards,
         [f"model-{i + 1:05d}-of-{no:05d}.safetensors" for i in range(no)], routing, routing_note, alpha, limit, act_modes,
     )  # fmt: skip
@@ -405,12 +427,13 @@ def _check_top_k(config: dict, specs: list) -> None:
                            f"routed to between 1 and num_experts experts")  # fmt: skip
 
 
-def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fname: str, tensors: dict, report) -> dict:
+def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fname: str, tensors: dict, report,
+                 error: QuantError) -> dict:  # fmt: skip
     """Stage 2, one layer: the scheme's streaming packer writes the layer's tensors in plan order,
     one expert at a time (peak memory is one expert, not one layer); returns its manifest entry."""
     lay, scheme, ckpt, reader = pl.layout, pl.scheme, pl.ckpt, pl.reader
     checked = lambda pack, t, role, e: _pack_checked(pack, t, s, role, e)  # noqa: E731
-    packer = scheme.layer_packer(LayerSource(ckpt, reader, s, lay, checked))
+    packer = scheme.layer_packer(LayerSource(ckpt, reader, s, lay, checked, pl.options, error))
     entry_tensors = {}
     for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias, perm=scheme.has_perm(s)):
         name = expert_tensor_name(s.index, t.name)
@@ -426,7 +449,7 @@ def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fnam
             "padded_intermediate": sp.padded_intermediate,
             "gate": s.shared.get("gate"),
             "source_tensors": [s.shared[p] for p in ("gate_proj", "up_proj", "down_proj")],
-            "scheme_source": scheme.source_note(ckpt.info(s.shared["gate_proj"]).dtype_str, reader.name),
+            "scheme_source": scheme.source_note(ckpt.info(s.shared["gate_proj"]).dtype_str, reader, pl.options),
         }
         shared_plan = layout_tensor_plan(lay, 1, s.hidden, s.shared["intermediate"], perm=scheme.has_perm(s, True))
         for role in (t.name for t in shared_plan):  # plan order
@@ -452,7 +475,8 @@ def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fnam
         "layout_id": lay.id,
         "act_mode": pl.act_modes[s.index],
         "scheme": scheme.name,
-        "scheme_source": scheme.source_note(s.dtype, reader.name),
+        "scheme_source": scheme.source_note(s.dtype, reader, pl.options),
+        "quantizer": pl.quantizer,  # the quantizer and every option it ran with (verify re-runs it), or None
         "tensors": entry_tensors,
         "router": dict(s.router),
         "shared": shared_entry,
@@ -514,7 +538,8 @@ def _resume_key(pl: _Plan, opts: _Options) -> dict:
         "source_files": files,
         "layout_id": pl.layout.id,
         "scheme": pl.scheme.name,
-        "quantize": opts.quantize,
+        "quantize": opts.quantize,  # as given; the options it names, with their defaults:
+        "quantizer": pl.quantizer,
         "act_mode": opts.act_mode,
         "shard_bytes": opts.shard_bytes,
         "shards": {f: hashlib.sha256(sp.header_bytes()).hexdigest() for f, sp in pl.shard_plans.items()},
@@ -613,7 +638,9 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
     pl = _plan(src, lay, opts.quantize, opts.shard_bytes, opts.act_mode)
     notify("plan", layers=len(pl.specs), expert_files=len(pl.expert_files), other_files=len(pl.other_files),
            other_tensors=sum(len(x) for x in pl.other_shards))  # fmt: skip
-    report = ConvertReport(dst=dst, layout=pl.layout.name, act_modes=sorted(set(pl.act_modes.values())))
+    report = ConvertReport(dst=dst, layout=pl.layout.name, act_modes=sorted(set(pl.act_modes.values())), scheme=pl.scheme.name,
+                           quantize=pl.quantizer)  # fmt: skip
+    error = QuantError()
     tensors: dict[str, dict] = {}
     layers = []
     journal = _Resume(_resume_key(pl, opts), notify)
@@ -632,6 +659,9 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
                 report.layers += len(entry["layers"])
                 report.experts_bytes += entry["experts_bytes"]
                 report.other_bytes += entry["other_bytes"]
+                for i, (d, r) in entry.get("quant_error", {}).items():  # the killed run's quantization error of its layers
+                    error.layers[int(i)] = [d, r]
+                    error.err2, error.ref2 = error.err2 + d, error.ref2 + r
                 report.files.append(fname)
                 notify("shard_resumed", file=fname)
                 continue
@@ -640,12 +670,12 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
                 for f, _, _ in work[work.index((fname, items, kind)) :]:
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(tmp / f)
-            before = (dict(tensors), len(layers), report.experts_bytes, report.other_bytes)
+            before = (dict(tensors), len(layers), report.experts_bytes, report.other_bytes, set(error.layers))
             with ShardWriter(tmp / fname, shard, pipeline=opts.pipeline, display=dst / fname) as w:
                 if kind == "experts":
                     for s in items:
                         notify("layer_start", layer=s.index, num_experts=s.num_experts)
-                        layers.append(_write_layer(pl, s, w, shard, fname, tensors, report))
+                        layers.append(_write_layer(pl, s, w, shard, fname, tensors, report, error))
                         report.layers += 1
                         notify("layer_done", layer=s.index, bytes=sum(_nbytes(d, shp) for _, d, shp in pl.layer_tensors[s.index]))
                 else:
@@ -654,6 +684,7 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
             journal.done(tmp, fname, {
                 "tensors": {k: v for k, v in tensors.items() if k not in before[0]}, "layers": layers[before[1] :],
                 "experts_bytes": report.experts_bytes - before[2], "other_bytes": report.other_bytes - before[3],
+                "quant_error": {str(i): v for i, v in error.layers.items() if i not in before[4]},
             })  # fmt: skip
             notify("shard_done", file=fname)
             if kind == "other":
@@ -672,6 +703,8 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
         except OSError as e:
             raise ConvertError(f"{what}: cannot write: {os_reason(e)}") from None
     report.seconds = time.perf_counter() - t0
+    report.quant_error = error.rel  # None when nothing was quantized (resumed shards: from their journal)
+    report.quant_error_worst = error.worst()
     notify("done", report=report)
     return report
 

@@ -20,7 +20,7 @@ For ``bf16_n32k2_x86`` one K group of a block is 32 columns x 2 bf16 = 128 bytes
 lines: one AVX-512 register of 16 bf16 pairs holds half of it (what ``vdpbf16ps`` consumes), an
 AVX2 register a quarter. For ``i8_n32k4_x86`` one K group is 32 columns x 4 int8 = 128 bytes
 too: a 32-bit word holds ``w[n][k..k+3]`` (the operand of ``vpdpbusd``); its per-channel fp32
-scales and int32 column sums are separate ``[E, N]`` tensors (moepack/pack: ``pack_experts_int8``).
+scales and int32 column sums are separate ``[E, N]`` tensors (moepack/schemes/int8: ``pack_experts_int8``).
 """
 
 from __future__ import annotations

@@ -332,6 +332,7 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
           why=f" (layout {lay.name} runs with {' or '.join(lay.act_modes)} activations)")  # fmt: skip
     c.val(entry, "scheme", f"{at}.scheme", "str", required=False, choices=(lay.scheme,), why=f" (the scheme of layout {lay.name})")
     c.val(entry, "scheme_source", f"{at}.scheme_source", "str", required=False, null=True)
+    c.val(entry, "quantizer", f"{at}.quantizer", "str", required=False, null=True)
     c.val(entry, "source_tensors", f"{at}.source_tensors", "strs", required=False)
     names = c.obj(entry, "tensors", f"{at}.tensors")
     sh = c.obj(entry, "shared", f"{at}.shared", required=False, null=True)

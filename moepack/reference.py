@@ -3,11 +3,16 @@
 Written for clarity, not speed: one expert at a time with ``F.linear`` in fp32, the same
 rounding points as the kernels (intermediate stored in the activation dtype, combine in fp32
 in slot order, one cast at the end).
+
+What every scheme shares lives here (activation, the dense MoE on float weights, the A8 rounding
+points, the combine); each scheme's own formulas (its integer GEMMs, its dequantization) are in
+its package, moepack/schemes/<scheme>/reference.py, and build on these.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -104,22 +109,12 @@ def quantize_rows_int8(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(v / scale).clamp(-127.0, 127.0), scale
 
 
-def int8_linear_reference(
-    q: torch.Tensor, q_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``acc_i32 · a_scale[t] · w_scale[n] (+ bias)`` in fp32 with the kernels' order: the integer
-    dot products are exact (fp64 holds every partial sum of <= 2^53), cast to fp32 once."""
-    acc = q.double() @ w_q.double().t()
-    out = acc.float() * q_scale * w_scale.float().reshape(1, -1)
-    return out if bias is None else out + bias.float()
-
-
-def moe_reference_int8(
+def moe_reference_a8(
     hidden_states: torch.Tensor,
-    w13_q: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2_q: torch.Tensor,
-    w2_scale: torch.Tensor,
+    num_experts: int,
+    linear13: Callable,
+    linear2: Callable,
+    w2_column_norm: Callable,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     *,
@@ -132,106 +127,18 @@ def moe_reference_int8(
     expert_map: torch.Tensor | None = None,
     return_flip: bool = False,
 ):
-    """W8A8 experts (SEMANTICS.md §3 "int8 channel" with A8) on canonical int8 weights: codes
-    w13_q [E, 2I, H] / w2_q [E, H, I] (int8), per-channel scales [E, 2I] / [E, H] (fp32).
-
-    Same rounding points as the kernels: each token's x quantized per row; h = dequantized
-    int32 GEMM + bias; act in fp32; the intermediate rounded to the activation dtype, then
-    re-quantized per row; y = dequantized GEMM + bias; combine in fp32 in slot order, one cast.
+    """The A8 rounding points (SEMANTICS.md §3 A8) around a scheme's integer GEMMs: each token's x
+    quantized per row (``quantize_rows_int8``); ``h = linear13(e, q, q_scale, bias)`` (fp32, the
+    scheme's dequantized integer GEMM + bias); act in fp32; the intermediate rounded to the
+    activation dtype, then re-quantized per row; ``y = linear2(e, q, q_scale, bias)``; combine in
+    fp32 in slot order, one cast. The schemes' references (int8_channel, int4_group with A8)
+    supply the two GEMMs.
 
     ``return_flip``: also return the largest change (2-norm of the whole output) that ONE
-    intermediate code moving by one step can cause: max over slots and columns of
-    ``|w_slot| · a_scale · ||w2_q[e][:, i] · w2_scale||``. Two correct implementations whose
-    activations differ by an ulp can round a value sitting on a code boundary differently;
-    tests allow a few such flips (tests/reference/tolerances.py)."""
-    dtype = hidden_states.dtype
-    x = hidden_states.float()
-    t, h = x.shape
-    k = topk_ids.shape[1]
-    ids = topk_ids.long()
-    if expert_map is not None:
-        ids = expert_map.long()[ids]
-    s13 = w13_scale.float().reshape(w13_q.shape[0], -1)
-    s2 = w2_scale.float().reshape(w2_q.shape[0], -1)
-    xq, xs = quantize_rows_int8(x)
-    y = torch.zeros(t, k, h, dtype=torch.float32)
-    flip = 0.0
-    w = topk_weights.float()
-    for e in range(w13_q.shape[0]):
-        tok, slot = (ids == e).nonzero(as_tuple=True)
-        if tok.numel() == 0:
-            continue
-        hh = int8_linear_reference(xq[tok], xs[tok], w13_q[e], s13[e], None if w13_bias is None else w13_bias[e])
-        a = activation_reference(hh, activation, alpha, limit, interleaved).to(dtype).float()
-        aq, as_ = quantize_rows_int8(a)
-        y[tok, slot] = int8_linear_reference(aq, as_, w2_q[e], s2[e], None if w2_bias is None else w2_bias[e])
-        if return_flip:
-            col = (w2_q[e].double() * s2[e].double().reshape(-1, 1)).norm(dim=0).max().item()
-            flip = max(flip, (w[tok, slot].abs().double() * as_.reshape(-1).double()).max().item() * col)
-    out = combine_slots(y, w, ids, expert_map, dtype)
-    return (out, flip) if return_flip else out
-
-
-def int4_linear_a8_reference(
-    q: torch.Tensor, q_scale: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, w_zero: torch.Tensor,
-    group_size: int, bias: torch.Tensor | None,
-) -> torch.Tensor:
-    """W4A8 (SEMANTICS.md §3 "int4 group" with A8) with the kernels' rounding points: per group g
-    the exact integer ``acc_g = sum_{k in g} q_x[k] * (w_q[n, k] - zero[n, g])`` (fp64 holds it),
-    ``sum_g float(acc_g) * scale[n, g]`` accumulated in fp32 in group order, times a_scale[t]."""
-    k = w_q.shape[-1]
-    g = k if group_size <= 0 else group_size
-    ng = w_scale.shape[-1]
-    out = torch.zeros(q.shape[0], w_q.shape[0], dtype=torch.float32)
-    for gi in range(ng):
-        k0, k1 = gi * g, min(k, (gi + 1) * g)
-        wi = w_q[:, k0:k1].double() - w_zero[:, gi : gi + 1].double()
-        acc = (q[:, k0:k1].double() @ wi.t()).float()
-        out = out + acc * w_scale[:, gi].float().reshape(1, -1)
-    out = out * q_scale
-    return out if bias is None else out + bias.float()
-
-
-def moe_reference_int4(
-    hidden_states: torch.Tensor,
-    c: dict,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    act_mode: str = "a16",
-    activation: str = "silu",
-    alpha: float = 1.702,
-    limit: float = 7.0,
-    interleaved: bool | None = None,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    expert_map: torch.Tensor | None = None,
-    return_flip: bool = False,
-):
-    """int4_group experts on canonical int4 tensors (moepack/pack/int4.py: ``w13_q``,
-    ``w13_scale``, ``w13_zero``, ``w2_*``, ``group_size`` and, act-order, ``w13_perm`` [E, H]:
-    code column j of expert e is input channel w13_perm[e, j]). A16: the dense reference on the
-    exactly dequantized fp32 weights (w13's columns put back in input-channel order). A8:
-    activations quantized per token (the scale does not depend on the order), each expert's
-    codes permuted like its w13 columns, per-group exact integer dot products over the stored
-    (sorted) groups (``int4_linear_a8_reference``), the intermediate re-quantized per row, as in
-    moe_reference_int8; ``return_flip`` as there."""
-    from .pack.int4 import dequantize_int4_group
-
-    g = int(c["group_size"])
-    perm = c.get("w13_perm")
-    perm = None if perm is None else perm.long().reshape(c["w13_q"].shape[0], -1)
-    if act_mode == "a16":
-        w13 = dequantize_int4_group(c["w13_q"], c["w13_scale"], c["w13_zero"], g)
-        if perm is not None:
-            w13 = torch.empty_like(w13).scatter_(2, perm[:, None, :].expand_as(w13), w13)  # w[:, :, perm[j]] = col j
-        w2 = dequantize_int4_group(c["w2_q"], c["w2_scale"], c["w2_zero"], g)
-        out = moe_reference(hidden_states, w13, w2, topk_weights, topk_ids, activation=activation, alpha=alpha,
-                            limit=limit, interleaved=interleaved, w13_bias=w13_bias, w2_bias=w2_bias,
-                            expert_map=expert_map)  # fmt: skip
-        return (out, 0.0) if return_flip else out
-    if act_mode != "a8":
-        raise ValueError(f"act_mode={act_mode!r}: must be 'a16' or 'a8'")
+    intermediate code moving by one step can cause: max over slots of ``|w_slot| · a_scale ·
+    w2_column_norm(e)`` (the largest 2-norm of one dequantized w2 column of expert e). Two
+    correct implementations whose activations differ by an ulp can round a value sitting on a
+    code boundary differently; tests allow a few such flips (tests/reference/tolerances.py)."""
     dtype = hidden_states.dtype
     x = hidden_states.float()
     t, h = x.shape
@@ -243,21 +150,16 @@ def moe_reference_int4(
     y = torch.zeros(t, k, h, dtype=torch.float32)
     flip = 0.0
     w = topk_weights.float()
-    for e in range(c["w13_q"].shape[0]):
+    for e in range(num_experts):
         tok, slot = (ids == e).nonzero(as_tuple=True)
         if tok.numel() == 0:
             continue
-        b13 = None if w13_bias is None else w13_bias[e]
-        xe = xq[tok] if perm is None else xq[tok][:, perm[e]]
-        hh = int4_linear_a8_reference(xe, xs[tok], c["w13_q"][e], c["w13_scale"][e], c["w13_zero"][e], g, b13)
+        hh = linear13(e, xq[tok], xs[tok], None if w13_bias is None else w13_bias[e])
         a = activation_reference(hh, activation, alpha, limit, interleaved).to(dtype).float()
         aq, as_ = quantize_rows_int8(a)
-        b2 = None if w2_bias is None else w2_bias[e]
-        y[tok, slot] = int4_linear_a8_reference(aq, as_, c["w2_q"][e], c["w2_scale"][e], c["w2_zero"][e], g, b2)
+        y[tok, slot] = linear2(e, aq, as_, None if w2_bias is None else w2_bias[e])
         if return_flip:
-            w2f = dequantize_int4_group(c["w2_q"][e], c["w2_scale"][e], c["w2_zero"][e], g).double()
-            col = w2f.norm(dim=0).max().item()
-            flip = max(flip, (w[tok, slot].abs().double() * as_.reshape(-1).double()).max().item() * col)
+            flip = max(flip, (w[tok, slot].abs().double() * as_.reshape(-1).double()).max().item() * w2_column_norm(e))
     out = combine_slots(y, w, ids, expert_map, dtype)
     return (out, flip) if return_flip else out
 

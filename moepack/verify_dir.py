@@ -46,7 +46,7 @@ from typing import Callable
 import torch
 
 from .errors import MoepackError, PackedDirError
-from .pack import PackedExperts, unpack_weight_reference
+from .pack import PackedExperts, unpack_codes
 from .reference import moe_reference
 from .runtime.experts import run_experts
 from .runtime.model import PackedModel, open_packed
@@ -86,10 +86,13 @@ class LayerCheck:
     tol: float
     ok: bool
     detail: str = ""
-    rel_err_fp32: float | None = None  # int8 layers: vs the fp32 reference on the source's weights
+    rel_err_fp32: float | None = None  # schemes with an fp32 rule: vs the fp32 reference on the source's float weights
     shared_exact: bool | None = None  # the shared expert's tensors (and gate) equal the source's; None: none
     tensors: dict = field(default_factory=dict)  # routed experts: packed tensor name -> equal to the source
     shared_tensors: dict = field(default_factory=dict)  # the shared expert's, likewise
+    fp32_tol: float | None = None  # the rule rel_err_fp32 was judged by (None: not judged)
+    weights: str = ""  # what the packed weights were compared as (Scheme.weights_note: "bf16", "int8 codes")
+    quantizer: str | None = None  # the quantizer convert ran on the float source ("int4_group:g64:asym"), or None
 
 
 @dataclass
@@ -187,25 +190,22 @@ class _Want:
     w2_bias: torch.Tensor | None = None
 
 
-def _want(scheme, w13, w2, q: dict | None, reader_name: str, layout, w13_bias=None, w2_bias=None) -> _Want:
-    """``q``: the source's own canonical tensors of ``scheme`` (an int8 source's codes and
-    scales), or None: the scheme makes them from the float weights for ``layout``, as convert did."""
-    if q is not None and scheme.name != "dense":
-        c = dict(q)
-        if layout.scheme == "int4_group":
-            c.setdefault("group_size", layout.group_size or -1)
-        return _Want(w13, w2, scheme.rule("I8", reader_name), c, w13_bias, w2_bias)
-    return _Want(w13, w2, scheme.rule("", reader_name), scheme.from_float(w13, w2, layout=layout), w13_bias, w2_bias)
+def _want(scheme, w13, w2, q: dict | None, source_dtype: str, reader_name: str, layout, w13_bias=None, w2_bias=None,
+          options=None) -> _Want:  # fmt: skip
+    """``q``: the source's own canonical tensors of ``scheme`` (a quantized source's codes and
+    scales), or None: the scheme makes them from the float weights for ``layout`` with the
+    quantizer ``options`` convert recorded, as convert did. ``source_dtype``: the stored dtype of
+    the source's weights (the scheme's words for where the values come from depend on it)."""
+    rule = scheme.rule(source_dtype, reader_name)
+    if q is not None:
+        return _Want(w13, w2, rule, scheme.complete(dict(q), layout), w13_bias, w2_bias)
+    return _Want(w13, w2, rule, scheme.from_float(w13, w2, layout=layout, options=options), w13_bias, w2_bias)
 
 
 def _unpacked(t: torch.Tensor, name: str, p: PackedExperts) -> torch.Tensor:
     """Codes in logical [E, N, K] order, padding included (other tensors as they are)."""
-    if name in ("w13", "w2"):
-        if p.layout.weight_bits < 8:  # sub-byte codes: [E, Np, Kp * bits / 8] bytes
-            from .pack.int4 import unpack_u4_codes
-
-            return unpack_u4_codes(t, t.shape[1], t.shape[2] * 8 // p.layout.weight_bits, p.layout)
-        return unpack_weight_reference(t, *t.shape[1:], p.layout)
+    if name in ("w13", "w2"):  # every code type, through the layout's own arrangement and code order
+        return unpack_codes(p.layout, t)
     return t
 
 
@@ -302,15 +302,15 @@ def _compare(p: PackedExperts, names: dict, want: _Want, what: str, results: dic
     return True
 
 
-def _shared_want(ckpt, reader, spec, scheme, layout) -> _Want:
-    """The source's shared expert as convert packs it (convert_dir: float, or the int8 source's
-    own codes, or quantized by moepack when the source's shared expert is float)."""
+def _shared_want(ckpt, reader, spec, scheme, layout, options=None) -> _Want:
+    """The source's shared expert as convert packs it (convert_dir: float, or the quantized
+    source's own codes, or quantized by moepack when the source's shared expert is float)."""
     w13, w2 = reader.read_shared(ckpt, spec)
-    q = reader.read_shared_canonical(ckpt, spec) if reader.scheme == scheme.name != "dense" else None
-    return _want(scheme, w13, w2, q, reader.name, layout)
+    q = reader.read_shared_canonical(ckpt, spec) if scheme.keeps_source(reader) else None
+    return _want(scheme, w13, w2, q, ckpt.info(spec.shared["gate_proj"]).dtype_str, reader.name, layout, options=options)
 
 
-def _check_shared(ckpt, reader, spec, layer, results: dict, problems: list) -> tuple[_Want | None, torch.Tensor | None]:
+def _check_shared(ckpt, reader, spec, layer, results: dict, problems: list, options=None) -> tuple[_Want | None, torch.Tensor | None]:
     """The layer's shared expert (its packed tensors and its gate) against the source's: returns
     (what it must hold, the source's gate or None) when both sides have one of the same shape,
     for the output check; else (None, None)."""
@@ -324,7 +324,7 @@ def _check_shared(ckpt, reader, spec, layer, results: dict, problems: list) -> t
         results.update(dict.fromkeys(names, False))
         return None, None
     scheme = get_scheme(layer.packed.layout)
-    want = _shared_want(ckpt, reader, spec, scheme, layer.packed.layout)
+    want = _shared_want(ckpt, reader, spec, scheme, layer.packed.layout, options)
     if not _compare(layer.shared, sh, want, "shared expert", results, problems, scheme):
         return None, None
     gate = ckpt.read(spec.shared["gate"]) if spec.shared.get("gate") else None
@@ -375,18 +375,19 @@ def _packed_block(model: PackedModel, layer, e0: int, e1: int) -> PackedExperts:
                          act_mode=p.act_mode)  # fmt: skip
 
 
-def _source_block(ckpt, reader, spec, scheme, layout, e0: int, e1: int, biases) -> _Want:
+def _source_block(ckpt, reader, spec, scheme, layout, e0: int, e1: int, biases, options=None) -> _Want:
     """What experts ``[e0, e1)`` of the layer must hold, from the source, as convert made it (the
     per-expert readers convert streams from; a quantized source's own canonical tensors)."""
     w13 = torch.stack([reader.read_expert_w13(ckpt, spec, e) for e in range(e0, e1)])
     w2 = torch.stack([reader.read_expert_w2(ckpt, spec, e) for e in range(e0, e1)])
     q = None
-    if reader.scheme == scheme.name and scheme.name != "dense":
+    if scheme.keeps_source(reader):
         per = [{**reader.read_expert_canonical(ckpt, spec, "w13", e), **reader.read_expert_canonical(ckpt, spec, "w2", e)}
                for e in range(e0, e1)]  # fmt: skip
         q = {k: torch.stack([x[k] for x in per]) for k in per[0]}
     b13, b2 = biases
-    return _want(scheme, w13, w2, q, reader.name, layout, None if b13 is None else b13[e0:e1], None if b2 is None else b2[e0:e1])
+    return _want(scheme, w13, w2, q, spec.dtype, reader.name, layout, None if b13 is None else b13[e0:e1],
+                 None if b2 is None else b2[e0:e1], options)  # fmt: skip
 
 
 def _local_routes(w: torch.Tensor, ids: torch.Tensor, e0: int, e1: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,7 +397,7 @@ def _local_routes(w: torch.Tensor, ids: torch.Tensor, e0: int, e1: int) -> tuple
     return torch.where(inside, w, torch.zeros_like(w)).contiguous(), torch.where(inside, ids - e0, torch.zeros_like(ids)).contiguous()
 
 
-def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, tokens: int, seed: int) -> LayerCheck:
+def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, tokens: int, seed: int, options=None) -> LayerCheck:
     """One layer against the source, one block of experts at a time (module docstring)."""
     layer = model.layers[layer_index]
     p = layer.packed
@@ -427,7 +428,7 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
     step = _block_size(spec)
     for e0 in range(0, e_all, step):
         e1 = min(e_all, e0 + step)
-        want = _source_block(ckpt, reader, spec, scheme, p.layout, e0, e1, biases)
+        want = _source_block(ckpt, reader, spec, scheme, p.layout, e0, e1, biases, options)
         block = _packed_block(model, layer, e0, e1)
         _compare(block, layer.entry["tensors"], want, "experts", tensors, problems, scheme, e0, e_all)
         emap = torch.full((e_all,), -1, dtype=torch.int32)
@@ -442,7 +443,7 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
         flip = max(flip, f)
         del want, block
     exact = all(tensors.values())
-    shared, gate = _check_shared(ckpt, reader, spec, layer, shared_tensors, problems)
+    shared, gate = _check_shared(ckpt, reader, spec, layer, shared_tensors, problems, options)
     shared_exact = all(shared_tensors.values()) if shared_tensors else None
     if shared is not None:
         sw = torch.ones(x.shape[0], 1) if gate is None else torch.sigmoid(torch.nn.functional.linear(x, gate.float()))
@@ -460,11 +461,25 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
     ok = exact and shared_exact is not False and rel <= tol and (rel32 is None or rel32 <= orule.fp32_tol)
     detail = ["packed weights differ from the source: " + "; ".join(problems)] if problems else []
     if rel > tol:
-        ref_name = "the reference" if scheme.name == "dense" else f"the {scheme.name} reference"
+        ref_name = f"the {scheme.name} reference" if scheme.quantized else "the reference"
         detail.append(f"output differs from {ref_name}: relative error {rel:.3g} > {tol:.3g}")
     if rel32 is not None and rel32 > orule.fp32_tol:
         detail.append(f"output differs from the fp32 reference on the source's weights: {rel32:.3g} > {orule.fp32_tol:g}")
-    return LayerCheck(layer_index, exact, rel, tol, ok, "; ".join(detail), rel32, shared_exact, tensors, shared_tensors)
+    return LayerCheck(layer_index, exact, rel, tol, ok, "; ".join(detail), rel32, shared_exact, tensors, shared_tensors,
+                      orule.fp32_tol if rel32 is not None else None, scheme.weights_note, layer.entry.get("quantizer"))  # fmt: skip
+
+
+def _options(layer):
+    """The quantizer options convert ran with (the manifest's per-layer ``quantizer``), or None."""
+    q = layer.entry.get("quantizer")
+    if not q:
+        return None
+    from .convert_dir import parse_quantize
+
+    try:
+        return parse_quantize(q)[1]
+    except MoepackError as e:
+        raise PackedDirError(f"layer {layer.entry['index']}: quantizer {q!r} in the manifest: {e}") from None
 
 
 def _norm_routing(r: dict | None) -> dict | None:
@@ -512,7 +527,7 @@ def _check_model(model: PackedModel, ckpt, reader, specs: dict) -> list[str]:
             want["shared.intermediate"] = (s.shared["intermediate"], sh["intermediate"])
             want["shared.gate"] = (s.shared.get("gate"), sh.get("gate"))
             want["shared act-order w13_perm"] = (scheme.has_perm(s, True), "w13_perm" in sh)
-        if reader.scheme != "dense":  # a quantized source keeps its scheme (convert never re-quantizes)
+        if get_scheme(reader.scheme).quantized:  # a quantized source keeps its scheme (convert never re-quantizes)
             want["scheme"] = (reader.scheme, lay.scheme)
         for what, (src, got) in want.items():
             if src != got:
@@ -589,7 +604,7 @@ def verify(
         for idx in sorted(model.layers):
             if idx not in specs:
                 continue  # named in report.model
-            report.layers.append(_check_layer(model, idx, ckpt, reader, specs[idx], tokens, seed))
+            report.layers.append(_check_layer(model, idx, ckpt, reader, specs[idx], tokens, seed, _options(model.layers[idx])))
             notify("layer", index=idx, ok=report.layers[-1].ok)
     return report
 

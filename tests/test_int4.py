@@ -25,15 +25,16 @@ import moepack
 from moepack.errors import LayoutError
 from moepack.isa import MODE_ISAS, available_isas
 from moepack.layout import INT4_LAYOUT, LAYOUTS, int4_layout_for, layout_element_offset, layout_get
-from moepack.pack.int4 import (
+from moepack.pack import unpack_codes
+from moepack.reference import moe_reference
+from moepack.schemes.int4 import (
     dequantize_int4_group,
+    moe_reference_int4,
     pack_experts_int4,
     pack_int4_weight,
     pack_u4_codes,
     quantize_int4_group,
-    unpack_u4_codes,
 )
-from moepack.reference import moe_reference, moe_reference_int4
 from moepack.schemes import get_scheme
 from tests.conftest import isa_cap, make_moe_inputs
 from tests.kernel_cases import CASES, Case
@@ -149,7 +150,7 @@ def test_codes_sit_where_the_layout_says(lay):
         else:
             want = int(q[ee, nn, kk])
         assert code == want, (ee, nn, kk)
-    back = unpack_u4_codes(packed, np_, kp, lay)
+    back = unpack_codes(lay, packed, np_, kp)
     assert torch.equal(back[:, :n, :k], q)
 
 

@@ -24,8 +24,8 @@ import moepack
 from moepack.errors import LayoutError
 from moepack.isa import available_isas
 from moepack.layout import int4_layout_for, layout_tensor_plan
-from moepack.pack.int4 import pack_experts_int4
-from moepack.reference import moe_reference, moe_reference_int4
+from moepack.reference import moe_reference
+from moepack.schemes.int4 import moe_reference_int4, pack_experts_int4
 from moepack.schemes import get_scheme
 from moepack.sources import gptq as gptq_mod
 from tests.conftest import isa_cap, make_moe_inputs

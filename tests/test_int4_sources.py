@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from moepack.errors import SourceError
+from moepack.schemes.int4.facts import Int4Facts
 from moepack.sources import Checkpoint, open_source
 from moepack.sources import awq as awq_mod
 from moepack.sources import ct_pack_quantized as ctpq
@@ -62,14 +63,14 @@ def _expected_layer(reader, ckpt, s, oracle: dict):
 def _check_canonical(layer, s):
     c = layer.canonical
     e, i, h = s.num_experts, s.intermediate, s.hidden
-    g = s.quant["group_size"]
+    g = s.quant.group_size
     ng13, ng2 = (1, 1) if g == -1 else (math.ceil(h / g), math.ceil(i / g))
     assert c["w13_q"].shape == (e, 2 * i, h) and c["w13_q"].dtype == torch.uint8 and int(c["w13_q"].max()) <= 15
     assert c["w13_scale"].shape == (e, 2 * i, ng13) and c["w13_scale"].dtype == torch.float32
     assert c["w13_zero"].shape == (e, 2 * i, ng13) and c["w13_zero"].dtype == torch.uint8 and int(c["w13_zero"].max()) <= 15
     assert c["w2_q"].shape == (e, h, i) and c["w2_scale"].shape == (e, h, ng2) and c["w2_zero"].shape == (e, h, ng2)
-    assert ("w13_perm" in c) == s.quant["act_order"] and "w2_perm" not in c
-    if s.quant["sym"]:
+    assert ("w13_perm" in c) == s.quant.act_order and "w2_perm" not in c
+    if s.quant.sym:
         assert bool((c["w13_zero"] == 8).all() and (c["w2_zero"] == 8).all())
     if "w13_perm" in c:
         assert c["w13_perm"].dtype == torch.int32 and c["w13_perm"].shape == (e, h)
@@ -137,8 +138,8 @@ def test_ct_reader_matches_compressed_tensors_decompression(name):
     assert [s.index for s in specs] == [0, 1]
     n_mod = 0
     for s in specs:
-        assert s.quant["format"] == "pack-quantized" and s.quant["sym"] == (name == "qwen2_moe_w4a16")
-        assert s.quant["group_size"] == (-1 if "channel" in name else 32) and s.quant["scale_dtype"] == "BF16"
+        assert s.quant.format == "pack-quantized" and s.quant.sym == (name == "qwen2_moe_w4a16")
+        assert s.quant.group_size == (-1 if "channel" in name else 32) and s.quant.scale_dtype == "BF16"
         for n in s.expert_tensors:
             assert n in ckpt.tensors
         layer = reader.read_layer(ckpt, s)
@@ -231,7 +232,7 @@ def test_ct_synthetic_shapes_exact(tmp_path, h, i, group_size, sym, act_order):
     ckpt, reader = open_source(tmp_path)
     assert reader.name == ctpq.NAME
     (s,) = reader.layers(ckpt)
-    assert s.quant["act_order"] == act_order and s.quant["w2_act_order"] == act_order
+    assert s.quant.act_order == act_order and s.quant.w2_act_order == act_order
     layer = reader.read_layer(ckpt, s)
     _check_canonical(layer, s)
     w13, w2 = _expected_layer(reader, ckpt, s, orc)
@@ -267,10 +268,10 @@ def test_gptq_exact(tmp_path, version, sym, act_order, group_size):
     def perm(k):  # a g_idx of one group (G = -1, or G >= K) is trivial whatever the act-order
         return act_order and group_size != -1 and k > group_size
 
-    assert s.quant == {"scheme": "int4_group", "bits": 4, "format": version, "group_size": group_size, "sym": sym, "scale_dtype": "F16",
-                       "act_order": perm(136), "w2_act_order": perm(88), "input_activations": None,
-                       "shared": {"group_size": group_size, "sym": sym, "scale_dtype": "F16", "act_order": perm(136),
-                                  "w2_act_order": perm(40)}}  # fmt: skip
+    assert s.quant == Int4Facts(group_size=group_size, sym=sym, scale_dtype="F16", format=version, act_order=perm(136),
+                                w2_act_order=perm(88), input_activations=None,
+                                shared=Int4Facts(group_size=group_size, sym=sym, scale_dtype="F16", format=version,
+                                                 act_order=perm(136), w2_act_order=perm(40)))  # fmt: skip
     layer = reader.read_layer(ckpt, s)
     _check_canonical(layer, s)
     fo = {p: P.dequant_lookup(ql) for p, ql in orc.items()}
@@ -286,7 +287,7 @@ def test_gptq_exact(tmp_path, version, sym, act_order, group_size):
     assert torch.equal(sw13[0], torch.cat([fo[f"{sp}.gate_proj"][ip], fo[f"{sp}.up_proj"][ip]]))
     assert torch.equal(sw2[0], fo[f"{sp}.down_proj"][:, ip])
     c = reader.read_shared_canonical(ckpt, s)
-    assert ("w13_perm" in c) == s.quant["shared"]["act_order"] and c["w13_q"].shape == (1, 80, 136)
+    assert ("w13_perm" in c) == s.quant.shared.act_order and c["w13_q"].shape == (1, 80, 136)
     real = {n for n in ckpt.tensors if ".experts." in n}
     assert set(s.expert_tensors) == real
 
@@ -319,7 +320,7 @@ def test_gptq_quantize_config_json_and_synonyms(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     (tmp_path / "quantize_config.json").write_text(json.dumps({"w_bit": 4, "q_group_size": 32, "sym": True, "desc_act": False}))
     ckpt, reader = open_source(tmp_path)
-    assert reader.name == "gptq" and reader.layers(ckpt)[0].quant["group_size"] == 32
+    assert reader.name == "gptq" and reader.layers(ckpt)[0].quant.group_size == 32
     cfg["quantization_config"] = {**qc, "group_size": 64}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(SourceError, match=r"quantization_config.group_size=64 but quantize_config.json q_group_size=32"):
@@ -336,7 +337,7 @@ def test_awq_exact_and_matches_autoawq_converter(tmp_path, group_size, sym):
     ckpt, reader = open_source(tmp_path)
     assert reader.name == "awq"
     (s,) = reader.layers(ckpt)
-    assert s.quant["format"] == "awq" and s.quant["sym"] == sym and s.quant["group_size"] == group_size and not s.quant["act_order"]
+    assert s.quant.format == "awq" and s.quant.sym == sym and s.quant.group_size == group_size and not s.quant.act_order
     layer = reader.read_layer(ckpt, s)
     _check_canonical(layer, s)
     w13, w2 = _expected_layer(reader, ckpt, s, {p: P.dequant_lookup(q) for p, q in orc.items()})
@@ -573,4 +574,4 @@ def test_w4a8_activations_are_recorded(tmp_path):
     act = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}
     _edit(tmp_path, config=lambda qc: qc["config_groups"]["group_0"].update(input_activations=act))
     ckpt, reader = open_source(tmp_path)
-    assert reader.name == ctpq.NAME and reader.layers(ckpt)[0].quant["input_activations"] == act
+    assert reader.name == ctpq.NAME and reader.layers(ckpt)[0].quant.input_activations == act

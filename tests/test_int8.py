@@ -24,14 +24,9 @@ import moepack
 from moepack.errors import LayoutError
 from moepack.isa import KERNEL_ISAS, available_isas
 from moepack.layout import INT8_LAYOUT, layout_element_offset, layout_expert_shapes
-from moepack.pack import (
-    dequantize_int8,
-    pack_experts_int8,
-    pack_weight_reference,
-    quantize_int8_per_channel,
-    unpack_weight_reference,
-)
-from moepack.reference import moe_reference, moe_reference_int8
+from moepack.pack import pack_weight_reference, unpack_weight_reference
+from moepack.reference import moe_reference
+from moepack.schemes.int8 import dequantize_int8, moe_reference_int8, pack_experts_int8, quantize_int8_per_channel
 from tests.conftest import isa_cap, make_moe_inputs
 from tests.kernel_cases import CASES, Case
 from tests.reference.tolerances import TOL, assert_close_int8

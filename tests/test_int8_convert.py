@@ -23,8 +23,8 @@ from moepack.convert_dir import MANIFEST
 from moepack.errors import MoepackError
 from moepack.isa import ISAS
 from moepack.layout import INT8_LAYOUT
-from moepack.pack import quantize_int8_per_channel
-from moepack.reference import moe_reference, moe_reference_int8
+from moepack.reference import moe_reference
+from moepack.schemes.int8 import moe_reference_int8, quantize_int8_per_channel
 from moepack.sources import open_source
 from tests.fixtures_util import fixture_dir, quantized_fixture_names
 

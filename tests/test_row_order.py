@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import moepack
-from moepack.reference import moe_reference, moe_reference_int8
+from moepack.reference import moe_reference
+from moepack.schemes.int8 import moe_reference_int8
 from moepack.schemes import get_scheme
 from tests.conftest import isa_cap, make_moe_inputs
 from tests.reference.tolerances import TOL, assert_close, assert_close_int8

@@ -29,7 +29,7 @@ transformers = pytest.importorskip("transformers")
 import moepack  # noqa: E402
 import moepack.hf as hf  # noqa: E402
 from moepack.errors import MoepackError, UnsupportedError  # noqa: E402
-from moepack.pack import dequantize_int8, quantize_int8_per_channel  # noqa: E402
+from moepack.schemes.int8 import dequantize_int8, quantize_int8_per_channel  # noqa: E402
 from tests.fixtures_util import fixture_dir, fixture_info, fixture_names, load_hf_model, saved_dtype  # noqa: E402
 
 DENSE = [n for n in fixture_names() if n != "mixtral_sharded"]  # mixtral_sharded: mixtral's weights in 3 shards

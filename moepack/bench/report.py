@@ -17,10 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .probe import INSTRUCTION_BY_NAME, MachineProbe
+from ..layout import DEFAULT_LAYOUT
 
 FORMAT = "moepack-bench"
 FORMAT_VERSION = 1
 
+
+# The scheme of float weights kept as floats (the default layout's): rows of it carry no scheme in
+# their labels, and result files from before --scheme, whose rows have none, were of it.
+PLAIN_SCHEME = DEFAULT_LAYOUT.scheme
 
 @dataclass
 class Row:
@@ -45,7 +50,7 @@ class Row:
     moepack_gflops: float
     moepack_bw_frac: float | None  # moepack_gbs / machine read bandwidth (best pattern)
     moepack_peak_frac: float | None  # moepack_gflops / peak of the kernel's dot-product instruction
-    scheme: str = "dense"  # dense: GFLOP/s; int8_channel: the same count is int8 GOP/s
+    scheme: str = PLAIN_SCHEME  # float weights: GFLOP/s; a quantized scheme: the same count of its integer ops
     moepack_bg_cpus: float | None = None  # CPUs other processes used while moepack was timed
     moepack_waited_s: float | None = None  # seconds waited for other processes to go idle (--wait-quiet)
     moepack_attempts: int = 1  # timings made (--retries)
@@ -115,7 +120,7 @@ def table_cells(row: Row) -> list[str]:
     return [
         row.shape,
         str(row.tokens),
-        row.dtype if row.scheme == "dense" else f"{row.dtype}/{row.scheme}",
+        row.dtype if row.scheme == PLAIN_SCHEME else f"{row.dtype}/{row.scheme}",
         _f(row.moepack_ms, ".3f"),
         _f(row.torch_ms, ".3f"),
         "-" if row.speedup is None else f"{row.speedup:.2f}x",
@@ -235,7 +240,7 @@ def check_result(data: object, where: str = "bench result") -> dict:
                   f"rows[{i}].{key} is {v!r}: must be {'a string' if kind is str else 'a number'}")
         _need(r["moepack_ms"] > 0 and math.isfinite(r["moepack_ms"]), where,
               f"rows[{i}].moepack_ms is {r['moepack_ms']!r}: must be a positive time")
-        r.setdefault("scheme", "dense")
+        r.setdefault("scheme", PLAIN_SCHEME)
         r.setdefault("dtype", "bf16")
     data["format_version"] = version
     return data
@@ -243,12 +248,12 @@ def check_result(data: object, where: str = "bench result") -> dict:
 
 def row_key(r: dict) -> tuple[str, str, str, int]:
     """What makes two rows the same measurement: (shape, scheme, activation dtype, T)."""
-    return (r["shape"], r.get("scheme", "dense"), r.get("dtype", "bf16"), int(r["tokens"]))
+    return (r["shape"], r.get("scheme", PLAIN_SCHEME), r.get("dtype", "bf16"), int(r["tokens"]))
 
 
 def key_label(key: tuple[str, str, str, int]) -> str:
     shape, scheme, dtype, tokens = key
-    return f"{shape} T={tokens} {dtype}" + ("" if scheme == "dense" else f"/{scheme}")
+    return f"{shape} T={tokens} {dtype}" + ("" if scheme == PLAIN_SCHEME else f"/{scheme}")
 
 
 @dataclass
@@ -359,7 +364,7 @@ def compare_cells(r: CompareRow) -> list[str]:
     shape, scheme, dtype, tokens = r.key
     flag = {"slower": "SLOWER", "faster": "faster", "same": ""}[r.verdict]
     return [
-        shape, str(tokens), dtype if scheme == "dense" else f"{dtype}/{scheme}",
+        shape, str(tokens), dtype if scheme == PLAIN_SCHEME else f"{dtype}/{scheme}",
         f"{r.new_ms:.3f}", f"{r.old_ms:.3f}", f"{r.ms_ratio:.3f}",
         _f(r.new_gbs, ".1f"), _f(r.old_gbs, ".1f"), _f(r.gbs_ratio, ".3f"), flag,
     ]

@@ -17,14 +17,14 @@ import torch
 
 from ..layout import layout_flops
 from .probe import MachineProbe, _loadavg, describe_limits, kernel_instruction, machine_info, probe_machine
-from .report import BenchResult, Row
+from .report import PLAIN_SCHEME, BenchResult, Row
 from .shapes import DEFAULT_SHAPES, DEFAULT_TOKENS, DTYPES, SHAPES, MoeShape
 from .timing import BUSY_CPUS, RoutingStream, _call_count, _eviction_bytes, _measure, _time_calls
 
 
 
-# --scheme: a weight scheme of moepack.schemes by name or alias (dense = "bf16", int8_channel =
-# "int8"); the experts are packed into its x86 layout.
+# --scheme: a weight scheme of moepack.schemes by name or alias; the experts are packed into its
+# x86 layout; the scheme says the check tolerance and its notes (Scheme.bench).
 
 
 @dataclass
@@ -32,9 +32,9 @@ class BenchConfig:
     shapes: list[MoeShape] = field(default_factory=lambda: [SHAPES[n] for n in DEFAULT_SHAPES])
     tokens: list[int] = field(default_factory=lambda: list(DEFAULT_TOKENS))
     threads: int = 2
-    dtype: str = "bf16"  # activations; weights are bf16 (scheme dense) or int8 (scheme int8_channel)
-    scheme: str = "dense"  # packed weights: a scheme name or alias ("bf16", "int8", "int4"); validate() normalizes it
-    act_mode: str | None = None  # schemes with two (int4_group): "a16" or "a8"; None: the layout's default
+    dtype: str = "bf16"  # activations; the weights are the scheme's
+    scheme: str = PLAIN_SCHEME  # packed weights: a scheme name or alias ("bf16", "int8", "int4"); validate() normalizes it
+    act_mode: str | None = None  # schemes with two modes: "a16" or "a8"; None: the layout's default
     skip_torch: bool = False
     min_time: float = 1.0  # seconds of timed calls per measurement (adaptive call count)
     calls: int | None = None  # fixed call count instead (still >= 1)
@@ -136,7 +136,8 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
     rows: list[Row] = []
     from ..schemes import get_scheme
 
-    layout = get_scheme(cfg.scheme).layout_for("x86")
+    scheme = get_scheme(cfg.scheme)
+    layout = scheme.layout_for("x86")
     act_mode = cfg.act_mode or layout.act_modes[0]
     kernel_isa = moepack.kernel_choice(layout, act_mode).isa
     instruction = kernel_instruction(layout.weight_dtype, kernel_isa, act_mode)
@@ -145,7 +146,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
         why = "its scalar level has none" if instruction is None else probe.skipped.get(instruction.name, "not measured")
         notes.append(f"layout {layout.name} runs {kernel_isa}: no dot-product peak to divide by ({why})")
     for si, shape in enumerate(cfg.shapes):
-        log(f"{shape.name} ({shape.describe()}): making and packing random bf16 weights" + (f" as {cfg.scheme}" if cfg.scheme != "dense" else ""))
+        log(f"{shape.name} ({shape.describe()}): making and packing random bf16 weights" + (f" as {cfg.scheme}" if scheme.quantized else ""))
         w13, w2 = make_weights(shape, cfg.seed + 1000 * si)
         packed = moepack.pack_experts(w13, w2, layout=layout)
         packed_bpe = packed.nbytes // shape.num_experts
@@ -199,7 +200,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
                 scale = tout.float().abs().max().item()
                 check = diff / scale if scale > 0 else diff
             routings = stream.take(max(n_m, n_t))
-            label = f"{shape.name} T={tokens} {cfg.dtype}" + (f" {cfg.scheme}" if cfg.scheme != "dense" else "")
+            label = f"{shape.name} T={tokens} {cfg.dtype}" + (f" {cfg.scheme}" if scheme.quantized else "")
 
             def raw(experts):
                 return ops().read_experts(packed.w13, packed.w2, experts)
@@ -258,7 +259,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
                 row.speedup = tt.mean_ms / tm.mean_ms
                 row.check_rel_diff = check
                 row.torch_bg_cpus, row.torch_waited_s, row.torch_attempts = bg_t, waited_t, att_t
-                if check > (0.08 if cfg.scheme != "dense" else 0.05):
+                if check > scheme.bench.check_tol:
                     notes.append(f"{label}: moepack and the torch loop differ by {check:.3g} (relative): check the kernels")
             for who, bg in (("moepack", bg_m), ("torch loop", bg_t)):
                 if bg is not None and bg > BUSY_CPUS:
@@ -272,14 +273,8 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
         del packed, base13, base2
         gc.collect()
 
-    if cfg.scheme == "int8_channel":
-        notes.append(
-            "--scheme int8_channel: GFLOP/s is int8 GOP/s, and '% dot peak' is against the peak of the int8 "
-            f"instruction of the kernel that runs here ({kernel_isa}: "
-            f"{instruction.asm if instruction else 'scalar code, no peak'})"
-        )
-        if not cfg.skip_torch:
-            notes.append("--scheme int8_channel: the torch loop runs the bf16 weights (the check column includes the int8 quantization error)")
+    if scheme.bench.notes is not None:
+        notes += scheme.bench.notes(kernel_isa, instruction.asm if instruction else None, not cfg.skip_torch)
     machine["loadavg_end"] = _loadavg()
     config = dataclasses.asdict(cfg)
     config["shapes"] = [dataclasses.asdict(s) for s in cfg.shapes]

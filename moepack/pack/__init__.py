@@ -1,8 +1,14 @@
-"""Canonical expert tensors -> packed layout bytes.
+"""Generic packing: canonical expert tensors -> a layout's bytes, whatever the scheme.
 
-The readable Python packer here (``pack_weight_reference``) is the specification; the C++
-packer (``torch.ops.moepack.pack_weight``) must produce the same bytes, which
-tests/test_pack.py checks. ``pack_experts`` adds the MoE-specific padding:
+What is here knows layouts, never a scheme: ``pack_codes`` / ``unpack_codes`` (codes.py: THE
+arrangement of codes, for every code type), ``PackedExperts``, the MoE padding, the biases, and
+``pack_experts``, which asks the layout's scheme (the registry in registry.py, which the scheme
+packages of moepack/schemes/ fill) to make its canonical tensors from float weights and pack
+them. The scheme packages import from here; nothing here imports them (docs/ARCHITECTURE.md).
+
+The readable Python packers are the specification; the C++ packer
+(``torch.ops.moepack.pack_weight``) must produce the same bytes (tests/test_pack.py).
+``pack_w13`` / ``pack_w2`` add the MoE-specific padding:
 
 * the intermediate size I is zero-padded to ``Ip`` (a multiple of ``layout.i_align``), gate and
   up halves separately (``w13 [E, 2I, H]`` -> ``[E, 2Ip, H]``: gate rows at [0, I), up rows at
@@ -13,14 +19,8 @@ tests/test_pack.py checks. ``pack_experts`` adds the MoE-specific padding:
 
 Padding is exact: a zero gate row and a zero up row give act(0, 0) = 0 for every activation,
 and the zero w2 columns multiply it.
-
-int8 layouts (W8A8, ``i8_n32k4_x86``): ``quantize_int8_per_channel`` makes symmetric per-channel
-codes from float weights, and ``pack_experts_int8`` packs codes + fp32 scales (from there or from
-a checkpoint) into the block layout plus four ``[E, N]`` tensors in packed row order: the scales
-and the int32 column sums ``sum_k q[n, k]`` (the VNNI kernel feeds u8 = q_x + 128 and subtracts
-128 x the column sum; computed here, once, at pack time). Padding rows have code 0, scale 0 and
-column sum 0. ``pack_experts(..., layout="i8_n32k4_x86")`` quantizes float weights first.
 """
+
 
 from __future__ import annotations
 
@@ -31,17 +31,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import LayoutError
-from ..layout import (
-    DEFAULT_LAYOUT,
-    INT8_LAYOUT,
-    PackedLayout,
-    layout_expert_shapes,
-    layout_get,
-    layout_tensor_plan,
-    layout_padded_i,
-    layout_padded_k,
-    layout_padded_n,
-)
+from ..layout import DEFAULT_LAYOUT, PackedLayout, layout_get, layout_padded_i, layout_padded_n, layout_tensor_plan
+from .codes import code_slots, codes_dtype, pack_codes, unpack_codes
+from .registry import exported, get_scheme
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -104,47 +96,25 @@ class PackedExperts:
 def pack_weight_reference(
     weight: torch.Tensor, layout: int | str | PackedLayout = DEFAULT_LAYOUT, n_padded: int = 0, k_padded: int = 0
 ) -> torch.Tensor:
-    """[E, N, K] float -> [E, Np, Kp] bf16 in ``layout`` (see moepack/layout.py for the order);
-    for int8 layouts [E, N, K] int8 codes -> [E, Np, Kp] int8.
-
-    Np and Kp are N and K rounded up to whole blocks / K groups, or ``n_padded`` / ``k_padded``
-    when given (a multiple of block_n / k_pack, at least that)."""
+    """[E, N, K] float -> [E, Np, Kp] bf16 in ``layout``; for int8 layouts [E, N, K] int8 codes
+    -> [E, Np, Kp] int8 (``pack_codes`` with the dtype rule of the C++ packer it specifies)."""
     lay = layout_get(layout)
     if weight.dim() != 3:
         raise LayoutError(f"weight has shape {list(weight.shape)}: must be 3-D [E, N, K]")
     dtype = codes_dtype(lay)
     if dtype != torch.bfloat16 and weight.dtype != dtype:
         raise LayoutError(f"weight has dtype {weight.dtype}: layout {lay.name} packs {dtype} codes")
-    e, n, k = weight.shape
-    bn, kpk = lay.block_n, lay.k_pack
-    np_, kp = layout_padded_n(lay, n), layout_padded_k(lay, k)
-    if n_padded:
-        if n_padded < np_ or n_padded % bn:
-            raise LayoutError(f"n_padded={n_padded} for weight {list(weight.shape)}: must be a multiple of block_n={bn} >= {np_}")
-        np_ = n_padded
-    if k_padded:
-        if k_padded < kp or k_padded % kpk:
-            raise LayoutError(f"k_padded={k_padded} for weight {list(weight.shape)}: must be a multiple of k_pack={kpk} >= {kp}")
-        kp = k_padded
-    w = torch.zeros(e, np_, kp, dtype=dtype)
-    w[:, :n, :k] = weight.to(dtype)
-    # [E, Np/bn, bn, Kp/kpk, kpk] -> [E, Np/bn, Kp/kpk, bn, kpk]: K groups outer, columns inner
-    w = w.view(e, np_ // bn, bn, kp // kpk, kpk).permute(0, 1, 3, 2, 4).contiguous()
-    return w.view(e, np_, kp)
+    return pack_codes(lay, weight, n_padded=n_padded, k_padded=k_padded)
 
 
 def unpack_weight_reference(
     packed: torch.Tensor, n: int, k: int, layout: int | str | PackedLayout = DEFAULT_LAYOUT
 ) -> torch.Tensor:
     """Inverse of ``pack_weight_reference``: packed [E, Np, Kp] -> [E, n, k] (bf16 or int8)."""
-    lay = layout_get(layout)
-    e, np_, kp = packed.shape
-    bn, kpk = lay.block_n, lay.k_pack
-    w = packed.view(e, np_ // bn, kp // kpk, bn, kpk).permute(0, 1, 3, 2, 4).reshape(e, np_, kp)
-    return w[:, :n, :k]
+    return unpack_codes(layout, packed, n, k)
 
 
-def _check_float(name: str, t: torch.Tensor) -> None:
+def check_float(name: str, t: torch.Tensor) -> None:
     if t.dtype not in FLOAT_DTYPES:
         raise LayoutError(f"{name} has dtype {t.dtype}: must be float32, bfloat16 or float16")
     if not bool(torch.isfinite(t).all()):
@@ -171,7 +141,7 @@ def _pack(weight: torch.Tensor, lay: PackedLayout, use_cpp: bool, n_padded: int 
 
         return ops().pack_weight(weight, lay.id, n_padded, k_padded)  # refuses non-finite values itself
     if codes_dtype(lay) == torch.bfloat16:
-        _check_float("weight", weight)
+        check_float("weight", weight)
     return pack_weight_reference(weight, lay, n_padded, k_padded)
 
 
@@ -183,7 +153,7 @@ def pack_w13(
     lay = layout_get(layout)
     if w13.dim() != 3 or w13.shape[1] % 2:
         raise LayoutError(f"w13 has shape {list(w13.shape)}: must be 3-D [E, 2I, H]")
-    _check_weight_dtype("w13", w13, lay)
+    check_weight_dtype("w13", w13, lay)
     i = w13.shape[1] // 2
     ip = layout_padded_i(lay, i)
     try:
@@ -203,7 +173,7 @@ def pack_w13_pieces(w13: torch.Tensor, *, interleaved: bool = False, layout: Pac
     lay = layout_get(layout)
     if w13.dim() != 3 or w13.shape[0] != 1 or w13.shape[1] % 2 or interleaved:
         return [pack_w13(w13, interleaved=interleaved, layout=lay, use_cpp=use_cpp)]
-    _check_weight_dtype("w13", w13, lay)
+    check_weight_dtype("w13", w13, lay)
     i = w13.shape[1] // 2
     ip = layout_padded_i(lay, i)
     try:
@@ -217,19 +187,14 @@ def pack_w2(w2: torch.Tensor, *, layout: int | str | PackedLayout = DEFAULT_LAYO
     lay = layout_get(layout)
     if w2.dim() != 3:
         raise LayoutError(f"w2 has shape {list(w2.shape)}: must be 3-D [E, H, I]")
-    _check_weight_dtype("w2", w2, lay)
+    check_weight_dtype("w2", w2, lay)
     try:
         return _pack(w2, lay, use_cpp, k_padded=layout_padded_i(lay, w2.shape[2]))
     except ValueError as e:
         raise LayoutError(f"w2: {e}".split("\n")[0]) from None
 
 
-def codes_dtype(lay: PackedLayout) -> torch.dtype:
-    """The torch dtype of a layout's codes tensor (its declaration's tensors[0])."""
-    return getattr(torch, lay.tensors[0].dtype)
-
-
-def _check_weight_dtype(name: str, w: torch.Tensor, lay: PackedLayout) -> None:
+def check_weight_dtype(name: str, w: torch.Tensor, lay: PackedLayout) -> None:
     dtype = codes_dtype(lay)
     if dtype != torch.bfloat16:
         if w.dtype != dtype:
@@ -241,14 +206,14 @@ def _check_weight_dtype(name: str, w: torch.Tensor, lay: PackedLayout) -> None:
 def pack_bias13(b13: torch.Tensor, *, interleaved: bool = False, layout: int | str | PackedLayout = DEFAULT_LAYOUT) -> torch.Tensor:
     """[E, 2I] -> fp32 [E, 2*Ip] in packed row order."""
     lay = layout_get(layout)
-    _check_float("w13_bias", b13)
+    check_float("w13_bias", b13)
     return pad_intermediate(b13.float(), layout_padded_i(lay, b13.shape[1] // 2), interleaved).contiguous()
 
 
 def pack_bias2(b2: torch.Tensor, *, layout: int | str | PackedLayout = DEFAULT_LAYOUT) -> torch.Tensor:
     """[E, H] -> fp32 [E, Np(H)]."""
     lay = layout_get(layout)
-    _check_float("w2_bias", b2)
+    check_float("w2_bias", b2)
     return pad_rows(b2.float(), layout_padded_n(lay, b2.shape[1]))
 
 
@@ -259,7 +224,7 @@ def pad_rows(v: torch.Tensor, np_: int) -> torch.Tensor:
     return out
 
 
-def _with_biases(tensors: dict, b13, b2) -> dict:
+def with_biases(tensors: dict, b13, b2) -> dict:
     if b13 is not None:
         tensors["w13_bias"] = b13
     if b2 is not None:
@@ -267,7 +232,7 @@ def _with_biases(tensors: dict, b13, b2) -> dict:
     return tensors
 
 
-def _expert_dims(w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
+def expert_dims(w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
     """(E, H, I) of w13 [E, 2I, H] and w2 [E, H, I], which must agree."""
     if w13.dim() != 3 or w2.dim() != 3:
         raise LayoutError(f"w13 {list(w13.shape)} and w2 {list(w2.shape)}: both must be 3-D [E, out, in]")
@@ -280,7 +245,7 @@ def _expert_dims(w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
     return e, h, i
 
 
-def _pack_biases(w13_bias, w2_bias, e: int, h: int, i: int, interleaved: bool, lay: PackedLayout):
+def pack_biases(w13_bias, w2_bias, e: int, h: int, i: int, interleaved: bool, lay: PackedLayout):
     """Optional biases [E, 2I] / [E, H] -> packed fp32 (or None)."""
     b13 = b2 = None
     if w13_bias is not None:
@@ -308,23 +273,21 @@ def pack_experts(
     ``interleaved``), w2 [E, H, I], optional biases [E, 2I] and [E, H], into ``layout``.
 
     The layout's scheme (moepack.schemes) turns the float weights into its canonical tensors
-    first: dense keeps them, int8_channel quantizes them per output channel, int4_group per
-    (K group of the layout's size, channel), symmetric, round to nearest."""
-    from ..schemes import get_scheme
-
+    first (``Scheme.from_float``: dense keeps them, a quantized scheme quantizes them with its
+    default options for that layout, e.g. int4 symmetric at the layout's group size)."""
     lay = layout_get(layout)
     scheme = get_scheme(lay)
-    if scheme.name != "dense" and (w13.dtype not in FLOAT_DTYPES or w2.dtype not in FLOAT_DTYPES):
+    if scheme.quantized and (w13.dtype not in FLOAT_DTYPES or w2.dtype not in FLOAT_DTYPES):
         raise LayoutError(
             f"w13/w2 have dtypes {w13.dtype}/{w2.dtype}: pack_experts takes float weights (layout {lay.name}, scheme "
             f"{scheme.name}, quantizes them); pack a scheme's own canonical tensors with moepack.schemes.get_scheme"
             f"({scheme.name!r}).pack"
         )
-    _expert_dims(w13, w2)
-    if scheme.name != "dense":
-        _check_float("w13", w13)
-        _check_float("w2", w2)
-    c = _with_biases(scheme.from_float(w13, w2, layout=lay), w13_bias, w2_bias)
+    expert_dims(w13, w2)
+    if scheme.quantized:  # a quantizer divides by amax: refuse NaN/Inf here, naming the tensor
+        check_float("w13", w13)
+        check_float("w2", w2)
+    c = with_biases(scheme.from_float(w13, w2, layout=lay), w13_bias, w2_bias)
     packed = scheme.pack(c, interleaved=interleaved, layout=lay, use_cpp=use_cpp)
     return in_huge_pages(packed) if use_cpp else packed
 
@@ -353,136 +316,18 @@ def in_huge_pages(packed: PackedExperts) -> PackedExperts:
     return dataclasses.replace(packed, tensors={**packed.tensors, **copies})
 
 
-def pack_dense(
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    *,
-    interleaved: bool = False,
-    layout: int | str | PackedLayout = DEFAULT_LAYOUT,
-    use_cpp: bool = True,
-) -> PackedExperts:
-    """Scheme dense: float w13/w2 (+ biases) rounded to bf16 and packed."""
-    lay = layout_get(layout)
-    e, h, i = _expert_dims(w13, w2)
-    shapes = layout_expert_shapes(lay, e, h, i)
-    ip = shapes.padded_intermediate
-    b13, b2 = _pack_biases(w13_bias, w2_bias, e, h, i, interleaved, lay)
-    w13_packed = pack_w13(w13, interleaved=interleaved, layout=lay, use_cpp=use_cpp)
-    w2_packed = pack_w2(w2, layout=lay, use_cpp=use_cpp)
-    assert tuple(w13_packed.shape) == shapes.w13_shape and tuple(w2_packed.shape) == shapes.w2_shape
-    return PackedExperts(
-        layout=lay,
-        num_experts=e,
-        hidden=h,
-        intermediate=i,
-        padded_intermediate=ip,
-        interleaved=interleaved,
-        tensors=_with_biases({"w13": w13_packed, "w2": w2_packed}, b13, b2),
-    )
+def __getattr__(name: str):
+    """Older import paths: the scheme-specific functions that lived here (``quantize_int8_per_channel``,
+    ``pack_experts_int8``, ``dequantize_int8``, ``pack_int8_weight``, ``pack_dense``) moved into their
+    scheme packages; ``from moepack.pack import quantize_int8_per_channel`` still works, resolved
+    through the registry (each scheme lists them in ``Scheme.exports``), not by importing them."""
+    f = exported(name)
+    if f is None:
+        raise AttributeError(f"module 'moepack.pack' has no attribute {name!r}")
+    return f
 
 
-def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8 (SEMANTICS.md §3 "int8 channel"): w [..., N, K] float
-    -> (q int8 [..., N, K], scale fp32 [..., N]) with ``w ~= q * scale[..., None]``.
-
-    In fp32: ``scale = amax(|w[n, :]|) / 127`` and ``q = round_half_even(w / scale)`` clamped to
-    +-127 (-128 is never produced). A row whose scale would be 0 (all zeros, or an amax below
-    127 x the smallest subnormal) gets scale 1 and codes 0: every scale is finite and positive,
-    the rule checkpoint scales are held to, and the row still dequantizes to exactly 0."""
-    if w.dtype not in FLOAT_DTYPES:
-        raise LayoutError(f"weight has dtype {w.dtype}: quantize_int8_per_channel takes float32, bfloat16 or float16")
-    if w.dim() < 2:
-        raise LayoutError(f"weight has shape {list(w.shape)}: must be [..., N, K]")
-    _check_float("weight", w)
-    wf = w.float()
-    scale = wf.abs().amax(dim=-1) / 127.0
-    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    q = torch.round(wf / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return q, scale.contiguous()
-
-
-def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """q [..., N, K] int8, scale [..., N] (or [..., N, 1]) -> fp32 ``q * scale`` (exact products)."""
-    s = scale.float()
-    if s.dim() == q.dim():
-        s = s.squeeze(-1)
-    return q.float() * s.unsqueeze(-1)
-
-
-def _check_scale(name: str, s: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
-    """[E, N] or [E, N, 1] float scales -> fp32 [E, N]; refuses non-finite and non-positive ones."""
-    if s.dim() == 3 and s.shape[2] == 1:
-        s = s.squeeze(2)
-    if tuple(s.shape) != shape:
-        raise LayoutError(f"{name} has shape {list(s.shape)}: must be {list(shape)} (one scale per output channel)")
-    if s.dtype not in FLOAT_DTYPES:
-        raise LayoutError(f"{name} has dtype {s.dtype}: must be float32, bfloat16 or float16")
-    sf = s.float()
-    bad = ~(torch.isfinite(sf) & (sf > 0))
-    if bool(bad.any()):
-        idx = bad.nonzero()[0].tolist()
-        raise LayoutError(f"{name}{idx} = {sf[tuple(idx)].item()!r}: scales must be finite and > 0")
-    return sf.contiguous()
-
-
-def pack_int8_weight(
-    weight: str, q: torch.Tensor, scale: torch.Tensor, *, interleaved: bool = False, layout: PackedLayout, use_cpp: bool = True
-) -> dict[str, torch.Tensor]:
-    """One int8_channel weight ("w13": codes [E, 2I, H], scales [E, 2I]; "w2": [E, H, I], [E, H])
-    -> its three packed tensors {weight: codes, weight_scale: fp32, weight_colsum: int32 sum_k q},
-    in packed row order, zero in the padding rows. convert (one expert at a time) and
-    pack_experts_int8 both pack through here."""
-    e, n = q.shape[0], q.shape[1]
-    s = _check_scale(f"{weight}_scale", scale, (e, n))
-    colsum = q.to(torch.int32).sum(-1, dtype=torch.int32)
-    if weight == "w13":
-        ip = layout_padded_i(layout, n // 2)
-        codes = pack_w13(q, interleaved=interleaved, layout=layout, use_cpp=use_cpp)
-        pad = lambda v: pad_intermediate(v, ip, interleaved).contiguous()  # noqa: E731
-    else:
-        codes = pack_w2(q, layout=layout, use_cpp=use_cpp)
-        pad = lambda v: pad_rows(v, codes.shape[1])  # noqa: E731
-    return {weight: codes, f"{weight}_scale": pad(s), f"{weight}_colsum": pad(colsum)}
-
-
-def pack_experts_int8(
-    w13_q: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2_q: torch.Tensor,
-    w2_scale: torch.Tensor,
-    w13_bias: torch.Tensor | None = None,
-    w2_bias: torch.Tensor | None = None,
-    *,
-    interleaved: bool = False,
-    layout: int | str | PackedLayout = INT8_LAYOUT,
-    use_cpp: bool = True,
-) -> PackedExperts:
-    """Pack int8 experts: codes w13_q [E, 2I, H] and w2_q [E, H, I] (int8, any of -128..127),
-    per-channel scales [E, 2I] and [E, H] (or with a trailing 1; fp32/bf16/fp16, finite, > 0),
-    optional biases; gate/up order as in ``pack_experts``."""
-    lay = layout_get(layout)
-    if lay.scheme != "int8_channel":
-        raise LayoutError(f"layout {lay.name} has scheme {lay.scheme}: pack_experts_int8 packs int8_channel layouts")
-    e, h, i = _expert_dims(w13_q, w2_q)
-    _check_weight_dtype("w13", w13_q, lay)
-    _check_weight_dtype("w2", w2_q, lay)
-    shapes = layout_expert_shapes(lay, e, h, i)
-    ip = shapes.padded_intermediate
-    b13, b2 = _pack_biases(w13_bias, w2_bias, e, h, i, interleaved, lay)
-    tensors = pack_int8_weight("w13", w13_q, w13_scale, interleaved=interleaved, layout=lay, use_cpp=use_cpp)
-    tensors.update(pack_int8_weight("w2", w2_q, w2_scale, layout=lay, use_cpp=use_cpp))
-    assert tuple(tensors["w13"].shape) == shapes.w13_shape and tuple(tensors["w2"].shape) == shapes.w2_shape
-    return PackedExperts(
-        layout=lay,
-        num_experts=e,
-        hidden=h,
-        intermediate=i,
-        padded_intermediate=ip,
-        interleaved=interleaved,
-        tensors=_with_biases(tensors, b13, b2),
-    )
-
-
-__all__ = ["PackedExperts", "pack_experts", "pack_dense", "codes_dtype", "pack_experts_int8", "pack_int8_weight", "pad_rows", "quantize_int8_per_channel", "dequantize_int8", "pack_w13", "pack_w2", "pack_bias13", "pack_bias2", "pack_weight_reference", "unpack_weight_reference", "pad_intermediate"]
+__all__ = ["PackedExperts", "pack_experts", "codes_dtype", "code_slots", "pack_codes", "unpack_codes", "pad_rows",
+           "pack_w13", "pack_w2", "pack_w13_pieces", "pack_bias13", "pack_bias2", "pack_weight_reference",
+           "unpack_weight_reference", "pad_intermediate", "get_scheme", "FLOAT_DTYPES", "check_float", "check_weight_dtype",
+           "expert_dims", "pack_biases", "with_biases", "in_huge_pages"]  # fmt: skip

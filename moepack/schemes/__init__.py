@@ -24,18 +24,39 @@ verify, the runtime, bench and the CLI look the scheme up instead of branching o
                     carry a ``w13_perm`` (int4 act-order); None: never
 ``layer_act_mode``  LayerSpec -> the layer's default activation mode (the manifest's
                     ``act_mode``); None: ``act_mode``
+``quantized``       its codes are not the float values: pack_experts quantizes float
+                    weights into it, convert keeps a source of it as it is (never
+                    re-quantized) and ``--quantize`` may name it
+``options``         the quantizer's options: ``parse_options(words)`` -> a frozen
+                    options object (``key``: convert's resume key; ``note``: words);
+                    None: the scheme has no options
+``source_layout``   (specs, layout) -> the layout a source of this scheme packs into
+                    (int4: the layout of the source's group size); None: ``layout``
+``with_layout``     (canonical, layout) -> the canonical tensors completed with what
+                    the layout implies (int4: ``group_size``); None: as they are
+``weights_note``    verify's words for what its packed weights are compared as
+``bench``           ``BenchInfo``: the benchmark's check tolerance and notes
+``exports``         functions older moepack versions had in moepack.pack (resolved by
+                    name through the registry: moepack.pack never imports a scheme)
 ==================  ===============================================================
+
+Each scheme is a package, moepack/schemes/<scheme>/: ``__init__.py`` (the ``Scheme`` and its
+layer packer), ``quantize.py`` (its quantizer), ``pack.py`` (its spec packer, on
+``moepack.pack.pack_codes``), ``reference.py`` (its torch oracle on the generic MoE machinery of
+moepack/reference.py). ``quantized.py`` here is the base of the quantized schemes' layer packers.
 
 Adding a scheme: docs/CONTRIBUTING.md, "Adding a weight scheme".
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import UnsupportedError
-from ..layout import LAYOUTS, PackedLayout, layout_get
+from ..layout import LAYOUTS, PackedLayout
+from ..pack import pack_bias2, pack_bias13
+from ..pack.registry import get_scheme, register, schemes
 
 
 @dataclass(frozen=True)
@@ -56,16 +77,23 @@ class Scheme:
     summary: str
     canonical: tuple[str, ...]
     pack: Callable  # (canonical: dict, *, interleaved, layout, use_cpp=True) -> PackedExperts
-    from_float: Callable  # (w13, w2, layout=None) -> canonical dict (without biases), for that layout
+    from_float: Callable  # (w13, w2, layout=None, options=None) -> canonical dict (without biases), for that layout
     dequantize: Callable  # canonical dict -> (w13, w2) fp32 canonical weights
     reference: Callable  # (x, canonical, topk_weights, topk_ids, **kw) -> (out, flip)
     output_rule: Callable  # (source dtypes: set[str]) -> OutputRule
     rule: Callable  # (source dtype str, reader name) -> str
-    source_note: Callable  # (source dtype str, reader name) -> str
+    source_note: Callable  # (source dtype str, SourceReader, options or None) -> str
     layer_packer: Callable  # (LayerSource) -> LayerPacker
     default_layout: str | None = None  # the layout layout_for picks (None: the scheme's first of the family)
     layer_perm: Callable | None = None  # (LayerSpec, shared: bool) -> bool: the layer carries a w13_perm
     layer_act_mode: Callable | None = None  # LayerSpec -> "a16" | "a8": the layer's default act mode
+    quantized: bool = True  # False: the float values themselves (dense)
+    parse_options: Callable | None = None  # (words: tuple[str, ...]) -> options object (key(), note()); None: no options
+    source_layout: Callable | None = None  # (specs, layout) -> the layout a source of this scheme packs into
+    with_layout: Callable | None = None  # (canonical, layout) -> canonical completed from the layout
+    weights_note: str = "codes"  # verify: what the packed weights are compared as ("bf16", "int8 codes")
+    bench: "BenchInfo" = field(default_factory=lambda: BenchInfo())
+    exports: tuple = ()  # functions older moepack versions exported from moepack.pack
 
     def has_perm(self, spec, shared: bool = False) -> bool:
         return bool(self.layer_perm and self.layer_perm(spec, shared))
@@ -74,6 +102,26 @@ class Scheme:
         """The act mode convert records for a layer of ``spec`` packed into ``layout``."""
         mode = self.layer_act_mode(spec) if self.layer_act_mode else self.act_mode
         return mode if mode in layout.act_modes else layout.act_modes[0]
+
+    def options(self, words: tuple[str, ...] = ()):
+        """The quantizer options ``words`` name (``--quantize int4:g64:asym`` -> ("g64", "asym")),
+        checked; the defaults for ``()``. None for a scheme without options; words for such a
+        scheme are refused naming the scheme and the word."""
+        if self.parse_options is not None:
+            return self.parse_options(tuple(words))
+        if words:
+            raise UnsupportedError(f"--quantize {self.name}:{':'.join(words)}: scheme {self.name} takes no options "
+                                   f"(got {words[0]!r})")  # fmt: skip
+        return None
+
+    def keeps_source(self, reader) -> bool:
+        """A source read by ``reader`` is packed with its own canonical tensors of this scheme
+        (never re-quantized), rather than quantized or rounded from float."""
+        return self.quantized and reader.scheme == self.name
+
+    def complete(self, canonical: dict, layout: PackedLayout) -> dict:
+        """``canonical`` with what ``layout`` implies added (``with_layout``)."""
+        return self.with_layout(canonical, layout) if self.with_layout else canonical
 
     def layouts(self, family: str | None = None) -> list[PackedLayout]:
         """This build's layouts of the scheme (of one ISA family), in table order."""
@@ -86,17 +134,61 @@ class Scheme:
         return next((x for x in cands if x.name == self.default_layout), cands[0])
 
 
+@dataclass(frozen=True)
+class BenchInfo:
+    """What ``moepack bench`` says of a scheme: the largest relative error of its packed experts
+    against the torch loop on the float weights that still passes the check column (a quantized
+    scheme's includes its quantization error), and ``notes(kernel isa, its dot-product
+    instruction or None, whether the torch loop ran) -> [str]``, printed under the table."""
+
+    check_tol: float = 0.08
+    notes: Callable | None = None
+
+
 @dataclass
 class LayerSource:
     """What a scheme's layer packer reads from: one MoE layer of an open source checkpoint, the
-    layout it packs into, and ``checked(pack, tensor, role, expert)``, which runs a packer and
-    names the SOURCE tensor and element of a non-finite value it refuses (convert_dir)."""
+    layout it packs into, ``checked(pack, tensor, role, expert)``, which runs a packer and names
+    the SOURCE tensor and element of a non-finite value it refuses (convert_dir), the quantizer
+    options (``Scheme.options``; None: the scheme's defaults) and ``error``, a ``QuantError`` the
+    packer adds each quantized weight's error to (convert's summary)."""
 
     ckpt: object
     reader: object
     spec: object  # sources.LayerSpec
     layout: PackedLayout
     checked: Callable
+    options: object = None
+    error: "QuantError | None" = None
+
+
+@dataclass
+class QuantError:
+    """The quantization error of the weights a convert quantized from float, summed over every
+    quantized weight: ``rel = ||dequant(q) - w|| / ||w||`` (Frobenius, fp64 sums), overall and
+    the worst single layer."""
+
+    err2: float = 0.0
+    ref2: float = 0.0
+    layers: dict = field(default_factory=dict)  # layer index -> [err2, ref2]
+
+    def add(self, layer: int, w, deq) -> None:
+        d = (deq.double() - w.double()).pow(2).sum().item()
+        r = w.double().pow(2).sum().item()
+        self.err2 += d
+        self.ref2 += r
+        acc = self.layers.setdefault(layer, [0.0, 0.0])
+        acc[0] += d
+        acc[1] += r
+
+    @property
+    def rel(self) -> float | None:
+        return None if not self.ref2 else (self.err2 / self.ref2) ** 0.5
+
+    def worst(self) -> tuple[int, float] | None:
+        """(layer index, its relative error) of the layer quantized worst, or None."""
+        per = {i: (d / r) ** 0.5 for i, (d, r) in self.layers.items() if r}
+        return max(per.items(), key=lambda x: x[1]) if per else None
 
 
 class LayerPacker:
@@ -119,8 +211,6 @@ class LayerPacker:
 
     def bias_parts(self, name: str):
         """The fp32 biases in packed row order (every scheme stores them alike)."""
-        from ..pack import pack_bias2, pack_bias13
-
         s, lay = self.spec, self.layout
         if self._biases is None:
             self._biases = self.src.reader.read_biases(self.src.ckpt, s)
@@ -133,40 +223,8 @@ class LayerPacker:
             raise KeyError(f"layer {s.index}: no tensor {name!r} in layout {lay.name}'s plan")
 
 
-_REGISTRY: dict[str, Scheme] = {}
-
-
-def register(s: Scheme) -> Scheme:
-    for key in (s.name, *s.aliases):
-        if key in _REGISTRY:
-            raise ValueError(f"scheme name {key!r} registered twice")
-        _REGISTRY[key] = s
-    return s
-
-
-def get_scheme(key: "str | PackedLayout | int") -> Scheme:
-    """A scheme by name or alias, or the scheme of a layout (object, id or name)."""
-    if isinstance(key, str) and key in _REGISTRY:
-        return _REGISTRY[key]
-    if not isinstance(key, str) or any(key == x.name for x in LAYOUTS):
-        lay = layout_get(key)
-        if lay.scheme not in _REGISTRY:
-            raise UnsupportedError(f"layout {lay.name} has scheme {lay.scheme!r}, which this moepack has no module for")
-        return _REGISTRY[lay.scheme]
-    known = ", ".join(sorted({s.name for s in _REGISTRY.values()}))
-    raise UnsupportedError(f"scheme {key!r} is unknown; known schemes: {known} (aliases: "
-                           + ", ".join(sorted(k for k, s in _REGISTRY.items() if k != s.name)) + ")")
-
-
-def schemes() -> list[Scheme]:
-    """Every registered scheme once, in registration order."""
-    seen: dict[str, Scheme] = {}
-    for s in _REGISTRY.values():
-        seen.setdefault(s.name, s)
-    return list(seen.values())
-
-
 # The scheme modules register themselves on import.
 from . import dense, int8, int4  # noqa: E402,F401
 
-__all__ = ["Scheme", "OutputRule", "LayerSource", "LayerPacker", "get_scheme", "register", "schemes"]
+__all__ = ["Scheme", "OutputRule", "BenchInfo", "LayerSource", "LayerPacker", "QuantError", "get_scheme", "register",
+           "schemes"]  # fmt: skip

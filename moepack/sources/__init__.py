@@ -35,6 +35,8 @@ class SourceReader:
     read_expert_canonical: Callable[[Checkpoint, LayerSpec, str, int], dict] | None = None
     # (ckpt, spec) -> the shared expert's canonical tensors as a one-expert set, or None
     read_shared_canonical: Callable[[Checkpoint, LayerSpec], dict | None] | None = None
+    # what the stored weights are, in words (the manifest's scheme_source); "": the scheme says it
+    weights_note: str = ""
 
 
 def _detect_dense(ckpt: Checkpoint) -> tuple[bool, str]:
@@ -60,6 +62,7 @@ def _ct_reader() -> SourceReader:
         scheme=ct.SCHEME,
         read_expert_canonical=ct.read_expert_canonical,
         read_shared_canonical=ct.read_shared_canonical,
+        weights_note=ct.SOURCE_NOTE,
     )
 
 

@@ -59,10 +59,10 @@ class LayerSpec:
     expert_tensors: list = field(default_factory=list)  # every source tensor this layer consumes
     router: dict = field(default_factory=dict)  # {"weight": name, "bias": name|None, "correction_bias": name|None}
     shared: dict = field(default_factory=dict)  # shared-expert tensor names (carried over as they are)
-    # Quantized sources: the scheme facts a packer needs (JSON-serializable), e.g. the int4 readers'
-    # {"scheme": "int4_group", "group_size": 128 | -1, "sym": True, "format": "gptq", "act_order": False, ...}
-    # (moepack/sources/int4_common.py documents every key). Empty for float sources.
-    quant: dict = field(default_factory=dict)
+    # Quantized sources: the facts the source's scheme reads, as that scheme's typed dataclass
+    # (the int4 readers: moepack.schemes.int4.facts.Int4Facts). None for float sources and for
+    # sources whose scheme needs none (int8 per channel).
+    quant: object | None = None
 
 
 @dataclass

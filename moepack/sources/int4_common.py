@@ -16,7 +16,7 @@ Canonical tensors of one expert (``read_expert_canonical(ckpt, spec, "w13" | "w2
 * ``{w}_scale`` float32 [N, ceil(K / G)] ([N, 1] per channel), the source's scales exactly;
 * ``{w}_zero`` uint8 [N, ceil(K / G)], true zero points 0..15 (symmetric sources: 8), so that
   ``W[n, k] = (q[n, k] - zero[n, k // G]) * scale[n, k // G]``;
-* ``w13_perm`` int32 [H], only when ``spec.quant["act_order"]`` (then for every expert of the
+* ``w13_perm`` int32 [H], only when ``spec.quant.act_order`` (then for every expert of the
   layer, the identity for an expert without act-order): column j of the codes is ORIGINAL input
   channel ``perm[j]`` (``perm`` = stable argsort of gate_proj's g_idx), i.e.
   ``W_orig[:, perm[j]] = dequant(q)[:, j]``; groups are contiguous runs of G columns.
@@ -31,12 +31,9 @@ up and b13's halves, and column j of down, are the source's intermediate channel
 float weights (``read_expert_w13/w2``, ``read_layer``'s w13 / w2) are dequantized in the
 ORIGINAL input-channel order of w13 (H), i.e. W_orig with w13_perm undone.
 
-``LayerSpec.quant`` (JSON-serializable): scheme "int4_group"; bits 4; group_size (G, -1 = one
-group per row); sym (zero points all 8); format ("gptq" | "gptq_v2" | "awq" | "pack-quantized");
-act_order (w13_perm is returned); w2_act_order (down's g_idx was folded into w13's rows for some
-expert); scale_dtype (the source's "F16" | "BF16" | "F32"); input_activations (compressed-tensors'
-activation args, e.g. dynamic per-token int8 for W4A8, else None); shared (the same facts for a
-quantized shared expert, or None).
+``LayerSpec.quant``: an ``Int4Facts`` (moepack/schemes/int4/facts.py: group size, symmetry, scale
+dtype, format, act-order, input activations, the shared expert's facts), which the int4 scheme
+reads.
 
 Scales, zero points and g_idx are validated when an expert is read (the values would be read up
 front for every expert otherwise): a bad one is a SourceError naming the tensor, the value and
@@ -45,6 +42,7 @@ the rule, before convert writes anything final (it writes to a temporary directo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -52,6 +50,7 @@ from typing import Callable
 import torch
 
 from ..errors import SourceError
+from ..schemes.int4.facts import Int4Facts
 from .checkpoint import Checkpoint, TensorInfo
 from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, read_biases as dense_read_biases
 
@@ -299,8 +298,8 @@ def make_layers(ckpt: Checkpoint, fmt: Int4Format) -> list[LayerSpec]:
         s.expert_tensors = sorted(set(s.expert_tensors) - {s.names[(e, r, "weight")] for e in range(s.num_experts) for r in _ROLES} | set(used))
         if s.activation == "swigluoai":  # gpt-oss, linearized: gate/up de-interleaved; re-interleave
             s.interleaved = True
-        s.quant = {"scheme": SCHEME, "bits": 4, "format": cfg["format"], **facts, "act_order": act13, "w2_act_order": act2,
-                   "input_activations": cfg.get("input_activations"), "shared": None}  # fmt: skip
+        s.quant = Int4Facts(**facts, format=cfg["format"], act_order=act13, w2_act_order=act2,
+                            input_activations=cfg.get("input_activations"))  # fmt: skip
         for key in ("weight", "bias"):
             rn = s.router.get(key)
             if rn and view.info(rn).dtype_str not in FLOAT_DTYPES:
@@ -318,7 +317,8 @@ def make_layers(ckpt: Checkpoint, fmt: Int4Format) -> list[LayerSpec]:
             s.shared["modules"] = [m.prefix for m in sm]
             for p, m in zip(("gate_proj", "up_proj", "down_proj"), sm):
                 s.shared[p] = m.main  # a real tensor (convert names the shared expert's sources with these)
-            s.quant["shared"] = {**fs, "act_order": gi[0][0] is not None, "w2_act_order": gi[2][0] is not None}
+            s.quant = dataclasses.replace(s.quant, shared=Int4Facts(**fs, format=cfg["format"], act_order=gi[0][0] is not None,
+                                                                    w2_act_order=gi[2][0] is not None))  # fmt: skip
     return specs
 
 
@@ -422,7 +422,7 @@ class Int4Reader:
         """Scheme int4_group's canonical tensors of expert ``e``'s ``weight`` ("w13" or "w2")
         (module docstring: codes, scales, zeros, w13_perm; down's act-order folded into w13)."""
         if weight == "w13":
-            return self._w13(ckpt, self._mods3(s, e), s.interleaved, s.quant.get("act_order", False))
+            return self._w13(ckpt, self._mods3(s, e), s.interleaved, s.quant.act_order)
         if weight == "w2":
             return self._w2(ckpt, s.names[(e, "down", "module")])
         raise KeyError(f"weight {weight!r}: expected 'w13' or 'w2'")
@@ -441,11 +441,11 @@ class Int4Reader:
 
     def read_expert_w13(self, ckpt: Checkpoint, s: LayerSpec, e: int) -> torch.Tensor:
         """fp32 [2I, H], original H order, folded intermediate order (module docstring)."""
-        return self._float13(self.read_expert_canonical(ckpt, s, "w13", e), s.quant["group_size"])
+        return self._float13(self.read_expert_canonical(ckpt, s, "w13", e), s.quant.group_size)
 
     def read_expert_w2(self, ckpt: Checkpoint, s: LayerSpec, e: int) -> torch.Tensor:
         c = self.read_expert_canonical(ckpt, s, "w2", e)
-        return dequantize(c["w2_q"], c["w2_scale"], c["w2_zero"], s.quant["group_size"])
+        return dequantize(c["w2_q"], c["w2_scale"], c["w2_zero"], s.quant.group_size)
 
     def read_biases(self, ckpt: Checkpoint, s: LayerSpec):
         """[E, 2I] and [E, H] biases in canonical row order (folded and interleaved like w13), or (None, None)."""
@@ -468,7 +468,7 @@ class Int4Reader:
             for e in range(s.num_experts)
         ]
         canon = {k: torch.stack([p[k] for p in per]) for k in per[0]}
-        g = s.quant["group_size"]
+        g = s.quant.group_size
         b13, b2 = self.read_biases(ckpt, s)
         return CanonicalLayer(
             spec=s,
@@ -481,11 +481,11 @@ class Int4Reader:
 
     def read_shared_canonical(self, ckpt: Checkpoint, s: LayerSpec) -> dict[str, torch.Tensor] | None:
         """The quantized shared expert's canonical tensors as a one-expert set ({"w13_q": [1, 2Is, H], ...,
-        "w13_perm": [1, H] when s.quant["shared"]["act_order"]}), or None (none, or a float one)."""
+        "w13_perm": [1, H] when s.quant.shared.act_order}), or None (none, or a float one)."""
         if not s.shared or "modules" not in s.shared:
             return None
         mods3 = s.shared["modules"]
-        c = {**self._w13(ckpt, mods3, False, s.quant["shared"]["act_order"]), **self._w2(ckpt, mods3[2])}
+        c = {**self._w13(ckpt, mods3, False, s.quant.shared.act_order), **self._w2(ckpt, mods3[2])}
         return {k: v[None] for k, v in c.items()}
 
     def read_shared(self, ckpt: Checkpoint, s: LayerSpec):
@@ -495,7 +495,7 @@ class Int4Reader:
             from .dense import read_shared as dense_read_shared
 
             return dense_read_shared(ckpt, s)
-        g = s.quant["shared"]["group_size"]
+        g = s.quant.shared.group_size
         one = {k: v[0] for k, v in c.items()}
         return self._float13(one, g)[None], dequantize(one["w2_q"], one["w2_scale"], one["w2_zero"], g)[None]
 

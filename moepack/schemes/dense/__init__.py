@@ -6,16 +6,19 @@ fp16); packing rounds them to bf16 (exact for bf16 sources).
 
 from __future__ import annotations
 
-from . import LayerPacker, OutputRule, Scheme, register
+import torch
+
+from ...container.writer import Pieces
+from ...layout import DEFAULT_LAYOUT, PackedLayout, layout_expert_shapes, layout_get
+from ...pack import PackedExperts, expert_dims, pack_biases, pack_w2, pack_w13, pack_w13_pieces, with_biases
+from ...reference import moe_reference
+from .. import BenchInfo, LayerPacker, OutputRule, Scheme, register
 
 
 class DenseLayer(LayerPacker):
     """One layer's float experts rounded to bf16 and packed, one expert at a time."""
 
     def parts(self, name: str):
-        from ..container.writer import Pieces
-        from ..pack import pack_w2, pack_w13_pieces
-
         src, s, lay = self.src, self.spec, self.layout
         if name == "w13":
             for e in range(s.num_experts):
@@ -30,8 +33,6 @@ class DenseLayer(LayerPacker):
             yield from self.bias_parts(name)
 
     def shared(self):
-        from ..pack import PackedExperts, pack_w2, pack_w13
-
         src, s, lay = self.src, self.spec, self.layout
         pair = src.reader.read_shared(src.ckpt, s)
         if pair is None:
@@ -43,15 +44,33 @@ class DenseLayer(LayerPacker):
         return PackedExperts(lay, 1, s.hidden, si, w2.shape[-1], False, {"w13": w13, "w2": w2})
 
 
-def _pack(c: dict, *, interleaved: bool, layout, use_cpp: bool = True):
-    from ..pack import pack_dense
+def pack_dense(
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    w13_bias: torch.Tensor | None = None,
+    w2_bias: torch.Tensor | None = None,
+    *,
+    interleaved: bool = False,
+    layout: int | str | PackedLayout = DEFAULT_LAYOUT,
+    use_cpp: bool = True,
+) -> PackedExperts:
+    """Scheme dense: float w13/w2 (+ biases) rounded to bf16 and packed."""
+    lay = layout_get(layout)
+    e, h, i = expert_dims(w13, w2)
+    shapes = layout_expert_shapes(lay, e, h, i)
+    b13, b2 = pack_biases(w13_bias, w2_bias, e, h, i, interleaved, lay)
+    w13_packed = pack_w13(w13, interleaved=interleaved, layout=lay, use_cpp=use_cpp)
+    w2_packed = pack_w2(w2, layout=lay, use_cpp=use_cpp)
+    assert tuple(w13_packed.shape) == shapes.w13_shape and tuple(w2_packed.shape) == shapes.w2_shape
+    return PackedExperts(layout=lay, num_experts=e, hidden=h, intermediate=i, padded_intermediate=shapes.padded_intermediate,
+                         interleaved=interleaved, tensors=with_biases({"w13": w13_packed, "w2": w2_packed}, b13, b2))  # fmt: skip
 
+
+def _pack(c: dict, *, interleaved: bool, layout, use_cpp: bool = True):
     return pack_dense(c["w13"], c["w2"], c.get("w13_bias"), c.get("w2_bias"), interleaved=interleaved, layout=layout, use_cpp=use_cpp)
 
 
 def _reference(x, c: dict, topk_weights, topk_ids, **kw):
-    from ..reference import moe_reference
-
     return moe_reference(x, c["w13"], c["w2"], topk_weights, topk_ids, **kw), 0.0
 
 
@@ -69,12 +88,18 @@ DENSE = register(
         summary="float weights packed as bf16; activations in their own dtype",
         canonical=("w13", "w2"),
         pack=_pack,
-        from_float=lambda w13, w2, layout=None: {"w13": w13, "w2": w2},
+        from_float=lambda w13, w2, layout=None, options=None: {"w13": w13, "w2": w2},
         dequantize=lambda c: (c["w13"].float(), c["w2"].float()),
         reference=_reference,
         output_rule=_output_rule,
         rule=lambda source_dtype, reader: "the source rounded to bf16",
-        source_note=lambda source_dtype, reader: f"{source_dtype} weights packed as bf16",
+        source_note=lambda source_dtype, reader, options=None: f"{source_dtype} weights packed as bf16",
         layer_packer=DenseLayer,
+        quantized=False,
+        weights_note="bf16",
+        bench=BenchInfo(check_tol=0.05),
+        exports=(pack_dense,),
     )
 )
+
+__all__ = ["DENSE", "DenseLayer", "pack_dense"]
