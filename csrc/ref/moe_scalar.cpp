@@ -11,12 +11,14 @@
 
 #include "moepack/kernel.h"
 #include "moepack/numeric.h"
+#include "../kernels/mk_hooks.h"
 
 namespace moepack {
 namespace scalar {
 namespace {
 
 struct MK {
+  static constexpr uint32_t kHooks = 0;  // the portable code everywhere (csrc/kernels/mk_hooks.h)
   static RowFormat row_format(DType) { return RowFormat::f32; }
 
   // C[m, bn] = A[m, :kp] . B^T for one packed block of bn columns; element (n, k) of the block

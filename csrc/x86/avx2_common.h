@@ -9,6 +9,7 @@
 
 #include "moepack/kernel.h"
 #include "moepack/numeric.h"
+#include "../kernels/mk_hooks.h"
 #include "quant_i8_avx2.h"
 
 namespace moepack {
@@ -40,6 +41,7 @@ static inline __m256 sigmoid_ps(__m256 x) {
 
 // The MK members every AVX2-level kernel shares (a kernel's MK derives from it).
 struct Avx2Elementwise {
+  static constexpr uint32_t kHooks = kHook_quantize_row_i8;  // csrc/kernels/mk_hooks.h; an MK restates it with its own
   static constexpr int kBlockN = 32;  // every x86 kernel is written for 32-column blocks
   static constexpr int kDenseKPack = 2;  // bf16 pairs (bf16_n32k2_x86)
   static constexpr int kInt8KPack = 4;   // int8 quads (i8_n32k4_x86)

@@ -72,6 +72,7 @@ static inline simde__m512 moepack_emu_mm512_cvtepi32_ps(simde__m512i a) {
 
 #include "moepack/kernel.h"
 #include "moepack/numeric.h"
+#include "../kernels/mk_hooks.h"
 #include "quant_i8_avx2.h"
 
 namespace moepack {
@@ -235,6 +236,7 @@ static inline void gemm_f32_row(const float* x, const uint16_t* B, int64_t kp, f
 // The MK members every AVX-512 kernel shares (a kernel's MK derives from it and may hide
 // row_format / gemm with its own).
 struct Avx512Base {
+  static constexpr uint32_t kHooks = kHook_quantize_row_i8;  // csrc/kernels/mk_hooks.h; an MK restates it with its own
   static constexpr int kBlockN = 32;  // every x86 kernel is written for 32-column blocks
   static constexpr int kDenseKPack = 2;  // bf16 pairs (bf16_n32k2_x86)
   static constexpr int kInt8KPack = 4;   // int8 quads (i8_n32k4_x86)

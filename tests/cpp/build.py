@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 CSRC = os.path.join(ROOT, "csrc")
 DEFAULT_BUILD = os.path.join(HERE, "build")
 
-COMMON = ["-std=c++20", "-O2", "-fno-math-errno", "-Wall", "-Wno-unused-function", "-I" + os.path.join(CSRC, "include")]
+COMMON = ["-std=c++20", "-O2", "-DMOEPACK_COUNT_HOOKS", "-fno-math-errno", "-Wall", "-Wno-unused-function", "-I" + os.path.join(CSRC, "include")]
 EMULATED = ["-Wno-psabi"]  # SIMDe's wide vector types in function signatures
 
 

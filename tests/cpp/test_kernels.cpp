@@ -28,6 +28,7 @@
 
 #include "moepack/kernel.h"
 #include "moepack/numeric.h"
+#include "../../csrc/kernels/mk_hooks.h"
 
 // tests/cpp/build.py defines MOEPACK_TEST_REGISTRARS(X): one X(label, register function, level,
 // level the host needs to run it) per kernel object it links (moe_L.cpp natively, through SIMDe,
@@ -842,6 +843,7 @@ std::vector<I8Kernel> collect_i8_kernels() {
 namespace regtest {
 namespace {
 struct MK {
+  static constexpr uint32_t kHooks = 0;
   static constexpr int kBlockN = 32;
   static constexpr int kDenseKPack = 2;
   static RowFormat row_format(DType) { return RowFormat::f32; }
@@ -1252,6 +1254,29 @@ void test_u4(const std::vector<Registrar>& regs) {
   }
 }
 
+// Every hook a level's MK states (csrc/kernels/mk_hooks.h), for the schemes the level registers,
+// ran in the tests above: counted per linked object (this build defines MOEPACK_COUNT_HOOKS).
+// A hook that declines every call it gets (gemm_u4a16 returning false) does not count as run.
+void test_hooks_run(const std::vector<Registrar>& regs) {
+#if !defined(MOEPACK_COUNT_HOOKS)
+#error "tests/cpp/build.py builds every object with -DMOEPACK_COUNT_HOOKS"
+#endif
+  int hooks = 0;
+  for (const Registrar& r : regs) {
+    KernelTable t;
+    r.reg(t);
+    const uint64_t* calls = t.hook_calls[int(r.isa)];
+    const uint32_t used = t.hooks_used[int(r.isa)];
+    for (int h = 0; h < kNumMkHooks; ++h) {
+      if (!((used >> h) & 1u)) continue;
+      ++hooks;
+      const unsigned long long n = calls ? calls[h] : 0;
+      check(n > 0, "%-16s hook %-16s stated and run (%llu calls)", r.name.c_str(), kMkHookNames[h], n);
+    }
+  }
+  std::printf("MK hooks: %d stated hooks of %zu level objects checked for calls\n", hooks, regs.size());
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -1350,6 +1375,8 @@ int main(int argc, char** argv) {
     check(all8 && g_rows_bf16.count(1) && g_rows_bf16.count(64), "bf16 GEMM row counts cover m=1, m=64 and every m %% 8");
     check(all4 && g_rows_f32.count(1) && g_rows_f32.count(64), "fp32 GEMM row counts cover m=1, m=64 and every m %% 4");
   }
+
+  test_hooks_run(runnable_registrars());
 
   std::printf("\nmax errors (rel = ||got - ref|| / ||ref||, worst = max|got - ref| / max|ref|):\n");
   std::printf("  %-24s %6s %12s %12s %10s\n", "kernel/dtype", "cases", "max rel", "max worst", "bit-diff");

@@ -119,6 +119,12 @@ struct KernelTable {
   Int8BlockGemmFn gemm_i8[kMaxLayoutId + 1][kNumIsa] = {};
   U4BlockDotFn dot_u4[kMaxLayoutId + 1][kNumIsa] = {};
   Int8QuantizeFn quantize_i8[kNumIsa] = {};
+#if defined(MOEPACK_COUNT_HOOKS)
+  // tests/cpp only (csrc/kernels/mk_hooks.h): each level object's calls per MK hook, and the
+  // hooks its MK states that the schemes it registered call.
+  const uint64_t* hook_calls[kNumIsa] = {};
+  uint32_t hooks_used[kNumIsa] = {};
+#endif
 };
 
 // Each ISA translation unit (csrc/<arch>/moe_<isa>.cpp, csrc/ref/moe_scalar.cpp) exports exactly
