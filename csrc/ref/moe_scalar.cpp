@@ -74,7 +74,7 @@ struct MK {
   }
 };
 
-#include "../kernels/fused_moe_driver.inc"
+#include "../kernels/moe_kernels.inc"
 
 }  // namespace
 }  // namespace scalar
@@ -82,20 +82,9 @@ struct MK {
 void register_scalar(KernelTable& t) {
   // The scalar kernel reads every layout of the schemes it has through its LayoutDesc (any
   // block_n up to the driver's kMaxBlockN, any k_pack), so a packed file of any family runs.
-  using scalar::MK;
-  for (const LayoutDesc& L : kLayouts) {
-    switch (L.scheme) {
-      case kScheme_dense: scalar::register_scheme<scalar::DenseA16<MK>>(t, L, Isa::scalar); break;
-      case kScheme_int8_channel: scalar::register_scheme<scalar::Int8A8<MK>>(t, L, Isa::scalar); break;
-      case kScheme_int4_group: scalar::register_int4(t, L, Isa::scalar); break;
-      default:
-        for (int m = 0; m < kNumActModes; ++m) {
-          std::snprintf(t.refused[L.id][m][int(Isa::scalar)], sizeof(t.refused[0][0][0]),
-                        "the scalar kernels do not know scheme %d", int(L.scheme));
-        }
-        break;
-    }
-  }
+  for (const LayoutDesc& L : kLayouts) scalar::register_layout(t, L, Isa::scalar);
 }
+
+void register_scalar_layout(KernelTable& t, const LayoutDesc& L) { scalar::register_layout(t, L, Isa::scalar); }
 
 }  // namespace moepack

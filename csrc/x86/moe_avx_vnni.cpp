@@ -163,7 +163,7 @@ struct MK : x86_avx2::Avx2Elementwise {
   }
 };
 
-#include "../kernels/fused_moe_driver.inc"
+#include "../kernels/moe_kernels.inc"
 
 }  // namespace
 }  // namespace avx_vnni

@@ -97,6 +97,7 @@ def _deps() -> list[str]:
     out = [os.path.abspath(__file__)]
     for d, _, files in os.walk(CSRC):
         out += [os.path.join(d, f) for f in files if f.endswith((".h", ".inc"))]
+    out += [os.path.join(HERE, f) for f in os.listdir(HERE) if f.endswith(".inc")]  # test_kernels.cpp's parts
     return out
 
 

@@ -127,6 +127,11 @@ struct KernelTable {
 #endif
 };
 
+// The scalar kernels for one layout of any blocking (register_scalar: every layout of kLayouts).
+// L.id indexes the table; a layout outside kLayouts (tests/cpp: test-only blockings) uses id 0,
+// which no layout of the table has.
+void register_scalar_layout(KernelTable& t, const LayoutDesc& L);
+
 // Each ISA translation unit (csrc/<arch>/moe_<isa>.cpp, csrc/ref/moe_scalar.cpp) exports exactly
 // one of these; dispatch.cpp calls it only after the CPU and the OS are known to support the ISA.
 #define MOEPACK_DECLARE_REGISTER(isa) void register_##isa(KernelTable& t);
