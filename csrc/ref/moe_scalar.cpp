@@ -1,8 +1,10 @@
 // [NOTE] Scalar fused-MoE kernels: the portable path for EVERY layout and the oracle that each
 // SIMD kernel is tested against (and that is itself tested against moepack/reference.py).
 // Compiled with no ISA flags. It reads weights only through the LayoutDesc numbers
-// (block_n, k_pack), so a file packed for any family runs here: bf16 layouts (fp32 rows) and
-// int8 layouts (W8A8: s8 rows, exact int32 dot products; the driver does the rest).
+// (block_n, k_pack, code_order: the generated layout_element_offset / layout_code_position), so a
+// file packed for any family runs here: bf16 layouts (fp32 rows), int8 layouts (W8A8: s8 rows,
+// exact int32 dot products) and int4 layouts (the portable decoders of codec_int4.inc); the
+// driver does the rest.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -22,15 +24,15 @@ struct MK {
   static RowFormat row_format(DType) { return RowFormat::f32; }
 
   // C[m, bn] = A[m, :kp] . B^T for one packed block of bn columns; element (n, k) of the block
-  // sits at (k / k_pack) * bn * k_pack + n * k_pack + k % k_pack (moepack/layout.py).
+  // sits at layout_element_offset(L, n, k, 0) (layouts_gen.h: moepack/layout.py's formula).
   static void gemm(const LayoutDesc& L, RowFormat, const void* const* rows, int m, const uint16_t* B, int64_t kp, float* C) {
-    const int bn = L.block_n, kpk = L.k_pack;
+    const int bn = L.block_n;
     for (int i = 0; i < m; ++i) {
       const float* x = static_cast<const float*>(rows[i]);
       float* c = C + i * bn;
       for (int n = 0; n < bn; ++n) {
         float acc = 0.0f;
-        for (int64_t k = 0; k < kp; ++k) acc += x[k] * bf16_to_f32(B[(k / kpk) * bn * kpk + n * kpk + k % kpk]);
+        for (int64_t k = 0; k < kp; ++k) acc += x[k] * bf16_to_f32(B[layout_element_offset(L, n, k, 0)]);
         c[n] = acc;
       }
     }
@@ -40,13 +42,13 @@ struct MK {
   // element order as above); the column sums are not needed with signed rows.
   static void gemm_i8(const LayoutDesc& L, const int8_t* const* rows, int m, const int8_t* B, int64_t kp,
                       const int32_t*, int32_t* acc) {
-    const int bn = L.block_n, kpk = L.k_pack;
+    const int bn = L.block_n;
     for (int i = 0; i < m; ++i) {
       const int8_t* x = rows[i];
       int32_t* c = acc + i * bn;
       for (int n = 0; n < bn; ++n) {
         int32_t sum = 0;
-        for (int64_t k = 0; k < kp; ++k) sum += int32_t(x[k]) * int32_t(B[(k / kpk) * bn * kpk + n * kpk + k % kpk]);
+        for (int64_t k = 0; k < kp; ++k) sum += int32_t(x[k]) * int32_t(B[layout_element_offset(L, n, k, 0)]);
         c[n] = sum;
       }
     }
