@@ -1,6 +1,8 @@
-// C++ packer: canonical [N, K] row-major weights -> a bf16 block layout, or int8 codes -> an
-// int8 block layout (moepack/layout.py).
-// Must equal moepack/pack's reference packer byte for byte (tests/test_pack.py).
+// C++ packer: canonical [N, K] row-major weights -> a bf16 block layout, int8 codes -> an int8
+// block layout, sub-byte codes -> a sub-byte layout (moepack/layout.py). Where each element goes
+// is the generated layout_element_offset / layout_code_position (layouts_gen.h), written once.
+// Must equal moepack/pack's reference packer byte for byte (tests/test_pack.py; the sub-byte one:
+// tests/cpp kt_seam.inc).
 #include <cstdint>
 #include <cstring>
 
@@ -15,15 +17,13 @@ inline bool finite_f16(uint16_t v) { return (v & 0x7c00u) != 0x7c00u; }
 
 template <typename Load>
 int64_t pack_rows(int64_t r0, int64_t r1, int64_t k, int64_t kp, const LayoutDesc& L, uint16_t* dst, Load load) {
-  const int64_t bn = L.block_n, kpk = L.k_pack;
   int64_t bad = -1;
   for (int64_t r = r0; r < r1; ++r) {
-    uint16_t* col = dst + (r / bn) * bn * kp + (r % bn) * kpk;
     for (int64_t c = 0; c < k; ++c) {
       bool finite;
       const uint16_t v = load(r * k + c, &finite);
       if (!finite && bad < 0) bad = r * k + c;
-      col[(c / kpk) * bn * kpk + c % kpk] = v;
+      dst[layout_element_offset(L, r, c, kp)] = v;
     }
   }
   return bad;
@@ -44,14 +44,13 @@ int64_t pack_matrix_bf16_rows(const void* src, DType src_dtype, int64_t n, int64
     // (k, k+1) pair; gather one K pair from the block's rows and write it contiguously.
     const char* s = static_cast<const char*>(src);  // possibly only 2-byte aligned: memcpy loads
     uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-    const int64_t half = k / 2, kp_half = kp / 2;
+    const int64_t half = k / 2;
     int64_t bad = -1;
     uint32_t any_bad = 0;
     for (int64_t b = block_begin; b < block_end; ++b) {
       const int64_t rows = (b + 1) * bn < n ? bn : n - b * bn;
-      uint32_t* blk = d + b * bn * kp_half;
       for (int64_t kk = 0; kk < half; ++kk) {
-        uint32_t* o = blk + kk * bn;
+        uint32_t* o = d + layout_element_offset(L, b * bn, 2 * kk, kp) / 2;  // the pair (k, k+1) of the block's rows
         uint32_t nonfinite = 0;
         for (int64_t i = 0; i < rows; ++i) {
           uint32_t v;
@@ -102,15 +101,31 @@ int64_t pack_matrix_bf16_rows(const void* src, DType src_dtype, int64_t n, int64
 
 void pack_matrix_i8_rows(const int8_t* src, int64_t n, int64_t k, int64_t np, int64_t kp, const LayoutDesc& L,
                          int8_t* dst, int64_t block_begin, int64_t block_end) {
-  const int64_t bn = L.block_n, kpk = L.k_pack;
+  const int64_t bn = L.block_n;
   std::memset(dst + block_begin * bn * kp, 0, size_t((block_end - block_begin) * bn * kp));
   const int64_t r0 = block_begin * bn < n ? block_begin * bn : n;
   const int64_t r1 = block_end * bn < n ? block_end * bn : n;
   (void)np;
   for (int64_t r = r0; r < r1; ++r) {
-    int8_t* col = dst + (r / bn) * bn * kp + (r % bn) * kpk;
     const int8_t* row = src + r * k;
-    for (int64_t c = 0; c < k; ++c) col[(c / kpk) * bn * kpk + c % kpk] = row[c];
+    for (int64_t c = 0; c < k; ++c) dst[layout_element_offset(L, r, c, kp)] = row[c];
+  }
+}
+
+void pack_matrix_sub_byte(const uint8_t* src, const uint8_t* zero, int64_t n, int64_t k, int64_t np, int64_t kp,
+                          const LayoutDesc& L, uint8_t* dst) {
+  const int64_t G = L.group_size ? L.group_size : kp;
+  const int64_t ng = (kp + G - 1) / G;
+  const int mask = (1 << L.weight_bits) - 1;
+  std::memset(dst, 0, size_t(np * kp * L.weight_bits / 8));  // padded rows: code 0
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t c = 0; c < kp; ++c) {
+      // K padding holds the row's zero point of its group, so it dequantizes to exactly 0
+      const int64_t g = c / G < ng ? c / G : ng - 1;
+      const int code = (c < k ? src[r * k + c] : zero[r * ng + g]) & mask;
+      const CodePosition p = layout_code_position(L, r, c, kp);
+      dst[p.byte] = uint8_t((dst[p.byte] & ~(mask << p.shift)) | (code << p.shift));
+    }
   }
 }
 

@@ -10,6 +10,7 @@ import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEADER = ROOT / "csrc" / "include" / "moepack" / "layouts_gen.h"
+MAX_CODE_ORDER = 32  # LayoutDesc::code_order's room (slots of one run: k_pack of a sub-byte layout)
 
 
 def _load_layout_module():
@@ -60,6 +61,7 @@ def render() -> str:
     out.append("constexpr int32_t kTensorDtypeBytes[] = {" + ", ".join(str(b) for b in lay.TENSOR_DTYPES.values()) + "};")
     out.append("constexpr const char* kTensorDtypeNames[] = {" + ", ".join(f'"{d}"' for d in lay.TENSOR_DTYPES) + "};")
     out.append(f"constexpr int32_t kMaxLayoutTensors = {lay.MAX_LAYOUT_TENSORS};")
+    out.append(f"constexpr int32_t kMaxCodeOrder = {MAX_CODE_ORDER};  // room for the code_order of a k_pack up to this")
     out += [
         "",
         "// One tensor of a packed weight (moepack/layout.py: TensorSpec), stored as <weight><suffix>.",
@@ -89,7 +91,36 @@ def render() -> str:
         "  int32_t act_modes;     // ActMode bits",
         "  int32_t num_tensors;   // tensors of one packed weight, in the order the op takes them",
         "  TensorDesc tensors[kMaxLayoutTensors];",
+        "  // Sub-byte codes: element j of a column's run of k_pack K values sits in slot code_order[j]",
+        "  // of the run (moepack/layout.py PackedLayout.code_order); code_order_len 0 = slot j.",
+        "  int32_t code_order_len;",
+        "  uint8_t code_order[kMaxCodeOrder];",
         "};",
+        "",
+        "// The arrangement of codes, written once (moepack/layout.py layout_element_offset and",
+        "// layout_code_position, which these mirror): the C++ packer, the scalar kernels and the",
+        "// portable decoders read packed codes only through them. Inside one column block (the",
+        "// pointer at its first byte) pass n < block_n; kp is then unused.",
+        "// Element index of logical (n, k) in one packed matrix whose padded K is kp: blocks of",
+        "// block_n columns, each [kp / k_pack][block_n][k_pack].",
+        "constexpr int64_t layout_element_offset(const LayoutDesc& L, int64_t n, int64_t k, int64_t kp) {",
+        "  return (n / L.block_n) * L.block_n * kp + (k / L.k_pack) * L.block_n * L.k_pack + (n % L.block_n) * L.k_pack +",
+        "         k % L.k_pack;",
+        "}",
+        "// Where code (n, k) sits: byte, and bit shift within it (sub-byte codes: the code's slot in",
+        "// its run is code_order[k % k_pack]; wider codes start at their element's byte, shift 0).",
+        "struct CodePosition {",
+        "  int64_t byte;",
+        "  int32_t shift;",
+        "};",
+        "constexpr CodePosition layout_code_position(const LayoutDesc& L, int64_t n, int64_t k, int64_t kp) {",
+        "  const int64_t e = layout_element_offset(L, n, k, kp);",
+        "  if (L.weight_bits >= 8) return {e * L.weight_bits / 8, 0};",
+        "  const int64_t j = k % L.k_pack;",
+        "  const int64_t slot = L.code_order_len ? L.code_order[j] : j;",
+        "  const int64_t bit = (e - j + slot) * L.weight_bits;",
+        "  return {bit / 8, int32_t(bit % 8)};",
+        "}",
         "",
     ]
     wnames = list(lay.WEIGHT_DTYPES)
@@ -105,13 +136,22 @@ def render() -> str:
             + ", ".join(
                 f"{{kRole_{t.role}, \"{t.suffix}\", kTensor_{t.dtype}, kShape_{t.shape}, \"{t.note}\"}}" for t in L.tensors
             )
-            + "}};"
+            + "}, "
+            + (f"{len(L.code_order)}, {{{', '.join(str(c) for c in L.code_order)}}}" if L.code_order else "0, {}")
+            + "};"
         )
         out.append(f"constexpr int32_t kLayoutId_{L.name} = {L.id};")
+        # What the generic readers need: a column's run of k_pack codes is whole bytes (so the
+        # block's K group is too). Which blockings a SIMD kernel can read is its own declaration
+        # (MK::kBlockN, kDenseKPack, kInt8KPack, kU4Blocking), refused at registration.
         out.append(
-            f"static_assert({const}.block_n * {const}.k_pack * {const}.weight_bits / 8 == "
-            f"{L.block_n * L.k_pack * L.weight_bits // 8}, \"{L.name}: bytes per K group of a block\");"
+            f"static_assert({const}.k_pack * {const}.weight_bits % 8 == 0, "
+            f"\"{L.name}: a column's run of k_pack codes is whole bytes\");"
         )
+        if L.code_order:
+            if len(L.code_order) > MAX_CODE_ORDER:
+                raise SystemExit(f"layout {L.name}: code_order has {len(L.code_order)} slots, LayoutDesc holds {MAX_CODE_ORDER}")
+            out.append(f"static_assert({const}.code_order_len == {const}.k_pack, \"{L.name}: code_order covers k_pack\");")
         out.append(f"static_assert({const}.i_align % {const}.block_n == 0, \"{L.name}: i_align\");")
     max_id = max(i for i, _, _ in ids)
     out += [

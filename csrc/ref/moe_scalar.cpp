@@ -1,8 +1,10 @@
 // [NOTE] Scalar fused-MoE kernels: the portable path for EVERY layout and the oracle that each
 // SIMD kernel is tested against (and that is itself tested against moepack/reference.py).
 // Compiled with no ISA flags. It reads weights only through the LayoutDesc numbers
-// (block_n, k_pack), so a file packed for any family runs here: bf16 layouts (fp32 rows) and
-// int8 layouts (W8A8: s8 rows, exact int32 dot products; the driver does the rest).
+// (block_n, k_pack, code_order: the generated layout_element_offset / layout_code_position), so a
+// file packed for any family runs here: bf16 layouts (fp32 rows), int8 layouts (W8A8: s8 rows,
+// exact int32 dot products) and int4 layouts (the portable decoders of codec_int4.inc); the
+// driver does the rest.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -11,24 +13,26 @@
 
 #include "moepack/kernel.h"
 #include "moepack/numeric.h"
+#include "../kernels/mk_hooks.h"
 
 namespace moepack {
 namespace scalar {
 namespace {
 
 struct MK {
+  static constexpr uint32_t kHooks = 0;  // the portable code everywhere (csrc/kernels/mk_hooks.h)
   static RowFormat row_format(DType) { return RowFormat::f32; }
 
   // C[m, bn] = A[m, :kp] . B^T for one packed block of bn columns; element (n, k) of the block
-  // sits at (k / k_pack) * bn * k_pack + n * k_pack + k % k_pack (moepack/layout.py).
+  // sits at layout_element_offset(L, n, k, 0) (layouts_gen.h: moepack/layout.py's formula).
   static void gemm(const LayoutDesc& L, RowFormat, const void* const* rows, int m, const uint16_t* B, int64_t kp, float* C) {
-    const int bn = L.block_n, kpk = L.k_pack;
+    const int bn = L.block_n;
     for (int i = 0; i < m; ++i) {
       const float* x = static_cast<const float*>(rows[i]);
       float* c = C + i * bn;
       for (int n = 0; n < bn; ++n) {
         float acc = 0.0f;
-        for (int64_t k = 0; k < kp; ++k) acc += x[k] * bf16_to_f32(B[(k / kpk) * bn * kpk + n * kpk + k % kpk]);
+        for (int64_t k = 0; k < kp; ++k) acc += x[k] * bf16_to_f32(B[layout_element_offset(L, n, k, 0)]);
         c[n] = acc;
       }
     }
@@ -38,13 +42,13 @@ struct MK {
   // element order as above); the column sums are not needed with signed rows.
   static void gemm_i8(const LayoutDesc& L, const int8_t* const* rows, int m, const int8_t* B, int64_t kp,
                       const int32_t*, int32_t* acc) {
-    const int bn = L.block_n, kpk = L.k_pack;
+    const int bn = L.block_n;
     for (int i = 0; i < m; ++i) {
       const int8_t* x = rows[i];
       int32_t* c = acc + i * bn;
       for (int n = 0; n < bn; ++n) {
         int32_t sum = 0;
-        for (int64_t k = 0; k < kp; ++k) sum += int32_t(x[k]) * int32_t(B[(k / kpk) * bn * kpk + n * kpk + k % kpk]);
+        for (int64_t k = 0; k < kp; ++k) sum += int32_t(x[k]) * int32_t(B[layout_element_offset(L, n, k, 0)]);
         c[n] = sum;
       }
     }
@@ -72,7 +76,7 @@ struct MK {
   }
 };
 
-#include "../kernels/fused_moe_driver.inc"
+#include "../kernels/moe_kernels.inc"
 
 }  // namespace
 }  // namespace scalar
@@ -80,20 +84,9 @@ struct MK {
 void register_scalar(KernelTable& t) {
   // The scalar kernel reads every layout of the schemes it has through its LayoutDesc (any
   // block_n up to the driver's kMaxBlockN, any k_pack), so a packed file of any family runs.
-  using scalar::MK;
-  for (const LayoutDesc& L : kLayouts) {
-    switch (L.scheme) {
-      case kScheme_dense: scalar::register_scheme<scalar::DenseA16<MK>>(t, L, Isa::scalar); break;
-      case kScheme_int8_channel: scalar::register_scheme<scalar::Int8A8<MK>>(t, L, Isa::scalar); break;
-      case kScheme_int4_group: scalar::register_int4(t, L, Isa::scalar); break;
-      default:
-        for (int m = 0; m < kNumActModes; ++m) {
-          std::snprintf(t.refused[L.id][m][int(Isa::scalar)], sizeof(t.refused[0][0][0]),
-                        "the scalar kernels do not know scheme %d", int(L.scheme));
-        }
-        break;
-    }
-  }
+  for (const LayoutDesc& L : kLayouts) scalar::register_layout(t, L, Isa::scalar);
 }
+
+void register_scalar_layout(KernelTable& t, const LayoutDesc& L) { scalar::register_layout(t, L, Isa::scalar); }
 
 }  // namespace moepack

@@ -31,8 +31,8 @@ at::Tensor gemm_i8_block_cpu(const at::Tensor& rows, const at::Tensor& block, co
 }
 
 // Test hook (SEMANTICS.md §4): the int32 accumulators of exactly `isa`'s W4A8 integer core for
-// an int4_group layout. rows int8 [m, kp], block uint8 [32 * kp / 2] (one packed column block),
-// K range [k0, k0 + kk) (multiples of 8 inside kp) -> int32 [m, 32].
+// an int4_group layout. rows int8 [m, kp], block uint8 [block_n * kp / 2] (one packed column
+// block), K range [k0, k0 + kk) (multiples of k_pack inside kp) -> int32 [m, block_n].
 at::Tensor dot_u4_block_cpu(const at::Tensor& rows, const at::Tensor& block, int64_t k0, int64_t kk, int64_t layout,
                             std::string_view isa) {
   const LayoutDesc& L = layout_or_throw(layout);
@@ -41,10 +41,10 @@ at::Tensor dot_u4_block_cpu(const at::Tensor& rows, const at::Tensor& block, int
                     shape_str(rows), ": must be [m, kp] with kp a multiple of k_pack=", L.k_pack, " and <= ", kMaxI8K);
   const int64_t m = rows.size(0), kp = rows.size(1);
   TORCH_CHECK_VALUE(m <= 64, "rows has ", m, " rows: the integer core takes at most 64 (one chunk)");
-  TORCH_CHECK_VALUE(k0 >= 0 && kk >= 0 && k0 % 8 == 0 && kk % 8 == 0 && k0 + kk <= kp, "K range [", k0, ", ", k0 + kk,
-                    "): must be multiples of 8 inside [0, kp=", kp, "]");
+  TORCH_CHECK_VALUE(k0 >= 0 && kk >= 0 && k0 % L.k_pack == 0 && kk % L.k_pack == 0 && k0 + kk <= kp, "K range [", k0,
+                    ", ", k0 + kk, "): must be multiples of ", L.k_pack, " (k_pack) inside [0, kp=", kp, "]");
   check_exact(rows, "rows", at::kChar, {m, kp}, "int8 [m, kp]");
-  check_exact(block, "block", at::kByte, {L.block_n * kp / 2}, "one packed u4 column block [32 * kp / 2]");
+  check_exact(block, "block", at::kByte, {L.block_n * kp * L.weight_bits / 8}, "one packed u4 column block [block_n * kp / 2]");
   const Isa want = parse_isa(isa);
   U4BlockDotFn fn = find_dot_u4(int32_t(layout), want);
   TORCH_CHECK_VALUE(fn != nullptr, "no ", isa_name(want), " W4A8 integer core for layout ", L.name, " on this CPU",
@@ -52,7 +52,7 @@ at::Tensor dot_u4_block_cpu(const at::Tensor& rows, const at::Tensor& block, int
   at::Tensor out = at::empty({m, L.block_n}, rows.options().dtype(at::kInt));
   std::vector<const int8_t*> ptrs(static_cast<size_t>(m));
   for (int64_t i = 0; i < m; ++i) ptrs[size_t(i)] = rows.data_ptr<int8_t>() + i * kp;
-  if (m > 0) fn(ptrs.data(), int(m), block.data_ptr<uint8_t>(), k0, kk, out.data_ptr<int32_t>());
+  if (m > 0) fn(L, ptrs.data(), int(m), block.data_ptr<uint8_t>(), k0, kk, out.data_ptr<int32_t>());
   return out;
 }
 

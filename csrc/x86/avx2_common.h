@@ -9,6 +9,7 @@
 
 #include "moepack/kernel.h"
 #include "moepack/numeric.h"
+#include "../kernels/mk_hooks.h"
 #include "quant_i8_avx2.h"
 
 namespace moepack {
@@ -40,9 +41,13 @@ static inline __m256 sigmoid_ps(__m256 x) {
 
 // The MK members every AVX2-level kernel shares (a kernel's MK derives from it).
 struct Avx2Elementwise {
+  static constexpr uint32_t kHooks = kHook_quantize_row_i8;  // csrc/kernels/mk_hooks.h; an MK restates it with its own
   static constexpr int kBlockN = 32;  // every x86 kernel is written for 32-column blocks
   static constexpr int kDenseKPack = 2;  // bf16 pairs (bf16_n32k2_x86)
   static constexpr int kInt8KPack = 4;   // int8 quads (i8_n32k4_x86)
+  // int4 quads of 8 codes, byte j = codes j | j + 4 << 4 (the u4*_n32k8_x86 layouts): what the u4
+  // hooks read; an int4 layout of another blocking or code order is refused for these levels.
+  static constexpr const LayoutDesc* kU4Blocking = &kLayout_u4g32_n32k8_x86;
   static float quantize_row_i8(const float* v, int64_t n, int64_t np, int8_t* q, uint8_t flip) {
     return x86_quant::quantize_row_i8_avx2(v, n, np, q, flip);
   }

@@ -169,7 +169,7 @@ static inline void u4a8_group_add(const U4GroupParams& p, __m512i a0, __m512i a1
 
 // The fused W4A8 block GEMM (docs/SEMANTICS.md §3, moepack/reference.py int4_linear_a8_reference):
 // per group g, C += float(acc_g - z[g, n] * sum_g(x)) * s[g, n]; at the end C *= the row's
-// activation scale; sum_g(x) is xsum[r * ng + g], given (the driver's U4A8RowSums: summed
+// activation scale; sum_g(x) is xsum[r * ng + g], given (the driver's A8RowSums: summed
 // once per row, not per block). Acc(MR, x, codes, j0, j1, acc) adds the K groups [j0, j1) into acc[MR][2].
 template <int MR, class Acc>
 static inline void gemm_u4a8_tile(const int8_t* const* x, const float* rs, const uint8_t* codes, const float* scale,

@@ -104,6 +104,7 @@ static bool gemm_u4a16_amx(const uint16_t* const* x, int m, const uint8_t* codes
 }
 
 struct MK : Avx512Base {
+  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_unpack_u4 | kHook_gemm_u4a16;
   static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
   using WorkerScope = TileScope;  // one tile configuration per driver worker (amx_common.h)
   static RowFormat row_format(DType d) { return d == DType::bf16 ? RowFormat::bf16 : RowFormat::f32; }
@@ -141,7 +142,7 @@ struct MK : Avx512Base {
   }
 };
 
-#include "../kernels/fused_moe_driver.inc"
+#include "../kernels/moe_kernels.inc"
 
 }  // namespace
 }  // namespace amx_bf16

@@ -120,6 +120,7 @@ static bool gemm_u4a8_amx(const int8_t* const* x, const float* rs, int m, const 
 }
 
 struct MK : Avx512Base {
+  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8;
   static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
   using WorkerScope = TileScope;  // one tile configuration per driver worker (amx_common.h)
 
@@ -155,7 +156,7 @@ struct MK : Avx512Base {
   }
 };
 
-#include "../kernels/fused_moe_driver.inc"
+#include "../kernels/moe_kernels.inc"
 
 }  // namespace
 }  // namespace amx_int8

@@ -32,6 +32,7 @@ static inline __m256 even_f32(__m256i w) { return _mm256_castsi256_ps(_mm256_sll
 static inline __m256 odd_f32(__m256i w, __m256i hi_mask) { return _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask)); }
 
 struct MK : x86_avx2::Avx2Elementwise {
+  static constexpr uint32_t kHooks = Avx2Elementwise::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_unpack_u4 | kHook_gemm_u4a16;
   static RowFormat row_format(DType) { return RowFormat::f32; }
 
   static void gemm1(const float* x, const uint16_t* B, int64_t kp, float* C) {
@@ -184,8 +185,9 @@ struct MK : x86_avx2::Avx2Elementwise {
   static void unpack_u4(const uint8_t* codes, int64_t k0, int64_t kk, const uint8_t* z, uint16_t* out) {
     x86_avx2_u4::unpack_u4_avx2(codes, k0, kk, z, out);
   }
+  // (The RowMemo argument is unused: one fp32 row is read straight from the codes.)
   static bool gemm_u4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const float* scale,
-                         const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+                         const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C, void*) {
     if (fmt != RowFormat::f32 || m != 1) return false;
     x86_avx2_u4::gemm_u4a16_f32_row(static_cast<const float*>(rows[0]), codes, scale, zero, gstride, kp, G, C);
     return true;
@@ -200,7 +202,7 @@ struct MK : x86_avx2::Avx2Elementwise {
   }
 };
 
-#include "../kernels/fused_moe_driver.inc"
+#include "../kernels/moe_kernels.inc"
 
 }  // namespace
 }  // namespace avx2

@@ -30,6 +30,7 @@ using namespace x86_avx512;
 using namespace x86_avx512_i8;
 
 struct MK : Avx512Base {
+  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_unpack_u4;
   // acc[m, 32] = exact int32 dot products of one 32-column int8 block (signed rows; colsum unused).
   static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t*,
                       int32_t* C) {
@@ -52,7 +53,7 @@ struct MK : Avx512Base {
   }
 };
 
-#include "../kernels/fused_moe_driver.inc"
+#include "../kernels/moe_kernels.inc"
 
 }  // namespace
 }  // namespace avx512

@@ -30,6 +30,7 @@ using namespace x86_avx512;
 using namespace x86_avx512_bf16;
 
 struct MK : Avx512Base {
+  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_prefetch | kHook_unpack_u4 | kHook_gemm_u4a16;
   static RowFormat row_format(DType d) { return d == DType::bf16 ? RowFormat::bf16 : RowFormat::f32; }
 
   // C[m, 32] = A[m, :kp] . B^T for one 32-column block; rows are bf16 bits or fp32 as
@@ -54,7 +55,7 @@ struct MK : Avx512Base {
   }
 };
 
-#include "../kernels/fused_moe_driver.inc"
+#include "../kernels/moe_kernels.inc"
 
 }  // namespace
 }  // namespace avx512_bf16

@@ -21,6 +21,7 @@ using namespace x86_avx512;
 using namespace x86_avx512_vnni;
 
 struct MK : Avx512Base {
+  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_i8_prefetch | kHook_gemm_u4a8 | kHook_dot_u4_s8;
   // int8 layouts: the driver stores quantized rows as u8 = q + 128 (vpdpbusd's unsigned operand).
   static constexpr bool kI8RowsU8 = true;
 
@@ -42,7 +43,7 @@ struct MK : Avx512Base {
   }
 };
 
-#include "../kernels/fused_moe_driver.inc"
+#include "../kernels/moe_kernels.inc"
 
 }  // namespace
 }  // namespace avx512_vnni

@@ -139,6 +139,7 @@ struct AccVnniU4 {
 };
 
 struct MK : x86_avx2::Avx2Elementwise {
+  static constexpr uint32_t kHooks = Avx2Elementwise::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8;
   // int8 layouts: the driver stores quantized rows as u8 = q + 128 (vpdpbusd's unsigned operand).
   static constexpr bool kI8RowsU8 = true;
 
@@ -162,7 +163,7 @@ struct MK : x86_avx2::Avx2Elementwise {
   }
 };
 
-#include "../kernels/fused_moe_driver.inc"
+#include "../kernels/moe_kernels.inc"
 
 }  // namespace
 }  // namespace avx_vnni

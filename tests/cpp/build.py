@@ -50,7 +50,7 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 CSRC = os.path.join(ROOT, "csrc")
 DEFAULT_BUILD = os.path.join(HERE, "build")
 
-COMMON = ["-std=c++20", "-O2", "-fno-math-errno", "-Wall", "-Wno-unused-function", "-I" + os.path.join(CSRC, "include")]
+COMMON = ["-std=c++20", "-O2", "-DMOEPACK_COUNT_HOOKS", "-fno-math-errno", "-Wall", "-Wno-unused-function", "-I" + os.path.join(CSRC, "include")]
 EMULATED = ["-Wno-psabi"]  # SIMDe's wide vector types in function signatures
 
 
@@ -97,6 +97,7 @@ def _deps() -> list[str]:
     out = [os.path.abspath(__file__)]
     for d, _, files in os.walk(CSRC):
         out += [os.path.join(d, f) for f in files if f.endswith((".h", ".inc"))]
+    out += [os.path.join(HERE, f) for f in os.listdir(HERE) if f.endswith(".inc")]  # test_kernels.cpp's parts
     return out
 
 

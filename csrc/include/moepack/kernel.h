@@ -106,10 +106,10 @@ constexpr int act_index(int32_t mode) { return mode == kAct_a8 ? 1 : 0; }
 constexpr int32_t layout_default_act(const LayoutDesc& L) { return (L.act_modes & kAct_a16) ? kAct_a16 : kAct_a8; }
 
 // The integer core of an int4_group layout's A8 kernel, for tests (SEMANTICS.md §4: identical
-// integer accumulators): acc[i * 32 + n] = sum over K [k0, k0 + kk) (multiples of 8) of rows[i][k]
-// * q[n][k], s8 rows (kp long) against one packed u4 block of 32 columns.
-using U4BlockDotFn = void (*)(const int8_t* const* rows, int m, const uint8_t* codes, int64_t k0, int64_t kk,
-                              int32_t* acc);
+// integer accumulators): acc[i * block_n + n] = sum over K [k0, k0 + kk) (multiples of k_pack) of
+// rows[i][k] * q[n][k], s8 rows (kp long) against one packed block of layout L.
+using U4BlockDotFn = void (*)(const LayoutDesc& L, const int8_t* const* rows, int m, const uint8_t* codes, int64_t k0,
+                              int64_t kk, int32_t* acc);
 
 struct KernelTable {
   FusedMoeFn fused[kMaxLayoutId + 1][kNumActModes][kNumIsa] = {};
@@ -119,7 +119,18 @@ struct KernelTable {
   Int8BlockGemmFn gemm_i8[kMaxLayoutId + 1][kNumIsa] = {};
   U4BlockDotFn dot_u4[kMaxLayoutId + 1][kNumIsa] = {};
   Int8QuantizeFn quantize_i8[kNumIsa] = {};
+#if defined(MOEPACK_COUNT_HOOKS)
+  // tests/cpp only (csrc/kernels/mk_hooks.h): each level object's calls per MK hook, and the
+  // hooks its MK states that the schemes it registered call.
+  const uint64_t* hook_calls[kNumIsa] = {};
+  uint32_t hooks_used[kNumIsa] = {};
+#endif
 };
+
+// The scalar kernels for one layout of any blocking (register_scalar: every layout of kLayouts).
+// L.id indexes the table; a layout outside kLayouts (tests/cpp: test-only blockings) uses id 0,
+// which no layout of the table has.
+void register_scalar_layout(KernelTable& t, const LayoutDesc& L);
 
 // Each ISA translation unit (csrc/<arch>/moe_<isa>.cpp, csrc/ref/moe_scalar.cpp) exports exactly
 // one of these; dispatch.cpp calls it only after the CPU and the OS are known to support the ISA.
@@ -192,6 +203,11 @@ int64_t pack_matrix_bf16_rows(const void* src, DType src_dtype, int64_t n, int64
 // [block_begin, block_end) only.
 void pack_matrix_i8_rows(const int8_t* src, int64_t n, int64_t k, int64_t np, int64_t kp, const LayoutDesc& layout,
                          int8_t* dst, int64_t block_begin, int64_t block_end);
+// Sub-byte layouts (int4): [N, K] codes (one per byte, < 2^weight_bits) -> packed [Np, Kp] codes
+// (layout_code_position); K padding of row r holds zero[r * ng + group] (zero: [N, ng], ng groups
+// of group_size over Kp, or 1 per channel), padded rows code 0.
+void pack_matrix_sub_byte(const uint8_t* src, const uint8_t* zero, int64_t n, int64_t k, int64_t np, int64_t kp,
+                          const LayoutDesc& L, uint8_t* dst);
 void pack_matrix_i8(const int8_t* src, int64_t n, int64_t k, int64_t np, int64_t kp, const LayoutDesc& layout,
                     int8_t* dst);
 

@@ -17,6 +17,7 @@ enum ActMode : int32_t { kAct_a16 = 1, kAct_a8 = 2 };  // bits of LayoutDesc::ac
 constexpr int32_t kTensorDtypeBytes[] = {2, 1, 1, 4, 4};
 constexpr const char* kTensorDtypeNames[] = {"bfloat16", "int8", "uint8", "float32", "int32"};
 constexpr int32_t kMaxLayoutTensors = 4;
+constexpr int32_t kMaxCodeOrder = 32;  // room for the code_order of a k_pack up to this
 
 // One tensor of a packed weight (moepack/layout.py: TensorSpec), stored as <weight><suffix>.
 struct TensorDesc {
@@ -43,31 +44,64 @@ struct LayoutDesc {
   int32_t act_modes;     // ActMode bits
   int32_t num_tensors;   // tensors of one packed weight, in the order the op takes them
   TensorDesc tensors[kMaxLayoutTensors];
+  // Sub-byte codes: element j of a column's run of k_pack K values sits in slot code_order[j]
+  // of the run (moepack/layout.py PackedLayout.code_order); code_order_len 0 = slot j.
+  int32_t code_order_len;
+  uint8_t code_order[kMaxCodeOrder];
 };
 
-constexpr LayoutDesc kLayout_bf16_n32k2_x86 = {1, "bf16_n32k2_x86", kWeight_bf16 /*0*/, 16, 0, 32, 2, kScaleDtype_none, kZeroKind_none, kFamily_x86, 32, kScheme_dense, kAct_a16, 1, {{kRole_codes, "", kTensor_bfloat16, kShape_packed, "bf16 weight values"}}};
+// The arrangement of codes, written once (moepack/layout.py layout_element_offset and
+// layout_code_position, which these mirror): the C++ packer, the scalar kernels and the
+// portable decoders read packed codes only through them. Inside one column block (the
+// pointer at its first byte) pass n < block_n; kp is then unused.
+// Element index of logical (n, k) in one packed matrix whose padded K is kp: blocks of
+// block_n columns, each [kp / k_pack][block_n][k_pack].
+constexpr int64_t layout_element_offset(const LayoutDesc& L, int64_t n, int64_t k, int64_t kp) {
+  return (n / L.block_n) * L.block_n * kp + (k / L.k_pack) * L.block_n * L.k_pack + (n % L.block_n) * L.k_pack +
+         k % L.k_pack;
+}
+// Where code (n, k) sits: byte, and bit shift within it (sub-byte codes: the code's slot in
+// its run is code_order[k % k_pack]; wider codes start at their element's byte, shift 0).
+struct CodePosition {
+  int64_t byte;
+  int32_t shift;
+};
+constexpr CodePosition layout_code_position(const LayoutDesc& L, int64_t n, int64_t k, int64_t kp) {
+  const int64_t e = layout_element_offset(L, n, k, kp);
+  if (L.weight_bits >= 8) return {e * L.weight_bits / 8, 0};
+  const int64_t j = k % L.k_pack;
+  const int64_t slot = L.code_order_len ? L.code_order[j] : j;
+  const int64_t bit = (e - j + slot) * L.weight_bits;
+  return {bit / 8, int32_t(bit % 8)};
+}
+
+constexpr LayoutDesc kLayout_bf16_n32k2_x86 = {1, "bf16_n32k2_x86", kWeight_bf16 /*0*/, 16, 0, 32, 2, kScaleDtype_none, kZeroKind_none, kFamily_x86, 32, kScheme_dense, kAct_a16, 1, {{kRole_codes, "", kTensor_bfloat16, kShape_packed, "bf16 weight values"}}, 0, {}};
 constexpr int32_t kLayoutId_bf16_n32k2_x86 = 1;
-static_assert(kLayout_bf16_n32k2_x86.block_n * kLayout_bf16_n32k2_x86.k_pack * kLayout_bf16_n32k2_x86.weight_bits / 8 == 128, "bf16_n32k2_x86: bytes per K group of a block");
+static_assert(kLayout_bf16_n32k2_x86.k_pack * kLayout_bf16_n32k2_x86.weight_bits % 8 == 0, "bf16_n32k2_x86: a column's run of k_pack codes is whole bytes");
 static_assert(kLayout_bf16_n32k2_x86.i_align % kLayout_bf16_n32k2_x86.block_n == 0, "bf16_n32k2_x86: i_align");
-constexpr LayoutDesc kLayout_i8_n32k4_x86 = {2, "i8_n32k4_x86", kWeight_i8 /*2*/, 8, 0, 32, 4, kScaleDtype_f32, kZeroKind_none, kFamily_x86, 32, kScheme_int8_channel, kAct_a8, 3, {{kRole_codes, "", kTensor_int8, kShape_packed, "int8 codes, -128..127"}, {kRole_scale, "_scale", kTensor_float32, kShape_channel, "fp32 per-output-channel scale (0 in padding)"}, {kRole_sum, "_colsum", kTensor_int32, kShape_channel, "int32 sum over K of the channel's codes"}}};
+constexpr LayoutDesc kLayout_i8_n32k4_x86 = {2, "i8_n32k4_x86", kWeight_i8 /*2*/, 8, 0, 32, 4, kScaleDtype_f32, kZeroKind_none, kFamily_x86, 32, kScheme_int8_channel, kAct_a8, 3, {{kRole_codes, "", kTensor_int8, kShape_packed, "int8 codes, -128..127"}, {kRole_scale, "_scale", kTensor_float32, kShape_channel, "fp32 per-output-channel scale (0 in padding)"}, {kRole_sum, "_colsum", kTensor_int32, kShape_channel, "int32 sum over K of the channel's codes"}}, 0, {}};
 constexpr int32_t kLayoutId_i8_n32k4_x86 = 2;
-static_assert(kLayout_i8_n32k4_x86.block_n * kLayout_i8_n32k4_x86.k_pack * kLayout_i8_n32k4_x86.weight_bits / 8 == 128, "i8_n32k4_x86: bytes per K group of a block");
+static_assert(kLayout_i8_n32k4_x86.k_pack * kLayout_i8_n32k4_x86.weight_bits % 8 == 0, "i8_n32k4_x86: a column's run of k_pack codes is whole bytes");
 static_assert(kLayout_i8_n32k4_x86.i_align % kLayout_i8_n32k4_x86.block_n == 0, "i8_n32k4_x86: i_align");
-constexpr LayoutDesc kLayout_u4g32_n32k8_x86 = {3, "u4g32_n32k8_x86", kWeight_u4 /*3*/, 4, 32, 32, 8, kScaleDtype_f32, kZeroKind_u4, kFamily_x86, 32, kScheme_int4_group, kAct_a16 | kAct_a8, 3, {{kRole_codes, "", kTensor_uint8, kShape_packed, "4-bit codes 0..15, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_float32, kShape_group, "fp32 scale per (K group, output channel) (0 in padding)"}, {kRole_zero, "_zero", kTensor_uint8, kShape_group, "zero point 0..15 per (K group, output channel), one per byte (8: symmetric)"}}};
+constexpr LayoutDesc kLayout_u4g32_n32k8_x86 = {3, "u4g32_n32k8_x86", kWeight_u4 /*3*/, 4, 32, 32, 8, kScaleDtype_f32, kZeroKind_u4, kFamily_x86, 32, kScheme_int4_group, kAct_a16 | kAct_a8, 3, {{kRole_codes, "", kTensor_uint8, kShape_packed, "4-bit codes 0..15, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_float32, kShape_group, "fp32 scale per (K group, output channel) (0 in padding)"}, {kRole_zero, "_zero", kTensor_uint8, kShape_group, "zero point 0..15 per (K group, output channel), one per byte (8: symmetric)"}}, 8, {0, 2, 4, 6, 1, 3, 5, 7}};
 constexpr int32_t kLayoutId_u4g32_n32k8_x86 = 3;
-static_assert(kLayout_u4g32_n32k8_x86.block_n * kLayout_u4g32_n32k8_x86.k_pack * kLayout_u4g32_n32k8_x86.weight_bits / 8 == 128, "u4g32_n32k8_x86: bytes per K group of a block");
+static_assert(kLayout_u4g32_n32k8_x86.k_pack * kLayout_u4g32_n32k8_x86.weight_bits % 8 == 0, "u4g32_n32k8_x86: a column's run of k_pack codes is whole bytes");
+static_assert(kLayout_u4g32_n32k8_x86.code_order_len == kLayout_u4g32_n32k8_x86.k_pack, "u4g32_n32k8_x86: code_order covers k_pack");
 static_assert(kLayout_u4g32_n32k8_x86.i_align % kLayout_u4g32_n32k8_x86.block_n == 0, "u4g32_n32k8_x86: i_align");
-constexpr LayoutDesc kLayout_u4g64_n32k8_x86 = {4, "u4g64_n32k8_x86", kWeight_u4 /*3*/, 4, 64, 32, 8, kScaleDtype_f32, kZeroKind_u4, kFamily_x86, 32, kScheme_int4_group, kAct_a16 | kAct_a8, 3, {{kRole_codes, "", kTensor_uint8, kShape_packed, "4-bit codes 0..15, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_float32, kShape_group, "fp32 scale per (K group, output channel) (0 in padding)"}, {kRole_zero, "_zero", kTensor_uint8, kShape_group, "zero point 0..15 per (K group, output channel), one per byte (8: symmetric)"}}};
+constexpr LayoutDesc kLayout_u4g64_n32k8_x86 = {4, "u4g64_n32k8_x86", kWeight_u4 /*3*/, 4, 64, 32, 8, kScaleDtype_f32, kZeroKind_u4, kFamily_x86, 32, kScheme_int4_group, kAct_a16 | kAct_a8, 3, {{kRole_codes, "", kTensor_uint8, kShape_packed, "4-bit codes 0..15, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_float32, kShape_group, "fp32 scale per (K group, output channel) (0 in padding)"}, {kRole_zero, "_zero", kTensor_uint8, kShape_group, "zero point 0..15 per (K group, output channel), one per byte (8: symmetric)"}}, 8, {0, 2, 4, 6, 1, 3, 5, 7}};
 constexpr int32_t kLayoutId_u4g64_n32k8_x86 = 4;
-static_assert(kLayout_u4g64_n32k8_x86.block_n * kLayout_u4g64_n32k8_x86.k_pack * kLayout_u4g64_n32k8_x86.weight_bits / 8 == 128, "u4g64_n32k8_x86: bytes per K group of a block");
+static_assert(kLayout_u4g64_n32k8_x86.k_pack * kLayout_u4g64_n32k8_x86.weight_bits % 8 == 0, "u4g64_n32k8_x86: a column's run of k_pack codes is whole bytes");
+static_assert(kLayout_u4g64_n32k8_x86.code_order_len == kLayout_u4g64_n32k8_x86.k_pack, "u4g64_n32k8_x86: code_order covers k_pack");
 static_assert(kLayout_u4g64_n32k8_x86.i_align % kLayout_u4g64_n32k8_x86.block_n == 0, "u4g64_n32k8_x86: i_align");
-constexpr LayoutDesc kLayout_u4g128_n32k8_x86 = {5, "u4g128_n32k8_x86", kWeight_u4 /*3*/, 4, 128, 32, 8, kScaleDtype_f32, kZeroKind_u4, kFamily_x86, 32, kScheme_int4_group, kAct_a16 | kAct_a8, 3, {{kRole_codes, "", kTensor_uint8, kShape_packed, "4-bit codes 0..15, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_float32, kShape_group, "fp32 scale per (K group, output channel) (0 in padding)"}, {kRole_zero, "_zero", kTensor_uint8, kShape_group, "zero point 0..15 per (K group, output channel), one per byte (8: symmetric)"}}};
+constexpr LayoutDesc kLayout_u4g128_n32k8_x86 = {5, "u4g128_n32k8_x86", kWeight_u4 /*3*/, 4, 128, 32, 8, kScaleDtype_f32, kZeroKind_u4, kFamily_x86, 32, kScheme_int4_group, kAct_a16 | kAct_a8, 3, {{kRole_codes, "", kTensor_uint8, kShape_packed, "4-bit codes 0..15, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_float32, kShape_group, "fp32 scale per (K group, output channel) (0 in padding)"}, {kRole_zero, "_zero", kTensor_uint8, kShape_group, "zero point 0..15 per (K group, output channel), one per byte (8: symmetric)"}}, 8, {0, 2, 4, 6, 1, 3, 5, 7}};
 constexpr int32_t kLayoutId_u4g128_n32k8_x86 = 5;
-static_assert(kLayout_u4g128_n32k8_x86.block_n * kLayout_u4g128_n32k8_x86.k_pack * kLayout_u4g128_n32k8_x86.weight_bits / 8 == 128, "u4g128_n32k8_x86: bytes per K group of a block");
+static_assert(kLayout_u4g128_n32k8_x86.k_pack * kLayout_u4g128_n32k8_x86.weight_bits % 8 == 0, "u4g128_n32k8_x86: a column's run of k_pack codes is whole bytes");
+static_assert(kLayout_u4g128_n32k8_x86.code_order_len == kLayout_u4g128_n32k8_x86.k_pack, "u4g128_n32k8_x86: code_order covers k_pack");
 static_assert(kLayout_u4g128_n32k8_x86.i_align % kLayout_u4g128_n32k8_x86.block_n == 0, "u4g128_n32k8_x86: i_align");
-constexpr LayoutDesc kLayout_u4ch_n32k8_x86 = {6, "u4ch_n32k8_x86", kWeight_u4 /*3*/, 4, 0, 32, 8, kScaleDtype_f32, kZeroKind_u4, kFamily_x86, 32, kScheme_int4_group, kAct_a16 | kAct_a8, 3, {{kRole_codes, "", kTensor_uint8, kShape_packed, "4-bit codes 0..15, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_float32, kShape_channel, "fp32 scale per output channel (0 in padding)"}, {kRole_zero, "_zero", kTensor_uint8, kShape_channel, "zero point 0..15 per output channel, one per byte (8: symmetric)"}}};
+constexpr LayoutDesc kLayout_u4ch_n32k8_x86 = {6, "u4ch_n32k8_x86", kWeight_u4 /*3*/, 4, 0, 32, 8, kScaleDtype_f32, kZeroKind_u4, kFamily_x86, 32, kScheme_int4_group, kAct_a16 | kAct_a8, 3, {{kRole_codes, "", kTensor_uint8, kShape_packed, "4-bit codes 0..15, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_float32, kShape_channel, "fp32 scale per output channel (0 in padding)"}, {kRole_zero, "_zero", kTensor_uint8, kShape_channel, "zero point 0..15 per output channel, one per byte (8: symmetric)"}}, 8, {0, 2, 4, 6, 1, 3, 5, 7}};
 constexpr int32_t kLayoutId_u4ch_n32k8_x86 = 6;
-static_assert(kLayout_u4ch_n32k8_x86.block_n * kLayout_u4ch_n32k8_x86.k_pack * kLayout_u4ch_n32k8_x86.weight_bits / 8 == 128, "u4ch_n32k8_x86: bytes per K group of a block");
+static_assert(kLayout_u4ch_n32k8_x86.k_pack * kLayout_u4ch_n32k8_x86.weight_bits % 8 == 0, "u4ch_n32k8_x86: a column's run of k_pack codes is whole bytes");
+static_assert(kLayout_u4ch_n32k8_x86.code_order_len == kLayout_u4ch_n32k8_x86.k_pack, "u4ch_n32k8_x86: code_order covers k_pack");
 static_assert(kLayout_u4ch_n32k8_x86.i_align % kLayout_u4ch_n32k8_x86.block_n == 0, "u4ch_n32k8_x86: i_align");
 
 constexpr int32_t kMaxLayoutId = 6;

@@ -1,0 +1,131 @@
+// [NOTE] The optional micro-kernel hooks: one named signature each, written here once.
+//
+// A micro-kernel struct (`MK` of an ISA file) gets a scheme by registering it and speed by adding
+// hooks: members the driver calls instead of its portable code. Each MK states the hooks it
+// provides in `static constexpr uint32_t kHooks` (a set of MkHook bits); the driver calls a hook
+// only when it is stated, and check_mk_hooks<MK>() (static_asserted by the driver for every ISA
+// file) fails the build when
+//   - a stated hook does not have its signature here (exact: the member must convert to the
+//     function pointer type below, so an added or changed parameter is an error, not a silently
+//     unused overload), or
+//   - an MK has a member of a hook's name that it does not state (it would never run).
+// Why: the hooks used to be found by `if constexpr (requires {...})`; when gemm_u4a16 grew its
+// RowMemo argument, the AVX2 one with the old signature stopped matching and its one-row W4A16
+// decode kernel silently never ran again (issue 27).
+//
+// tests/cpp builds with MOEPACK_COUNT_HOOKS: every hook call is counted per ISA object, and
+// test_hooks_run checks that each hook a level states (for the schemes it registers) ran.
+#pragma once
+#include <cstdint>
+
+#include "moepack/kernel.h"
+
+namespace moepack {
+
+enum MkHook : uint32_t {
+  kHook_gemm_prefetch = 1u << 0,     // dense A16: gemm with the next block to prefetch
+  kHook_gemm_i8_prefetch = 1u << 1,  // int8 A8: gemm_i8 with the next block to prefetch
+  kHook_quantize_row_i8 = 1u << 2,   // A8 rows: the vectorized per-row quantizer
+  kHook_unpack_u4 = 1u << 3,         // int4 A16: a K slice of codes -> the MK's dense bf16 block
+  kHook_dot_u4_s8 = 1u << 4,         // int4 A8: the exact integer core of one block
+  kHook_gemm_u4a16 = 1u << 5,        // int4 A16: the whole block (may decline: returns false)
+  kHook_gemm_u4a8 = 1u << 6,         // int4 A8: the whole block
+};
+constexpr int kNumMkHooks = 7;
+constexpr const char* kMkHookNames[kNumMkHooks] = {"gemm_prefetch", "gemm_i8_prefetch", "quantize_row_i8", "unpack_u4",
+                                                   "dot_u4_s8",     "gemm_u4a16",       "gemm_u4a8"};
+static constexpr int mk_hook_index(uint32_t bit) {
+  int i = 0;
+  while (bit > 1u) bit >>= 1, ++i;
+  return i;
+}
+
+// ---- the signatures ---------------------------------------------------------------------------
+// gemm(L, fmt, rows, m, B, kp, C, next, next_bytes): DenseA16's gemm, also prefetching
+// next_bytes of the worker's next block `next` (null: none) while this one computes.
+using HookGemmPrefetch = void(const LayoutDesc&, RowFormat, const void* const*, int, const uint16_t*, int64_t, float*,
+                              const char*, int64_t);
+// gemm_i8(L, rows, m, B, kp, colsum, acc, next, next_bytes): Int8A8's gemm_i8, prefetching likewise.
+using HookGemmI8Prefetch = void(const LayoutDesc&, const int8_t* const*, int, const int8_t*, int64_t, const int32_t*,
+                                int32_t*, const char*, int64_t);
+// quantize_row_i8(v, n, np, q, flip) -> scale: bit for bit the driver's quantize_row_i8.
+using HookQuantizeRowI8 = float(const float*, int64_t, int64_t, int8_t*, uint8_t);
+// unpack_u4(codes, k0, kk, z, out): K [k0, k0 + kk) of one u4 block (MK::kU4Blocking) -> the
+// dense bf16 block (MK's dense format) of (q - z[n]), exact.
+using HookUnpackU4 = void(const uint8_t*, int64_t, int64_t, const uint8_t*, uint16_t*);
+// dot_u4_s8(rows, m, codes, k0, kk, acc): acc[i * block_n + n] = sum over K [k0, k0 + kk) of
+// rows[i][k] * q[n][k], exact.
+using HookDotU4S8 = void(const int8_t* const*, int, const uint8_t*, int64_t, int64_t, int32_t*);
+// gemm_u4a16(fmt, rows, m, codes, scale, zero, group_stride, kp, G, C, memo) -> taken: fp32
+// C[m, block_n] of one block; false leaves the call to the grouped-decode path. memo: the
+// worker's S::RowMemo (MK::U4A16Memo), or null.
+using HookGemmU4A16 = bool(RowFormat, const void* const*, int, const uint8_t*, const float*, const uint8_t*, int64_t,
+                           int64_t, int64_t, float*, void*);
+// gemm_u4a8(rows, row_scales, m, codes, scale, zero, group_stride, kp, G, xsum, C): fp32
+// C[m, block_n] of one block, in the order of the grouped-decode path (docs/SEMANTICS.md §3).
+using HookGemmU4A8 = void(const int8_t* const*, const float*, int, const uint8_t*, const float*, const uint8_t*, int64_t,
+                          int64_t, int64_t, const int32_t*, float*);
+
+// ---- one concept per hook: M's member converts to the exact signature -------------------------
+template <class M>
+concept MkGemmPrefetch = requires { static_cast<HookGemmPrefetch*>(&M::gemm); };
+template <class M>
+concept MkGemmI8Prefetch = requires { static_cast<HookGemmI8Prefetch*>(&M::gemm_i8); };
+template <class M>
+concept MkQuantizeRowI8 = requires { static_cast<HookQuantizeRowI8*>(&M::quantize_row_i8); };
+template <class M>
+concept MkUnpackU4 = requires { static_cast<HookUnpackU4*>(&M::unpack_u4); };
+template <class M>
+concept MkDotU4S8 = requires { static_cast<HookDotU4S8*>(&M::dot_u4_s8); };
+template <class M>
+concept MkGemmU4A16 = requires { static_cast<HookGemmU4A16*>(&M::gemm_u4a16); };
+template <class M>
+concept MkGemmU4A8 = requires { static_cast<HookGemmU4A8*>(&M::gemm_u4a8); };
+
+// The hooks M states (every MK declares kHooks; the scalar one states none).
+template <class M>
+constexpr uint32_t mk_hooks() {
+  return M::kHooks;
+}
+template <class M>
+constexpr bool mk_states(uint32_t hook) {
+  return (M::kHooks & hook) != 0;
+}
+
+// Fails the build (static_assert messages name the hook and the rule) where M's statement and
+// its members disagree. A member whose name is a hook's but that is not stated is an error too;
+// gemm / gemm_i8 are required members, so only their prefetching forms count as the hooks.
+template <class M>
+constexpr bool check_mk_hooks() {
+  static_assert(!mk_states<M>(kHook_gemm_prefetch) || MkGemmPrefetch<M>,
+                "MK states kHook_gemm_prefetch but its gemm is not HookGemmPrefetch (csrc/kernels/mk_hooks.h)");
+  static_assert(mk_states<M>(kHook_gemm_prefetch) || !MkGemmPrefetch<M>,
+                "MK's gemm takes the prefetch arguments but MK does not state kHook_gemm_prefetch");
+  static_assert(!mk_states<M>(kHook_gemm_i8_prefetch) || MkGemmI8Prefetch<M>,
+                "MK states kHook_gemm_i8_prefetch but its gemm_i8 is not HookGemmI8Prefetch (csrc/kernels/mk_hooks.h)");
+  static_assert(mk_states<M>(kHook_gemm_i8_prefetch) || !MkGemmI8Prefetch<M>,
+                "MK's gemm_i8 takes the prefetch arguments but MK does not state kHook_gemm_i8_prefetch");
+  static_assert(!mk_states<M>(kHook_quantize_row_i8) || MkQuantizeRowI8<M>,
+                "MK states kHook_quantize_row_i8 but quantize_row_i8 is not HookQuantizeRowI8 (csrc/kernels/mk_hooks.h)");
+  static_assert(mk_states<M>(kHook_quantize_row_i8) || !requires { &M::quantize_row_i8; },
+                "MK has a quantize_row_i8 but does not state kHook_quantize_row_i8 in kHooks");
+  static_assert(!mk_states<M>(kHook_unpack_u4) || MkUnpackU4<M>,
+                "MK states kHook_unpack_u4 but unpack_u4 is not HookUnpackU4 (csrc/kernels/mk_hooks.h)");
+  static_assert(mk_states<M>(kHook_unpack_u4) || !requires { &M::unpack_u4; },
+                "MK has an unpack_u4 but does not state kHook_unpack_u4 in kHooks");
+  static_assert(!mk_states<M>(kHook_dot_u4_s8) || MkDotU4S8<M>,
+                "MK states kHook_dot_u4_s8 but dot_u4_s8 is not HookDotU4S8 (csrc/kernels/mk_hooks.h)");
+  static_assert(mk_states<M>(kHook_dot_u4_s8) || !requires { &M::dot_u4_s8; },
+                "MK has a dot_u4_s8 but does not state kHook_dot_u4_s8 in kHooks");
+  static_assert(!mk_states<M>(kHook_gemm_u4a16) || MkGemmU4A16<M>,
+                "MK states kHook_gemm_u4a16 but gemm_u4a16 is not HookGemmU4A16 (csrc/kernels/mk_hooks.h)");
+  static_assert(mk_states<M>(kHook_gemm_u4a16) || !requires { &M::gemm_u4a16; },
+                "MK has a gemm_u4a16 but does not state kHook_gemm_u4a16 in kHooks");
+  static_assert(!mk_states<M>(kHook_gemm_u4a8) || MkGemmU4A8<M>,
+                "MK states kHook_gemm_u4a8 but gemm_u4a8 is not HookGemmU4A8 (csrc/kernels/mk_hooks.h)");
+  static_assert(mk_states<M>(kHook_gemm_u4a8) || !requires { &M::gemm_u4a8; },
+                "MK has a gemm_u4a8 but does not state kHook_gemm_u4a8 in kHooks");
+  return true;
+}
+
+}  // namespace moepack
