@@ -22,7 +22,8 @@ from .reader import (
     sha256_of,
     sha256_update,
 )
-from .writer import (
+from .atomic import atomic_directory
+from .plan import (
     DATA_ALIGNMENT,
     DEFAULT_ALIGNMENT,
     FORMAT_NAME,
@@ -30,9 +31,8 @@ from .writer import (
     WRITER_DTYPES,
     PlanEntry,
     ShardPlan,
-    ShardWriter,
-    atomic_directory,
 )
+from .writer import ShardWriter
 
 __all__ = [
     "DATA_ALIGNMENT",
