@@ -491,7 +491,7 @@ def _norm_routing(r: dict | None) -> dict | None:
 def _check_model(model: PackedModel, ckpt, reader, specs: dict) -> list[str]:
     """Step 4 of the module docstring: what the source says the model is, against the manifest.
     Returns one line per difference (empty: the same model)."""
-    from .convert_dir import _routing_for, _swiglu_params
+    from .convert_plan import _routing_for, _swiglu_params
     from .sources import text_config
 
     out = []

@@ -25,7 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import moepack
-from moepack import convert_dir
+from moepack import convert_plan
 from moepack.convert_dir import MANIFEST
 from moepack.errors import MoepackError, PackedDirError
 from tests.fixtures_util import fixture_dir
@@ -346,7 +346,7 @@ def test_destination_parent_missing(tmp_path):
 def _failing_reader(monkeypatch, *, expert=None, other=None):
     """Make convert's source fail: ``expert(spec)`` / ``other(name)`` return an exception to raise
     (or None) when an expert / a carried-over tensor is read."""
-    real_open = convert_dir.open_source
+    real_open = convert_plan.open_source
     seen = []
 
     def open_source(path):
@@ -371,7 +371,7 @@ def _failing_reader(monkeypatch, *, expert=None, other=None):
             ckpt.read = read
         return ckpt, dataclasses.replace(reader, read_expert_w13=read_expert_w13)
 
-    monkeypatch.setattr(convert_dir, "open_source", open_source)
+    monkeypatch.setattr(convert_plan, "open_source", open_source)  # where _plan looks it up
     return seen
 
 

@@ -1,0 +1,234 @@
+"""Stage 1 of convert: the plan, made from config.json and the source's headers alone.
+
+``_plan`` opens the source, picks the scheme and layout it packs into (``parse_quantize``,
+``_target_scheme``, ``_target_layout``), lists every layer's packed tensors, splits the layers
+and the carried-over tensors into shards and plans each shard (``ShardPlan``), so bad input is
+refused before anything is written. Apart from convert_dir because it reads and decides, never
+writes: the resume key (moepack.convert_resume) and verify's model check (the routing and
+swiglu parameters convert derives) use it too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .container.plan import ShardPlan
+from .errors import ConvertError, LayoutError, MoepackError
+from .errors import UnsupportedError
+from .layout import PackedLayout, layout_tensor_plan
+from .schemes import Scheme, get_scheme, schemes
+from .sources import Checkpoint, LayerSpec, SourceReader, open_source, text_config
+
+
+def expert_tensor_name(layer: int, role: str) -> str:
+    return f"moepack.layers.{layer}.{role}"
+
+
+def _swiglu_params(config: dict) -> tuple[float, float]:
+    limit = config.get("swiglu_limit", 7.0)
+    alpha = config.get("swiglu_alpha", 1.702)
+    return float(alpha), float(limit)
+
+
+def _routing_for(config: dict) -> tuple[dict | None, str]:
+    try:
+        from .routing import RoutingConfig
+    except ImportError:  # pragma: no cover
+        return None, "moepack.routing is not available"
+    try:
+        return RoutingConfig.from_hf_config(config).to_dict(), "from config.json"
+    except MoepackError as e:
+        return None, str(e)
+
+
+def _plan_layer_tensors(spec: LayerSpec, layout: PackedLayout, scheme: Scheme) -> list[tuple[str, torch.dtype, tuple]]:
+    """(stored name, dtype, shape) of every packed tensor of one layer, in write order: the
+    layout's tensor plan (moepack.layout.layout_tensor_plan) for the routed experts (+ biases,
+    + the act-order w13_perm), then the shared expert's."""
+    plan = layout_tensor_plan(layout, spec.num_experts, spec.hidden, spec.intermediate, bias=spec.has_bias,
+                              perm=scheme.has_perm(spec))  # fmt: skip
+    if spec.shared:
+        plan += layout_tensor_plan(layout, 1, spec.hidden, spec.shared["intermediate"], perm=scheme.has_perm(spec, True),
+                                   prefix="shared_")  # fmt: skip
+    return [(expert_tensor_name(spec.index, t.name), getattr(torch, t.dtype), t.shape) for t in plan]
+
+
+def parse_quantize(quantize: str | None) -> tuple[Scheme | None, object]:
+    """``quantize`` -> (the scheme, its options object or None). The spelling: a scheme name or
+    alias, then its options after colons (``"int8"``, ``"int4"``, ``"int4:g64:asym"``,
+    ``"int4_group:ch"``); None -> (None, None). Refused naming the value and the rule: an unknown
+    scheme, a scheme that does not quantize float weights, an option the scheme does not take."""
+    if quantize is None:
+        return None, None
+    name, *words = str(quantize).split(":")
+    try:
+        scheme = get_scheme(name)
+    except UnsupportedError:
+        scheme = None
+    if scheme is None or not scheme.quantized:
+        known = ", ".join(f"{x.name!r}" + (f" (or {', '.join(map(repr, x.aliases))})" if x.aliases else "")
+                          for x in schemes() if x.quantized)  # fmt: skip
+        raise ConvertError(f"quantize={quantize!r}: moepack quantizes to {known}")
+    try:
+        return scheme, scheme.options(tuple(words))
+    except (UnsupportedError, ConvertError) as e:
+        raise ConvertError(f"quantize={quantize!r}: {e}") from None
+
+
+def _target_scheme(lay: PackedLayout, scheme: Scheme | None, reader: SourceReader) -> Scheme:
+    """The scheme a convert packs into: ``scheme`` (``quantize``) when given, else the source's own
+    (a quantized source stays in its scheme: A8 checkpoints are never dequantized), else the
+    layout's."""
+    try:
+        source = get_scheme(reader.scheme)
+    except UnsupportedError:
+        raise ConvertError(f"source reader {reader.name!r} has scheme {reader.scheme!r}, which convert cannot pack") from None
+    if scheme is not None:
+        if source.quantized and source is not scheme:
+            raise ConvertError(f"quantize={scheme.name!r} with a {reader.scheme} source: moepack never re-quantizes a quantized checkpoint")
+        return scheme
+    return source if source.quantized else get_scheme(lay)
+
+
+def _target_layout(lay: PackedLayout, scheme: Scheme, options, reader: SourceReader, specs: list) -> PackedLayout:
+    """The layout a convert writes: a source of ``scheme`` packs into the layout its own facts
+    call for (int4: its group size; ``Scheme.source_layout``); quantizer options name theirs
+    (int4: the group size's); else ``lay`` when it is of ``scheme``, else the scheme's layout of
+    ``lay``'s ISA family."""
+    try:
+        if scheme.keeps_source(reader) and scheme.source_layout is not None:
+            return scheme.source_layout(specs, lay if lay.scheme == scheme.name else scheme.layout_for(lay.family))
+        if options is not None and hasattr(options, "layout"):
+            return options.layout(lay.family)
+        return lay if lay.scheme == scheme.name else scheme.layout_for(lay.family)
+    except (UnsupportedError, LayoutError) as e:
+        raise ConvertError(str(e)) from None
+
+
+def _nbytes(dtype: torch.dtype, shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n * torch.empty(0, dtype=dtype).element_size()
+
+
+def _split_shards(items: list, size_of: Callable, limit: int) -> list[list]:
+    shards, cur, cur_bytes = [], [], 0
+    for it in items:
+        b = size_of(it)
+        if cur and cur_bytes + b > limit:
+            shards.append(cur)
+            cur, cur_bytes = [], 0
+        cur.append(it)
+        cur_bytes += b
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+@dataclass(frozen=True)
+class _Options:
+    quantize: str | None
+    act_mode: str | None
+    shard_bytes: int
+    resume: bool
+    pipeline: bool
+
+
+@dataclass
+class _Plan:
+    """Everything a convert will write, decided from config.json and the headers alone."""
+
+    src: Path
+    ckpt: Checkpoint
+    reader: SourceReader
+    scheme: Scheme
+    layout: PackedLayout
+    specs: list
+    options: object  # the quantizer's options (Scheme.options), or None
+    config: dict
+    layer_tensors: dict  # layer index -> [(stored name, dtype, shape)] in write order
+    expert_shards: list  # [[LayerSpec]] per experts-*.safetensors
+    expert_files: list
+    other_shards: list  # [[tensor name]] per model-*.safetensors
+    other_files: list
+    routing: dict | None
+    routing_note: str
+    alpha: float
+    limit: float
+    act_modes: dict  # layer index -> the act mode recorded as its default
+    shard_plans: dict = field(default_factory=dict)  # file name -> ShardPlan (every shard, planned up front)
+
+    @property
+    def quantizer(self) -> str | None:
+        """The quantizer with every option spelled out ("int4_group:g128:sym", "int8_channel")
+        when this convert quantizes float weights; None when it does not."""
+        if not self.scheme.quantized or self.scheme.keeps_source(self.reader):
+            return None
+        return self.options.key() if self.options is not None else self.scheme.name
+
+
+def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: str | None = None) -> _Plan:
+    """Stage 1: the source, the scheme and layout it packs into, every tensor and shard."""
+    ckpt, reader = open_source(src)
+    qscheme, options = parse_quantize(quantize)
+    scheme = _target_scheme(lay, qscheme, reader)
+    specs = reader.layers(ckpt)
+    if scheme.keeps_source(reader):
+        if ":" in str(quantize or ""):
+            raise ConvertError(f"quantize={quantize!r} with a {reader.scheme} source ({reader.name}): its own codes are packed "
+                               "as stored, never re-quantized; quantizer options apply to float sources only")  # fmt: skip
+        options = None  # a source of the scheme is packed as stored: no quantizer runs
+    lay = _target_layout(lay, scheme, options, reader, specs)
+    config = text_config(ckpt.config)
+    expert_names = {n for s in specs for n in s.expert_tensors}
+    other = [n for n in ckpt.tensors if n not in expert_names]
+    if act_mode is not None and act_mode not in lay.act_modes:
+        raise ConvertError(f"act_mode={act_mode!r}: layout {lay.name} (scheme {lay.scheme}) runs with "
+                           f"{' or '.join(lay.act_modes)} activations only")  # fmt: skip
+    act_modes = {s.index: act_mode or scheme.default_act_mode(s, lay) for s in specs}
+    layer_tensors = {s.index: _plan_layer_tensors(s, lay, scheme) for s in specs}
+    expert_shards = _split_shards(specs, lambda s: sum(_nbytes(d, sh) for _, d, sh in layer_tensors[s.index]), shard_bytes)
+    other_shards = _split_shards(other, lambda n: ckpt.info(n).nbytes, shard_bytes) if other else []
+    ne, no = len(expert_shards), len(other_shards)
+    _check_top_k(config, specs)
+    routing, routing_note = _routing_for(config)
+    alpha, limit = _swiglu_params(config)
+    pl = _Plan(
+        src, ckpt, reader, scheme, lay, specs, options, config, layer_tensors, expert_shards,
+        [f"experts-{i + 1:05d}-of-{ne:05d}.safetensors" for i in range(ne)], other_shards,
+        [f"model-{i + 1:05d}-of-{no:05d}.safetensors" for i in range(no)], routing, routing_note, alpha, limit, act_modes,
+    )  # fmt: skip
+    for fname, shard_specs in zip(pl.expert_files, pl.expert_shards):
+        shard = pl.shard_plans[fname] = ShardPlan()
+        for s in shard_specs:
+            for name, dt, shape in pl.layer_tensors[s.index]:
+                shard.add(name, dt, shape)
+    for fname, names in zip(pl.other_files, pl.other_shards):
+        shard = pl.shard_plans[fname] = ShardPlan()
+        for n in names:
+            ti = ckpt.info(n)
+            shard.add(n, ti.dtype, ti.shape)
+    return pl
+
+
+_TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token")
+
+
+def _check_top_k(config: dict, specs: list) -> None:
+    """config.json's experts-per-token, where it has one, must be an integer in [1, experts] for
+    every MoE layer: refused here, at convert, rather than by ``run`` on the packed directory."""
+    key = next((k for k in _TOP_K_KEYS if config.get(k) is not None), None)
+    if key is None or not specs:
+        return
+    k = config[key]
+    if not isinstance(k, int) or isinstance(k, bool):
+        raise ConvertError(f"config.json: {key}={k!r} must be an integer (the number of experts each token is routed to)")
+    fewest = min(specs, key=lambda x: x.num_experts)
+    if not 1 <= k <= fewest.num_experts:
+        raise ConvertError(f"config.json: {key}={k} with {fewest.num_experts} experts (layer {fewest.index}): each token is "
+                           f"routed to between 1 and num_experts experts")  # fmt: skip

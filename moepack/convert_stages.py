@@ -1,0 +1,163 @@
+"""Stages 2 to 4 of convert: pack and write one layer, copy the other tensors, build the manifest.
+
+``_write_layer`` runs the scheme's streaming layer packer (one expert at a time) into an open
+``ShardWriter`` and returns the layer's manifest entry; a non-finite source value is refused
+naming the SOURCE tensor and element (``_pack_checked``, ``_source_element``). ``_write_other``
+copies the carried-over tensors unchanged; ``_manifest`` assembles docs/PACKED_FORMAT.md §4.
+Apart from convert_dir because these are the per-shard work, free of the run's control flow
+(temporary directory, resume, signals) that convert_dir keeps.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ._version import __version__
+from .container.plan import ShardPlan
+from .container.writer import ShardWriter
+from .convert_plan import _Plan, expert_tensor_name
+from .errors import ConvertError, LayoutError
+from .layout import layout_expert_shapes, layout_tensor_plan
+from .runtime.model import FORMAT_VERSION, PERM_FORMAT_VERSION
+from .schemes import LayerSource, QuantError
+from .sources import LayerSpec
+
+
+def _source_element(s: LayerSpec, role: str, e: int, idx: list[int]) -> tuple[str, list[int]]:
+    """The source tensor and index that hold element ``idx`` of expert ``e``'s canonical ``role``
+    tensor (w13/w2: ``[1, N, K]``; w13_bias/w2_bias: ``[E, N]``, row = expert; shared_w13/w2)."""
+    if role.startswith("shared_"):
+        _, r, c = idx
+        si = s.shared["intermediate"]
+        if role == "shared_w2":
+            return s.shared["down_proj"], [r, c]
+        return (s.shared["gate_proj"], [r, c]) if r < si else (s.shared["up_proj"], [r - si, c])
+    i = s.intermediate
+    if role.endswith("_bias"):
+        e, r = idx
+        if s.kind != "per_expert":
+            return s.names["gate_up_bias" if role == "w13_bias" else "down_bias"], [e, r]
+        if role == "w2_bias":
+            return s.names[(e, "down", "bias")], [r]
+        return (s.names[(e, "gate", "bias")], [r]) if r < i else (s.names[(e, "up", "bias")], [r - i])
+    _, r, c = idx
+    if s.kind == "per_expert":
+        if role == "w2":
+            return s.names[(e, "down", "weight")], [r, c]
+        return (s.names[(e, "gate", "weight")], [r, c]) if r < i else (s.names[(e, "up", "weight")], [r - i, c])
+    name = s.names["gate_up" if role == "w13" else "down"]
+    return name, ([e, r, c] if s.kind in ("fused_out", "granite") else [e, c, r])
+
+
+def _pack_checked(pack: Callable, t: torch.Tensor, s: LayerSpec, role: str, e: int = 0) -> torch.Tensor:
+    """``pack(t)``; a non-finite source value is refused naming the SOURCE tensor and index (the
+    packer only sees one expert at a time, so its own message cannot)."""
+    try:
+        return pack(t)
+    except LayoutError as ex:
+        bad = ~torch.isfinite(t)
+        if not bool(bad.any()):
+            raise
+        idx = bad.nonzero()[0].tolist()
+        name, at = _source_element(s, role, e, idx)
+        v = float(t[tuple(idx)])
+        raise ConvertError(
+            f"layer {s.index}: source tensor {name!r} has a non-finite value ({v}) at {at}: "
+            f"expert weights and biases must be finite (packer: {str(ex).splitlines()[0]})"
+        ) from None
+
+
+def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fname: str, tensors: dict, report,
+                 error: QuantError) -> dict:  # fmt: skip
+    """Stage 2, one layer: the scheme's streaming packer writes the layer's tensors in plan order,
+    one expert at a time (peak memory is one expert, not one layer); returns its manifest entry."""
+    lay, scheme, ckpt, reader = pl.layout, pl.scheme, pl.ckpt, pl.reader
+    checked = lambda pack, t, role, e: _pack_checked(pack, t, s, role, e)  # noqa: E731
+    packer = scheme.layer_packer(LayerSource(ckpt, reader, s, lay, checked, pl.options, error))
+    entry_tensors = {}
+    for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias, perm=scheme.has_perm(s)):
+        name = expert_tensor_name(s.index, t.name)
+        digest = w.write_parts(name, packer.parts(t.name))
+        tensors[name] = {"file": fname, "dtype": t.dtype, "shape": list(t.shape), "sha256": digest}
+        entry_tensors[t.name] = name
+        report.experts_bytes += shard.entry(name).nbytes
+    shared_entry = None
+    sp = packer.shared() if s.shared else None
+    if sp is not None:
+        shared_entry = {
+            "intermediate": s.shared["intermediate"],
+            "padded_intermediate": sp.padded_intermediate,
+            "gate": s.shared.get("gate"),
+            "source_tensors": [s.shared[p] for p in ("gate_proj", "up_proj", "down_proj")],
+            "scheme_source": scheme.source_note(ckpt.info(s.shared["gate_proj"]).dtype_str, reader, pl.options),
+        }
+        shared_plan = layout_tensor_plan(lay, 1, s.hidden, s.shared["intermediate"], perm=scheme.has_perm(s, True))
+        for role in (t.name for t in shared_plan):  # plan order
+            t = sp.tensors[role]
+            name = expert_tensor_name(s.index, "shared_" + role)
+            dt = str(t.dtype).replace("torch.", "")
+            tensors[name] = {"file": fname, "dtype": dt, "shape": list(t.shape), "sha256": w.write(name, t)}
+            shared_entry[role] = name
+            report.experts_bytes += t.numel() * t.element_size()
+    return {
+        "index": s.index,
+        "prefix": s.prefix,
+        "source_kind": s.kind,
+        "source_dtype": s.dtype,
+        "num_experts": s.num_experts,
+        "hidden": s.hidden,
+        "intermediate": s.intermediate,
+        "padded_intermediate": layout_expert_shapes(lay, s.num_experts, s.hidden, s.intermediate).padded_intermediate,
+        "activation": s.activation,
+        "alpha": pl.alpha,
+        "limit": pl.limit,
+        "interleaved": s.interleaved,
+        "layout_id": lay.id,
+        "act_mode": pl.act_modes[s.index],
+        "scheme": scheme.name,
+        "scheme_source": scheme.source_note(s.dtype, reader, pl.options),
+        "quantizer": pl.quantizer,  # the quantizer and every option it ran with (verify re-runs it), or None
+        "tensors": entry_tensors,
+        "router": dict(s.router),
+        "shared": shared_entry,
+        "source_tensors": list(s.expert_tensors),
+    }
+
+
+def _write_other(pl: _Plan, fname: str, names: list, w: ShardWriter, tensors: dict, report) -> None:
+    """Stage 3, one shard: its non-expert tensors, unchanged (names and bytes)."""
+    for n in names:
+        t = pl.ckpt.read(n)
+        tensors[n] = {"file": fname, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "sha256": w.write(n, t)}
+        report.other_bytes += t.numel() * t.element_size()
+        del t
+
+
+def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, report, created_at: str) -> dict:
+    """Stage 4: the manifest (docs/PACKED_FORMAT.md §4)."""
+    return {
+        "format": "moepack",
+        # version 3 only where it is needed: a layer with an act-order w13_perm, which a version-2
+        # reader would ignore and so run wrongly (docs/PACKED_FORMAT.md §7)
+        "format_version": PERM_FORMAT_VERSION if any("w13_perm" in x["tensors"] or "w13_perm" in (x["shared"] or {})
+                                                      for x in layers) else FORMAT_VERSION,  # fmt: skip
+        "created_by": f"moepack {__version__}",
+        "created_at": created_at,  # when the convert started (a resumed one: the first run's start)
+        "source": {
+            "path": str(pl.src.resolve()),
+            "reader": pl.reader.name,
+            "fingerprint": pl.ckpt.fingerprint(),
+            "files": [f.name for f in pl.ckpt.files],
+        },
+        "model": {"model_type": pl.config.get("model_type"), "hidden_size": pl.config.get("hidden_size"), "config": pl.ckpt.config},
+        "routing": pl.routing,
+        "routing_note": pl.routing_note,
+        "layouts": {str(pl.layout.id): pl.layout.to_dict()},
+        "layers": layers,
+        "files": {f: {"size": (tmp / f).stat().st_size} for f in report.files},
+        "tensors": tensors,
+        "carried_files": carried,
+    }
