@@ -16,7 +16,8 @@ from moepack.schemes import get_scheme, schemes
 ROOT = Path(moepack.__file__).resolve().parent.parent
 # generic modules: none of them may branch on a scheme's name (they ask the scheme)
 GENERIC = ["moepack/convert_dir.py", "moepack/convert_plan.py", "moepack/convert_stages.py", "moepack/convert_resume.py",
-           "moepack/verify_dir.py", "moepack/hf.py", *sorted(str(p.relative_to(ROOT)) for p in
+           "moepack/verify_dir.py", "moepack/verify_report.py", "moepack/verify_layer.py", "moepack/verify_model.py",
+           "moepack/hf.py", *sorted(str(p.relative_to(ROOT)) for p in
            (ROOT / "cli").glob("*.py")), *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "moepack/bench").glob("*.py"))]  # fmt: skip
 
 
