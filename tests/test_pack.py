@@ -339,6 +339,7 @@ def test_cpp_u4_packer_equals_the_spec_byte_for_byte(layout, shape):
         cpp = moepack.pack_weight(q, layout, n_padded=np_, k_padded=kp, zero=z)
         assert cpp.dtype == spec.dtype == torch.uint8 and cpp.shape == spec.shape == (e, np_, kp // 2)
         assert torch.equal(cpp, spec), (np_, kp)
+        assert torch.equal(pack_u4_codes(q, z, gs, layout, np_, kp, use_cpp=True), spec)
     # no zero points: K padding code 0, as pack_codes pads
     assert torch.equal(moepack.pack_weight(q, layout), pack_codes(layout, q))
 
@@ -359,6 +360,26 @@ def test_cpp_u4_packer_takes_zero_points_of_the_padded_k_and_non_contiguous_code
     assert torch.equal(moepack.pack_weight(q, layout, n_padded=np_, k_padded=kp, zero=z), want)
     qt, zt = q.transpose(1, 2).contiguous().transpose(1, 2), z.transpose(1, 2).contiguous().transpose(1, 2)
     assert not qt.is_contiguous() and torch.equal(moepack.pack_weight(qt, layout, n_padded=np_, k_padded=kp, zero=zt), want)
+
+
+def test_pack_experts_int4_cpp_equals_the_spec():
+    """pack_experts_int4 (convert's packer, pack_experts) with use_cpp True and False: the same
+    tensors, both weights, gate/up halves padded to Ip and interleaved."""
+    from moepack.layout import int4_layout_for
+    from moepack.pack.registry import get_scheme
+    from moepack.schemes.int4 import pack_experts_int4
+    from tests.conftest import make_moe_inputs
+
+    inp = make_moe_inputs(tokens=1, hidden=100, intermediate=40, seed=3)
+    for g in (32, 64, 128, -1):
+        lay = int4_layout_for(g)
+        c = get_scheme(lay).from_float(inp.w13, inp.w2, layout=lay)
+        for interleaved in (False, True):
+            a = pack_experts_int4(c, layout=lay, interleaved=interleaved, use_cpp=True)
+            b = pack_experts_int4(c, layout=lay, interleaved=interleaved, use_cpp=False)
+            assert a.tensors.keys() == b.tensors.keys()
+            for name in a.tensors:
+                assert torch.equal(a.tensors[name], b.tensors[name]), (g, interleaved, name)
 
 
 @pytest.mark.parametrize("edit, exc, match", [
@@ -396,6 +417,10 @@ def test_cpp_u4_packer_refuses_a_code_out_of_range_naming_the_first_one():
     q[1, 65, 3] = 3
     with pytest.raises(ValueError, match=r"weight\[1, 69, 130\] = 16: layout u4g128_n32k8_x86's 4-bit codes are 0..15"):
         moepack.pack_weight(q, lay, zero=z)
+    with pytest.raises(LayoutError, match=r"weight\[1, 69, 130\] = 16"):  # through the scheme's packer: a LayoutError
+        from moepack.schemes.int4 import pack_u4_codes
+
+        pack_u4_codes(q, z, 128, lay, 96, 136, use_cpp=True)
 
 
 def test_cpp_packer_refuses_zero_points_for_a_layout_without_them():
