@@ -100,9 +100,20 @@ def fused_experts(
     )
 
 
-def pack_weight(weight: torch.Tensor, layout: int | str | PackedLayout = DEFAULT_LAYOUT) -> torch.Tensor:
-    """C++ packer: [E, N, K] float weights -> packed [E, Np, Kp] (no I padding logic here)."""
-    return ops().pack_weight(weight, layout_get(layout).id)
+def pack_weight(
+    weight: torch.Tensor,
+    layout: int | str | PackedLayout = DEFAULT_LAYOUT,
+    *,
+    n_padded: int = 0,
+    k_padded: int = 0,
+    zero: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """C++ packer: [E, N, K] float weights -> packed bf16 [E, Np, Kp]; int8 codes -> int8 [E, Np,
+    Kp]; sub-byte codes (uint8, one per byte, 0..2**weight_bits-1) -> the layout's packed uint8
+    [E, Np, Kp * weight_bits / 8], K padding holding ``zero`` [E, N, ng] uint8 (the row's zero
+    point of each K group; None: code 0). Np, Kp: whole blocks / runs, or ``n_padded`` /
+    ``k_padded`` when given (no I padding logic here)."""
+    return ops().pack_weight(weight, layout_get(layout).id, int(n_padded), int(k_padded), zero)
 
 
 class KernelChoice(NamedTuple):

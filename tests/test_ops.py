@@ -102,6 +102,42 @@ def test_meta_tensors_give_the_output_shape(dtype, layout):
         assert tuple(packed.shape) == (e, 96, 94)  # N = 2I = 80 -> whole 32-column blocks; K = 93 -> k_pack pairs
 
 
+@pytest.mark.parametrize("layout", moepack.LAYOUTS, ids=lambda x: x.name)
+def test_meta_pack_weight_gives_the_packed_codes_shape(layout):
+    """pack_weight's Meta kernel: the codes tensor layout_tensor_plan declares (bf16 values, int8
+    codes, sub-byte codes with their zero points), with and without the MoE paddings."""
+    e, n, k = 5, 80, 93
+    meta = dict(device="meta")
+    dtype = {"bfloat16": F32, "int8": torch.int8, "uint8": torch.uint8}[layout.tensors[0].dtype]
+    w = torch.empty(e, n, k, dtype=dtype, **meta)
+    kw = {}
+    if layout.weight_bits < 8:
+        ng = 1 if layout.group_size == 0 else -(-k // layout.group_size)
+        kw["zero"] = torch.empty(e, n, ng, dtype=torch.uint8, **meta)
+    per_byte = 8 // layout.weight_bits if layout.weight_bits < 8 else 1
+    for np_, kp in [(0, 0), (128, 96 + 8 * (layout.group_size or 1))]:
+        packed = moepack.pack_weight(w, layout, n_padded=np_, k_padded=kp, **kw)
+        cpu = moepack.pack_weight(torch.zeros(w.shape, dtype=dtype), layout, n_padded=np_, k_padded=kp,
+                                  **{key: torch.zeros(v.shape, dtype=v.dtype) for key, v in kw.items()})  # fmt: skip
+        want = (e, np_ or 96, (kp or layout.k_pack * -(-k // layout.k_pack)) // per_byte)
+        assert packed.device.type == "meta" and packed.dtype == cpu.dtype == getattr(torch, layout.tensors[0].dtype)
+        assert tuple(packed.shape) == tuple(cpu.shape) == want
+    if layout.weight_bits < 8:  # the Meta kernel refuses what the CPU one does, before any data
+        with pytest.raises(TypeError, match=rf"weight has dtype Float: layout {layout.name} packs 4-bit codes"):
+            moepack.pack_weight(w.float(), layout, **kw)
+        with pytest.raises(ValueError, match=r"zero has shape \[5, 79, .*\] for weight \[5, 80, 93\]"):
+            moepack.pack_weight(w, layout, zero=kw["zero"][:, :79])
+
+
+@pytest.mark.parametrize("with_zero", [False, True])
+def test_opcheck_pack_weight_u4(with_zero):
+    lay = next(x for x in moepack.LAYOUTS if x.weight_bits < 8 and x.group_size == 32)
+    q = torch.randint(0, 16, (3, 45, 93), dtype=torch.uint8)
+    kwargs = {"zero": torch.randint(0, 16, (3, 45, 3), dtype=torch.uint8)} if with_zero else {}
+    result = torch.library.opcheck(OPS.pack_weight.default, (q, lay.id, 64, 128), kwargs)
+    assert set(result.values()) == {"SUCCESS"} and len(result) == 4, result
+
+
 def moe_block(x, w13, w2, b13, b2, topk_weights, topk_ids):
     """What a model does around the op: routing-free pre/post-processing plus the experts."""
     y = moepack.fused_experts(x * 2.0, w13, w2, topk_weights, topk_ids, activation="gelu_tanh", w13_bias=b13,

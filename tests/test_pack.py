@@ -296,12 +296,137 @@ def test_pack_codes_puts_every_code_where_the_layout_says_and_matches_the_cpp_pa
     assert torch.equal(_positions_by_the_layout(layout, packed, np_, kp), want)
     back = unpack_codes(layout, packed, n, k)
     assert torch.equal(_as_fields(layout, back), _as_fields(layout, c))
-    try:
-        cpp = moepack.pack_weight(c, layout)
-    except ValueError as ex:  # a code type the C++ packer does not pack (yet): the positions above are the spec
-        assert "pack_weight packs" in str(ex) and layout.weight_bits < 8
-        return
+    cpp = moepack.pack_weight(c, layout)  # every code type: bf16, int8 and sub-byte
+    assert cpp.dtype == packed.dtype and cpp.shape == packed.shape
     assert torch.equal(cpp.view(torch.uint8), packed.view(torch.uint8))
+
+
+U4 = [x for x in LAYOUTS if x.weight_bits < 8]
+
+
+def _u4_case(lay, shape, seed):
+    """Codes (0 and 15 included) and zero points [E, N, ceil(K / G) + ng_extra] of ``lay``."""
+    e, n, k = shape
+    g = torch.Generator().manual_seed(seed)
+    q = _codes(lay, shape, seed)
+    ng = 1 if lay.group_size == 0 else -(-k // lay.group_size)
+    z = torch.randint(0, 16, (e, n, ng), generator=g, dtype=torch.uint8)
+    z.view(-1)[-1] = 15
+    return q, z
+
+
+# N off the 32-column blocks, K off the k_pack runs and off the groups (partial last group, K
+# padding inside a group and whole padding groups), one expert and several
+U4_SHAPES = [(1, 1, 1), (1, 31, 100), (3, 45, 93), (2, 64, 256), (1, 33, 7), (4, 96, 200), (2, 70, 136), (1, 200, 264)]
+
+
+@pytest.mark.parametrize("layout", U4, ids=lambda x: x.name)
+@pytest.mark.parametrize("shape", U4_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_cpp_u4_packer_equals_the_spec_byte_for_byte(layout, shape):
+    """torch.ops.moepack.pack_weight with zero points == the spec pack_u4_codes (the int4
+    padding rule, then pack_codes): K padding holds each row's group zero point, padded rows
+    code 0; with the MoE paddings n_padded / k_padded too (k_padded a group or more past K: the
+    padding groups past the last zero point take that one)."""
+    from moepack.schemes.int4 import pack_u4_codes
+
+    q, z = _u4_case(layout, shape, seed=sum(shape))
+    e, n, k = shape
+    gs = layout.group_size or -1
+    g = layout.group_size or 1
+    for np_, kp in [(layout_padded_n(layout, n), layout_padded_k(layout, k)),
+                    (layout_padded_n(layout, n) + 32, layout_padded_k(layout, k) + 8 * g + 8)]:  # fmt: skip
+        spec = pack_u4_codes(q, z, gs, layout, np_, kp)
+        cpp = moepack.pack_weight(q, layout, n_padded=np_, k_padded=kp, zero=z)
+        assert cpp.dtype == spec.dtype == torch.uint8 and cpp.shape == spec.shape == (e, np_, kp // 2)
+        assert torch.equal(cpp, spec), (np_, kp)
+        assert torch.equal(pack_u4_codes(q, z, gs, layout, np_, kp, use_cpp=True), spec)
+    # no zero points: K padding code 0, as pack_codes pads
+    assert torch.equal(moepack.pack_weight(q, layout), pack_codes(layout, q))
+
+
+@pytest.mark.parametrize("layout", U4, ids=lambda x: x.name)
+def test_cpp_u4_packer_takes_zero_points_of_the_padded_k_and_non_contiguous_codes(layout):
+    """zero with the groups of the padded K (what pack_matrix_sub_byte takes) packs as the spec
+    does; strided codes and zero points are packed as their contiguous copies."""
+    from moepack.schemes.int4 import pack_u4_codes
+
+    e, n, k = 2, 40, 130
+    np_, kp = 64, layout_padded_k(layout, k) + 2 * (layout.group_size or 8)
+    gs = layout.group_size or -1
+    ng = 1 if layout.group_size == 0 else -(-kp // layout.group_size)
+    q, z = _u4_case(layout, (e, n, k), seed=7)
+    z = torch.randint(0, 16, (e, n, ng), dtype=torch.uint8, generator=torch.Generator().manual_seed(8))
+    want = pack_u4_codes(q, z, gs, layout, np_, kp)
+    assert torch.equal(moepack.pack_weight(q, layout, n_padded=np_, k_padded=kp, zero=z), want)
+    qt, zt = q.transpose(1, 2).contiguous().transpose(1, 2), z.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not qt.is_contiguous() and torch.equal(moepack.pack_weight(qt, layout, n_padded=np_, k_padded=kp, zero=zt), want)
+
+
+def test_pack_experts_int4_cpp_equals_the_spec():
+    """pack_experts_int4 (convert's packer, pack_experts) with use_cpp True and False: the same
+    tensors, both weights, gate/up halves padded to Ip and interleaved."""
+    from moepack.layout import int4_layout_for
+    from moepack.pack.registry import get_scheme
+    from moepack.schemes.int4 import pack_experts_int4
+    from tests.conftest import make_moe_inputs
+
+    inp = make_moe_inputs(tokens=1, hidden=100, intermediate=40, seed=3)
+    for g in (32, 64, 128, -1):
+        lay = int4_layout_for(g)
+        c = get_scheme(lay).from_float(inp.w13, inp.w2, layout=lay)
+        for interleaved in (False, True):
+            a = pack_experts_int4(c, layout=lay, interleaved=interleaved, use_cpp=True)
+            b = pack_experts_int4(c, layout=lay, interleaved=interleaved, use_cpp=False)
+            assert a.tensors.keys() == b.tensors.keys()
+            for name in a.tensors:
+                assert torch.equal(a.tensors[name], b.tensors[name]), (g, interleaved, name)
+
+
+@pytest.mark.parametrize("edit, exc, match", [
+    (lambda q, z: (q.to(torch.int8), z), TypeError,
+     r"weight has dtype Char: layout u4g32_n32k8_x86 packs 4-bit codes as uint8, one per byte, 0..15"),
+    (lambda q, z: (q.float(), z), TypeError, r"weight has dtype Float: layout u4g32_n32k8_x86 packs 4-bit codes"),
+    (lambda q, z: (q, z.to(torch.int32)), TypeError, r"zero has dtype Int: layout u4g32_n32k8_x86's zero points are uint8 0..15"),
+    (lambda q, z: (q, z[:, :, :2]), ValueError,
+     r"zero has shape \[2, 45, 2\] for weight \[2, 45, 93\]: must be \[2, 45, ng\] \(one zero point per row and K group\) "
+     r"with 3 <= ng <= 3 \(layout u4g32_n32k8_x86, group_size 32, K=93 padded to 96\)"),
+    (lambda q, z: (q, z[:, :44]), ValueError, r"zero has shape \[2, 44, 3\] for weight \[2, 45, 93\]: must be \[2, 45, ng\]"),
+    (lambda q, z: (q, z[0]), ValueError, r"zero has shape \[45, 3\] for weight \[2, 45, 93\]"),
+    (lambda q, z: (q, z.index_put_((torch.tensor(1), torch.tensor(44), torch.tensor(2)), torch.tensor(16, dtype=torch.uint8))),
+     ValueError, r"zero\[1, 44, 2\] = 16: layout u4g32_n32k8_x86's 4-bit zero points are 0..15"),
+    (lambda q, z: (q[0], z), ValueError, r"weight has shape \[45, 93\]: must be 3-D \[E, N, K\]"),
+])  # fmt: skip
+def test_cpp_u4_packer_refuses_naming_the_tensor_the_value_and_the_rule(edit, exc, match):
+    lay = next(x for x in U4 if x.group_size == 32)
+    q, z = _u4_case(lay, (2, 45, 93), seed=4)
+    q, z = edit(q, z)
+    with pytest.raises(exc, match=match):
+        moepack.pack_weight(q, lay, zero=z)
+
+
+def test_cpp_u4_packer_refuses_a_code_out_of_range_naming_the_first_one():
+    """Codes >= 16 would be packed masked into a neighbour's value: the C++ packer refuses the
+    first one in row-major order (its blocks run on several threads, in any order)."""
+    lay = next(x for x in U4 if x.group_size == 128)
+    q, z = _u4_case(lay, (3, 70, 133), seed=5)
+    q[2, 0, 0] = 255
+    q[1, 69, 130] = 16  # last column block of expert 1, in the run with K padding
+    q[1, 65, 3] = 17  # whole run of the same block, earlier
+    with pytest.raises(ValueError, match=r"weight\[1, 65, 3\] = 17: layout u4g128_n32k8_x86's 4-bit codes are 0..15"):
+        moepack.pack_weight(q, lay, zero=z)
+    q[1, 65, 3] = 3
+    with pytest.raises(ValueError, match=r"weight\[1, 69, 130\] = 16: layout u4g128_n32k8_x86's 4-bit codes are 0..15"):
+        moepack.pack_weight(q, lay, zero=z)
+    with pytest.raises(LayoutError, match=r"weight\[1, 69, 130\] = 16"):  # through the scheme's packer: a LayoutError
+        from moepack.schemes.int4 import pack_u4_codes
+
+        pack_u4_codes(q, z, 128, lay, 96, 136, use_cpp=True)
+
+
+def test_cpp_packer_refuses_zero_points_for_a_layout_without_them():
+    with pytest.raises(ValueError, match=r"zero is given: layout bf16_n32k2_x86 stores bfloat16 codes, and only sub-byte "
+                                         r"layouts pad K with zero points"):  # fmt: skip
+        moepack.pack_weight(torch.zeros(1, 32, 8), L, zero=torch.zeros(1, 32, 1, dtype=torch.uint8))
 
 
 MADE_UP = [

@@ -4,7 +4,10 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cstring>
+#include <optional>
+#include <string>
 
 namespace moepack {
 namespace {
@@ -39,11 +42,86 @@ at::Tensor pack_weight_i8(const at::Tensor& w, const LayoutDesc& L, int64_t n_pa
   return out;
 }
 
-at::Tensor pack_weight_cpu(const at::Tensor& w, int64_t layout, int64_t n_padded, int64_t k_padded) {
+// Sub-byte layouts (int4) pack uint8 codes, one per byte, into the layout's [E, Np, Kp * bits / 8]
+// bytes. K padding takes the row's zero point of its group (so it dequantizes to exactly 0:
+// moepack.schemes.int4.pack_u4_codes is the rule), or code 0 without `zero`.
+void check_sub_byte(const at::Tensor& w, const std::optional<at::Tensor>& zero, const LayoutDesc& L, int64_t kp) {
+  const int hi = (1 << L.weight_bits) - 1;
+  TORCH_CHECK_TYPE(w.scalar_type() == at::kByte, "weight has dtype ", w.scalar_type(), ": layout ", L.name, " packs ",
+                   L.weight_bits, "-bit codes as uint8, one per byte, 0..", hi,
+                   " (quantize first: moepack.schemes.int4.quantize_int4_group)");
+  if (!zero) return;
+  const at::Tensor& z = *zero;
+  TORCH_CHECK_TYPE(z.scalar_type() == at::kByte, "zero has dtype ", z.scalar_type(), ": layout ", L.name,
+                   "'s zero points are uint8 0..", hi);
+  // ng between the groups of the real K and those of the padded K (per channel: 1); padding
+  // columns of groups past the last given one take that one (pack_u4_codes's rule)
+  const int64_t k = w.size(2), G = L.group_size ? L.group_size : kp;
+  const int64_t lo_ng = std::max<int64_t>(1, (k + G - 1) / G), hi_ng = std::max<int64_t>(1, (kp + G - 1) / G);
+  TORCH_CHECK_VALUE(z.dim() == 3 && z.size(0) == w.size(0) && z.size(1) == w.size(1) && z.size(2) >= lo_ng &&
+                        z.size(2) <= hi_ng,
+                    "zero has shape ", shape_str(z), " for weight ", shape_str(w), ": must be [", w.size(0), ", ", w.size(1),
+                    ", ng] (one zero point per row and K group) with ", lo_ng, " <= ng <= ", hi_ng, " (layout ", L.name,
+                    L.group_size ? ", group_size " + std::to_string(L.group_size) : std::string(", per channel"),
+                    ", K=", k, " padded to ", kp, ")");
+}
+
+at::Tensor pack_weight_sub_byte(const at::Tensor& w, const std::optional<at::Tensor>& zero, const LayoutDesc& L,
+                                int64_t n_padded, int64_t k_padded) {
+  auto shape = packed_shape(w, L, n_padded, k_padded);
+  check_sub_byte(w, zero, L, shape[2]);
+  const int64_t E = shape[0], n = w.size(1), k = w.size(2), np = shape[1], kp = shape[2];
+  const int64_t hi = (1 << L.weight_bits) - 1;
+  at::Tensor src = w.contiguous();
+  at::Tensor z = zero ? zero->contiguous() : at::Tensor();
+  const int64_t ng = zero ? z.size(2) : 1;
+  const uint8_t* zp = zero ? z.data_ptr<uint8_t>() : nullptr;
+  if (zp) {  // a zero point out of range would be packed masked: refuse it, whether padding uses it or not
+    for (int64_t i = 0; i < z.numel(); ++i) {
+      TORCH_CHECK_VALUE(zp[i] <= hi, "zero[", i / (n * ng), ", ", (i / ng) % n, ", ", i % ng, "] = ", int(zp[i]),
+                        ": layout ", L.name, "'s ", L.weight_bits, "-bit zero points are 0..", hi);
+    }
+  }
+  const int64_t row_bytes = kp * L.weight_bits / 8;
+  at::Tensor out = at::empty({E, np, row_bytes}, w.options());
+  const uint8_t* sp = src.data_ptr<uint8_t>();
+  uint8_t* dp = out.data_ptr<uint8_t>();
+  const int64_t blocks = np / L.block_n;
+  std::atomic<int64_t> first_bad{std::numeric_limits<int64_t>::max()};
+  // one task = one column block of one expert, as for bf16: a single expert packs on every thread
+  at::parallel_for(0, E * blocks, 1, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) {
+      const int64_t x = t / blocks, blk = t % blocks;
+      const int64_t bad = pack_matrix_sub_byte_rows(sp + x * n * k, zp ? zp + x * n * ng : nullptr, ng, n, k, np, kp, L,
+                                                    dp + x * np * row_bytes, blk, blk + 1);
+      if (bad >= 0) {
+        int64_t flat = x * n * k + bad, cur = first_bad.load();
+        while (flat < cur && !first_bad.compare_exchange_weak(cur, flat)) {
+        }
+      }
+    }
+  });
+  const int64_t bad = first_bad.load();
+  TORCH_CHECK_VALUE(bad == std::numeric_limits<int64_t>::max(), "weight[", bad / (n * k), ", ", (bad / k) % n, ", ",
+                    bad % k, "] = ", int(sp[bad]), ": layout ", L.name, "'s ", L.weight_bits, "-bit codes are 0..", hi);
+  return out;
+}
+
+void check_no_zero(const std::optional<at::Tensor>& zero, const LayoutDesc& L) {
+  TORCH_CHECK_VALUE(!zero, "zero is given: layout ", L.name, " stores ", kTensorDtypeNames[L.tensors[0].dtype],
+                    " codes, and only sub-byte layouts pad K with zero points");
+}
+
+at::Tensor pack_weight_cpu(const at::Tensor& w, int64_t layout, int64_t n_padded, int64_t k_padded,
+                           const std::optional<at::Tensor>& zero) {
   const LayoutDesc& L = layout_or_throw(layout);
   check_cpu(w, "weight");
+  if (zero) check_cpu(*zero, "zero");
+  if (L.weight_bits < 8) return pack_weight_sub_byte(w, zero, L, n_padded, k_padded);
+  check_no_zero(zero, L);
   TORCH_CHECK_VALUE(L.tensors[0].dtype == kTensor_int8 || L.tensors[0].dtype == kTensor_bfloat16, "layout ", L.name,
-                    " stores ", kTensorDtypeNames[L.tensors[0].dtype], " codes: pack_weight packs bfloat16 and int8 codes");
+                    " stores ", kTensorDtypeNames[L.tensors[0].dtype],
+                    " codes: pack_weight packs bfloat16, int8 and sub-byte codes");
   if (L.tensors[0].dtype == kTensor_int8) return pack_weight_i8(w, L, n_padded, k_padded);
   const DType dt = dtype_of(w, "weight");
   auto shape = packed_shape(w, L, n_padded, k_padded);
@@ -73,8 +151,16 @@ at::Tensor pack_weight_cpu(const at::Tensor& w, int64_t layout, int64_t n_padded
   return out;
 }
 
-at::Tensor pack_weight_meta(const at::Tensor& w, int64_t layout, int64_t n_padded, int64_t k_padded) {
+at::Tensor pack_weight_meta(const at::Tensor& w, int64_t layout, int64_t n_padded, int64_t k_padded,
+                            const std::optional<at::Tensor>& zero) {
   const LayoutDesc& L = layout_or_throw(layout);
+  if (L.weight_bits < 8) {
+    auto shape = packed_shape(w, L, n_padded, k_padded);
+    check_sub_byte(w, zero, L, shape[2]);
+    shape[2] = shape[2] * L.weight_bits / 8;
+    return at::empty(shape, w.options());
+  }
+  check_no_zero(zero, L);
   if (L.tensors[0].dtype == kTensor_int8) {
     TORCH_CHECK_TYPE(w.scalar_type() == at::kChar, "weight has dtype ", w.scalar_type(), ": layout ", L.name,
                      " packs int8 codes (quantize first: moepack.pack.quantize_int8_per_channel)");
@@ -107,7 +193,7 @@ at::Tensor huge_page_copy_cpu(const at::Tensor& t) {
 }  // namespace moepack
 
 TORCH_LIBRARY_FRAGMENT(moepack, m) {
-  m.def("pack_weight(Tensor weight, int layout, int n_padded=0, int k_padded=0) -> Tensor");
+  m.def("pack_weight(Tensor weight, int layout, int n_padded=0, int k_padded=0, Tensor? zero=None) -> Tensor");
   m.def("huge_page_copy(Tensor tensor) -> Tensor");
 }
 

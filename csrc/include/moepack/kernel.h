@@ -210,5 +210,13 @@ void pack_matrix_sub_byte(const uint8_t* src, const uint8_t* zero, int64_t n, in
                           const LayoutDesc& L, uint8_t* dst);
 void pack_matrix_i8(const int8_t* src, int64_t n, int64_t k, int64_t np, int64_t kp, const LayoutDesc& layout,
                     int8_t* dst);
+// pack_matrix_sub_byte of column blocks [block_begin, block_end) only (torch.ops.moepack.pack_weight
+// splits one matrix across threads), with zero [N, ng] of any ng >= 1 (K padding column c takes
+// group min(c / group_size, ng - 1), as moepack.schemes.int4.pack_u4_codes pads) or null (K padding
+// code 0). Returns the flat index in src of the first code >= 2^weight_bits among these blocks'
+// rows, or -1; such a code is packed masked to its low weight_bits bits.
+int64_t pack_matrix_sub_byte_rows(const uint8_t* src, const uint8_t* zero, int64_t ng, int64_t n, int64_t k, int64_t np,
+                                  int64_t kp, const LayoutDesc& layout, uint8_t* dst, int64_t block_begin,
+                                  int64_t block_end);
 
 }  // namespace moepack

@@ -170,7 +170,7 @@ def source_layout(specs: list, layout):
 
 
 def _pack(c: dict, *, interleaved: bool, layout, use_cpp: bool = True):
-    return pack_experts_int4(c, interleaved=interleaved, layout=layout)
+    return pack_experts_int4(c, interleaved=interleaved, layout=layout, use_cpp=use_cpp)
 
 
 def _from_float(w13, w2, layout=None, options: Int4Options | None = None) -> dict:
