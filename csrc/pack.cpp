@@ -168,7 +168,7 @@ uint64_t pack_sub_byte_whole_runs(const uint8_t* row, int64_t runs, int64_t kpk_
 int64_t pack_matrix_sub_byte_rows(const uint8_t* src, const uint8_t* zero, int64_t ng, int64_t n, int64_t k, int64_t np,
                                   int64_t kp, const LayoutDesc& L, uint8_t* dst, int64_t block_begin, int64_t block_end) {
   const int64_t bn = L.block_n, kpk = L.k_pack, bits = L.weight_bits;
-  const int64_t G = L.group_size ? L.group_size : kp;
+  const int64_t G = L.group_size ? L.group_size : (kp > 0 ? kp : 1);  // per channel; an empty K is one group
   const int mask = (1 << bits) - 1;
   const int64_t run_bytes = kpk * bits / 8;  // a column's run of k_pack codes is whole bytes (layouts_gen.h asserts)
   (void)np;
@@ -218,7 +218,7 @@ int64_t pack_matrix_sub_byte_rows(const uint8_t* src, const uint8_t* zero, int64
 
 void pack_matrix_sub_byte(const uint8_t* src, const uint8_t* zero, int64_t n, int64_t k, int64_t np, int64_t kp,
                           const LayoutDesc& L, uint8_t* dst) {
-  const int64_t G = L.group_size ? L.group_size : kp;
+  const int64_t G = L.group_size ? L.group_size : (kp > 0 ? kp : 1);  // per channel; an empty K is one group
   pack_matrix_sub_byte_rows(src, zero, (kp + G - 1) / G, n, k, np, kp, L, dst, 0, np / L.block_n);
 }
 

@@ -103,7 +103,7 @@ def _target_layout(lay: PackedLayout, scheme: Scheme, options, reader: SourceRea
         if scheme.keeps_source(reader) and scheme.source_layout is not None:
             return scheme.source_layout(specs, lay if lay.scheme == scheme.name else scheme.layout_for(lay.family))
         if options is not None and hasattr(options, "layout"):
-            return options.layout(lay.family)
+            return options.layout(lay.family, lay if lay.scheme == scheme.name else None)
         return lay if lay.scheme == scheme.name else scheme.layout_for(lay.family)
     except (UnsupportedError, LayoutError) as e:
         raise ConvertError(str(e)) from None
@@ -184,6 +184,10 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
                                "as stored, never re-quantized; quantizer options apply to float sources only")  # fmt: skip
         options = None  # a source of the scheme is packed as stored: no quantizer runs
     lay = _target_layout(lay, scheme, options, reader, specs)
+    if options is None and scheme.quantized and not scheme.keeps_source(reader):
+        options = scheme.options(())  # the quantizer's defaults, spelled out in the manifest
+    if options is not None and hasattr(options, "resolved"):
+        options = options.resolved(lay)  # options left to the layout take the written layout's
     config = text_config(ckpt.config)
     expert_names = {n for s in specs for n in s.expert_tensors}
     other = [n for n in ckpt.tensors if n not in expert_names]

@@ -516,3 +516,14 @@ def test_verify_reads_sub_byte_codes_through_the_packed_layouts_own_order():
     p = PackedExperts(lay, e, h, i, 32, False, tensors)
     assert torch.equal(_unpacked(p.w13, "w13", p), c13) and torch.equal(_unpacked(p.w2, "w2", p), c2)
     assert not torch.equal(unpack_codes(INT4_LAYOUT, p.w13), c13)
+
+
+def test_pack_weight_per_channel_with_an_empty_k_is_no_division_by_zero():
+    """A per-channel int4 layout with K = 0 and zero points: one group, an empty packed K (the
+    group size is K itself, 0, which once divided the group count and killed the process)."""
+    from moepack._ops import ops
+    from moepack.layout import layout_get
+
+    lay = layout_get("u4ch_n32k8_x86")
+    out = ops().pack_weight(torch.zeros(1, 32, 0, dtype=torch.uint8), lay.id, 0, 0, torch.zeros(1, 32, 1, dtype=torch.uint8))
+    assert tuple(out.shape) == (1, 32, 0)

@@ -56,7 +56,8 @@ void check_sub_byte(const at::Tensor& w, const std::optional<at::Tensor>& zero, 
                    "'s zero points are uint8 0..", hi);
   // ng between the groups of the real K and those of the padded K (per channel: 1); padding
   // columns of groups past the last given one take that one (pack_u4_codes's rule)
-  const int64_t k = w.size(2), G = L.group_size ? L.group_size : kp;
+  // per channel, G = kp; an empty K (kp = 0) has one group, as one of size 1 would give
+  const int64_t k = w.size(2), G = L.group_size ? L.group_size : std::max<int64_t>(kp, 1);
   const int64_t lo_ng = std::max<int64_t>(1, (k + G - 1) / G), hi_ng = std::max<int64_t>(1, (kp + G - 1) / G);
   TORCH_CHECK_VALUE(z.dim() == 3 && z.size(0) == w.size(0) && z.size(1) == w.size(1) && z.size(2) >= lo_ng &&
                         z.size(2) <= hi_ng,

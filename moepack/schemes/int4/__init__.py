@@ -31,13 +31,16 @@ INT4_TOL = 1e-5  # vs moe_reference_int4 on the same codes (A16; A8 plus flips)
 INT4_FLIPS = 2.0
 INT4_A8_FP32_TOL = 3e-2  # A8 vs the fp32 reference on the dequantized weights (docs/SEMANTICS.md §4)
 # A float source quantized by moepack: the output against the fp32 reference on the SOURCE's
-# float weights. Round to nearest leaves each weight within half a step (amax / 7.5 symmetric,
-# range / 15 asymmetric) of its value: a relative weight error of ~9-10% for bell-shaped weights,
-# which two GEMMs and the activation grow to 15-20% of the output (measured on the qwen3_moe,
-# mixtral and deepseek_v3 fixtures for every option: weights 0.087-0.103, outputs 0.146-0.196).
-# The bound catches wrong scales, options or codes (errors of order 1), not the quantizer's own
-# error, which the exact code check and the 1e-5 check against the int4 reference already pin.
-INT4_FROM_FLOAT_TOL = 0.25
+# float weights, reported per layer. Round to nearest leaves each weight within half a step
+# (amax / 7.5 symmetric, range / 15 asymmetric): a relative weight error of ~9-10% for
+# bell-shaped weights, which two GEMMs and the activation grow to 15-20% of the output (the
+# qwen3_moe, mixtral and deepseek_v3 fixtures, every option: weights 0.087-0.103, outputs
+# 0.146-0.196), but heavy-tailed weights quantized coarsely go far higher (per channel on
+# Student-t df=3 weights: 0.43 of the weights alone). So the value is reported for the user to
+# judge, and the layer fails only at 1.0, where the output is no closer to the source's than zero
+# is: a broken quantizer (wrong scales, codes or options), never a coarse one. The codes
+# themselves are pinned exactly (verify redoes the quantization) and against the int4 reference.
+INT4_FROM_FLOAT_TOL = 1.0
 
 
 def layout_group(layout) -> int:
@@ -57,21 +60,35 @@ class Int4Options:
     compressed-tensors' W4A16) or asymmetric (scale and zero point from the group's min and max:
     W4A16_ASYM, AWQ's zero_point). Round to nearest either way."""
 
-    group_size: int = INT4_DEFAULT_GROUP
+    group_size: int | None = None  # None: not named (the int4 layout asked for, else INT4_DEFAULT_GROUP)
     sym: bool = True
+
+    def group(self) -> int:
+        return INT4_DEFAULT_GROUP if self.group_size is None else self.group_size
+
+    def resolved(self, layout) -> "Int4Options":
+        """These options with the group size spelled out: the one named, else ``layout``'s (the
+        layout a convert writes), so a manifest's ``quantizer`` always names it."""
+        return self if self.group_size is not None else Int4Options(layout_group(layout), self.sym)
 
     def key(self) -> str:
         return f"{SCHEME}:{self.tag()}"
 
     def tag(self) -> str:
-        return f"{'ch' if self.group_size == -1 else f'g{self.group_size}'}:{'sym' if self.sym else 'asym'}"
+        g = self.group()
+        return f"{'ch' if g == -1 else f'g{g}'}:{'sym' if self.sym else 'asym'}"
 
     def note(self) -> str:
-        per = "per channel" if self.group_size == -1 else f"group {self.group_size}"
+        g = self.group()
+        per = "per channel" if g == -1 else f"group {g}"
         return f"int4, {'symmetric' if self.sym else 'asymmetric'}, {per}, round to nearest"
 
-    def layout(self, family: str):
-        return int4_layout_for(self.group_size, family)
+    def layout(self, family: str, given=None):
+        """The layout these options quantize into: the named group size's; with none named, the
+        int4 layout ``given`` (the one asked for), else the default group's."""
+        if self.group_size is None and given is not None:
+            return given
+        return int4_layout_for(self.group(), family)
 
 
 def parse_options(words: tuple[str, ...]) -> Int4Options:
@@ -95,7 +112,7 @@ def parse_options(words: tuple[str, ...]) -> Int4Options:
             raise ConvertError(f"--quantize int4 group size {g}: moepack has int4 layouts for group sizes "
                                f"{', '.join(str(x) for x in sizes)} (-1 = per channel)")  # fmt: skip
         group = g
-    return Int4Options(INT4_DEFAULT_GROUP if group is None else group, True if sym is None else sym)
+    return Int4Options(group, True if sym is None else sym)
 
 
 class Int4Layer(QuantizedLayer):
@@ -175,8 +192,8 @@ def _pack(c: dict, *, interleaved: bool, layout, use_cpp: bool = True):
 
 def _from_float(w13, w2, layout=None, options: Int4Options | None = None) -> dict:
     opts = options or Int4Options()
-    g = layout_group(layout) if layout is not None else opts.group_size
-    if options is not None and layout is not None and g != opts.group_size:
+    g = layout_group(layout) if layout is not None else opts.group()
+    if opts.group_size is not None and layout is not None and g != opts.group_size:
         raise UnsupportedError(f"int4 group size {opts.group_size} with layout {layout.name} (group size {g}): "
                                "the options and the layout must agree")  # fmt: skip
     q13, s13, z13 = quantize_int4_group(w13, g, sym=opts.sym)
