@@ -76,7 +76,7 @@ def _options(layer):
     q = layer.entry.get("quantizer")
     if not q:
         return None
-    from .convert_dir import parse_quantize
+    from .convert_plan import parse_quantize  # where it lives: not the convert driver (threads, signals)
 
     try:
         return parse_quantize(q)[1]
