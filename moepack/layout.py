@@ -35,12 +35,12 @@ from .errors import LayoutError
 FAMILIES = ("x86", "arm")
 # Element type of the stored codes/values -> bits per element. Sub-byte codes (4 bits) are stored
 # two to a byte in a uint8 tensor (TensorSpec.dtype), low nibble first.
-WEIGHT_DTYPES = {"bf16": 16, "f32": 32, "i8": 8, "u4": 4}
+WEIGHT_DTYPES = {"bf16": 16, "f32": 32, "i8": 8, "u4": 4, "f8e4m3": 8}
 SCALE_DTYPES = ("none", "f32", "bf16", "e8m0")
 ZERO_KINDS = ("none", "u4", "bf16")
 # The packed weight schemes (docs/SEMANTICS.md §3): one name everywhere (CLI, manifest, Python
 # API, docs); moepack/schemes/ has one module per scheme.
-SCHEMES = ("dense", "int8_channel", "int4_group")
+SCHEMES = ("dense", "int8_channel", "int4_group", "fp8_block")
 # Activation modes a layout serves (docs/SEMANTICS.md §3): a16 = activations in their own dtype,
 # a8 = per-token dynamic int8.
 ACT_MODES = ("a16", "a8")
@@ -198,7 +198,7 @@ MAX_LAYOUT_TENSORS = 4
 # permutation of int4_group layouts (PERM_SCHEMES)
 RESERVED_SUFFIXES = ("_bias", "_perm")
 PERM_SCHEMES = ("int4_group",)  # the schemes whose layers may carry a w13_perm
-CODES_DTYPES = {"bf16": "bfloat16", "f32": "float32", "i8": "int8", "u4": "uint8"}  # weight_dtype -> codes tensor
+CODES_DTYPES = {"bf16": "bfloat16", "f32": "float32", "i8": "int8", "u4": "uint8", "f8e4m3": "uint8"}  # weight_dtype -> codes tensor
 SCALE_TENSOR_DTYPES = {"f32": "float32", "bf16": "bfloat16", "e8m0": "uint8"}
 ZERO_TENSOR_DTYPES = {"u4": "uint8", "bf16": "bfloat16"}
 # The fields of a layout descriptor in a format-version-1 manifest (before layouts declared their
@@ -249,6 +249,33 @@ U4_NIBBLE_ORDER = "byte j%4, nibble j//4"
 U4_CODE_ORDER = tuple(2 * (j % 4) + j // 4 for j in range(8))  # (0, 2, 4, 6, 1, 3, 5, 7)
 U4_GROUP_SIZES = (32, 64, 128)  # the u4 layouts' group sizes (and 0 = per channel)
 
+# fp8 block (SEMANTICS.md §3, W8A16): float8 e4m3fn codes, one byte each (their bit patterns,
+# never widened), fp8(q) * s[g, n] with one fp32 scale per (K group of 128, output channel):
+# a source's 2-D block scales [ceil(N/bn), ceil(K/bk)] are expanded over the block's rows, so
+# any row blocking (and gate/up halves whose blocks do not line up with 32-column blocks) packs
+# exactly. The codes are blocked like bf16_n32k2_x86 (a K pair of 32 columns = 64 bytes), so a
+# decoded K slice is the SIMD levels' dense bf16 block byte for byte. Padding codes are 0x00
+# (+0); padded channels have scale 0. "ch": per output channel (FP8_DYNAMIC; a per-tensor
+# scale is expanded to every channel).
+def _f8_tensors(shape: str) -> tuple[TensorSpec, ...]:
+    where = "per (K group, output channel)" if shape == "group" else "per output channel"
+    return (
+        TensorSpec("codes", "", "uint8", "packed", note="float8 e4m3fn bit patterns, one per byte"),
+        TensorSpec("scale", "_scale", "float32", shape, note=f"fp32 scale {where} (0 in padding)"),
+    )
+
+
+def _f8_layout(id_: int, group: int) -> "PackedLayout":
+    tag = f"g{group}" if group else "ch"
+    return PackedLayout(
+        id=id_, name=f"f8{tag}_n32k2_x86", weight_dtype="f8e4m3", weight_bits=8, group_size=group, block_n=32,
+        k_pack=2, scale_dtype="f32", zero_kind="none", family="x86", i_align=32, scheme="fp8_block",
+        act_modes=("a16",), tensors=_f8_tensors("group" if group else "channel"),
+    )  # fmt: skip
+
+
+F8_GROUP_SIZES = (128,)  # the fp8 layouts' K block sizes (and 0 = per channel)
+
 LAYOUTS: tuple[PackedLayout, ...] = (
     PackedLayout(
         id=1,
@@ -290,6 +317,8 @@ LAYOUTS: tuple[PackedLayout, ...] = (
     _u4_layout(4, 64),
     _u4_layout(5, 128),
     _u4_layout(6, 0),
+    _f8_layout(7, 128),
+    _f8_layout(8, 0),
 )
 
 _BY_ID = {layout.id: layout for layout in LAYOUTS}
@@ -299,6 +328,7 @@ assert len(_BY_ID) == len(LAYOUTS) and len(_BY_NAME) == len(LAYOUTS), "duplicate
 DEFAULT_LAYOUT = _BY_NAME["bf16_n32k2_x86"]
 INT8_LAYOUT = _BY_NAME["i8_n32k4_x86"]
 INT4_LAYOUT = _BY_NAME["u4g128_n32k8_x86"]  # pack_experts' int4 default (symmetric, group 128)
+FP8_LAYOUT = _BY_NAME["f8g128_n32k2_x86"]  # DeepSeek-style 128 x 128 blocks
 
 
 def int4_layout_for(group_size: int, family: str = "x86") -> PackedLayout:
@@ -460,6 +490,7 @@ __all__ = [
     "DEFAULT_LAYOUT",
     "INT8_LAYOUT",
     "INT4_LAYOUT",
+    "FP8_LAYOUT",
     "int4_layout_for",
     "PackedLayout",
     "ExpertShapes",
