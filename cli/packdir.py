@@ -304,6 +304,9 @@ def inspect(
         console.print(f"act-order (w13_perm): layers {', '.join(act_order)}", highlight=False)
     for note in sorted({x["scheme_source"] for x in layers if x["scheme_source"] and x["quantized"]}):
         console.print(f"weights: {note}", highlight=False)
+    skipped = m["source"].get("skipped")
+    if isinstance(skipped, dict) and skipped.get("tensors"):
+        console.print(f"skipped: {len(skipped['tensors'])} source tensors ({skipped.get('why')})", highlight=False)
     for q in sorted({x["quantizer"] for x in layers if x["quantizer"]}):
         console.print(f"quantizer: {q} (moepack verify --source reports its error)", highlight=False)
     total = sum(v["size"] for v in m["files"].values())

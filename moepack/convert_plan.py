@@ -162,6 +162,7 @@ class _Plan:
     limit: float
     act_modes: dict  # layer index -> the act mode recorded as its default
     shard_plans: dict = field(default_factory=dict)  # file name -> ShardPlan (every shard, planned up front)
+    skipped: tuple = ([], "")  # (source tensors left out deliberately, why): SourceReader.skipped
 
     @property
     def quantizer(self) -> str | None:
@@ -190,7 +191,8 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
         options = options.resolved(lay)  # options left to the layout take the written layout's
     config = text_config(ckpt.config)
     expert_names = {n for s in specs for n in s.expert_tensors}
-    other = [n for n in ckpt.tensors if n not in expert_names]
+    skipped = reader.skipped(ckpt) if reader.skipped is not None else ([], "")
+    other = [n for n in ckpt.tensors if n not in expert_names and n not in set(skipped[0])]
     if act_mode is not None and act_mode not in lay.act_modes:
         raise ConvertError(f"act_mode={act_mode!r}: layout {lay.name} (scheme {lay.scheme}) runs with "
                            f"{' or '.join(lay.act_modes)} activations only")  # fmt: skip
@@ -207,6 +209,7 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
         [f"experts-{i + 1:05d}-of-{ne:05d}.safetensors" for i in range(ne)], other_shards,
         [f"model-{i + 1:05d}-of-{no:05d}.safetensors" for i in range(no)], routing, routing_note, alpha, limit, act_modes,
     )  # fmt: skip
+    pl.skipped = skipped
     for fname, shard_specs in zip(pl.expert_files, pl.expert_shards):
         shard = pl.shard_plans[fname] = ShardPlan()
         for s in shard_specs:

@@ -151,6 +151,8 @@ def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, 
             "reader": pl.reader.name,
             "fingerprint": pl.ckpt.fingerprint(),
             "files": [f.name for f in pl.ckpt.files],
+            # tensors left out deliberately (SourceReader.skipped: neither packed nor carried over)
+            **({"skipped": {"why": pl.skipped[1], "tensors": list(pl.skipped[0])}} if pl.skipped[0] else {}),
         },
         "model": {"model_type": pl.config.get("model_type"), "hidden_size": pl.config.get("hidden_size"), "config": pl.ckpt.config},
         "routing": pl.routing,

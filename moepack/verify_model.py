@@ -79,14 +79,15 @@ def _check_model(model: PackedModel, ckpt, reader, specs: dict) -> list[str]:
         for k in src_routing:
             if src_routing[k] != pack_routing.get(k):
                 out.append(f"routing.{k}: pack {pack_routing.get(k)!r}, source config {src_routing[k]!r}")
-    out += _check_carried(model, ckpt, specs)
+    out += _check_carried(model, ckpt, specs, set(reader.skipped(ckpt)[0]) if reader.skipped is not None else set())
     return out
 
 
-def _check_carried(model: PackedModel, ckpt, specs: dict) -> list[str]:
-    """The carried-over tensors: the source's tensors that no MoE layer consumes, as a set, and
-    each one's dtype, shape and bytes (the source's sha256 against the manifest's)."""
-    consumed = {n for s in specs.values() for n in s.expert_tensors}
+def _check_carried(model: PackedModel, ckpt, specs: dict, skipped: set = frozenset()) -> list[str]:
+    """The carried-over tensors: the source's tensors that no MoE layer consumes and the reader
+    does not skip (``skipped``: SourceReader.skipped), as a set, and each one's dtype, shape and
+    bytes (the source's sha256 against the manifest's)."""
+    consumed = {n for s in specs.values() for n in s.expert_tensors} | skipped
     src = [n for n in ckpt.tensors if n not in consumed]
     ours = {n for n in model.manifest["tensors"] if not n.startswith("moepack.layers.")}
     out = []

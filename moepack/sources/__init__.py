@@ -37,6 +37,9 @@ class SourceReader:
     read_shared_canonical: Callable[[Checkpoint, LayerSpec], dict | None] | None = None
     # what the stored weights are, in words (the manifest's scheme_source); "": the scheme says it
     weights_note: str = ""
+    # (ckpt) -> (source tensors convert leaves out deliberately, why) or None: nothing is skipped.
+    # They are neither packed nor carried over; the manifest's source.skipped records them.
+    skipped: Callable[[Checkpoint], tuple[list, str]] | None = None
 
 
 def _detect_dense(ckpt: Checkpoint) -> tuple[bool, str]:
@@ -83,6 +86,19 @@ def _int4_reader(mod) -> SourceReader:
     )
 
 
+def _fp8_readers() -> list[SourceReader]:
+    from . import fp8
+
+    def reader(name, detect, note):
+        return SourceReader(name, detect, fp8.layers, fp8.read_layer, fp8.read_expert_w13, fp8.read_expert_w2,
+                            fp8.read_biases, fp8.read_shared, scheme=fp8.SCHEME,
+                            read_expert_canonical=fp8.read_expert_canonical, read_shared_canonical=fp8.read_shared_canonical,
+                            weights_note=note, skipped=fp8.skipped)  # fmt: skip
+
+    return [reader("fp8-block", fp8.detect_block_fp8, fp8.DEEPSEEK_NOTE),
+            reader("compressed-tensors-float-quantized", fp8.detect_float_quantized, fp8.CT_NOTE)]  # fmt: skip
+
+
 def _int4_readers() -> list[SourceReader]:
     from . import awq, ct_pack_quantized, gptq
 
@@ -92,6 +108,7 @@ def _int4_readers() -> list[SourceReader]:
 READERS: list[SourceReader] = [
     _ct_reader(),
     *_int4_readers(),  # scheme int4_group (sources/int4_common.py): compressed-tensors pack-quantized, GPTQ, AWQ GEMM
+    *_fp8_readers(),  # scheme fp8_block (sources/fp8.py): DeepSeek/Qwen block FP8, compressed-tensors float-quantized
     SourceReader("dense", _detect_dense, discover_layers, read_layer, read_expert_w13, read_expert_w2, read_biases, read_shared),
 ]
 
