@@ -204,6 +204,8 @@ def _detect(ckpt: Checkpoint, fmt: str) -> tuple[bool, str]:
         config(ckpt)
     except SourceError as e:
         return False, str(e)
+    if not any(ti.dtype_str.startswith("F8_E") and ti.dtype_str != "F8_E8M0" for ti in ckpt.tensors.values()):
+        return False, f"quant_method={method!r} but no tensor is stored in FP8 (F8_E4M3): not an FP8 checkpoint"
     return True, DEEPSEEK_NOTE if fmt == "fp8" else CT_NOTE
 
 
