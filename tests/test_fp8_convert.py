@@ -188,6 +188,20 @@ def test_quantize_fp8_from_float(tmp_path, name, quantize, layout):
         assert x.weights_exact and x.rel_err <= 1e-5 and x.fp32_tol is not None and x.rel_err_fp32 < 0.08, x
 
 
+def test_mixtral_names_w1_w3_w2(tmp_path, fp8_sources):
+    """Mixtral's experts.<e>.{w1,w3,w2} through the dense reader's discovery, BF16 scales."""
+    from tests.test_fp8_sources import write_block_fp8
+
+    src = tmp_path / "src"
+    write_block_fp8(fixture_dir("mixtral"), src, scale_dtype="bfloat16")
+    ckpt, reader = open_source(src)
+    specs = reader.layers(ckpt)
+    assert [s.index for s in specs] == [0, 1] and specs[0].names[(0, "up", "weight")].endswith("experts.0.w3.weight")
+    moepack.convert(src, tmp_path / "p")
+    report = moepack.verify(tmp_path / "p", source=src)
+    assert report.ok and all(x.weights_exact for x in report.layers), report.failures()
+
+
 def test_float_shared_expert_in_an_fp8_source(tmp_path, fp8_sources):
     """A shared expert the checkpoint keeps in BF16 (modules_to_not_convert) is quantized by
     moepack like any float weight; the routed experts keep their own codes."""

@@ -421,3 +421,37 @@ def test_mtp_layer_is_skipped_and_recorded(fp8_sources):
     names, why = reader.skipped(ckpt)
     assert names == sorted(n for n in ckpt.tensors if n.startswith("model.layers.2."))
     assert any(".mlp.experts." in n for n in names) and "num_nextn_predict_layers=1" in why
+
+
+def _ct_group(qc):
+    return qc["config_groups"]["group_0"]
+
+
+CT_BAD_CONFIGS = {
+    "group strategy": (lambda qc: _ct_group(qc)["weights"].update(strategy="group", group_size=128, block_structure=None),
+                       "strategy='group': moepack reads FP8 weights with block, channel or tensor scales"),
+    "block 64 wide": (lambda qc: _ct_group(qc)["weights"].update(block_structure=[128, 64]), "block_structure=[128, 64]: a block 64 columns wide"),
+    "int weights": (lambda qc: _ct_group(qc)["weights"].update(type="int"), "type='int': float-quantized FP8 weights are 8-bit float"),
+    "4-bit float": (lambda qc: _ct_group(qc)["weights"].update(num_bits=4), "num_bits=4"),
+    "not compressed": (lambda qc: qc.update(quantization_status="frozen"), "quantization_status='frozen'"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(CT_BAD_CONFIGS))
+def test_ct_unsupported_configs_are_refused_with_the_reason(tmp_path, fp8_sources, case):
+    edit, words = CT_BAD_CONFIGS[case]
+    src = _copy(tmp_path, fp8_sources("ct_FP8_BLOCK"))
+    _edit_config(src, edit)
+    with pytest.raises(MoepackError, match="no reader handles it") as ei:
+        moepack.convert(src, tmp_path / "dst")
+    assert words in str(ei.value), str(ei.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_ct_channel_scale_shape_is_checked(tmp_path, fp8_sources):
+    src = _copy(tmp_path, fp8_sources("ct_FP8_DYNAMIC"))
+    m = "model.layers.1.mlp.experts.3.gate_proj"
+    _edit_tensors(src, lambda sd: sd.update({m + ".weight_scale": sd[m + ".weight_scale"].repeat(1, 2)}))
+    with pytest.raises(SourceError, match=rf"{re.escape(m)}.weight_scale' has shape \[200, 2\]: expected \[200, 1\] \(one scale per output channel"):
+        moepack.convert(src, tmp_path / "dst")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
