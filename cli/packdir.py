@@ -31,7 +31,8 @@ def convert(
     quantize: Optional[str] = typer.Option(
         None, "--quantize", help="Quantize a float source's experts into a scheme: int8_channel (alias int8: W8A8, "
         "symmetric per output channel) or int4_group (alias int4: round to nearest, symmetric, group 128 by default, as "
-        "GPTQ/compressed-tensors W4A16; see --group-size, --asym). Options may follow the name: int4:g64:asym, int4:ch. "
+        "GPTQ/compressed-tensors W4A16; see --group-size, --asym) or fp8_block (alias fp8: e4m3fn, 128x128 blocks, "
+        "scale amax / 448). Options may follow the name: int4:g64:asym, int4:ch, fp8:ch. "
         "A quantized source stays in its own scheme, never re-quantized."
     ),
     group_size: Optional[int] = typer.Option(
