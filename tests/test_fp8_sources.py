@@ -405,13 +405,15 @@ def test_modules_the_config_leaves_in_float(tmp_path, fp8_sources):
     """modules_to_not_convert naming a module stored in FP8 is refused (config and weights
     disagree); naming float modules (the router) is fine, and so is a float shared expert."""
     src = _copy(tmp_path, fp8_sources("deepseek_v3_f32"))
-    _edit_config(src, lambda qc: qc.update(modules_to_not_convert=["lm_head", "mlp.gate"]))
+    _edit_config(src, lambda qc: qc.update(modules_to_not_convert=["lm_head", "mlp.gate", "gate", "model.layers.0.mlp",
+                                                                       "re:nothing"]))  # fmt: skip
     ckpt, reader = open_source(src)
-    assert reader.layers(ckpt)  # the router and lm_head are float: nothing disagrees
-    _edit_config(src, lambda qc: qc.update(modules_to_not_convert=["experts.2.down_proj"]))
-    with pytest.raises(MoepackError, match=r"experts\.2\.down_proj.weight' is F8_E4M3, but the config leaves .* unquantized"):
-        moepack.convert(src, tmp_path / "dst")
-    assert not (tmp_path / "dst").exists()
+    assert reader.layers(ckpt)  # the router, lm_head and the dense layer 0 are float; "gate" is not "gate_proj"
+    for key in ("experts.2.down_proj", "model.layers.1", r"model\.layers\.\d+\.mlp\.experts\.2"):
+        _edit_config(src, lambda qc: qc.update(modules_to_not_convert=[key]))
+        with pytest.raises(MoepackError, match=r"experts\.[0-9]\.(gate|down)_proj.weight' is F8_E4M3, but the config leaves"):
+            moepack.convert(src, tmp_path / "dst")
+        assert not (tmp_path / "dst").exists()
 
 
 def test_mtp_layer_is_skipped_and_recorded(fp8_sources):

@@ -159,6 +159,9 @@ KERNEL_INSTRUCTIONS: dict[tuple[str, str], str] = {
     ("u4:a8", "avx_vnni"): "vpdpbusd_ymm",
     ("u4:a8", "avx512_vnni"): "vpdpbusd_zmm",
     ("u4:a8", "amx_int8"): "tdpbssd",  # tdpbsud on chunks of 4+ rows (tdpbssd's rate); vpdpbusd below
+    # fp8 (f8 layouts, A16): e4m3fn codes decoded to the bf16 block, then the bf16 kernels' product
+    ("f8e4m3", "avx2"): "fma_ymm",
+    ("f8e4m3", "avx512"): "fma_zmm",
 }
 
 

@@ -260,10 +260,27 @@ def _module_of(weight: str) -> str:
     return weight[: -len(".weight")]
 
 
+def _names_module(key: str, module: str) -> bool:
+    """Whether a ``modules_to_not_convert`` / ``ignored_layers`` entry names ``module``, as
+    transformers 5 reads them: the whole name or a dotted suffix of it ("lm_head",
+    "experts.3.down_proj"), or a regex matching from the start up to a module boundary
+    ("model.layers.1" names "model.layers.1.mlp...", not "model.layers.11..."; "mlp.gate" never
+    names "mlp.gate_proj")."""
+    if not key:
+        return False
+    if module == key or module.endswith("." + key):
+        return True
+    try:
+        m = re.match(f"(?:{key})", module)
+    except re.error:
+        return False
+    return m is not None and (m.end() == len(module) or module[m.end()] == "." or module[m.end() - 1] == ".")
+
+
 def _left_in_float(cfg: _Cfg, module: str) -> str | None:
     """The config entry that leaves ``module`` unquantized, or None."""
     for key in cfg.not_converted:
-        if key and key in module:
+        if _names_module(key, module):
             return key
     for t in cfg.ignore:
         if (t.startswith("re:") and re.match(t[3:], module)) or t == module:
