@@ -435,5 +435,5 @@ def test_bench_int8_scheme():
     assert all(r.moepack_gbs > 0 and r.check_rel_diff is not None and r.check_rel_diff < 0.08 for r in result.rows)
     assert any("--scheme int8_channel" in n for n in result.notes)
     assert "bf16/int8_channel" in B.render_markdown(result)
-    with pytest.raises(ValueError, match="--scheme: scheme 'int3' is unknown; known schemes: dense, int4_group, int8_channel"):
+    with pytest.raises(ValueError, match="--scheme: scheme 'int3' is unknown; known schemes: dense, fp8_block, int4_group, int8_channel"):
         B.BenchConfig(scheme="int3").validate()

@@ -121,8 +121,11 @@ def test_compiled_table_has_no_other_layouts():
 def test_layout_table_invariants():
     assert len({x.id for x in LAYOUTS}) == len(LAYOUTS) and len({x.name for x in LAYOUTS}) == len(LAYOUTS)
     for x in LAYOUTS:
-        tag = "" if x.scheme != "int4_group" else (f"g{x.group_size}" if x.group_size else "ch")
-        assert x.name == f"{x.weight_dtype}{tag}_n{x.block_n}k{x.k_pack}_{x.family}"
+        # grouped schemes name their group (g<G>, or ch per channel); the f8 layouts' names say f8 (e4m3fn
+        # is the one fp8 they hold)
+        tag = (f"g{x.group_size}" if x.group_size else "ch") if x.scheme in ("int4_group", "fp8_block") else ""
+        short = {"f8e4m3": "f8"}.get(x.weight_dtype, x.weight_dtype)
+        assert x.name == f"{short}{tag}_n{x.block_n}k{x.k_pack}_{x.family}"
         assert x.i_align % x.block_n == 0
         assert x.weight_bits == lay.WEIGHT_DTYPES[x.weight_dtype] == 8 * x.elem_bytes
         assert layout_get(x.id) is x and layout_get(x.name) is x and layout_get(x) is x
