@@ -365,7 +365,7 @@ def test_bad_tensors_are_refused_by_name(tmp_path, fp8_sources, case):
 
 BAD_CONFIGS = {
     "e5m2": (lambda qc: qc.update(fmt="e5m2"), "fmt='e5m2': e5m2 keeps 2 mantissa bits"),
-    "e4m3fnuz": (lambda qc: qc.update(fmt="e4m3fnuz"), "0x7F/0xFF = +-240"),
+    "e4m3fnuz": (lambda qc: qc.update(fmt="e4m3fnuz"), "its +-240 (0x7F/0xFF) have an exact e4m3fn code only at the same scale"),
     "unknown fmt": (lambda qc: qc.update(fmt="e3m4"), "fmt='e3m4': moepack reads e4m3"),
     "unknown scale_fmt": (lambda qc: qc.update(scale_fmt="mx"), "scale_fmt='mx'"),
     "block 64 wide": (lambda qc: qc.update(weight_block_size=[128, 64]), "weight_block_size=[128, 64]: a block 64 columns wide"),

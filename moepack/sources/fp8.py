@@ -21,8 +21,8 @@ of their block: [N, ceil(K / 128)] (bk must be 128, the layout's K group), or [N
 
 Refused, each in one line naming the tensor (or config key), the value and the rule, before
 convert writes anything final: e5m2 and e4m3fnuz weights or configs (their values are not
-e4m3fn's: e4m3fnuz's 0x7F = 240 and its subnormal 2^-10 steps have no exact e4m3fn code at any
-scale the rest of its block shares, and e5m2 keeps 2 mantissa bits over a wider range), NaN
+e4m3fn's: e4m3fnuz's +-240 at 0x7F / 0xFF fit e4m3fn only at the block's own scale and its odd
+subnormals m * 2^-10 only at half of it, and e5m2 keeps 2 mantissa bits over a wider range), NaN
 codes (0x7F / 0xFF, with their first index), NaN / Inf / zero / negative scales, scale shapes
 that disagree with the block and the weight shape, block widths other than 128, unknown
 ``quant_method`` / ``fmt`` / ``scale_fmt`` values, and a module the config leaves unquantized
@@ -61,8 +61,8 @@ _ROLES = ("gate", "up", "down")
 _SCALE_DTYPES = FLOAT_DTYPES
 _WHY_E5M2 = ("e5m2 keeps 2 mantissa bits (exponent bias 15): its values are not e4m3fn codes, and moepack's fp8 "
              "layouts hold e4m3fn only")  # fmt: skip
-_WHY_FNUZ = ("e4m3fnuz (bias 8, 0x80 = NaN) is not e4m3fn: its 0x7F/0xFF = +-240 and its subnormal steps of 2^-10 have no "
-             "exact e4m3fn code at any scale the rest of the block shares, so it cannot be repacked exactly")  # fmt: skip
+_WHY_FNUZ = ("e4m3fnuz (bias 8, 0x80 = NaN) is not e4m3fn: its +-240 (0x7F/0xFF) have an exact e4m3fn code only at "
+             "the same scale and its odd subnormals (m * 2^-10) only at half the scale, so it cannot be repacked exactly")  # fmt: skip
 
 
 def quantization_config(ckpt: Checkpoint) -> dict | None:
