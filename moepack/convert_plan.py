@@ -192,7 +192,8 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
     config = text_config(ckpt.config)
     expert_names = {n for s in specs for n in s.expert_tensors}
     skipped = reader.skipped(ckpt) if reader.skipped is not None else ([], "")
-    other = [n for n in ckpt.tensors if n not in expert_names and n not in set(skipped[0])]
+    left_out = expert_names | set(skipped[0])
+    other = [n for n in ckpt.tensors if n not in left_out]
     if act_mode is not None and act_mode not in lay.act_modes:
         raise ConvertError(f"act_mode={act_mode!r}: layout {lay.name} (scheme {lay.scheme}) runs with "
                            f"{' or '.join(lay.act_modes)} activations only")  # fmt: skip
