@@ -165,6 +165,9 @@ class _Plan:
     shard_plans: dict = field(default_factory=dict)  # file name -> ShardPlan (every shard, planned up front)
     # quantized Linears among the carried tensors (attention, dense MLPs): prefix -> CarriedLinear
     carried_linears: dict = field(default_factory=dict)
+    # MoE layers not packed: DeepSeek's multi-token-prediction layers ([{index, prefix, reason}]);
+    # their tensors are carried unchanged
+    mtp_layers: list = field(default_factory=list)
 
     @property
     def quantizer(self) -> str | None:
@@ -180,7 +183,7 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
     ckpt, reader = open_source(src)
     qscheme, options = parse_quantize(quantize)
     scheme = _target_scheme(lay, qscheme, reader)
-    specs = reader.layers(ckpt)
+    specs, mtp_layers = _split_mtp(text_config(ckpt.config), reader.layers(ckpt))
     if scheme.keeps_source(reader):
         if ":" in str(quantize or ""):
             raise ConvertError(f"quantize={quantize!r} with a {reader.scheme} source ({reader.name}): its own codes are packed "
@@ -212,6 +215,7 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
         [f"model-{i + 1:05d}-of-{no:05d}.safetensors" for i in range(no)], routing, routing_note, alpha, limit, act_modes,
     )  # fmt: skip
     pl.carried_linears = carried_linears
+    pl.mtp_layers = mtp_layers
     for fname, shard_specs in zip(pl.expert_files, pl.expert_shards):
         shard = pl.shard_plans[fname] = ShardPlan()
         for s in shard_specs:
@@ -223,6 +227,20 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
             ti = ckpt.info(n)
             shard.add(n, ti.dtype, ti.shape)
     return pl
+
+
+def _split_mtp(config: dict, specs: list) -> tuple[list, list]:
+    """(the MoE layers to pack, the skipped ones): a layer at index >= num_hidden_layers of a
+    config with ``num_nextn_predict_layers`` is a DeepSeek multi-token-prediction layer, which
+    transformers builds no module for and generation does not run; it is not packed and its
+    tensors are carried unchanged (so nothing is lost), and the manifest says so."""
+    n, nl = config.get("num_nextn_predict_layers") or 0, config.get("num_hidden_layers")
+    if not n or not isinstance(nl, int):
+        return specs, []
+    keep = [s for s in specs if s.index < nl]
+    skipped = [{"index": s.index, "prefix": s.prefix, "reason": f"MTP layer (num_nextn_predict_layers={n}): index >= "
+                f"num_hidden_layers={nl}; carried, not packed"} for s in specs if s.index >= nl]  # fmt: skip
+    return keep, skipped
 
 
 def _check_carried_values(pl: _Plan) -> None:

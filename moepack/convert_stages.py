@@ -160,4 +160,5 @@ def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, 
         "files": {f: {"size": (tmp / f).stat().st_size} for f in report.files},
         "tensors": tensors,
         "carried_files": carried,
+        **({"skipped_layers": pl.mtp_layers} if pl.mtp_layers else {}),
     }

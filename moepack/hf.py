@@ -467,9 +467,9 @@ class LoadReport:
     """What ``load_model`` did besides mapping tensors: the quantized Linears it dequantized
     (prefix -> codec) and the bytes they occupy as stored (``quantized_bytes``, in the directory's
     memory map, never touched once dequantized) and in memory after (``dequantized_bytes`` =
-    sum of N * K * dtype.itemsize); the packed layers it did not run (``mtp_layers``: DeepSeek's
-    multi-token-prediction layers, at index >= num_hidden_layers) and how many carried tensors
-    belong to them (``mtp_tensors``)."""
+    sum of N * K * dtype.itemsize); the layers it did not run (``mtp_layers``: DeepSeek's
+    multi-token-prediction layers, index >= num_hidden_layers, whether convert packed their
+    experts or carried them) and how many carried tensors belong to them (``mtp_tensors``)."""
 
     dequantized: dict = field(default_factory=dict)
     quantized_bytes: int = 0
@@ -486,7 +486,7 @@ class LoadReport:
                        f"{self.quantized_bytes / 2**20:.2f} MiB stored -> {self.dequantized_bytes / 2**20:.2f} MiB in memory")  # fmt: skip
         if self.mtp_layers:
             out.append(f"MTP layer(s) {self.mtp_layers} (num_nextn_predict_layers) not run: transformers has no module for "
-                       f"them ({self.mtp_tensors} carried tensors unused)")  # fmt: skip
+                       f"them ({self.mtp_tensors} carried tensors left unused)")  # fmt: skip
         return out
 
 
@@ -496,10 +496,13 @@ def _load_report(pm) -> LoadReport:
     man = pm.manifest["tensors"]
     nl = (pm.config or {}).get("num_hidden_layers")
     if (pm.config or {}).get("num_nextn_predict_layers") and isinstance(nl, int):
+        found = set(r.mtp_layers)
         for n in man:
             parts = n.split(".")
             if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= nl:
                 r.mtp_tensors += 1
+                found.add(int(parts[2]))
+        r.mtp_layers = sorted(found)
     r._sizes = {p: sum(_stored_bytes(man[t]) for t in lin.tensors.values()) for p, lin in lins.items()}
     return r
 
