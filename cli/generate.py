@@ -32,7 +32,7 @@ def _load_facts(model) -> dict:
     r = model.moepack_load
     return {"dequantized_linears": len(r.dequantized), "dequantized_codecs": sorted(set(r.dequantized.values())),
             "quantized_bytes": r.quantized_bytes, "dequantized_bytes": r.dequantized_bytes, "mtp_layers_not_run": r.mtp_layers,
-            "mtp_tensors_unused": r.mtp_tensors}  # fmt: skip
+            "mtp_tensors_unused": r.mtp_tensors, "source_tensors_skipped_by_convert": r.convert_skipped}  # fmt: skip
 
 
 @command(help="Greedy generation with the transformers model of a packed directory (needs transformers): "

@@ -469,13 +469,17 @@ class LoadReport:
     memory map, never touched once dequantized) and in memory after (``dequantized_bytes`` =
     sum of N * K * dtype.itemsize); the layers it did not run (``mtp_layers``: DeepSeek's
     multi-token-prediction layers, index >= num_hidden_layers, whether convert packed their
-    experts or carried them) and how many carried tensors belong to them (``mtp_tensors``)."""
+    experts, carried their tensors or left them out) with how many carried tensors belong to them
+    (``mtp_tensors``) and how many source tensors convert left out (``convert_skipped``, the
+    manifest's ``source.skipped``)."""
 
     dequantized: dict = field(default_factory=dict)
     quantized_bytes: int = 0
     dequantized_bytes: int = 0
     mtp_layers: list = field(default_factory=list)
     mtp_tensors: int = 0
+    convert_skipped: int = 0  # source tensors convert left out (manifest source.skipped), e.g. an MTP layer's
+    convert_skipped_why: str = ""
     _sizes: dict = field(default_factory=dict, repr=False)  # prefix -> stored bytes of its tensors
 
     def lines(self) -> list[str]:
@@ -486,7 +490,7 @@ class LoadReport:
                        f"{self.quantized_bytes / 2**20:.2f} MiB stored -> {self.dequantized_bytes / 2**20:.2f} MiB in memory")  # fmt: skip
         if self.mtp_layers:
             out.append(f"MTP layer(s) {self.mtp_layers} (num_nextn_predict_layers) not run: transformers has no module for "
-                       f"them ({self.mtp_tensors} carried tensors left unused)")  # fmt: skip
+                       f"them ({self.mtp_tensors} carried tensors left unused, {self.convert_skipped} left out by convert)")  # fmt: skip
         return out
 
 
@@ -501,6 +505,12 @@ def _load_report(pm) -> LoadReport:
             parts = n.split(".")
             if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= nl:
                 r.mtp_tensors += 1
+                found.add(int(parts[2]))
+        skipped = (pm.manifest.get("source") or {}).get("skipped") or {}
+        r.convert_skipped, r.convert_skipped_why = len(skipped.get("tensors") or []), str(skipped.get("why") or "")
+        for n in skipped.get("tensors") or []:
+            parts = str(n).split(".")
+            if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= nl:
                 found.add(int(parts[2]))
         r.mtp_layers = sorted(found)
     r._sizes = {p: sum(_stored_bytes(man[t]) for t in lin.tensors.values()) for p, lin in lins.items()}
