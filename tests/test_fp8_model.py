@@ -434,3 +434,60 @@ def test_whole_deepseek_v3_fp8_model(tmp_path, fp8_dirs, variant):
     assert ours.tokens == ref.tokens
     rel = max(float((a - b).norm() / b.norm()) for a, b in zip(ours.logits, ref.logits))
     assert rel <= 1e-4, rel
+
+
+# --------------------------------------------------------------------------- compressed-tensors float-quantized
+
+
+def _ct_float_dir(d: Path) -> dict:
+    """A compressed-tensors ``float-quantized`` (FP8) checkpoint's attention Linears, written by
+    compressed-tensors' own compressor with tensor, channel and (ragged) block scales; returns
+    {prefix: the library's own decompression (fp32)}."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    acts = {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True, "symmetric": True}
+    groups = {
+        "g_channel": ({"strategy": "channel"}, ["re:.*q_proj$"], lambda n, k: (n, 1)),
+        "g_block": ({"strategy": "block", "block_structure": [32, 32]}, ["re:.*o_proj$"], lambda n, k: (math.ceil(n / 32), math.ceil(k / 32))),
+        "g_tensor": ({"strategy": "tensor"}, ["re:.*k_proj$"], lambda n, k: (1,)),
+    }  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    tensors, want, cfg_groups = {}, {}, {}
+    for gname, (wargs, targets, sshape) in groups.items():
+        args = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, **wargs}
+        cfg_groups[gname] = {"targets": targets, "weights": args, "input_activations": acts, "format": "float-quantized"}
+        scheme = QuantizationScheme(targets=targets, weights=QuantizationArgs(**args), input_activations=QuantizationArgs(**acts))
+        p = "model.layers.0.self_attn." + targets[0][len("re:.*") : -1]
+        n, k = (70, 100) if gname != "g_tensor" else (40, 100)
+        w = torch.randn(n, k, generator=gen)
+        s = torch.rand(*sshape(n, k), generator=gen) * 0.01 + 1e-3
+        out = FloatQuantizationCompressor.compress({"weight": w, "weight_scale": s}, scheme)
+        tensors[p + ".weight"], tensors[p + ".weight_scale"] = out["weight"], out["weight_scale"]
+        want[p] = FloatQuantizationCompressor.decompress({"weight": out["weight"], "weight_scale": out["weight_scale"]}, scheme)["weight"].float()
+    tensors["model.layers.0.input_layernorm.weight"] = torch.ones(100)
+    d.mkdir()
+    save_file(tensors, str(d / "model.safetensors"))
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed", "config_groups": cfg_groups}
+    (d / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 100, "quantization_config": qc}))
+    assert ct is not None
+    return want
+
+
+def test_compressed_tensors_float_quantized_linears_match_the_library(tmp_path):
+    want = _ct_float_dir(tmp_path / "ct")
+    ckpt = Checkpoint(tmp_path / "ct")
+    view = linears.CarriedView(ckpt, list(ckpt.tensors))
+    lins = linears.find_linears(view)
+    assert set(lins) == set(want)
+    assert {p.rsplit(".", 1)[1]: lins[p].scale_rule[0] for p in lins} == {"q_proj": "channel", "o_proj": "block", "k_proj": "tensor"}
+    for p, lin in lins.items():
+        assert torch.equal(linears.dequantize_linear(view, lin), want[p]), p
+    # a zero scale: refused naming the tensor
+    t = load_file(tmp_path / "ct" / "model.safetensors")
+    t["model.layers.0.self_attn.o_proj.weight_scale"][1, 2] = 0.0
+    save_file(t, str(tmp_path / "ct" / "model.safetensors"))
+    ckpt = Checkpoint(tmp_path / "ct")
+    with pytest.raises(SourceError, match=r"'model.layers.0.self_attn.o_proj.weight_scale'\[1, 2\] = 0.0: scales must be finite and > 0"):
+        linears.check_carried(ckpt, list(ckpt.tensors))
