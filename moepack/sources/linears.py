@@ -261,17 +261,19 @@ def tensor_owner(linears: dict[str, CarriedLinear]) -> dict[str, str]:
 # --------------------------------------------------------------------------- values
 
 
-def _int4_values(view, lin: CarriedLinear) -> torch.Tensor:
+def _int4_values(view, lin: CarriedLinear, dequant: bool = True) -> torch.Tensor | None:
     m = lin.mod
     ql = lin.fmt.decode(view, m, lin.cfg)  # checks scales, zero points (range, symmetry)
     _, g_idx = decode_g_idx(m.tensors.get("g_idx", m.main), lin.fmt.read_g_idx(view, m), m.k, m.group_size, m.ngroups)
+    if not dequant:
+        return None
     if g_idx is None:
         return dequantize(ql.q, ql.scale, ql.zero, m.group_size)
     g = g_idx.long()
     return (ql.q.float() - ql.zero.float()[:, g]) * ql.scale[:, g]
 
 
-def _fp8_values(view, lin: CarriedLinear) -> torch.Tensor:
+def _fp8_values(view, lin: CarriedLinear, dequant: bool = True) -> torch.Tensor | None:
     wn, sn = lin.tensors["weight"], lin.tensors["scale"]
     codes = view.read(wn)
     fp8_codec.check_fp8_codes(wn, codes)
@@ -281,8 +283,10 @@ def _fp8_values(view, lin: CarriedLinear) -> torch.Tensor:
     rule, n, k = lin.scale_rule, lin.n, lin.k
     if rule[0] == "block":
         s = fp8_codec.check_block_scales(sn, raw, n, k, rule[1:])
-        return fp8_codec.dequantize_block(codes, s, rule[1:])
+        return fp8_codec.dequantize_block(codes, s, rule[1:]) if dequant else None
     s = check_scales(sn, raw)
+    if not dequant:
+        return None
     v = fp8_codec.decode_fp8(codes)
     if rule[0] == "tensor":
         return v * s.reshape(())
@@ -291,20 +295,24 @@ def _fp8_values(view, lin: CarriedLinear) -> torch.Tensor:
     return v * expand_groups(s.reshape(n, -1), rule[1], k)
 
 
+def _values(view, lin: CarriedLinear, dequant: bool) -> torch.Tensor | None:
+    if lin.codec == "int4":
+        return _int4_values(view, lin, dequant)
+    if lin.codec == "int8":
+        s = check_scales(lin.tensors["scale"], view.read(lin.tensors["scale"]))
+        return view.read(lin.tensors["weight"]).float() * s.reshape(-1, 1) if dequant else None
+    return _fp8_values(view, lin, dequant)
+
+
 def dequantize_linear(view, lin: CarriedLinear) -> torch.Tensor:
     """float32 [N, K] of a quantized Linear, through its source's codec; bad values (scales,
     zero points, g_idx, NaN codes) are a SourceError naming the tensor."""
-    if lin.codec == "int4":
-        return _int4_values(view, lin)
-    if lin.codec == "int8":
-        s = check_scales(lin.tensors["scale"], view.read(lin.tensors["scale"]))
-        return view.read(lin.tensors["weight"]).float() * s.reshape(-1, 1)
-    return _fp8_values(view, lin)
+    return _values(view, lin, True)
 
 
 def check_linear(view, lin: CarriedLinear) -> None:
-    """The value checks of ``dequantize_linear`` (the result is dropped)."""
-    dequantize_linear(view, lin)
+    """The value checks of ``dequantize_linear``, without the multiplication (convert)."""
+    _values(view, lin, False)
 
 
 def check_carried(ckpt, names) -> dict[str, CarriedLinear]:
