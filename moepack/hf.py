@@ -227,8 +227,7 @@ def check_compatible(model, packed) -> dict[int, torch.nn.Module]:
         if _norm(mine) != _norm(pcfg[key]):
             raise ModelMismatchError(f"config field {key}: the model has {mine!r}, the packed directory {packed.path} has {pcfg[key]!r}")
     blocks = _moe_blocks(model, fam)
-    mtp = set(_mtp_layers(packed))  # next-token-prediction layers: no transformers module runs them
-    if sorted(blocks) != sorted(i for i in packed.layers if i not in mtp):
+    if sorted(blocks) != sorted(packed.layers):
         raise ModelMismatchError(
             f"MoE layers: the model has {sorted(blocks)}, the packed directory {packed.path} has {sorted(packed.layers)}"
         )
@@ -365,16 +364,6 @@ def _quantized_weight(pm, prefix: str, qc: dict | None = None) -> torch.Tensor |
     return None
 
 
-def _mtp_layers(pm) -> list[int]:
-    """Packed MoE layers at index >= num_hidden_layers of a config with ``num_nextn_predict_layers``
-    (DeepSeek-V3's multi-token-prediction layers): transformers builds no module for them."""
-    cfg = pm.config or {}
-    n, nl = cfg.get("num_nextn_predict_layers") or 0, cfg.get("num_hidden_layers")
-    if not n or not isinstance(nl, int):
-        return []
-    return sorted(i for i in pm.layers if i >= nl)
-
-
 def _rebuild_buffers(model) -> None:
     """Non-persistent buffers (rotary ``inv_freq``) are computed, never saved: build each module
     that holds one on the meta device again, on the CPU, from the model config."""
@@ -407,10 +396,10 @@ def load_model(packed_dir, dtype=None, *, strict: bool = False):
     differs from the stored dtype). A Linear the source stored quantized (GPTQ, AWQ,
     compressed-tensors int/pack/float-quantized, block FP8: attention, dense MLPs) is dequantized
     through its format's codec to fp32, then cast to ``dtype``: it then costs ``N * K *
-    dtype.itemsize`` bytes of RAM (docs/ARCHITECTURE.md, "Whole models"). Packed layers past
-    ``num_hidden_layers`` (DeepSeek's MTP layers, ``num_nextn_predict_layers``) and their carried
-    tensors are not run: transformers has no module for them. ``model.moepack_load`` (a
-    ``LoadReport``) records both. The views are read-only: do not train or modify the weights in
+    dtype.itemsize`` bytes of RAM (docs/COMPATIBILITY.md, "What the rest of the model is"). DeepSeek's
+    MTP layers (``num_nextn_predict_layers``, index >= ``num_hidden_layers``; convert never packs
+    them) are not run, whether their tensors are carried or were left out: transformers has no
+    module for them. ``model.moepack_load`` (a ``LoadReport``) records both. The views are read-only: do not train or modify the weights in
     place. ``dtype``: default the config's ``dtype``."""
     pm = _as_packed(packed_dir, strict)
     tf = _transformers()
@@ -495,12 +484,12 @@ class LoadReport:
 
 
 def _load_report(pm) -> LoadReport:
-    r = LoadReport(mtp_layers=_mtp_layers(pm))
+    r = LoadReport()
     _, lins = _carried_linears(pm)
     man = pm.manifest["tensors"]
     nl = (pm.config or {}).get("num_hidden_layers")
     if (pm.config or {}).get("num_nextn_predict_layers") and isinstance(nl, int):
-        found = set(r.mtp_layers)
+        found = set()
         for n in man:
             parts = n.split(".")
             if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= nl:
