@@ -28,6 +28,13 @@ def _ids(text: str) -> list[int]:
     return ids
 
 
+def _load_facts(model) -> dict:
+    r = model.moepack_load
+    return {"dequantized_linears": len(r.dequantized), "dequantized_codecs": sorted(set(r.dequantized.values())),
+            "quantized_bytes": r.quantized_bytes, "dequantized_bytes": r.dequantized_bytes, "mtp_layers_not_run": r.mtp_layers,
+            "mtp_tensors_unused": r.mtp_tensors, "source_tensors_skipped_by_convert": r.convert_skipped}  # fmt: skip
+
+
 @command(help="Greedy generation with the transformers model of a packed directory (needs transformers): "
               "prints the tokens, tokens/s and the share of time in the MoE layers.")  # fmt: skip
 def generate(
@@ -72,10 +79,13 @@ def generate(
         "moe_seconds": round(gen.moe_seconds, 4),
         "moe_share": round(gen.moe_share, 4),
         "threads": torch.get_num_threads(),
+        "load": _load_facts(model),
     }
     if as_json:
         typer.echo(json.dumps(result, indent=2))
         return
+    for line in model.moepack_load.lines():
+        console.print(f"load    {line}")
     console.print(f"prompt  {ids}")
     console.print(f"tokens  {gen.tokens}")
     if result["text"] is not None:

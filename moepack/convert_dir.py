@@ -37,7 +37,7 @@ import torch
 
 from .container.atomic import atomic_directory, os_reason
 from .container.writer import ShardWriter
-from .convert_plan import _nbytes, _Options, _plan, expert_tensor_name, parse_quantize
+from .convert_plan import _check_carried_values, _nbytes, _Options, _plan, expert_tensor_name, parse_quantize
 from .convert_resume import _Resume, _resume_key
 from .convert_stages import _manifest, _write_layer, _write_other
 from .errors import ConvertError
@@ -184,6 +184,7 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
     hard-killed run's directory with the same plan is continued from its last complete shard."""
     notify = progress or (lambda *a, **k: None)
     pl = _plan(src, lay, opts.quantize, opts.shard_bytes, opts.act_mode)
+    _check_carried_values(pl)  # before anything is written
     notify("plan", layers=len(pl.specs), expert_files=len(pl.expert_files), other_files=len(pl.other_files),
            other_tensors=sum(len(x) for x in pl.other_shards))  # fmt: skip
     report = ConvertReport(dst=dst, layout=pl.layout.name, act_modes=sorted(set(pl.act_modes.values())), scheme=pl.scheme.name,

@@ -22,6 +22,7 @@ from .errors import UnsupportedError
 from .layout import PackedLayout, layout_tensor_plan
 from .schemes import Scheme, get_scheme, schemes
 from .sources import Checkpoint, LayerSpec, SourceReader, open_source, text_config
+from .sources.linears import CarriedView, check_linear, find_linears
 
 
 def expert_tensor_name(layer: int, role: str) -> str:
@@ -163,6 +164,8 @@ class _Plan:
     act_modes: dict  # layer index -> the act mode recorded as its default
     shard_plans: dict = field(default_factory=dict)  # file name -> ShardPlan (every shard, planned up front)
     skipped: tuple = ([], "")  # (source tensors left out deliberately, why): SourceReader.skipped
+    # quantized Linears among the carried tensors (attention, dense MLPs): prefix -> CarriedLinear
+    carried_linears: dict = field(default_factory=dict)
 
     @property
     def quantizer(self) -> str | None:
@@ -178,7 +181,7 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
     ckpt, reader = open_source(src)
     qscheme, options = parse_quantize(quantize)
     scheme = _target_scheme(lay, qscheme, reader)
-    specs = reader.layers(ckpt)
+    specs = reader.layers(ckpt)  # without the layers the reader skips (SourceReader.skipped: DeepSeek's MTP layers)
     if scheme.keeps_source(reader):
         if ":" in str(quantize or ""):
             raise ConvertError(f"quantize={quantize!r} with a {reader.scheme} source ({reader.name}): its own codes are packed "
@@ -191,9 +194,10 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
         options = options.resolved(lay)  # options left to the layout take the written layout's
     config = text_config(ckpt.config)
     expert_names = {n for s in specs for n in s.expert_tensors}
-    skipped = reader.skipped(ckpt) if reader.skipped is not None else ([], "")
+    skipped = reader.skipped(ckpt)
     left_out = expert_names | set(skipped[0])
     other = [n for n in ckpt.tensors if n not in left_out]
+    carried_linears = find_linears(CarriedView(ckpt, other))  # headers: a malformed quantized Linear is refused here
     if act_mode is not None and act_mode not in lay.act_modes:
         raise ConvertError(f"act_mode={act_mode!r}: layout {lay.name} (scheme {lay.scheme}) runs with "
                            f"{' or '.join(lay.act_modes)} activations only")  # fmt: skip
@@ -211,6 +215,7 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
         [f"model-{i + 1:05d}-of-{no:05d}.safetensors" for i in range(no)], routing, routing_note, alpha, limit, act_modes,
     )  # fmt: skip
     pl.skipped = skipped
+    pl.carried_linears = carried_linears
     for fname, shard_specs in zip(pl.expert_files, pl.expert_shards):
         shard = pl.shard_plans[fname] = ShardPlan()
         for s in shard_specs:
@@ -222,6 +227,17 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
             ti = ckpt.info(n)
             shard.add(n, ti.dtype, ti.shape)
     return pl
+
+
+def _check_carried_values(pl: _Plan) -> None:
+    """Every quantized Linear convert carries (attention, dense MLPs, ...) validated by the rules
+    its expert readers apply (scales finite and > 0, zero points in range, g_idx, NaN FP8 codes):
+    a SourceError naming the tensor, raised before anything is written. Reads their values once."""
+    if not pl.carried_linears:
+        return
+    view = CarriedView(pl.ckpt, [t for lin in pl.carried_linears.values() for t in lin.tensors.values()])
+    for lin in pl.carried_linears.values():
+        check_linear(view, lin)
 
 
 _TOP_K_KEYS = ("num_experts_per_tok", "num_experts_per_token")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -330,34 +330,37 @@ def _config_dict(pm) -> dict:
     return cfg
 
 
-def _quantized_weight(pm, prefix: str, qc: dict | None) -> torch.Tensor | None:
-    """fp32 weight of a compressed-tensors Linear ``prefix`` the directory carries quantized
-    (int-quantized int8 ``weight`` + ``weight_scale``; pack-quantized ``weight_packed``), or None
-    when it carries ``prefix.weight`` as floats."""
-    names = pm._tensor_file
-    if f"{prefix}.weight_packed" in names:
-        from .sources.ct_pack_quantized import _check_group, _group_of
-        from .sources.int4_common import dequantize, unpack_nibbles
+def _carried_linears(pm):
+    """(view, {prefix: CarriedLinear}) of the quantized Linears a packed directory carries
+    (moepack/sources/linears.py; found from the source's quantization_config and the headers)."""
+    got = pm.__dict__.get("_carried_linears")
+    if got is None:
+        from .sources.linears import PackedView, find_linears
 
-        groups = (qc or {}).get("config_groups") or {}
-        cfg = {"groups": [_check_group(n, g, g.get("format") or (qc or {}).get("format")) for n, g in groups.items()]}
-        g = _group_of(cfg, prefix)
-        n, k = (int(v) for v in pm.tensor(f"{prefix}.weight_shape"))
-        q = unpack_nibbles(pm.tensor(f"{prefix}.weight_packed"))[:, :k]
-        scale = pm.tensor(f"{prefix}.weight_scale").float()
-        if f"{prefix}.weight_zero_point" in names:
-            zero = unpack_nibbles(pm.tensor(f"{prefix}.weight_zero_point").t())[:, :n].t()
-        else:
-            zero = torch.full_like(scale, 8, dtype=torch.uint8)
-        if f"{prefix}.weight_g_idx" in names:
-            raise UnsupportedError(f"tensor {prefix}.weight_g_idx: load_model does not dequantize act-order non-expert linears")
-        return dequantize(q, scale, zero, g["group_size"])
+        view = PackedView(pm)
+        got = pm.__dict__["_carried_linears"] = (view, find_linears(view))
+    return got
+
+
+_CODE_DTYPES = (torch.int8, torch.uint8, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _quantized_weight(pm, prefix: str, qc: dict | None = None) -> torch.Tensor | None:
+    """fp32 weight of the Linear ``prefix`` when the directory carries it quantized (GPTQ, AWQ,
+    compressed-tensors int/pack/float-quantized, block FP8), dequantized through its source
+    format's codec; None when it carries ``prefix.weight`` as floats. A ``prefix.weight`` of an
+    integer or FP8 dtype that no codec claims is refused (its raw codes are not weights)."""
+    from .sources.linears import dequantize_linear
+
+    view, lins = _carried_linears(pm)
+    lin = lins.get(prefix)
+    if lin is not None:
+        return dequantize_linear(view, lin)
     w = f"{prefix}.weight"
-    if w in names and pm.tensor(w).dtype == torch.int8:
-        s = f"{prefix}.weight_scale"
-        if s not in names:
-            raise UnsupportedError(f"tensor {w!r} is int8 with no {s!r}: load_model cannot dequantize it")
-        return pm.tensor(w).float() * pm.tensor(s).float().reshape(-1, 1)
+    if w in pm._tensor_file and pm.tensor(w).dtype in _CODE_DTYPES:
+        method = ((pm.config or {}).get("quantization_config") or {}).get("quant_method")
+        raise UnsupportedError(f"tensor {w!r} is {str(pm.tensor(w).dtype).replace('torch.', '')} with no scale moepack can "
+                               f"pair with it (quant_method={method!r}): load_model cannot dequantize it")  # fmt: skip
     return None
 
 
@@ -390,9 +393,14 @@ def load_model(packed_dir, dtype=None, *, strict: bool = False):
     The architecture comes from the carried config.json (instantiated on the meta device, so no
     weight is allocated), its MoE blocks become ``PackedMoEBlock``s on the memory-mapped experts,
     and every other parameter is a view of the directory's memory map (a copy only where ``dtype``
-    differs from the stored dtype, or where a compressed-tensors source quantized a non-expert
-    Linear: those are dequantized to fp32 and cast to ``dtype``). The views are read-only: do not
-    train or modify the weights in place. ``dtype``: default the config's ``dtype``."""
+    differs from the stored dtype). A Linear the source stored quantized (GPTQ, AWQ,
+    compressed-tensors int/pack/float-quantized, block FP8: attention, dense MLPs) is dequantized
+    through its format's codec to fp32, then cast to ``dtype``: it then costs ``N * K *
+    dtype.itemsize`` bytes of RAM (docs/COMPATIBILITY.md, "What the rest of the model is"). DeepSeek's
+    MTP layers (``num_nextn_predict_layers``, index >= ``num_hidden_layers``; convert never packs
+    them) are not run, whether their tensors are carried or were left out: transformers has no
+    module for them. ``model.moepack_load`` (a ``LoadReport``) records both. The views are read-only: do not train or modify the weights in
+    place. ``dtype``: default the config's ``dtype``."""
     pm = _as_packed(packed_dir, strict)
     tf = _transformers()
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -412,11 +420,16 @@ def load_model(packed_dir, dtype=None, *, strict: bool = False):
     patch(model, pm, strict=strict)
     qc = (pm.config or {}).get("quantization_config")
     names = pm._tensor_file
+    report = _load_report(pm)
     tied = []
     for pname, p in list(model.named_parameters(remove_duplicate=False)):
         mod_name, _, leaf = pname.rpartition(".")
         mod = model.get_submodule(mod_name)
         t = _quantized_weight(pm, mod_name, qc) if leaf == "weight" else None
+        if t is not None:
+            report.dequantized[mod_name] = _carried_linears(pm)[1][mod_name].codec
+            report.dequantized_bytes += t.numel() * p.element_size()
+            report.quantized_bytes += report._sizes[mod_name]
         if t is None and pname in names:
             t = pm.tensor(pname)
         if t is None:
@@ -434,7 +447,70 @@ def load_model(packed_dir, dtype=None, *, strict: bool = False):
             raise UnsupportedError(f"tensor {pname}: the model needs it and the packed directory {pm.path} does not carry it")
     _rebuild_buffers(model)
     model.eval()
+    model.moepack_load = report
     return model
+
+
+@dataclass
+class LoadReport:
+    """What ``load_model`` did besides mapping tensors: the quantized Linears it dequantized
+    (prefix -> codec) and the bytes they occupy as stored (``quantized_bytes``, in the directory's
+    memory map, never touched once dequantized) and in memory after (``dequantized_bytes`` =
+    sum of N * K * dtype.itemsize); the layers it did not run (``mtp_layers``: DeepSeek's
+    multi-token-prediction layers, index >= num_hidden_layers, whether convert packed their
+    experts, carried their tensors or left them out) with how many carried tensors belong to them
+    (``mtp_tensors``) and how many source tensors convert left out (``convert_skipped``, the
+    manifest's ``source.skipped``)."""
+
+    dequantized: dict = field(default_factory=dict)
+    quantized_bytes: int = 0
+    dequantized_bytes: int = 0
+    mtp_layers: list = field(default_factory=list)
+    mtp_tensors: int = 0
+    convert_skipped: int = 0  # source tensors convert left out (manifest source.skipped), e.g. an MTP layer's
+    convert_skipped_why: str = ""
+    _sizes: dict = field(default_factory=dict, repr=False)  # prefix -> stored bytes of its tensors
+
+    def lines(self) -> list[str]:
+        out = []
+        if self.dequantized:
+            codecs = sorted(set(self.dequantized.values()))
+            out.append(f"{len(self.dequantized)} quantized linear(s) ({', '.join(codecs)}) dequantized on load: "
+                       f"{self.quantized_bytes / 2**20:.2f} MiB stored -> {self.dequantized_bytes / 2**20:.2f} MiB in memory")  # fmt: skip
+        if self.mtp_layers:
+            out.append(f"MTP layer(s) {self.mtp_layers} (num_nextn_predict_layers) not run: transformers has no module for "
+                       f"them ({self.mtp_tensors} carried tensors left unused, {self.convert_skipped} left out by convert)")  # fmt: skip
+        return out
+
+
+def _load_report(pm) -> LoadReport:
+    r = LoadReport()
+    _, lins = _carried_linears(pm)
+    man = pm.manifest["tensors"]
+    nl = (pm.config or {}).get("num_hidden_layers")
+    if (pm.config or {}).get("num_nextn_predict_layers") and isinstance(nl, int):
+        found = set()
+        for n in man:
+            parts = n.split(".")
+            if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= nl:
+                r.mtp_tensors += 1
+                found.add(int(parts[2]))
+        skipped = (pm.manifest.get("source") or {}).get("skipped") or {}
+        r.convert_skipped, r.convert_skipped_why = len(skipped.get("tensors") or []), str(skipped.get("why") or "")
+        for n in skipped.get("tensors") or []:
+            parts = str(n).split(".")
+            if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= nl:
+                found.add(int(parts[2]))
+        r.mtp_layers = sorted(found)
+    r._sizes = {p: sum(_stored_bytes(man[t]) for t in lin.tensors.values()) for p, lin in lins.items()}
+    return r
+
+
+def _stored_bytes(entry: dict) -> int:
+    n = 1
+    for d in entry["shape"]:
+        n *= int(d)
+    return n * torch.empty(0, dtype=getattr(torch, entry["dtype"])).element_size()
 
 
 # --------------------------------------------------------------------------- generation
@@ -506,5 +582,5 @@ def load_tokenizer(packed_dir):
         raise UnsupportedError(f"{path}: its tokenizer does not load offline ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-__all__ = ["FAMILIES", "ModelMismatchError", "PackedMoEBlock", "check_compatible", "greedy_generate", "load_model",
+__all__ = ["FAMILIES", "LoadReport", "ModelMismatchError", "PackedMoEBlock", "check_compatible", "greedy_generate", "load_model",
            "load_tokenizer", "packed_blocks", "patch"]  # fmt: skip

@@ -7,6 +7,7 @@ A reader answers ``detect(ckpt) -> (ok, reason)`` from config.json and the heade
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,7 +15,7 @@ import torch  # noqa: F401  (annotations)
 
 from ..errors import SourceError
 from .checkpoint import Checkpoint, TensorInfo
-from .dense import CanonicalLayer, LayerSpec, discover_layers, read_biases, read_expert_w2, read_expert_w13, read_layer, read_shared, text_config
+from .dense import CanonicalLayer, LayerSpec, discover_layers, mtp_skipped, read_biases, read_expert_w2, read_expert_w13, read_layer, read_shared, text_config
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,10 @@ class SourceReader:
     read_shared_canonical: Callable[[Checkpoint, LayerSpec], dict | None] | None = None
     # what the stored weights are, in words (the manifest's scheme_source); "": the scheme says it
     weights_note: str = ""
-    # (ckpt) -> (source tensors convert leaves out deliberately, why) or None: nothing is skipped.
-    # They are neither packed nor carried over; the manifest's source.skipped records them.
-    skipped: Callable[[Checkpoint], tuple[list, str]] | None = None
+    # (ckpt) -> (source tensors convert leaves out deliberately, why): neither packed nor carried
+    # over; the manifest's source.skipped records them. Every reader skips DeepSeek's MTP layers;
+    # open_source hands out the reader with ``layers`` leaving out the layers skipped here.
+    skipped: Callable[[Checkpoint], tuple[list, str]] = mtp_skipped
 
 
 def _detect_dense(ckpt: Checkpoint) -> tuple[bool, str]:
@@ -93,7 +95,7 @@ def _fp8_readers() -> list[SourceReader]:
         return SourceReader(name, detect, fp8.layers, fp8.read_layer, fp8.read_expert_w13, fp8.read_expert_w2,
                             fp8.read_biases, fp8.read_shared, scheme=fp8.SCHEME,
                             read_expert_canonical=fp8.read_expert_canonical, read_shared_canonical=fp8.read_shared_canonical,
-                            weights_note=note, skipped=fp8.skipped)  # fmt: skip
+                            weights_note=note)  # fmt: skip
 
     return [reader("fp8-block", fp8.detect_block_fp8, fp8.DEEPSEEK_NOTE),
             reader("compressed-tensors-float-quantized", fp8.detect_float_quantized, fp8.CT_NOTE)]  # fmt: skip
@@ -113,6 +115,16 @@ READERS: list[SourceReader] = [
 ]
 
 
+def _without_skipped(r: SourceReader) -> Callable[[Checkpoint], list[LayerSpec]]:
+    """``r.layers`` less the layers whose expert tensors ``r.skipped`` leaves out."""
+
+    def layers(ckpt: Checkpoint) -> list[LayerSpec]:
+        drop = set(r.skipped(ckpt)[0])
+        return [s for s in r.layers(ckpt) if not drop.intersection(s.expert_tensors)]
+
+    return layers
+
+
 def open_source(path) -> tuple[Checkpoint, SourceReader]:
     """The checkpoint at ``path`` and the reader that handles it (or a SourceError saying why none does)."""
     ckpt = Checkpoint(path)
@@ -120,7 +132,7 @@ def open_source(path) -> tuple[Checkpoint, SourceReader]:
     for r in READERS:
         ok, why = r.detect(ckpt)
         if ok:
-            return ckpt, r
+            return ckpt, dataclasses.replace(r, layers=_without_skipped(r))
         reasons.append(f"{r.name}: {why}")
     raise SourceError(f"source {ckpt.path}: no reader handles it ({'; '.join(reasons)})")
 

@@ -98,6 +98,25 @@ def text_config(config: dict) -> dict:
     return config
 
 
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def mtp_skipped(ckpt) -> tuple[list, str]:
+    """(the source tensors convert leaves out, why): DeepSeek-V3's multi-token-prediction layers,
+    ``layers.<i>`` with i >= num_hidden_layers when ``num_nextn_predict_layers`` > 0. They are a
+    training / speculative-decoding head that transformers builds no module for: every reader
+    skips them (neither packed nor carried; the manifest's ``source.skipped`` lists them)."""
+    cfg = text_config(ckpt.config)
+    mtp, n = cfg.get("num_nextn_predict_layers"), cfg.get("num_hidden_layers")
+    if not isinstance(mtp, int) or mtp <= 0 or not isinstance(n, int):
+        return [], ""
+    names = sorted(x for x in ckpt.tensors if (m := _LAYER_INDEX.search(x)) and int(m.group(1)) >= n)
+    if not names:
+        return [], ""
+    return names, (f"multi-token-prediction layers (num_nextn_predict_layers={mtp}: layers {n}..{n + mtp - 1}) are a "
+                   "training / speculative-decoding head, not part of the model's forward pass: skipped")  # fmt: skip
+
+
 def activation_of(config: dict) -> str:
     """The expert activation from config.json (gpt-oss: swigluoai)."""
     if config.get("model_type") == "gpt_oss":

@@ -48,7 +48,7 @@ from ..errors import SourceError
 from ..schemes.fp8.facts import Fp8Facts
 from ..schemes.fp8.quantize import dequantize_fp8
 from .checkpoint import Checkpoint
-from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, read_biases as dense_read_biases, text_config
+from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, mtp_skipped, read_biases as dense_read_biases, text_config
 
 SCHEME = "fp8_block"
 FP8 = "F8_E4M3"
@@ -222,23 +222,6 @@ def detect_float_quantized(ckpt: Checkpoint) -> tuple[bool, str]:
 # --------------------------------------------------------------------------- MTP layers
 
 
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def skipped(ckpt: Checkpoint) -> tuple[list, str]:
-    """(the source tensors convert leaves out, why): DeepSeek-V3's multi-token-prediction layers,
-    ``layers.<i>`` with i >= num_hidden_layers when ``num_nextn_predict_layers`` > 0."""
-    cfg = text_config(ckpt.config)
-    mtp, n = cfg.get("num_nextn_predict_layers"), cfg.get("num_hidden_layers")
-    if not isinstance(mtp, int) or mtp <= 0 or not isinstance(n, int):
-        return [], ""
-    names = sorted(x for x in ckpt.tensors if (m := _LAYER.search(x)) and int(m.group(1)) >= n)
-    if not names:
-        return [], ""
-    return names, (f"multi-token-prediction layers (num_nextn_predict_layers={mtp}: layers {n}..{n + mtp - 1}) are a "
-                   "training / speculative-decoding head, not part of the model's forward pass: skipped")  # fmt: skip
-
-
 class _View:
     """The checkpoint without the skipped tensors, as discover_layers sees it."""
 
@@ -330,7 +313,7 @@ def _refuse_other_fp8(ckpt) -> None:
 
 def layers(ckpt: Checkpoint) -> list[LayerSpec]:
     cfg = config(ckpt)
-    drop, _ = skipped(ckpt)
+    drop, _ = mtp_skipped(ckpt)
     view = _View(ckpt, set(drop))
     _refuse_other_fp8(view)
     weights = (FLOAT_DTYPES | {FP8}, "FP8 checkpoints' expert weights must be F8_E4M3 (float8 e4m3fn; shared experts may be "
@@ -506,5 +489,5 @@ def read_shared(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor, torch.Ten
     return _deq(c["w13_q"], c["w13_scale"], g), _deq(c["w2_q"], c["w2_scale"], g)
 
 
-__all__ = ["SCHEME", "detect_block_fp8", "detect_float_quantized", "layers", "skipped", "read_layer", "read_expert_canonical", "read_shared_canonical",
+__all__ = ["SCHEME", "detect_block_fp8", "detect_float_quantized", "layers", "read_layer", "read_expert_canonical", "read_shared_canonical",
            "read_expert_w13", "read_expert_w2", "read_biases", "read_shared", "config"]  # fmt: skip

@@ -1,0 +1,95 @@
+"""Exact FP8 decode and the value checks of FP8 weights (docs/FORMATS.md §4), shared by whoever
+reads FP8 tensors: the non-expert Linears convert carries and load_model dequantizes
+(moepack/sources/linears.py), and any FP8 expert reader.
+
+* ``decode_fp8(codes)``: float32 values of ``float8_e4m3fn`` / ``float8_e5m2`` codes: torch's
+  conversion, which is exact (every FP8 value is an fp32 value; NaN codes give NaN;
+  tests/test_fp8_model.py checks all 256 codes against the bit-level definition), and needs no
+  index tensor (a table lookup would allocate 8 bytes of int64 index per weight).
+* ``nan_codes(codes)``: the codes that are NaN (e4m3fn: 0x7F / 0xFF; e5m2: exponent 31 with a
+  mantissa); ``check_fp8_codes`` refuses the first one naming the tensor and index.
+* ``check_block_scales(name, scale, n, k, block)``: a block scale grid must be
+  ``[ceil(N/bn), ceil(K/bk)]`` of finite scales > 0 (the rule the experts' scales follow).
+* ``dequantize_block(codes, scale, block)``: ``W[n, k] = fp8(codes[n, k]) * scale[n // bn, k // bk]``
+  in float32; each product of an fp8 value (<= 4 significant bits) and an f32/bf16/f16 scale is
+  exact in float32, so this is bit-exact whatever order another implementation multiplies in.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from ..errors import SourceError
+
+FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+@lru_cache(maxsize=None)
+def _nan_bytes(dtype: torch.dtype) -> tuple[int, ...]:
+    lut = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+    return tuple(int(i) for i in torch.isnan(lut).nonzero().flatten())
+
+
+def decode_fp8(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of an FP8 tensor (any shape), exact."""
+    if codes.dtype not in FP8_DTYPES.values():
+        raise SourceError(f"decode_fp8: dtype {codes.dtype} is not an FP8 dtype ({', '.join(map(str, FP8_DTYPES.values()))})")
+    return codes.to(torch.float32)
+
+
+def nan_codes(codes: torch.Tensor) -> torch.Tensor:
+    """Bool mask of the NaN codes of an FP8 tensor (e4m3fn: 0x7F, 0xFF)."""
+    b = codes.view(torch.uint8)
+    bad = torch.zeros(b.shape, dtype=torch.bool)
+    for x in _nan_bytes(codes.dtype):
+        bad |= b == x
+    return bad
+
+
+def check_fp8_codes(name: str, codes: torch.Tensor) -> None:
+    bad = nan_codes(codes)
+    if bool(bad.any()):
+        idx = [int(i) for i in bad.nonzero()[0]]
+        byte = int(codes.view(torch.uint8)[tuple(idx)])
+        raise SourceError(f"tensor {name!r}{idx} = 0x{byte:02X}: a NaN FP8 code; FP8 weights must be finite")
+
+
+def block_grid(n: int, k: int, block) -> tuple[int, int]:
+    return math.ceil(n / block[0]), math.ceil(k / block[1])
+
+
+def check_block_scales(name: str, scale: torch.Tensor, n: int, k: int, block) -> torch.Tensor:
+    """``scale`` as float32 after the shape and value checks (SourceError naming the tensor)."""
+    want = block_grid(n, k, block)
+    if tuple(scale.shape) != want:
+        raise SourceError(f"tensor {name!r} has shape {list(scale.shape)}: expected {list(want)} "
+                          f"(ceil(N={n} / {block[0]}), ceil(K={k} / {block[1]}) blocks)")  # fmt: skip
+    s = scale.float()
+    bad = ~(torch.isfinite(s) & (s > 0))
+    if bool(bad.any()):
+        idx = [int(i) for i in bad.nonzero()[0]]
+        raise SourceError(f"tensor {name!r}{idx} = {s[tuple(idx)].item()!r}: scales must be finite and > 0")
+    return s
+
+
+def dequantize_block(codes: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    """float32 ``[N, K]`` of block-scaled FP8 ``codes [N, K]`` with ``scale [ceil(N/bn), ceil(K/bk)]``;
+    one fp32 ``[N, K]`` allocation (the scales are applied in place, block row by block row)."""
+    n, k = codes.shape
+    bn, bk = block
+    v = decode_fp8(codes)
+    s = scale.float()
+    full = k // bk
+    for i in range(s.shape[0]):
+        rows = v[i * bn : (i + 1) * bn]
+        if full:
+            rows[:, : full * bk].unflatten(-1, (full, bk)).mul_(s[i, :full, None])
+        if k % bk:
+            rows[:, full * bk :].mul_(s[i, full])
+    return v
+
+
+__all__ = ["FP8_DTYPES", "decode_fp8", "nan_codes", "check_fp8_codes", "block_grid", "check_block_scales", "dequantize_block"]
