@@ -22,16 +22,22 @@ std::vector<int64_t> packed_shape(const at::Tensor& w, const LayoutDesc& L, int6
   return {w.size(0), n_padded ? n_padded : np, k_padded ? k_padded : kp};
 }
 
-// int8 layouts pack int8 codes (scales and column sums are separate tensors, moepack/pack).
+// One-byte codes: int8 layouts pack int8 codes, fp8 layouts uint8 e4m3fn bit patterns (scales and
+// column sums are separate tensors, moepack/pack); the bytes are moved as they are.
 at::Tensor pack_weight_i8(const at::Tensor& w, const LayoutDesc& L, int64_t n_padded, int64_t k_padded) {
-  TORCH_CHECK_TYPE(w.scalar_type() == at::kChar, "weight has dtype ", w.scalar_type(), ": layout ", L.name,
-                   " packs int8 codes (quantize first: moepack.pack.quantize_int8_per_channel)");
+  if (L.tensors[0].dtype == kTensor_uint8) {
+    TORCH_CHECK_TYPE(w.scalar_type() == at::kByte, "weight has dtype ", w.scalar_type(), ": layout ", L.name,
+                     " packs one-byte uint8 codes (fp8: a float8_e4m3fn tensor .view(torch.uint8))");
+  } else {
+    TORCH_CHECK_TYPE(w.scalar_type() == at::kChar, "weight has dtype ", w.scalar_type(), ": layout ", L.name,
+                     " packs int8 codes (quantize first: moepack.pack.quantize_int8_per_channel)");
+  }
   auto shape = packed_shape(w, L, n_padded, k_padded);
   at::Tensor src = w.contiguous();
   at::Tensor out = at::empty(shape, w.options());
   const int64_t E = shape[0], n = w.size(1), k = w.size(2), np = shape[1], kp = shape[2];
-  const int8_t* sp = src.data_ptr<int8_t>();
-  int8_t* dp = out.data_ptr<int8_t>();
+  const int8_t* sp = static_cast<const int8_t*>(src.data_ptr());
+  int8_t* dp = static_cast<int8_t*>(out.data_ptr());
   const int64_t blocks = np / L.block_n;
   at::parallel_for(0, E * blocks, 1, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
@@ -120,10 +126,11 @@ at::Tensor pack_weight_cpu(const at::Tensor& w, int64_t layout, int64_t n_padded
   if (zero) check_cpu(*zero, "zero");
   if (L.weight_bits < 8) return pack_weight_sub_byte(w, zero, L, n_padded, k_padded);
   check_no_zero(zero, L);
-  TORCH_CHECK_VALUE(L.tensors[0].dtype == kTensor_int8 || L.tensors[0].dtype == kTensor_bfloat16, "layout ", L.name,
-                    " stores ", kTensorDtypeNames[L.tensors[0].dtype],
-                    " codes: pack_weight packs bfloat16, int8 and sub-byte codes");
-  if (L.tensors[0].dtype == kTensor_int8) return pack_weight_i8(w, L, n_padded, k_padded);
+  const bool one_byte = L.weight_bits == 8 && (L.tensors[0].dtype == kTensor_int8 || L.tensors[0].dtype == kTensor_uint8);
+  TORCH_CHECK_VALUE(one_byte || L.tensors[0].dtype == kTensor_bfloat16, "layout ", L.name, " stores ",
+                    kTensorDtypeNames[L.tensors[0].dtype],
+                    " codes: pack_weight packs bfloat16, one-byte (int8, uint8) and sub-byte codes");
+  if (one_byte) return pack_weight_i8(w, L, n_padded, k_padded);
   const DType dt = dtype_of(w, "weight");
   auto shape = packed_shape(w, L, n_padded, k_padded);
   at::Tensor src = w.contiguous();

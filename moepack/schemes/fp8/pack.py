@@ -11,9 +11,9 @@ with ``W[n, k] = e4m3fn(q[n, k]) * scale[n, k // G]``. A source's 2-D block scal
 [ceil(N / bn), ceil(K / 128)] are expanded over each block's rows before they get here, so any
 row blocking packs exactly. Packed: the codes through ``moepack.pack.pack_codes`` (blocked like
 bf16_n32k2_x86, one byte per code; padding code 0x00 = +0), the scales transposed to the
-layout's [E, ceil(Kp / G), Np] (per channel: [E, Np]), 0 in every padding row and group. The C++
-packer (``torch.ops.moepack.pack_weight``) does not take one-byte unsigned codes in this build,
-so ``use_cpp`` packs with the specification too (the bytes are the layout's either way).
+layout's [E, ceil(Kp / G), Np] (per channel: [E, Np]), 0 in every padding row and group.
+``use_cpp`` moves the code bytes with the C++ packer (``torch.ops.moepack.pack_weight``, one-byte
+codes), else with the specification, ``pack_codes``; tests/test_pack.py holds them equal.
 """
 
 from __future__ import annotations
@@ -65,7 +65,13 @@ def pack_fp8_weight(
         q = torch.cat([q, q.new_zeros(e, np_ - n, k)], dim=1)
         sf = torch.cat([sf, sf.new_zeros(e, np_ - n, sf.shape[2])], dim=1)
     ngp = 1 if layout.group_size == 0 else -(-kp // layout.group_size)
-    return {weight: pack_codes(layout, q, n_padded=np_, k_padded=kp), f"{weight}_scale": _scale_tensor(sf, layout, ngp, np_)}
+    if use_cpp:
+        from ..._ops import ops
+
+        codes = ops().pack_weight(q.contiguous(), layout.id, np_, kp)
+    else:
+        codes = pack_codes(layout, q, n_padded=np_, k_padded=kp)
+    return {weight: codes, f"{weight}_scale": _scale_tensor(sf, layout, ngp, np_)}
 
 
 def pack_experts_fp8(c: dict, *, interleaved: bool = False, layout=None, use_cpp: bool = True) -> PackedExperts:
