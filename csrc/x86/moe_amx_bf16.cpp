@@ -24,6 +24,7 @@ void register_amx_bf16(KernelTable&) {}
 #include "amx_common.h"
 #include "avx512_bf16_common.h"
 #include "avx512_u4_bf16.h"
+#include "avx512_f8.h"
 
 namespace moepack {
 namespace amx_bf16 {
@@ -104,7 +105,7 @@ static bool gemm_u4a16_amx(const uint16_t* const* x, int m, const uint8_t* codes
 }
 
 struct MK : Avx512Base {
-  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_unpack_u4 | kHook_gemm_u4a16;
+  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_unpack_u4 | kHook_gemm_u4a16 | kHook_unpack_f8;
   static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
   using WorkerScope = TileScope;  // one tile configuration per driver worker (amx_common.h)
   static RowFormat row_format(DType d) { return d == DType::bf16 ? RowFormat::bf16 : RowFormat::f32; }
@@ -128,6 +129,8 @@ struct MK : Avx512Base {
   static void unpack_u4(const uint8_t* codes, int64_t k0, int64_t kk, const uint8_t* z, uint16_t* out) {
     x86_avx512_u4::unpack_u4_avx512(codes, k0, kk, z, out);
   }
+  // fp8_block layouts (W8A16): the exact table decode to the dense bf16 block (avx512_f8.h).
+  static void unpack_f8(const uint8_t* codes, int64_t n, uint16_t* out) { x86_avx512_f8::unpack_f8_avx512(codes, n, out); }
   using U4A16Memo = x86_avx512_u4_bf16::U4A16Rows;
   static bool gemm_u4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const float* scale,
                          const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C, void* memo) {
@@ -150,6 +153,7 @@ struct MK : Avx512Base {
 void register_amx_bf16(KernelTable& t) {
   amx_bf16::register_scheme<amx_bf16::DenseA16<amx_bf16::MK>>(t, kLayout_bf16_n32k2_x86, Isa::amx_bf16);
   amx_bf16::register_int4_layouts<amx_bf16::Int4A16<amx_bf16::MK>>(t, Isa::amx_bf16);
+  amx_bf16::register_fp8_layouts<amx_bf16::Fp8A16<amx_bf16::MK>>(t, Isa::amx_bf16);
 }
 
 }  // namespace moepack
