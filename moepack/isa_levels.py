@@ -173,9 +173,11 @@ LEVELS = (
         "amx_bf16",  # tile matrix multiply (tdpbf16ps) for bf16 rows; vdpbf16ps for the rest
         arch="x86",
         base="avx512_bf16",
-        flags=("-mamx-tile", "-mamx-bf16"),
+        # AVX512_VBMI: the fp8 decode's byte-table lookup (docs/KERNELS.md); every CPU with AMX has it
+        flags=("-mamx-tile", "-mamx-bf16", "-mavx512vbmi"),
         needs=(
             cpu("AMX-TILE/AMX-BF16", "amx_tile", "amx_bf16"),
+            cpu("AVX512_VBMI", "avx512vbmi"),
             os_state("AMX tile data (XCR0 and the kernel's permission, arch_prctl)", "os_amx"),
         ),
         serves=("bf16", "u4:a16", "f8e4m3"),

@@ -162,6 +162,10 @@ AWKWARD = [
     Case(F16, "gelu", "1/sqrt(H)", 93, 40, 1, 1, False, 23),  # odd H (K padding inside a pair), k = 1
     Case(BF16, "gelu_tanh", "1/sqrt(H)", 520, 264, 24, 2, False, 24),  # 4 groups + 8; the tile paths
     Case(F32, "swigluoai_a1.2_l0.75", "4", 300, 136, 1, 3, True, 25),  # decode, a partial last group
+    # decode: 1 and 2 rows per expert through the decode streams (H 1024: 8 groups in 4 or 2
+    # segments; I 256: 2 groups, 2 segments)
+    Case(BF16, "silu", "1", 1024, 256, 1, 4, True, 29),
+    Case(BF16, "gelu", "1/sqrt(H)", 1024, 256, 2, 5, False, 30),
 ]
 
 

@@ -26,9 +26,7 @@ constexpr int kF8A16MaxRows = 4;  // more rows: the decode to a dense block (or 
 // One K pair (64 codes of 32 columns) of the block as the two bf16 pair registers (columns 0-15,
 // 16-31), exact.
 static inline void f8_pair(const uint8_t* p, const F8Tables& T, __m512i w[2]) {
-  const __m512i v = _mm512_loadu_si512(p);
-  w[0] = f8_bf16_32(_mm512_castsi512_si256(v), T);
-  w[1] = f8_bf16_32(_mm512_extracti64x4_epi64(v, 1), T);
+  f8_bf16_64(_mm512_loadu_si512(p), T, w);
 }
 
 // C[MR, 32] for bf16 rows x[r] against the f8 block `codes` (kp K, groups of G with scales
