@@ -35,13 +35,18 @@ struct F8Tables {
     perm = _mm512_load_si512(p);
   }
 };
-// 64 codes -> 64 bf16 words, in order (out[0]: codes 0-31, out[1]: 32-63).
-static inline void f8_bf16_64(__m512i v, const F8Tables& T, __m512i out[2]) {
-  const __m512i c = _mm512_permutexvar_epi8(T.perm, v);
+// 64 codes -> 64 bf16 words in the unpacks' order: out[0] holds the words of codes 16 j .. 16 j + 7
+// and out[1] those of 16 j + 8 .. 16 j + 15 in 128-bit lane j (each 32-bit lane: two consecutive
+// codes, as they were paired). The few-row kernel takes them so and reorders its sums once.
+static inline void f8_bf16_64_lanes(__m512i c, const F8Tables& T, __m512i out[2]) {
   const __m512i lo = _mm512_permutex2var_epi8(T.lo0, c, T.lo1);
   const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(T.hi0, c, T.hi1), c, _mm512_set1_epi8(char(0x80)), 0xF8);
   out[0] = _mm512_unpacklo_epi8(lo, hi);
   out[1] = _mm512_unpackhi_epi8(lo, hi);
+}
+// 64 codes -> 64 bf16 words, in order (out[0]: codes 0-31, out[1]: 32-63).
+static inline void f8_bf16_64(__m512i v, const F8Tables& T, __m512i out[2]) {
+  f8_bf16_64_lanes(_mm512_permutexvar_epi8(T.perm, v), T, out);
 }
 #else
 constexpr bool kF8Vbmi = false;
@@ -67,6 +72,8 @@ static inline void f8_bf16_64(__m512i v, const F8Tables& T, __m512i out[2]) {
   out[0] = f8_bf16_32(_mm512_castsi512_si256(v), T);
   out[1] = f8_bf16_32(_mm512_extracti64x4_epi64(v, 1), T);
 }
+// (The word tables keep the codes' order: their "unpacks' order" is the order.)
+static inline void f8_bf16_64_lanes(__m512i v, const F8Tables& T, __m512i out[2]) { f8_bf16_64(v, T, out); }
 #endif
 
 // out[i] = kF8Bf16.v[codes[i]], i < n.

@@ -23,10 +23,26 @@ using namespace x86_avx512_f8;
 
 constexpr int kF8A16MaxRows = 4;  // more rows: the decode to a dense block (or tiles) and the dense kernel
 
-// One K pair (64 codes of 32 columns) of the block as the two bf16 pair registers (columns 0-15,
-// 16-31), exact.
+// One K pair (64 codes of 32 columns) of the block as the two bf16 pair registers, exact: columns
+// 0-15 and 16-31, or with VBMI (kF8Vbmi) in the unpacks' order, columns (0-3, 8-11, 16-19,
+// 24-27) and (4-7, 12-15, 20-23, 28-31): one shuffle less per pair; the scales are read in that
+// order and C is put back in column order once per block (f8_cols).
 static inline void f8_pair(const uint8_t* p, const F8Tables& T, __m512i w[2]) {
-  f8_bf16_64(_mm512_loadu_si512(p), T, w);
+  f8_bf16_64_lanes(_mm512_loadu_si512(p), T, w);
+}
+// Columns in f8_pair's order <-> column order: (a, b) = the 32 values in one order -> the other.
+// to_pair: a = columns 0-15, b = 16-31 -> (0-3, 8-11, 16-19, 24-27), (4-7, 12-15, 20-23, 28-31);
+// else the inverse.
+static inline void f8_cols(__m512& a, __m512& b, bool to_pair) {
+  if constexpr (kF8Vbmi) {
+    alignas(64) static const int32_t p0[16] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    alignas(64) static const int32_t p1[16] = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    alignas(64) static const int32_t q0[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+    alignas(64) static const int32_t q1[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+    const __m512i i0 = _mm512_load_si512(to_pair ? p0 : q0), i1 = _mm512_load_si512(to_pair ? p1 : q1);
+    const __m512 x = _mm512_permutex2var_ps(a, i0, b), y = _mm512_permutex2var_ps(a, i1, b);
+    a = x, b = y;
+  }
 }
 
 // C[MR, 32] for bf16 rows x[r] against the f8 block `codes` (kp K, groups of G with scales
@@ -65,8 +81,10 @@ static inline bool gemm_f8a16_streams(const uint16_t* const* x, const uint8_t* c
     return t;
   };
   auto scale_add = [&](int r, const float* s, __m512 t0, __m512 t1) {
-    c[r][0] = _mm512_fmadd_ps(t0, _mm512_loadu_ps(s), c[r][0]);
-    c[r][1] = _mm512_fmadd_ps(t1, _mm512_loadu_ps(s + 16), c[r][1]);
+    __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+    f8_cols(s0, s1, true);
+    c[r][0] = _mm512_fmadd_ps(t0, s0, c[r][0]);
+    c[r][1] = _mm512_fmadd_ps(t1, s1, c[r][1]);
   };
   if (one_group) {  // per channel: the K pairs split into S segments, summed before the one scale
     clear();
@@ -103,6 +121,7 @@ static inline bool gemm_f8a16_streams(const uint16_t* const* x, const uint8_t* c
     }
   }
   for (int r = 0; r < MR; ++r) {
+    f8_cols(c[r][0], c[r][1], false);
     _mm512_storeu_ps(C + r * 32, c[r][0]);
     _mm512_storeu_ps(C + r * 32 + 16, c[r][1]);
   }
