@@ -70,7 +70,7 @@ def quantize_fp8(w: torch.Tensor, group: int, seed: int) -> tuple[torch.Tensor, 
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
-    """fp8(q) * s in fp32 (exact: 4 significant bits times an fp32 scale of 24... rounded once)."""
+    """fp8(q) * s in fp32, per code (fp8(q) is exact; the product is rounded once)."""
     k = q.shape[-1]
     g = group or k
     s = scale.repeat_interleave(g, dim=-1)[..., :k]
