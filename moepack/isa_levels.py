@@ -164,7 +164,7 @@ LEVELS = (
         base="avx512",
         flags=("-mavx512bf16",),
         needs=(cpu("AVX512_BF16", "avx512_bf16"),),
-        serves=("bf16", "u4:a16"),
+        serves=("bf16", "u4:a16", "f8e4m3"),
         probe="__m512 f(__m512 a, __m512i b, __m512i c) { return _mm512_dpbf16_ps(a, (__m512bh)b, (__m512bh)c); }",
         emulate="-DMOEPACK_EMULATE_AVX512",
         cpus="Cooper Lake, Sapphire Rapids, Zen 4+",
@@ -173,12 +173,14 @@ LEVELS = (
         "amx_bf16",  # tile matrix multiply (tdpbf16ps) for bf16 rows; vdpbf16ps for the rest
         arch="x86",
         base="avx512_bf16",
-        flags=("-mamx-tile", "-mamx-bf16"),
+        # AVX512_VBMI: the fp8 decode's byte-table lookup (docs/KERNELS.md); every CPU with AMX has it
+        flags=("-mamx-tile", "-mamx-bf16", "-mavx512vbmi"),
         needs=(
             cpu("AMX-TILE/AMX-BF16", "amx_tile", "amx_bf16"),
+            cpu("AVX512_VBMI", "avx512vbmi"),
             os_state("AMX tile data (XCR0 and the kernel's permission, arch_prctl)", "os_amx"),
         ),
-        serves=("bf16", "u4:a16"),
+        serves=("bf16", "u4:a16", "f8e4m3"),
         probe="void f(void) { _tile_dpbf16ps(0, 1, 2); }",
         cpus="Sapphire Rapids, Emerald Rapids, Granite Rapids",
     ),

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "moepack/kernel.h"
+#include "f8_table.h"  // kF8Bf16: what unpack_f8 produces
 
 namespace moepack {
 
@@ -30,10 +31,13 @@ enum MkHook : uint32_t {
   kHook_dot_u4_s8 = 1u << 4,         // int4 A8: the exact integer core of one block
   kHook_gemm_u4a16 = 1u << 5,        // int4 A16: the whole block (may decline: returns false)
   kHook_gemm_u4a8 = 1u << 6,         // int4 A8: the whole block
+  kHook_unpack_f8 = 1u << 7,         // fp8 A16: n e4m3fn codes -> n bf16 (exact: kF8Bf16)
+  kHook_gemm_f8a16 = 1u << 8,        // fp8 A16: the whole block (may decline: returns false)
 };
-constexpr int kNumMkHooks = 7;
+constexpr int kNumMkHooks = 9;
 constexpr const char* kMkHookNames[kNumMkHooks] = {"gemm_prefetch", "gemm_i8_prefetch", "quantize_row_i8", "unpack_u4",
-                                                   "dot_u4_s8",     "gemm_u4a16",       "gemm_u4a8"};
+                                                   "dot_u4_s8",     "gemm_u4a16",       "gemm_u4a8",       "unpack_f8",
+                                                   "gemm_f8a16"};
 static constexpr int mk_hook_index(uint32_t bit) {
   int i = 0;
   while (bit > 1u) bit >>= 1, ++i;
@@ -65,6 +69,15 @@ using HookGemmU4A16 = bool(RowFormat, const void* const*, int, const uint8_t*, c
 // C[m, block_n] of one block, in the order of the grouped-decode path (docs/SEMANTICS.md §3).
 using HookGemmU4A8 = void(const int8_t* const*, const float*, int, const uint8_t*, const float*, const uint8_t*, int64_t,
                           int64_t, int64_t, const int32_t*, float*);
+// unpack_f8(codes, n, out): out[i] = kF8Bf16.v[codes[i]] for i < n (any n >= 0), bit for bit
+// (NaN codes included). The f8 layouts are blocked like MK's dense bf16 block (block_n x
+// kDenseKPack), so a K slice of a block decodes element-wise, in place order.
+using HookUnpackF8 = void(const uint8_t*, int64_t, uint16_t*);
+// gemm_f8a16(fmt, rows, m, codes, scale, group_stride, kp, G, C) -> taken: fp32 C[m, block_n] of
+// one f8 block, C = sum over K groups g of (rows . fp8(q)) * s[g, n]; false leaves the call to
+// the grouped-decode path.
+using HookGemmF8A16 = bool(RowFormat, const void* const*, int, const uint8_t*, const float*, int64_t, int64_t, int64_t,
+                           float*);
 
 // ---- one concept per hook: M's member converts to the exact signature -------------------------
 template <class M>
@@ -81,6 +94,10 @@ template <class M>
 concept MkGemmU4A16 = requires { static_cast<HookGemmU4A16*>(&M::gemm_u4a16); };
 template <class M>
 concept MkGemmU4A8 = requires { static_cast<HookGemmU4A8*>(&M::gemm_u4a8); };
+template <class M>
+concept MkUnpackF8 = requires { static_cast<HookUnpackF8*>(&M::unpack_f8); };
+template <class M>
+concept MkGemmF8A16 = requires { static_cast<HookGemmF8A16*>(&M::gemm_f8a16); };
 
 // The hooks M states (every MK declares kHooks; the scalar one states none).
 template <class M>
@@ -125,6 +142,14 @@ constexpr bool check_mk_hooks() {
                 "MK states kHook_gemm_u4a8 but gemm_u4a8 is not HookGemmU4A8 (csrc/kernels/mk_hooks.h)");
   static_assert(mk_states<M>(kHook_gemm_u4a8) || !requires { &M::gemm_u4a8; },
                 "MK has a gemm_u4a8 but does not state kHook_gemm_u4a8 in kHooks");
+  static_assert(!mk_states<M>(kHook_unpack_f8) || MkUnpackF8<M>,
+                "MK states kHook_unpack_f8 but unpack_f8 is not HookUnpackF8 (csrc/kernels/mk_hooks.h)");
+  static_assert(mk_states<M>(kHook_unpack_f8) || !requires { &M::unpack_f8; },
+                "MK has an unpack_f8 but does not state kHook_unpack_f8 in kHooks");
+  static_assert(!mk_states<M>(kHook_gemm_f8a16) || MkGemmF8A16<M>,
+                "MK states kHook_gemm_f8a16 but gemm_f8a16 is not HookGemmF8A16 (csrc/kernels/mk_hooks.h)");
+  static_assert(mk_states<M>(kHook_gemm_f8a16) || !requires { &M::gemm_f8a16; },
+                "MK has a gemm_f8a16 but does not state kHook_gemm_f8a16 in kHooks");
   return true;
 }
 

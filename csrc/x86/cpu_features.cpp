@@ -43,6 +43,7 @@ CpuFeatures detect_cpu_features() {
     f.avx512bw = (b >> 30) & 1;
     f.avx512vl = (b >> 31) & 1;
     f.avx512_vnni = (c >> 11) & 1;
+    f.avx512vbmi = (c >> 1) & 1;
     f.amx_bf16 = (d >> 22) & 1;
     f.amx_tile = (d >> 24) & 1;
     f.amx_int8 = (d >> 25) & 1;

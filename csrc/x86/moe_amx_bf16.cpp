@@ -24,6 +24,8 @@ void register_amx_bf16(KernelTable&) {}
 #include "amx_common.h"
 #include "avx512_bf16_common.h"
 #include "avx512_u4_bf16.h"
+#include "avx512_f8.h"
+#include "avx512_f8_bf16.h"
 
 namespace moepack {
 namespace amx_bf16 {
@@ -65,11 +67,13 @@ static void gemm_amx(const uint16_t* x, int64_t stride, int m, const uint16_t* B
 // last), and the group's product scaled into C: C += (rows . (q - z)) * s[g, n], as the driver's
 // general path computes it. False (nothing written) when the rows are not one matrix or are more
 // than kU4TileMaxRows.
+// The same for fp8 (gemm_f8a16_amx): decode(k1, kk, g, w) writes K [k1, k1 + kk) of group g.
 constexpr int64_t kU4TileStepK = 256;
 constexpr int kU4TileMaxRows = 64;
 constexpr int kU4AmxMinRows = 3;  // qwen3 T=8 W4A16: 8.1-8.4 ms at 3, 9.1-9.2 ms at 2
-static bool gemm_u4a16_amx(const uint16_t* const* x, int m, const uint8_t* codes, const float* scale,
-                           const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+template <class Decode>
+static bool gemm_decoded_amx(const uint16_t* const* x, int m, const float* scale, int64_t gstride, int64_t kp, int64_t G,
+                             float* C, Decode&& decode) {
   const int64_t stride = x[1] - x[0];
   if (m > kU4TileMaxRows || stride < kp || x[m - 1] != x[0] + int64_t(m - 1) * stride) return false;
   alignas(64) uint16_t w[kU4TileStepK * 32];
@@ -80,10 +84,9 @@ static bool gemm_u4a16_amx(const uint16_t* const* x, int m, const uint8_t* codes
   for (int i = 0; i < m * 32; ++i) C[i] = 0.0f;
   for (int64_t g = 0, k0 = 0; k0 < kp; ++g, k0 += G) {
     const int64_t kend = k0 + G < kp ? k0 + G : kp;
-    const uint8_t* z = zero + g * gstride;
     for (int64_t k1 = k0; k1 < kend; k1 += kU4TileStepK) {
       const int64_t kk = kend - k1 < kU4TileStepK ? kend - k1 : kU4TileStepK;
-      x86_avx512_u4::unpack_u4_avx512(codes, k1, kk, z, w);
+      decode(k1, kk, g, w);
       const int64_t npairs = kk / 2, full = npairs / 16 * 16;
       tile_rows<DpBf16>(tiles, reinterpret_cast<const char*>(x[0] + k1), row_bytes, m, reinterpret_cast<const char*>(w), full,
                         k1 != k0, grp);
@@ -102,9 +105,23 @@ static bool gemm_u4a16_amx(const uint16_t* const* x, int m, const uint8_t* codes
   }
   return true;
 }
+static bool gemm_u4a16_amx(const uint16_t* const* x, int m, const uint8_t* codes, const float* scale,
+                           const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C) {
+  return gemm_decoded_amx(x, m, scale, gstride, kp, G, C, [&](int64_t k1, int64_t kk, int64_t g, uint16_t* w) {
+    x86_avx512_u4::unpack_u4_avx512(codes, k1, kk, zero + g * gstride, w);
+  });
+}
+static bool gemm_f8a16_amx(const uint16_t* const* x, int m, const uint8_t* codes, const float* scale, int64_t gstride,
+                           int64_t kp, int64_t G, float* C) {
+  return gemm_decoded_amx(x, m, scale, gstride, kp, G, C, [&](int64_t k1, int64_t kk, int64_t, uint16_t* w) {
+    x86_avx512_f8::unpack_f8_avx512(codes + k1 * 32, kk * 32, w);
+  });
+}
+constexpr int kF8AmxMinRows = 3;
 
 struct MK : Avx512Base {
-  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_unpack_u4 | kHook_gemm_u4a16;
+  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_unpack_u4 | kHook_gemm_u4a16 | kHook_unpack_f8 |
+                                     kHook_gemm_f8a16;
   static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
   using WorkerScope = TileScope;  // one tile configuration per driver worker (amx_common.h)
   static RowFormat row_format(DType d) { return d == DType::bf16 ? RowFormat::bf16 : RowFormat::f32; }
@@ -128,6 +145,17 @@ struct MK : Avx512Base {
   static void unpack_u4(const uint8_t* codes, int64_t k0, int64_t kk, const uint8_t* z, uint16_t* out) {
     x86_avx512_u4::unpack_u4_avx512(codes, k0, kk, z, out);
   }
+  // fp8_block layouts (W8A16): the exact table decode to the dense bf16 block (avx512_f8.h).
+  static void unpack_f8(const uint8_t* codes, int64_t n, uint16_t* out) { x86_avx512_f8::unpack_f8_avx512(codes, n, out); }
+  // ... few bf16 rows straight from the codes (avx512_f8_bf16.h), more through tiles a K group at a time.
+  static bool gemm_f8a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const float* scale,
+                         int64_t gstride, int64_t kp, int64_t G, float* C) {
+    if (fmt == RowFormat::bf16 && m >= kF8AmxMinRows &&
+        gemm_f8a16_amx(reinterpret_cast<const uint16_t* const*>(rows), m, codes, scale, gstride, kp, G, C)) {
+      return true;
+    }
+    return x86_avx512_f8_bf16::gemm_f8a16_bf16(fmt, rows, m, codes, scale, gstride, kp, G, C);
+  }
   using U4A16Memo = x86_avx512_u4_bf16::U4A16Rows;
   static bool gemm_u4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const float* scale,
                          const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C, void* memo) {
@@ -150,6 +178,7 @@ struct MK : Avx512Base {
 void register_amx_bf16(KernelTable& t) {
   amx_bf16::register_scheme<amx_bf16::DenseA16<amx_bf16::MK>>(t, kLayout_bf16_n32k2_x86, Isa::amx_bf16);
   amx_bf16::register_int4_layouts<amx_bf16::Int4A16<amx_bf16::MK>>(t, Isa::amx_bf16);
+  amx_bf16::register_fp8_layouts<amx_bf16::Fp8A16<amx_bf16::MK>>(t, Isa::amx_bf16);
 }
 
 }  // namespace moepack

@@ -23,6 +23,7 @@
 #include "moepack/numeric.h"
 #include "avx2_common.h"
 #include "avx2_u4_common.h"
+#include "avx2_f8.h"
 
 namespace moepack {
 namespace avx2 {
@@ -32,7 +33,8 @@ static inline __m256 even_f32(__m256i w) { return _mm256_castsi256_ps(_mm256_sll
 static inline __m256 odd_f32(__m256i w, __m256i hi_mask) { return _mm256_castsi256_ps(_mm256_and_si256(w, hi_mask)); }
 
 struct MK : x86_avx2::Avx2Elementwise {
-  static constexpr uint32_t kHooks = Avx2Elementwise::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_unpack_u4 | kHook_gemm_u4a16;
+  static constexpr uint32_t kHooks = Avx2Elementwise::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_unpack_u4 | kHook_gemm_u4a16 |
+                                     kHook_unpack_f8;
   static RowFormat row_format(DType) { return RowFormat::f32; }
 
   static void gemm1(const float* x, const uint16_t* B, int64_t kp, float* C) {
@@ -193,6 +195,9 @@ struct MK : x86_avx2::Avx2Elementwise {
     return true;
   }
 
+  // fp8_block layouts (W8A16): the exact F16C decode to the dense bf16 block (avx2_f8.h).
+  static void unpack_f8(const uint8_t* codes, int64_t n, uint16_t* out) { x86_avx2_f8::unpack_f8_avx2(codes, n, out); }
+
   // acc[m, 32] for one 32-column int8 block (signed rows; colsum unused).
   static void gemm_i8(const LayoutDesc&, const int8_t* const* rows, int m, const int8_t* B, int64_t kp, const int32_t*,
                       int32_t* acc) {
@@ -213,6 +218,7 @@ void register_avx2(KernelTable& t) {
   avx2::register_scheme<avx2::Int8A8<MK>>(t, kLayout_i8_n32k4_x86, Isa::avx2);
   avx2::register_int4_layouts<avx2::Int4A16<MK>>(t, Isa::avx2);
   avx2::register_int4_layouts<avx2::Int4A8<MK>>(t, Isa::avx2);
+  avx2::register_fp8_layouts<avx2::Fp8A16<MK>>(t, Isa::avx2);
 }
 
 }  // namespace moepack

@@ -21,6 +21,7 @@ void register_avx512(KernelTable&) {}
 #else
 #include "avx512_i8_common.h"
 #include "avx512_u4_common.h"
+#include "avx512_f8.h"
 
 namespace moepack {
 namespace avx512 {
@@ -30,7 +31,7 @@ using namespace x86_avx512;
 using namespace x86_avx512_i8;
 
 struct MK : Avx512Base {
-  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_unpack_u4;
+  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_unpack_u4 | kHook_unpack_f8;
   // acc[m, 32] = exact int32 dot products of one 32-column int8 block (signed rows; colsum unused).
   static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t*,
                       int32_t* C) {
@@ -51,6 +52,8 @@ struct MK : Avx512Base {
   static void unpack_u4(const uint8_t* codes, int64_t k0, int64_t kk, const uint8_t* z, uint16_t* out) {
     x86_avx512_u4::unpack_u4_avx512(codes, k0, kk, z, out);
   }
+  // fp8_block layouts (W8A16): the exact table decode to the dense bf16 block (avx512_f8.h).
+  static void unpack_f8(const uint8_t* codes, int64_t n, uint16_t* out) { x86_avx512_f8::unpack_f8_avx512(codes, n, out); }
 };
 
 #include "../kernels/moe_kernels.inc"
@@ -64,6 +67,7 @@ void register_avx512(KernelTable& t) {
   avx512::register_scheme<avx512::Int8A8<MK>>(t, kLayout_i8_n32k4_x86, Isa::avx512);
   avx512::register_int4_layouts<avx512::Int4A16<MK>>(t, Isa::avx512);
   avx512::register_int4_layouts<avx512::Int4A8<MK>>(t, Isa::avx512);
+  avx512::register_fp8_layouts<avx512::Fp8A16<MK>>(t, Isa::avx512);
 }
 
 }  // namespace moepack

@@ -21,6 +21,8 @@ void register_avx512_bf16(KernelTable&) {}
 #else
 #include "avx512_bf16_common.h"
 #include "avx512_u4_bf16.h"
+#include "avx512_f8.h"
+#include "avx512_f8_bf16.h"
 
 namespace moepack {
 namespace avx512_bf16 {
@@ -30,7 +32,8 @@ using namespace x86_avx512;
 using namespace x86_avx512_bf16;
 
 struct MK : Avx512Base {
-  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_prefetch | kHook_unpack_u4 | kHook_gemm_u4a16;
+  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_prefetch | kHook_unpack_u4 | kHook_gemm_u4a16 | kHook_unpack_f8 |
+                                     kHook_gemm_f8a16;
   static RowFormat row_format(DType d) { return d == DType::bf16 ? RowFormat::bf16 : RowFormat::f32; }
 
   // C[m, 32] = A[m, :kp] . B^T for one 32-column block; rows are bf16 bits or fp32 as
@@ -46,6 +49,13 @@ struct MK : Avx512Base {
   // int4_group layouts (W4A16): the unpack to dense bf16 blocks, and few bf16 rows straight from the codes (avx512_u4_bf16.h).
   static void unpack_u4(const uint8_t* codes, int64_t k0, int64_t kk, const uint8_t* z, uint16_t* out) {
     x86_avx512_u4::unpack_u4_avx512(codes, k0, kk, z, out);
+  }
+  // fp8_block layouts (W8A16): the exact table decode to the dense bf16 block (avx512_f8.h).
+  static void unpack_f8(const uint8_t* codes, int64_t n, uint16_t* out) { x86_avx512_f8::unpack_f8_avx512(codes, n, out); }
+  // ... and few bf16 rows straight from the codes (avx512_f8_bf16.h).
+  static bool gemm_f8a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const float* scale,
+                         int64_t gstride, int64_t kp, int64_t G, float* C) {
+    return x86_avx512_f8_bf16::gemm_f8a16_bf16(fmt, rows, m, codes, scale, gstride, kp, G, C);
   }
   using U4A16Memo = x86_avx512_u4_bf16::U4A16Rows;
   static bool gemm_u4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const float* scale,
@@ -63,6 +73,7 @@ struct MK : Avx512Base {
 void register_avx512_bf16(KernelTable& t) {
   avx512_bf16::register_scheme<avx512_bf16::DenseA16<avx512_bf16::MK>>(t, kLayout_bf16_n32k2_x86, Isa::avx512_bf16);
   avx512_bf16::register_int4_layouts<avx512_bf16::Int4A16<avx512_bf16::MK>>(t, Isa::avx512_bf16);
+  avx512_bf16::register_fp8_layouts<avx512_bf16::Fp8A16<avx512_bf16::MK>>(t, Isa::avx512_bf16);
 }
 
 }  // namespace moepack

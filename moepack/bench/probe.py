@@ -150,6 +150,11 @@ KERNEL_INSTRUCTIONS: dict[tuple[str, str], str] = {
     ("i8", "amx_int8"): "tdpbssd",
     # int4 (u4 layouts), per activation mode: A16 meets the weights in the bf16 kernels' dot
     # product, A8 in the int8 kernels'
+    # fp8 (f8 layouts, A16): the codes decoded to bf16 meet the rows in the bf16 kernels' dot product
+    ("f8e4m3", "avx2"): "fma_ymm",
+    ("f8e4m3", "avx512"): "fma_zmm",
+    ("f8e4m3", "avx512_bf16"): "vdpbf16ps",
+    ("f8e4m3", "amx_bf16"): "tdpbf16ps",
     ("u4:a16", "avx2"): "fma_ymm",
     ("u4:a16", "avx512"): "fma_zmm",
     ("u4:a16", "avx512_bf16"): "vdpbf16ps",

@@ -10,7 +10,7 @@
 // Each kernel runs on the layouts its level serves (isa_serves).
 //
 // The tests live in parts included below inside one anonymous namespace (kt_*.inc: common helpers,
-// one dense problem, misc checks, int8, int4, the grouped-decode seam); main() runs them.
+// one dense problem, misc checks, int8, int4, fp8, the grouped-decode seam); main() runs them.
 //
 // Build and run: python tests/cpp/build.py --run   (options: -v prints every case)
 // Last line: "N passed, M failed"; exit status 1 when anything failed.
@@ -28,6 +28,9 @@
 #include <thread>
 #include <array>
 #include <vector>
+#if defined(__x86_64__)
+#include <xmmintrin.h>  // _mm_getcsr / _mm_setcsr (kt_fp8.inc)
+#endif
 
 #include "moepack/kernel.h"
 #include "moepack/numeric.h"
@@ -55,6 +58,7 @@ namespace {
 #include "kt_misc.inc"
 #include "kt_int8.inc"
 #include "kt_int4.inc"
+#include "kt_fp8.inc"
 #include "kt_seam.inc"
 
 }  // namespace
@@ -79,6 +83,8 @@ int main(int argc, char** argv) {
   }
   test_u4(runnable_registrars());
   test_u4_seam();
+  test_f8_decode(runnable_registrars());
+  test_f8_fused(runnable_registrars());
 
   const Activation acts[4] = {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::swigluoai};
   const DType dts[3] = {DType::f32, DType::bf16, DType::f16};

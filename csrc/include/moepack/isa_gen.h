@@ -23,7 +23,7 @@
 // X(isa) for every level, in preference order.
 #define MOEPACK_ISA_LEVELS(X) X(scalar) X(avx2) X(avx_vnni) X(avx512) X(avx512_vnni) X(avx512_bf16) X(amx_bf16) X(amx_int8)
 // X(feature) for every CpuFeatures member.
-#define MOEPACK_CPU_FEATURES(X) X(avx2) X(fma) X(f16c) X(os_avx) X(avx_vnni) X(avx512f) X(avx512bw) X(avx512vl) X(avx512dq) X(os_avx512) X(avx512_vnni) X(avx512_bf16) X(amx_tile) X(amx_bf16) X(os_amx) X(amx_int8)
+#define MOEPACK_CPU_FEATURES(X) X(avx2) X(fma) X(f16c) X(os_avx) X(avx_vnni) X(avx512f) X(avx512bw) X(avx512vl) X(avx512dq) X(os_avx512) X(avx512_vnni) X(avx512_bf16) X(amx_tile) X(amx_bf16) X(avx512vbmi) X(os_amx) X(amx_int8)
 
 namespace moepack {
 
@@ -50,6 +50,7 @@ struct CpuFeatures {
   bool avx512_bf16 = false;
   bool amx_tile = false;
   bool amx_bf16 = false;
+  bool avx512vbmi = false;
   bool os_amx = false;
   bool amx_int8 = false;
 };
@@ -67,7 +68,7 @@ struct IsaLevel {
   int32_t family;           // the layout family (Family) it serves; -1: every family
   uint32_t serves;          // bit (2 * WeightDtype + mode: 0 = a16, 1 = a8) per (weight kind, act mode) it
                             // serves; 0: every kind in every mode
-  IsaNeed needs[7];        // every requirement (its base's included), in check order
+  IsaNeed needs[8];        // every requirement (its base's included), in check order
 };
 
 constexpr IsaLevel kIsaLevels[kNumIsa] = {
@@ -76,8 +77,8 @@ constexpr IsaLevel kIsaLevels[kNumIsa] = {
     {"avx_vnni", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, (1u << (2 * kWeight_i8 + 0)) | (1u << (2 * kWeight_i8 + 1)) | (1u << (2 * kWeight_u4 + 1)), {{"the CPU lacks AVX-VNNI", {&CpuFeatures::avx_vnni}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
     {"avx512", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, 0, {{"the CPU lacks AVX-512 F/BW/VL/DQ", {&CpuFeatures::avx512f, &CpuFeatures::avx512bw, &CpuFeatures::avx512vl, &CpuFeatures::avx512dq}}, {"the OS does not enable AVX-512 state (XCR0 opmask/ZMM)", {&CpuFeatures::os_avx512}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
     {"avx512_vnni", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, (1u << (2 * kWeight_i8 + 0)) | (1u << (2 * kWeight_i8 + 1)) | (1u << (2 * kWeight_u4 + 1)), {{"the CPU lacks AVX512_VNNI", {&CpuFeatures::avx512_vnni}}, {"the CPU lacks AVX-512 F/BW/VL/DQ", {&CpuFeatures::avx512f, &CpuFeatures::avx512bw, &CpuFeatures::avx512vl, &CpuFeatures::avx512dq}}, {"the OS does not enable AVX-512 state (XCR0 opmask/ZMM)", {&CpuFeatures::os_avx512}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
-    {"avx512_bf16", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, (1u << (2 * kWeight_bf16 + 0)) | (1u << (2 * kWeight_bf16 + 1)) | (1u << (2 * kWeight_u4 + 0)), {{"the CPU lacks AVX512_BF16", {&CpuFeatures::avx512_bf16}}, {"the CPU lacks AVX-512 F/BW/VL/DQ", {&CpuFeatures::avx512f, &CpuFeatures::avx512bw, &CpuFeatures::avx512vl, &CpuFeatures::avx512dq}}, {"the OS does not enable AVX-512 state (XCR0 opmask/ZMM)", {&CpuFeatures::os_avx512}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
-    {"amx_bf16", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, (1u << (2 * kWeight_bf16 + 0)) | (1u << (2 * kWeight_bf16 + 1)) | (1u << (2 * kWeight_u4 + 0)), {{"the CPU lacks AMX-TILE/AMX-BF16", {&CpuFeatures::amx_tile, &CpuFeatures::amx_bf16}}, {"the OS does not enable AMX tile data (XCR0 and the kernel's permission, arch_prctl)", {&CpuFeatures::os_amx}}, {"the CPU lacks AVX512_BF16", {&CpuFeatures::avx512_bf16}}, {"the CPU lacks AVX-512 F/BW/VL/DQ", {&CpuFeatures::avx512f, &CpuFeatures::avx512bw, &CpuFeatures::avx512vl, &CpuFeatures::avx512dq}}, {"the OS does not enable AVX-512 state (XCR0 opmask/ZMM)", {&CpuFeatures::os_avx512}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
+    {"avx512_bf16", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, (1u << (2 * kWeight_bf16 + 0)) | (1u << (2 * kWeight_bf16 + 1)) | (1u << (2 * kWeight_u4 + 0)) | (1u << (2 * kWeight_f8e4m3 + 0)) | (1u << (2 * kWeight_f8e4m3 + 1)), {{"the CPU lacks AVX512_BF16", {&CpuFeatures::avx512_bf16}}, {"the CPU lacks AVX-512 F/BW/VL/DQ", {&CpuFeatures::avx512f, &CpuFeatures::avx512bw, &CpuFeatures::avx512vl, &CpuFeatures::avx512dq}}, {"the OS does not enable AVX-512 state (XCR0 opmask/ZMM)", {&CpuFeatures::os_avx512}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
+    {"amx_bf16", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, (1u << (2 * kWeight_bf16 + 0)) | (1u << (2 * kWeight_bf16 + 1)) | (1u << (2 * kWeight_u4 + 0)) | (1u << (2 * kWeight_f8e4m3 + 0)) | (1u << (2 * kWeight_f8e4m3 + 1)), {{"the CPU lacks AMX-TILE/AMX-BF16", {&CpuFeatures::amx_tile, &CpuFeatures::amx_bf16}}, {"the CPU lacks AVX512_VBMI", {&CpuFeatures::avx512vbmi}}, {"the OS does not enable AMX tile data (XCR0 and the kernel's permission, arch_prctl)", {&CpuFeatures::os_amx}}, {"the CPU lacks AVX512_BF16", {&CpuFeatures::avx512_bf16}}, {"the CPU lacks AVX-512 F/BW/VL/DQ", {&CpuFeatures::avx512f, &CpuFeatures::avx512bw, &CpuFeatures::avx512vl, &CpuFeatures::avx512dq}}, {"the OS does not enable AVX-512 state (XCR0 opmask/ZMM)", {&CpuFeatures::os_avx512}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
     {"amx_int8", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, (1u << (2 * kWeight_i8 + 0)) | (1u << (2 * kWeight_i8 + 1)) | (1u << (2 * kWeight_u4 + 1)), {{"the CPU lacks AMX-TILE/AMX-INT8", {&CpuFeatures::amx_tile, &CpuFeatures::amx_int8}}, {"the OS does not enable AMX tile data (XCR0 and the kernel's permission, arch_prctl)", {&CpuFeatures::os_amx}}, {"the CPU lacks AVX512_VNNI", {&CpuFeatures::avx512_vnni}}, {"the CPU lacks AVX-512 F/BW/VL/DQ", {&CpuFeatures::avx512f, &CpuFeatures::avx512bw, &CpuFeatures::avx512vl, &CpuFeatures::avx512dq}}, {"the OS does not enable AVX-512 state (XCR0 opmask/ZMM)", {&CpuFeatures::os_avx512}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
 };
 

@@ -111,6 +111,10 @@ constexpr int32_t layout_default_act(const LayoutDesc& L) { return (L.act_modes 
 using U4BlockDotFn = void (*)(const LayoutDesc& L, const int8_t* const* rows, int m, const uint8_t* codes, int64_t k0,
                               int64_t kk, int32_t* acc);
 
+// An fp8_block level's code decoder, for tests (every level must give the scalar table's bits):
+// out[i] = the bf16 bits of e4m3fn code codes[i], i < n.
+using F8UnpackFn = void (*)(const uint8_t* codes, int64_t n, uint16_t* out);
+
 struct KernelTable {
   FusedMoeFn fused[kMaxLayoutId + 1][kNumActModes][kNumIsa] = {};
   // Why a level's kernel file did not register a layout it was asked to (the driver's
@@ -119,6 +123,7 @@ struct KernelTable {
   Int8BlockGemmFn gemm_i8[kMaxLayoutId + 1][kNumIsa] = {};
   U4BlockDotFn dot_u4[kMaxLayoutId + 1][kNumIsa] = {};
   Int8QuantizeFn quantize_i8[kNumIsa] = {};
+  F8UnpackFn unpack_f8[kNumIsa] = {};  // set where a level registers an fp8_block layout
 #if defined(MOEPACK_COUNT_HOOKS)
   // tests/cpp only (csrc/kernels/mk_hooks.h): each level object's calls per MK hook, and the
   // hooks its MK states that the schemes it registered call.
