@@ -148,13 +148,13 @@ KERNEL_INSTRUCTIONS: dict[tuple[str, str], str] = {
     ("i8", "avx_vnni"): "vpdpbusd_ymm",
     ("i8", "avx512_vnni"): "vpdpbusd_zmm",
     ("i8", "amx_int8"): "tdpbssd",
-    # int4 (u4 layouts), per activation mode: A16 meets the weights in the bf16 kernels' dot
-    # product, A8 in the int8 kernels'
     # fp8 (f8 layouts, A16): the codes decoded to bf16 meet the rows in the bf16 kernels' dot product
     ("f8e4m3", "avx2"): "fma_ymm",
     ("f8e4m3", "avx512"): "fma_zmm",
     ("f8e4m3", "avx512_bf16"): "vdpbf16ps",
     ("f8e4m3", "amx_bf16"): "tdpbf16ps",
+    # int4 (u4 layouts), per activation mode: A16 meets the weights in the bf16 kernels' dot
+    # product, A8 in the int8 kernels'
     ("u4:a16", "avx2"): "fma_ymm",
     ("u4:a16", "avx512"): "fma_zmm",
     ("u4:a16", "avx512_bf16"): "vdpbf16ps",
@@ -164,9 +164,6 @@ KERNEL_INSTRUCTIONS: dict[tuple[str, str], str] = {
     ("u4:a8", "avx_vnni"): "vpdpbusd_ymm",
     ("u4:a8", "avx512_vnni"): "vpdpbusd_zmm",
     ("u4:a8", "amx_int8"): "tdpbssd",  # tdpbsud on chunks of 4+ rows (tdpbssd's rate); vpdpbusd below
-    # fp8 (f8 layouts, A16): e4m3fn codes decoded to the bf16 block, then the bf16 kernels' product
-    ("f8e4m3", "avx2"): "fma_ymm",
-    ("f8e4m3", "avx512"): "fma_zmm",
 }
 
 
