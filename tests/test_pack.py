@@ -247,12 +247,13 @@ def _codes(lay, shape, seed):
     g = torch.Generator().manual_seed(seed)
     if lay.weight_bits >= 16:
         return random_weight(shape, F32, seed)
-    hi = (1 << lay.weight_bits) - 1 if lay.weight_bits < 8 else 127
-    lo = 0 if lay.weight_bits < 8 else -128
+    unsigned = lay.tensors[0].dtype == "uint8"  # sub-byte codes, and one-byte fp8 bit patterns
+    hi = (1 << lay.weight_bits) - 1 if unsigned else 127
+    lo = 0 if unsigned else -128
     c = torch.randint(lo, hi + 1, shape, generator=g, dtype=torch.int16)
     ext = torch.tensor([lo, hi], dtype=torch.int16)
     c.view(-1)[: min(2, c.numel())] = ext[: min(2, c.numel())]
-    return c.to(torch.uint8 if lay.weight_bits < 8 else torch.int8)
+    return c.to(torch.uint8 if unsigned else torch.int8)
 
 
 def _positions_by_the_layout(lay, packed: torch.Tensor, np_: int, kp: int) -> torch.Tensor:

@@ -24,7 +24,7 @@ std::vector<int64_t> packed_shape(const at::Tensor& w, const LayoutDesc& L, int6
 
 // One-byte codes: int8 layouts pack int8 codes, fp8 layouts uint8 e4m3fn bit patterns (scales and
 // column sums are separate tensors, moepack/pack); the bytes are moved as they are.
-at::Tensor pack_weight_i8(const at::Tensor& w, const LayoutDesc& L, int64_t n_padded, int64_t k_padded) {
+void check_one_byte(const at::Tensor& w, const LayoutDesc& L) {
   if (L.tensors[0].dtype == kTensor_uint8) {
     TORCH_CHECK_TYPE(w.scalar_type() == at::kByte, "weight has dtype ", w.scalar_type(), ": layout ", L.name,
                      " packs one-byte uint8 codes (fp8: a float8_e4m3fn tensor .view(torch.uint8))");
@@ -32,6 +32,14 @@ at::Tensor pack_weight_i8(const at::Tensor& w, const LayoutDesc& L, int64_t n_pa
     TORCH_CHECK_TYPE(w.scalar_type() == at::kChar, "weight has dtype ", w.scalar_type(), ": layout ", L.name,
                      " packs int8 codes (quantize first: moepack.pack.quantize_int8_per_channel)");
   }
+}
+
+bool one_byte_codes(const LayoutDesc& L) {
+  return L.weight_bits == 8 && (L.tensors[0].dtype == kTensor_int8 || L.tensors[0].dtype == kTensor_uint8);
+}
+
+at::Tensor pack_weight_i8(const at::Tensor& w, const LayoutDesc& L, int64_t n_padded, int64_t k_padded) {
+  check_one_byte(w, L);
   auto shape = packed_shape(w, L, n_padded, k_padded);
   at::Tensor src = w.contiguous();
   at::Tensor out = at::empty(shape, w.options());
@@ -126,7 +134,7 @@ at::Tensor pack_weight_cpu(const at::Tensor& w, int64_t layout, int64_t n_padded
   if (zero) check_cpu(*zero, "zero");
   if (L.weight_bits < 8) return pack_weight_sub_byte(w, zero, L, n_padded, k_padded);
   check_no_zero(zero, L);
-  const bool one_byte = L.weight_bits == 8 && (L.tensors[0].dtype == kTensor_int8 || L.tensors[0].dtype == kTensor_uint8);
+  const bool one_byte = one_byte_codes(L);
   TORCH_CHECK_VALUE(one_byte || L.tensors[0].dtype == kTensor_bfloat16, "layout ", L.name, " stores ",
                     kTensorDtypeNames[L.tensors[0].dtype],
                     " codes: pack_weight packs bfloat16, one-byte (int8, uint8) and sub-byte codes");
@@ -169,9 +177,8 @@ at::Tensor pack_weight_meta(const at::Tensor& w, int64_t layout, int64_t n_padde
     return at::empty(shape, w.options());
   }
   check_no_zero(zero, L);
-  if (L.tensors[0].dtype == kTensor_int8) {
-    TORCH_CHECK_TYPE(w.scalar_type() == at::kChar, "weight has dtype ", w.scalar_type(), ": layout ", L.name,
-                     " packs int8 codes (quantize first: moepack.pack.quantize_int8_per_channel)");
+  if (one_byte_codes(L)) {
+    check_one_byte(w, L);
     return at::empty(packed_shape(w, L, n_padded, k_padded), w.options());
   }
   dtype_of(w, "weight");
