@@ -7,7 +7,9 @@ Run it with the vLLM venv's python (same torch as moepack's build) and moepack o
 
     OMP_NUM_THREADS=2 PYTHONPATH=$PWD /tmp/moepack-peers/vllm/bin/python tools/ab_peers.py bf16 1 [N]
 
-SCHEME: bf16 or int8 (vLLM's INT8 W8A8). Prints each arm's median, 25th percentile and minimum.
+SCHEME: bf16, int8 (vLLM's INT8 W8A8) or fp8 (vLLM's FP8 W8A16, 128 x 128 blocks, against
+moepack's f8g128_n32k2_x86: each quantizes the same bf16 weights with its own quantizer, the same
+rule: scale = block amax / 448, round to nearest). Prints each arm's median, 25th percentile and minimum.
 docs/BENCH.md ("In one process") says what it takes from the harness and how to set it up.
 A third arm (moepack again) keeps the arm count odd, so every arm sees every one of the 8
 routing sets. Env: SHAPE (default qwen3-30b-a3b), PEERS (default ../shared/peers)."""
@@ -28,12 +30,13 @@ import moepack  # noqa: E402
 def main() -> None:
     scheme, T = sys.argv[1], int(sys.argv[2])
     n = int(sys.argv[3]) if len(sys.argv) > 3 else (300 if T <= 8 else 30)
-    if scheme not in ("bf16", "int8"):
-        raise SystemExit(f"scheme {scheme!r}: must be bf16 or int8")
+    paths = {"bf16": ("fe_bf16", "bf16_n32k2_x86"), "int8": ("fe_int8", "i8_n32k4_x86"), "fp8": ("fe_fp8", "f8g128_n32k2_x86")}
+    if scheme not in paths:
+        raise SystemExit(f"scheme {scheme!r}: must be one of {', '.join(paths)}")
     shape = os.environ.get("SHAPE", "qwen3-30b-a3b")
     w13, w2 = make_weights_bf16(shape)
-    fn_v, _ = bv.build("fe_bf16" if scheme == "bf16" else "fe_int8", w13, w2)
-    p = moepack.pack_experts(w13, w2, layout="bf16_n32k2_x86" if scheme == "bf16" else "i8_n32k4_x86")
+    fn_v, _ = bv.build(paths[scheme][0], w13, w2)
+    p = moepack.pack_experts(w13, w2, layout=paths[scheme][1])
     del w13, w2
     sets = bv.prep_sets(make_sets(shape, T))
     mp = lambda i: moepack.run_experts(p, sets[i]["x"], sets[i]["topk_w"], sets[i]["ti32"])  # noqa: E731
