@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConvertError, LayoutError
 from ..layout import layout_tensor_plan
 from ..pack.registry import get_scheme
 from . import LayerPacker
@@ -95,3 +96,30 @@ class QuantizedLayer(LayerPacker):
 
 
 __all__ = ["QuantizedLayer"]
+
+
+def grouped_source_layout(specs: list, layout, facts, layout_for, what: str, describe=lambda f: ""):
+    """The layout a grouped scheme's source packs into (int4, fp8): the scheme's layout of the
+    source's own group size, never re-grouped. ``facts(spec)`` is a layer's scheme facts (None:
+    not of the scheme), with ``group_size`` and ``shared`` (the shared expert's facts or None);
+    every MoE layer and quantized shared expert must have the same group size (one layout per
+    directory), and ``layout_for(group_size, family)`` must know it (its LayoutError becomes a
+    ConvertError naming where the size came from). ``describe(f)``: words added to a place."""
+    sizes = {}
+    for s in specs:
+        f = facts(s)
+        if f is None:
+            continue
+        sizes.setdefault(f.group_size, f"layer {s.index} ({s.prefix}{describe(f)})")
+        if f.shared is not None:
+            sizes.setdefault(f.shared.group_size, f"layer {s.index}'s shared expert{describe(f.shared)}")
+    if not sizes:
+        return layout
+    if len(sizes) != 1:
+        listed = "; ".join(f"group_size={g} in {where}" for g, where in sizes.items())
+        raise ConvertError(f"{what} source with several group sizes ({listed}): moepack packs one {what} layout per directory")
+    (g,) = sizes
+    try:
+        return layout_for(g, layout.family)
+    except LayoutError as e:
+        raise ConvertError(f"{sizes[g]}: {e}") from None

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ...errors import ConvertError, LayoutError, UnsupportedError
 from ...layout import LAYOUTS
 from .. import BenchInfo, OutputRule, Scheme, register
-from ..quantized import QuantizedLayer
+from ..quantized import QuantizedLayer, grouped_source_layout
 from .facts import Fp8Facts
 from .pack import layout_group, pack_experts_fp8, pack_fp8_weight
 from .quantize import (
@@ -130,26 +130,8 @@ def _facts(spec, shared: bool = False) -> Fp8Facts | None:
 
 def source_layout(specs: list, layout):
     """An FP8 source packs into the fp8 layout of its own scales (never re-quantized): K blocks of
-    128 -> f8g128, per channel or per tensor -> f8ch; one layout per directory, so every MoE
-    layer (and quantized shared expert) must agree."""
-    sizes = {}
-    for s in specs:
-        f = _facts(s)
-        if f is None:
-            continue
-        sizes.setdefault(f.group_size, f"layer {s.index} ({s.prefix}, {f.strategy} scales)")
-        if f.shared is not None:
-            sizes.setdefault(f.shared.group_size, f"layer {s.index}'s shared expert ({f.shared.strategy} scales)")
-    if not sizes:
-        return layout
-    if len(sizes) != 1:
-        listed = "; ".join(f"K group {g} in {where}" for g, where in sizes.items())
-        raise ConvertError(f"fp8 source with several scale groupings ({listed}): moepack packs one fp8 layout per directory")
-    (g,) = sizes
-    try:
-        return fp8_layout_for(g, layout.family)
-    except LayoutError as e:
-        raise ConvertError(f"{sizes[g]}: {e}") from None
+    128 -> f8g128, per channel or per tensor -> f8ch."""
+    return grouped_source_layout(specs, layout, _facts, fp8_layout_for, "fp8", lambda f: f", {f.strategy} scales")
 
 
 def _pack(c: dict, *, interleaved: bool, layout, use_cpp: bool = True):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ...errors import ConvertError, LayoutError, UnsupportedError
 from ...layout import LAYOUTS, int4_layout_for
 from .. import BenchInfo, OutputRule, Scheme, register
-from ..quantized import QuantizedLayer
+from ..quantized import QuantizedLayer, grouped_source_layout
 from .facts import Int4Facts
 from .pack import pack_experts_int4, pack_int4_weight, pack_u4_codes
 from .quantize import INT4_DEFAULT_GROUP, check_w13_perm, dequantize_int4_group, quantize_int4_group
@@ -163,27 +163,8 @@ def default_act_mode(spec) -> str:
 
 
 def source_layout(specs: list, layout):
-    """An int4 source packs into the int4 layout of its own group size (never re-grouped): every
-    MoE layer's (and quantized shared expert's) group size must be the same, and moepack must
-    have a layout for it."""
-    sizes = {}
-    for s in specs:
-        f = _facts(s)
-        if f is None:
-            continue
-        sizes.setdefault(f.group_size, f"layer {s.index} ({s.prefix})")
-        if f.shared is not None:
-            sizes.setdefault(f.shared.group_size, f"layer {s.index}'s shared expert")
-    if not sizes:
-        return layout
-    if len(sizes) != 1:
-        listed = "; ".join(f"group_size={g} in {where}" for g, where in sizes.items())
-        raise ConvertError(f"int4 source with several group sizes ({listed}): moepack packs one int4 layout per directory")
-    (g,) = sizes
-    try:
-        return int4_layout_for(g, layout.family)
-    except LayoutError as e:
-        raise ConvertError(f"{sizes[g]}: {e}") from None
+    """An int4 source packs into the int4 layout of its own group size (never re-grouped)."""
+    return grouped_source_layout(specs, layout, _facts, int4_layout_for, "int4")
 
 
 def _pack(c: dict, *, interleaved: bool, layout, use_cpp: bool = True):
