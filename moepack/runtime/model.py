@@ -253,8 +253,9 @@ def _file_kind(p: Path) -> str:
     return "not a plain file"
 
 
-def open_packed(path: str | os.PathLike, *, strict: bool = False) -> PackedModel:
-    """Validate and memory-map the packed directory at ``path``."""
+def open_packed(path: str | os.PathLike, *, strict: bool = False, check_values: bool = True) -> PackedModel:
+    """Validate and memory-map the packed directory at ``path``. ``check_values=False`` (verify,
+    which checks and names every value itself) skips the value rules of moepack.verify_values."""
     path = Path(path)
     manifest = load_manifest(path)  # the schema: after it, every field read below is there and typed
     shards = {}
@@ -282,6 +283,12 @@ def open_packed(path: str | os.PathLike, *, strict: bool = False) -> PackedModel
                 f"{MANIFEST} says {e['dtype']} {e['shape']}",
             )
     model = PackedModel(path, manifest, shards, strict)
+    # the small per-group tensors (scales, zero points, act-order permutations) keep their value
+    # rules, so that no byte pattern makes the kernels' result depend on the ISA level
+    if check_values:
+        from ..verify_values import check_open
+
+        check_open(model)
     if strict or _strict_env():
         for layer in model.layers.values():
             layer.check_strict()
