@@ -19,6 +19,7 @@ the names are transformers 5's in-memory ones (docs/COMPATIBILITY.md lists what 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -92,6 +93,30 @@ def _transformers():
     except ImportError:
         raise UnsupportedError("moepack.patch / load_model need transformers (pip install transformers)") from None
     return transformers
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' own warnings and log lines (tokenizer notices, config deprecations) kept off
+    the user's screen: moepack reports what matters in its own one line. ``MOEPACK_DEBUG=1`` (the
+    CLI's ``--debug``) lets them through."""
+    if os.environ.get("MOEPACK_DEBUG", "") not in ("", "0"):
+        yield
+        return
+    import logging
+    import warnings
+
+    loggers = [logging.getLogger(n) for n in ("transformers", "tokenizers", "huggingface_hub")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR + 10)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
 
 
 def _family(model_type: str) -> Family:
