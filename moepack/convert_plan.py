@@ -317,12 +317,13 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
         return
     from .hf import _block_shapes, _decoder_layers, _moe_blocks, quiet_transformers
 
-    cfgd = {k: v for k, v in ckpt.config.items() if k != "model_type"}
+    # the dtype does not change which parameters there are ("auto" and other words included)
+    cfgd = {k: v for k, v in ckpt.config.items() if k not in ("model_type", "dtype", "torch_dtype")}
     try:
         with quiet_transformers():
             cfg = AutoConfig.for_model(mt, **cfgd)
             with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(cfg)
+                model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds; the user sees one line
         raise refuse("model_type", f"transformers cannot build a {mt} model from it ({type(e).__name__}: "
                                    f"{str(e).splitlines()[0] if str(e) else ''})") from None  # fmt: skip
