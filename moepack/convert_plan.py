@@ -260,7 +260,8 @@ def check_config_against_tensors(ckpt: Checkpoint, config: dict, specs: list) ->
     * ``num_hidden_layers``: the decoder layers the tensor names hold must be exactly
       0..num_hidden_layers-1 (a missing shard drops a layer's tensors);
     * ``vocab_size`` against the embedding's rows;
-    * with transformers installed and a model family moepack runs whole: the model that
+    * with transformers installed, a model family moepack runs whole and a whole checkpoint (it
+      has the embedding; an experts-only checkpoint is packed all the same): the model that
       ``load_model`` builds from the config (on the meta device) against the source's tensors:
       its MoE layers and their expert shapes, and every other parameter by name and shape
       (``model_type`` decides which parameters there are)."""
@@ -305,6 +306,8 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
     from .hf import FAMILIES
 
     mt = config.get("model_type")
+    if not any(n.endswith("embed_tokens.weight") for n in ckpt.tensors):
+        return  # experts only (no embedding): not a whole model, load_model could not build it anyway
     if mt not in FAMILIES or config is not ckpt.config and config.get("model_type") != ckpt.config.get("model_type"):
         return  # a nested (multimodal) config: load_model does not build those
     try:
