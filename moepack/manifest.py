@@ -161,13 +161,15 @@ def check_manifest(path: str | os.PathLike, m: Any) -> None:
     for key in ("created_by", "created_at", "routing_note"):
         c.val(m, key, key, "str", required=False, null=True)
     carried = c.val(m, "carried_files", "carried_files", "strs", required=False) or []
-    for name in carried:
+    for pos, name in enumerate(carried):
+        if name in carried[:pos]:
+            c.fail(f"carried_files[{pos}]", name, "is listed twice: every carried file once")
         if not _plain_name(name):
             c.fail("carried_files", name, "every entry must be the plain name of a file in the directory (no folder, not "
                                           "hidden, not moepack.json)")  # fmt: skip
     sums = c.obj(m, "carried_sha256", "carried_sha256", required=False)
     if sums is not None:
-        if sorted(sums) != sorted(carried):
+        if set(sums) != set(carried):
             extra = sorted(set(sums) ^ set(carried))[0]
             c.fail("carried_sha256", extra, "must hold one sha256 for each name of carried_files, and no other")
         for name, sha in sums.items():
