@@ -39,7 +39,7 @@ def value_problem(name: str, role: str, t: torch.Tensor, *, offset: int | None =
     """None when tensor ``name`` (of layout role ``role``; ``t`` its values, or a flat piece of
     them starting at element ``offset``) keeps its role's rule; else one line naming the first
     element that breaks it, its value and the rule."""
-    if t.numel() == 0:
+    if t.numel() == 0 or _fast_ok(role, t):
         return None
     if role == "scale":
         bad, rule = ~(torch.isfinite(t) & (t >= 0)), "scales must be finite and >= 0 (0 only in padding)"
@@ -63,6 +63,21 @@ def value_problem(name: str, role: str, t: torch.Tensor, *, offset: int | None =
         where = str(idx)
     v = t[tuple(_at(bad)[0])].item()
     return f"tensor {name!r} {where} = {v!r}: {rule} ({n} bad value(s){' in this piece' if offset is not None else ''})"
+
+
+def _fast_ok(role: str, t: torch.Tensor) -> bool:
+    """True when the rule surely holds, from two reductions and no temporary tensor (torch's
+    max/min propagate NaN): the common case costs a read of the values; only a tensor that may
+    break the rule is looked at element by element (``value_problem``)."""
+    if role == "scale":
+        lo, hi = torch.aminmax(t)
+        return bool(lo >= 0) and bool(torch.isfinite(hi))
+    if role == "zero":
+        return int(t.max()) <= 15
+    if role in ("bias", "codes") and t.dtype.is_floating_point:
+        lo, hi = torch.aminmax(t) if t.dtype != torch.bfloat16 else (t.min(), t.max())
+        return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+    return False
 
 
 def _perm_problem(name: str, t: torch.Tensor) -> str | None:
