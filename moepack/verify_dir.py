@@ -3,7 +3,11 @@
 1. Structure: the manifest, every shard header, alignment, shapes against layout math
    (everything ``moepack.open`` checks).
 2. Integrity: the sha256 of every tensor's bytes against the manifest (a flipped byte names the
-   tensor).
+   tensor); every packed expert tensor's values against its role's rule (moepack.verify_values:
+   scales finite and >= 0, zero points 0..15, permutations, finite bf16 weights and biases, int8
+   column sums equal to the codes' sums): a hostile pack with consistent checksums is named;
+   every carried file (config.json, tokenizer files) present and equal to the manifest's
+   ``carried_sha256``.
 3. With the source: every layer's packed weights unpacked equal the source's weights rounded
    to bf16, exactly, padding included (zero); and the packed layer's output on seeded random
    tokens matches ``moepack.reference`` run on the source's own weights.
@@ -24,7 +28,17 @@
    gate, router tensors, the scheme a quantized source keeps) and the routing config convert
    derives from config.json, against the manifest; and the carried-over tensors (every source
    tensor no MoE layer consumes) as a set, with dtype, shape and bytes (the source's sha256
-   against the manifest's, which step 2 proved against the pack). Any difference fails, named.
+   against the manifest's, which step 2 proved against the pack); each layer's ``act_mode``
+   against the source's meaning (a16 for W4A16 and dense, a8 for W8A8 and W4A8), a different one
+   accepted only as the deliberate ``act_mode_option`` convert recorded, and then reported in
+   ``notes``; the stored ``model.config`` (load_model builds the model from it) against
+   config.json, key for key; the carried files against the source's. Any difference fails,
+   named. The output check runs in the manifest's mode, never ``MOEPACK_ACT_MODE``.
+
+What verify cannot prove: that the source itself is what its author meant (a config.json and
+tensors that agree with each other but not with the real model), the bytes of a non-expert
+quantized linear against its source's meaning (they are compared as carried bytes only), and
+anything outside the directory (the transformers version that builds the model).
 
 Memory: verify streams. Checksums read each tensor in 16 MiB pieces with pread (the pack's
 mapping is not touched, so its pages never count against verify). The weight and output checks
