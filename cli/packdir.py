@@ -227,6 +227,11 @@ def verify(
                     "[green]ok[/]" if c.ok else "[red]FAIL[/]",
                 )
             console.print(t)
+            for c in report.layers:  # a widened tolerance is never silent
+                if c.tol_base is not None and c.tol > c.tol_base:
+                    console.print(f"  note: layer {c.index}: tolerance {c.tol:.2e} (base {c.tol_base:g}) widened by the "
+                                  f"{c.act_mode} reference's intermediate-code flips (rounding ties it cannot decide)",
+                                  highlight=False)  # fmt: skip
             for c in report.layers:  # on lines of their own: a table cell would cut tensor names short
                 if not c.ok:
                     console.print(f"  [red]FAIL[/] layer {c.index}: {escape(c.detail)}", highlight=False)

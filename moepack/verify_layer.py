@@ -329,4 +329,4 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
     if rel32 is not None and rel32 > orule.fp32_tol:
         detail.append(f"output differs from the fp32 reference on the source's weights: {rel32:.3g} > {orule.fp32_tol:g}")
     return LayerCheck(layer_index, exact, rel, tol, ok, "; ".join(detail), rel32, shared_exact, tensors, shared_tensors,
-                      orule.fp32_tol if rel32 is not None else None, scheme.weights_note, layer.entry.get("quantizer"), mode)  # fmt: skip
+                      orule.fp32_tol if rel32 is not None else None, scheme.weights_note, layer.entry.get("quantizer"), mode, orule.base)  # fmt: skip

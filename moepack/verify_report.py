@@ -56,6 +56,7 @@ class LayerCheck:
     weights: str = ""  # what the packed weights were compared as (Scheme.weights_note: "bf16", "int8 codes")
     quantizer: str | None = None  # the quantizer convert ran on the float source ("int4_group:g64:asym"), or None
     act_mode: str | None = None  # the activation mode both sides ran in (the manifest's, proved against the source's)
+    tol_base: float | None = None  # the scheme's base tolerance; ``tol`` above it: widened by A8 code flips (reported)
 
 
 @dataclass

@@ -242,3 +242,17 @@ def test_every_value_rule_holds_on_converted_packs(packs):
         report = moepack.verify(d)
         assert report.ok and report.values_checked > 0, (key, report.failures())
         assert all(f.ok and not f.detail for f in report.files)
+
+
+def test_a_widened_tolerance_is_reported(packs):
+    """The output tolerance may widen above the scheme's base by the A8 reference's code flips;
+    verify reports the base next to it, and the CLI prints a note for every widened layer."""
+    for key in ("int8", "w4a16_a8", "w4a16"):
+        src = fixture_dir("qwen3_moe" if key == "int8" else W4A16)
+        report = moepack.verify(packs[key], source=src)
+        assert report.ok and all(c.tol_base is not None and c.tol >= c.tol_base for c in report.layers)
+        widened = [c.index for c in report.layers if c.tol > c.tol_base]
+        out = _flat(cli("verify", packs[key], "--source", src).stdout)
+        for i in widened:
+            assert f"note: layer {i}: tolerance" in out and "widened by the" in out
+        assert out.count("widened by the") == len(widened)
