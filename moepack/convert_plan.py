@@ -260,8 +260,10 @@ def check_config_against_tensors(ckpt: Checkpoint, config: dict, specs: list) ->
     * ``num_hidden_layers``: the decoder layers the tensor names hold must be exactly
       0..num_hidden_layers-1 (a missing shard drops a layer's tensors);
     * ``vocab_size`` against the embedding's rows;
-    * with transformers installed, a model family moepack runs whole and a whole checkpoint (it
-      has the embedding; an experts-only checkpoint is packed all the same): the model that
+    * with transformers installed, a model family moepack runs whole, a whole checkpoint (it
+      has the embedding; an experts-only checkpoint is packed all the same) and a config that
+      states vocab_size, hidden_size and num_hidden_layers (else transformers' defaults would
+      stand in for them): the model that
       ``load_model`` builds from the config (on the meta device) against the source's tensors:
       its MoE layers and their expert shapes, and every other parameter by name and shape
       (``model_type`` decides which parameters there are)."""
@@ -308,6 +310,8 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
     mt = config.get("model_type")
     if not any(n.endswith("embed_tokens.weight") for n in ckpt.tensors):
         return  # experts only (no embedding): not a whole model, load_model could not build it anyway
+    if any(_int_key(config, k) is None for k in ("vocab_size", "hidden_size", "num_hidden_layers")):
+        return  # a partial config (test and tool checkpoints): transformers would fill in its own defaults
     if mt not in FAMILIES or config is not ckpt.config and config.get("model_type") != ckpt.config.get("model_type"):
         return  # a nested (multimodal) config: load_model does not build those
     try:
