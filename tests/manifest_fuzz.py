@@ -410,11 +410,11 @@ def run_header_case(t: Target, work: Path, seed: int, i: int) -> tuple[Outcome, 
 
 
 def fuzz(targets: list[Target], work: Path, cases: int, seed: int, kind: str = "both", log=None, *, job: int = 0,
-         jobs: int = 1) -> dict:  # fmt: skip
+         jobs: int = 1, progress=None) -> dict:  # fmt: skip
     """Run cases ``job, job + jobs, ...`` below ``cases`` over ``targets`` (round robin: a case's
     target and edits depend only on its number and the seed, so the counts do not depend on
     ``jobs``); returns {"counts": Counter by (kind, class), "bugs": [(kind, target, case, edits,
-    detail)]}."""
+    detail)]}. ``progress(done, counts, bugs)``: called after every case."""
     counts, bugs = Counter(), []
     for i in range(job, cases, jobs):
         t = targets[i % len(targets)]
@@ -425,4 +425,6 @@ def fuzz(targets: list[Target], work: Path, cases: int, seed: int, kind: str = "
             bugs.append((k, t.path.name, i, edits, o.detail))
             if log:
                 log(f"{o.cls}: {k} case {i} on {t.path.name}: {edits}: {o.detail}")
+        if progress:
+            progress(sum(counts.values()), counts, bugs)
     return {"counts": counts, "bugs": bugs}

@@ -36,8 +36,19 @@ def _worker(args) -> tuple[Counter, list]:
     from tests.fixtures_util import fixture_dir
 
     targets = [make_target(Path(root) / name, fixture_dir(name.split("@")[0]) if with_source else None) for name in FIXTURES]
-    r = fuzz(targets, Path(root) / f"work-{job}", cases, seed, kind, job=job, jobs=jobs)
+    r = fuzz(targets, Path(root) / f"work-{job}", cases, seed, kind, job=job, jobs=jobs, progress=_progress(job))
     return r["counts"], r["bugs"]
+
+
+def _progress(job: int):
+    """Every 1000 cases, the job's counts so far on stderr (a long run that is stopped still tells)."""
+
+    def report(done: int, counts: Counter, bugs: list) -> None:
+        if done % 1000 == 0:
+            row = " ".join(f"{k}/{c}={n}" for (k, c), n in sorted(counts.items()))
+            print(f"[job {job}] {done} cases: {row}; bugs {len(bugs)}", file=sys.stderr, flush=True)
+
+    return report
 
 
 def main() -> int:
