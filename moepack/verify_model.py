@@ -112,17 +112,32 @@ def _check_act_mode(idx: int, spec, entry: dict, lay, scheme, option, notes: lis
             "recorded only by convert --act-mode)"]  # fmt: skip
 
 
+def _canon(v) -> str:
+    """A JSON value as text that tells every difference apart, types included (8 and 8.0, true
+    and 1 are equal in Python, not in a config)."""
+    import json
+
+    return json.dumps(v, sort_keys=True)
+
+
 def _first_difference(a, b, path: str) -> str | None:
-    """The path of the first place where JSON values ``a`` (pack) and ``b`` (source) differ."""
+    """The path of the first place where JSON values ``a`` (pack) and ``b`` (source) differ,
+    type included."""
+    if _canon(a) == _canon(b):
+        return None
     if isinstance(a, dict) and isinstance(b, dict):
         for k in list(a) + [k for k in b if k not in a]:
-            if k not in a or k not in b or a[k] != b[k] or type(a[k]) is not type(b[k]):
-                sub = _first_difference(a.get(k), b.get(k), f"{path}.{k}") if k in a and k in b else None
-                return sub or f"{path}.{k}: pack {_short(a.get(k, '(absent)'))}, source config.json {_short(b.get(k, '(absent)'))}"
-        return None
-    if a != b or type(a) is not type(b):
-        return f"{path}: pack {_short(a)}, source config.json {_short(b)}"
-    return None
+            if k not in a or k not in b:
+                return f"{path}.{k}: pack {_short(a.get(k, '(absent)'))}, source config.json {_short(b.get(k, '(absent)'))}"
+            sub = _first_difference(a[k], b[k], f"{path}.{k}")
+            if sub:
+                return sub
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            sub = _first_difference(x, y, f"{path}[{i}]")
+            if sub:
+                return sub
+    return f"{path}: pack {_short(a)}, source config.json {_short(b)}"
 
 
 def _short(v) -> str:

@@ -256,3 +256,26 @@ def test_a_widened_tolerance_is_reported(packs):
         for i in widened:
             assert f"note: layer {i}: tolerance" in out and "widened by the" in out
         assert out.count("widened by the") == len(widened)
+
+
+def test_a_type_only_config_change_fails_verify(packs, tmp_path):
+    """A config value of another JSON type (2 -> 2.0) is a difference."""
+    d = edited(packs, tmp_path, "bf16", lambda m: m["model"]["config"].update(num_experts_per_tok=2.0))
+    _fails_with_source(d, "qwen3_moe", "model.config.num_experts_per_tok: pack 2.0, source config.json 2")
+
+
+def test_a_nested_type_only_config_change_fails_verify(packs, tmp_path):
+    """Found by tools/fuzz_manifest.py (10^5 cases, 5 missed): 8 -> 8.0, false -> 0 inside a
+    nested config value (quantization_config, rope_parameters, moe_layers) passed verify
+    --source: Python's == calls them equal, a config reader may not."""
+    def edit(m):
+        m["model"]["config"]["zz_nested"] = {"a": [1, {"b": True}]}
+
+    d = edited(packs, tmp_path, "bf16", edit)
+    src = tmp_path / "src"
+    shutil.copytree(fixture_dir("qwen3_moe"), src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["zz_nested"] = {"a": [1, {"b": 1}]}
+    (src / "config.json").write_text(json.dumps(cfg))
+    report = moepack.verify(d, source=src)
+    assert "model.config.zz_nested.a[1].b: pack True, source config.json 1" in report.model, report.model
