@@ -52,6 +52,10 @@ def _main(
     debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error instead of one line."),
 ) -> None:
     state.debug = debug
+    if debug:  # moepack.hf.quiet_transformers lets transformers' own warnings through
+        import os
+
+        os.environ["MOEPACK_DEBUG"] = "1"
 
 
 def error_line(exc: BaseException) -> str:

@@ -175,7 +175,18 @@ def verify(
             style="green" if not bad else "red",
         )
         for t_ in bad:
-            console.print(f"  [red]MISMATCH[/] {t_.name} ({t_.file}): {t_.detail}", highlight=False)
+            console.print(f"  [red]MISMATCH[/] {t_.name} ({t_.file}): {escape(t_.detail)}", highlight=False)
+        console.print(f"values: {report.values_checked} packed expert tensors checked against their value rules "
+                      "(scales, zero points, column sums, permutations, float weights and biases)", highlight=False)  # fmt: skip
+        badf = [f for f in report.files if not f.ok]
+        unsummed = [f for f in report.files if f.ok and f.detail]
+        console.print(
+            f"carried files: {len(report.files) - len(badf)}/{len(report.files)} present and intact"
+            + (f" ({len(unsummed)} without a recorded checksum: presence only)" if unsummed else ""),
+            style="green" if not badf else "red", highlight=False,
+        )  # fmt: skip
+        for f_ in badf:
+            console.print(f"  [red]MISMATCH[/] {escape(f_.name)}: {escape(f_.detail)}", highlight=False)
         if report.source is not None:
             console.print(
                 "model: the same MoE layers, experts, routing and carried-over tensors as the source"
@@ -184,6 +195,8 @@ def verify(
             )
             for line in report.model:
                 console.print(f"  [red]DIFFERS[/] {escape(line)}", highlight=False)
+            for line in report.notes:
+                console.print(f"  [yellow]note:[/] {escape(line)}", highlight=False)
         if report.layers:
             if report.fingerprint_match is False:
                 err_console.print("[yellow]note:[/] the source's fingerprint differs from the one recorded at convert time")
@@ -200,7 +213,7 @@ def verify(
             what = sorted({c.weights for c in report.layers if c.weights})
             cols = ["layer", f"weights == source ({', '.join(what) or 'values'})"]
             cols += ["shared expert == source"] if shared else []
-            for col in cols + ["output rel. error", "tolerance"] + (["vs fp32 reference on the source (tolerance)"] if fp32 else []) + ["result"]:
+            for col in cols + ["act mode", "output rel. error", "tolerance"] + (["vs fp32 reference on the source (tolerance)"] if fp32 else []) + ["result"]:
                 t.add_column(col)
             yes_no = {True: "yes", False: "[red]no[/]", None: "-"}
             for c in report.layers:
@@ -208,12 +221,18 @@ def verify(
                     str(c.index),
                     yes_no[c.weights_exact],
                     *([yes_no[c.shared_exact]] if shared else []),
+                    c.act_mode or "-",
                     f"{c.rel_err:.2e}",
                     f"{c.tol:.1e}" if c.tol != float(f"{c.tol:.0e}") else f"{c.tol:.0e}",
                     *(["-" if c.rel_err_fp32 is None else f"{c.rel_err_fp32:.2e} ({c.fp32_tol:g})"] if fp32 else []),
                     "[green]ok[/]" if c.ok else "[red]FAIL[/]",
                 )
             console.print(t)
+            for c in report.layers:  # a widened tolerance is never silent
+                if c.tol_base is not None and c.tol > c.tol_base:
+                    console.print(f"  note: layer {c.index}: tolerance {c.tol:.2e} (base {c.tol_base:g}) widened by the "
+                                  f"{c.act_mode} reference's intermediate-code flips (rounding ties it cannot decide)",
+                                  highlight=False)  # fmt: skip
             for c in report.layers:  # on lines of their own: a table cell would cut tensor names short
                 if not c.ok:
                     console.print(f"  [red]FAIL[/] layer {c.index}: {escape(c.detail)}", highlight=False)

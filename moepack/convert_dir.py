@@ -238,15 +238,17 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
             notify("shard_done", file=fname)
             if kind == "other":
                 notify("other_done", file=fname, tensors=len(items))
-        carried = []
+        carried, carried_sha = [], {}
         what = dst
         try:
             for p in pl.ckpt.carried_files():
                 what = dst / p.name
                 shutil.copy2(p, tmp / p.name)
                 carried.append(p.name)
+                # the copy's own bytes (what verify re-hashes), read back after the copy
+                carried_sha[p.name] = _file_digest(tmp / p.name)
             journal.finish(tmp)
-            manifest = _manifest(pl, tmp, layers, tensors, carried, report, journal.created_at)
+            manifest = _manifest(pl, tmp, layers, tensors, carried, report, journal.created_at, carried_sha, opts.act_mode)
             what = dst / MANIFEST
             (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
         except OSError as e:
@@ -256,6 +258,13 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
     report.quant_error_worst = error.worst()
     notify("done", report=report)
     return report
+
+
+def _file_digest(path: Path) -> str:
+    """sha256 of a whole (small) file: a carried file's checksum in the manifest."""
+    from .verify_report import file_sha256
+
+    return file_sha256(path, 0, path.stat().st_size)
 
 
 def load_manifest_json(path: Path) -> dict:

@@ -207,6 +207,7 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
     other_shards = _split_shards(other, lambda n: ckpt.info(n).nbytes, shard_bytes) if other else []
     ne, no = len(expert_shards), len(other_shards)
     _check_top_k(config, specs)
+    check_config_against_tensors(ckpt, config, specs)
     routing, routing_note = _routing_for(config)
     alpha, limit = _swiglu_params(config)
     pl = _Plan(
@@ -256,3 +257,126 @@ def _check_top_k(config: dict, specs: list) -> None:
     if not 1 <= k <= fewest.num_experts:
         raise ConvertError(f"config.json: {key}={k} with {fewest.num_experts} experts (layer {fewest.index}): each token is "
                            f"routed to between 1 and num_experts experts")  # fmt: skip
+
+
+_EXPERTS_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+_LAYER_OF = None  # compiled on first use: "layers.<i>." in a tensor name
+
+
+def _int_key(config: dict, key: str):
+    v = config.get(key)
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def check_config_against_tensors(ckpt: Checkpoint, config: dict, specs: list) -> None:
+    """config.json must describe the tensors it comes with (issue 29: a config whose
+    moe_intermediate_size, num_hidden_layers, vocab_size or model_type disagrees with the tensors,
+    or a shard index that drops a layer's shard, converted and verified; only generate refused
+    it). Refused here, before anything is written, naming the key, both values and the rule:
+
+    * ``hidden_size``, the experts' intermediate size (``moe_intermediate_size``, else
+      ``intermediate_size`` for families whose experts use it) and the expert count keys, against
+      every MoE layer's experts;
+    * ``num_hidden_layers``: the decoder layers the tensor names hold must be exactly
+      0..num_hidden_layers-1 (a missing shard drops a layer's tensors);
+    * ``vocab_size`` against the embedding's rows;
+    * with transformers installed, a model family moepack runs whole, a whole checkpoint (it
+      has the embedding; an experts-only checkpoint is packed all the same) and a config that
+      states vocab_size, hidden_size and num_hidden_layers (else transformers' defaults would
+      stand in for them): the model that
+      ``load_model`` builds from the config (on the meta device) against the source's tensors:
+      its MoE layers and their expert shapes, and every other parameter by name and shape
+      (``model_type`` decides which parameters there are)."""
+    import re
+
+    refuse = lambda key, msg: ConvertError(f"config.json: {key}={config.get(key)!r}: {msg}: the config must "  # noqa: E731
+                                           "describe the checkpoint's tensors")  # fmt: skip
+    h = _int_key(config, "hidden_size")
+    i_key = "moe_intermediate_size" if _int_key(config, "moe_intermediate_size") is not None else "intermediate_size"
+    i_cfg = _int_key(config, i_key)
+    for s in specs:
+        if h is not None and s.hidden != h:
+            raise refuse("hidden_size", f"layer {s.index}'s experts ({s.prefix}) have H={s.hidden}")
+        if i_key == "moe_intermediate_size" and i_cfg is not None and s.intermediate != i_cfg:
+            raise refuse(i_key, f"layer {s.index}'s experts ({s.prefix}) have intermediate size {s.intermediate}")
+        for k in _EXPERTS_KEYS:
+            if _int_key(config, k) is not None and s.num_experts != config[k]:
+                raise refuse(k, f"layer {s.index} ({s.prefix}) has {s.num_experts} experts")
+    n = _int_key(config, "num_hidden_layers")
+    pat = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+    found = sorted({int(m.group(1)) for name in ckpt.tensors for m in [pat.search(name)] if m})
+    if n is not None and found:
+        missing = [i for i in range(n) if i not in set(found)]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise refuse("num_hidden_layers", f"no tensor of decoder layer {missing[0]}{more} is in the checkpoint's files "
+                                              f"({', '.join(f.name for f in ckpt.files)})")  # fmt: skip
+        if max(found) >= n and any(s.index >= n for s in specs):
+            bad = next(s for s in specs if s.index >= n)
+            raise refuse("num_hidden_layers", f"the checkpoint has MoE layer {bad.index} ({bad.prefix})")
+    v = _int_key(config, "vocab_size")
+    emb = next((name for name in ckpt.tensors if name.endswith("embed_tokens.weight")), None)
+    if v is not None and emb is not None and ckpt.info(emb).shape[0] != v:
+        raise refuse("vocab_size", f"tensor {emb!r} has {ckpt.info(emb).shape[0]} rows")
+    _check_against_model(ckpt, config, specs, refuse)
+
+
+def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) -> None:
+    """The meta-device model load_model would build from the config, against the tensors (see
+    check_config_against_tensors); skipped without transformers or for a family moepack does not
+    run whole (convert packs its experts all the same)."""
+    from .hf import FAMILIES
+
+    mt = config.get("model_type")
+    if not any(n.endswith("embed_tokens.weight") for n in ckpt.tensors):
+        return  # experts only (no embedding): not a whole model, load_model could not build it anyway
+    if any(_int_key(config, k) is None for k in ("vocab_size", "hidden_size", "num_hidden_layers")):
+        return  # a partial config (test and tool checkpoints): transformers would fill in its own defaults
+    if mt not in FAMILIES or config is not ckpt.config and config.get("model_type") != ckpt.config.get("model_type"):
+        return  # a nested (multimodal) config: load_model does not build those
+    try:
+        import transformers  # noqa: F401
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:
+        return
+    if mt not in CONFIG_MAPPING:
+        return
+    from .hf import _block_shapes, _decoder_layers, _moe_blocks, quiet_transformers
+
+    # the dtype does not change which parameters there are ("auto" and other words included)
+    cfgd = {k: v for k, v in ckpt.config.items() if k not in ("model_type", "dtype", "torch_dtype")}
+    try:
+        with quiet_transformers():
+            cfg = AutoConfig.for_model(mt, **cfgd)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; the user sees one line
+        raise refuse("model_type", f"transformers cannot build a {mt} model from it ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''})") from None  # fmt: skip
+    fam = FAMILIES[mt]
+    blocks = _moe_blocks(model, fam)
+    by_index = {s.index: s for s in specs}
+    if sorted(blocks) != sorted(by_index):
+        raise refuse("model_type", f"a {mt} model with this config has MoE layers {sorted(blocks)}, the checkpoint's tensors "
+                                   f"{sorted(by_index)}")  # fmt: skip
+    for i, b in blocks.items():
+        got, s = _block_shapes(b, fam), by_index[i]
+        if got is not None and got != (s.num_experts, s.hidden, s.intermediate):
+            raise refuse("model_type", f"a {mt} model with this config has layer {i}'s experts (E, H, I) = {got}, the "
+                                       f"checkpoint's {(s.num_experts, s.hidden, s.intermediate)}")  # fmt: skip
+    skip = tuple(f"model.layers.{i}.{fam.block_attr}." for i in blocks)
+    names = ckpt.tensors
+    for pname, p in model.named_parameters():  # tied parameters once, by their first name
+        if pname.startswith(skip):
+            continue
+        if pname in names:
+            if list(ckpt.info(pname).shape) != list(p.shape):
+                raise refuse("model_type", f"a {mt} model with this config has {pname} {list(p.shape)}, the checkpoint "
+                                           f"{list(ckpt.info(pname).shape)}")  # fmt: skip
+            continue
+        mod = pname.rpartition(".")[0] + "."
+        # a quantized linear stores other names under its module (qweight, weight_packed, ...)
+        if mod + "weight" in names or not any(n.startswith(mod) for n in names):
+            raise refuse("model_type", f"a {mt} model with this config needs tensor {pname} {list(p.shape)}, which the "
+                                       "checkpoint's files do not hold")  # fmt: skip

@@ -1,7 +1,7 @@
 """Resuming a hard-killed convert: the plan's resume key and the per-shard journal.
 
 A convert keeps ``.moepack-resume/`` inside its temporary directory: ``plan.json`` (the resume
-key: source fingerprint and file stats, layout, scheme, options, moepack version, every shard's
+key: source fingerprint and file stats (size, mtime, ctime, inode), layout, scheme, options, moepack version, every shard's
 header) and one ``<file>.json`` per shard closed and fsync'd. ``atomic_directory``'s ``reuse``
 hook asks ``_Resume.matches`` whether a dead run's directory can be continued; a journaled shard
 is trusted only once its bytes re-hash to the journal's sha256. Apart from convert_dir because it
@@ -29,12 +29,16 @@ RESUME_DIR = ".moepack-resume"  # inside the temporary directory: the plan's key
 
 def _resume_key(pl: _Plan, opts: _Options) -> dict:
     """What must be identical for a temporary directory to be continued: the source (fingerprint
-    of config.json and headers, plus every file's size and mtime, so rewritten data counts), the
+    of config.json and headers, plus every file's size, mtime, ctime and inode, so rewritten
+    data counts even with its mtime restored), the
     layout, scheme, options and moepack version, and every planned shard's header."""
     files = []
     for f in pl.ckpt.files:
         st = f.stat()
-        files.append([f.name, st.st_size, st.st_mtime_ns])
+        # size and mtime alone miss an in-place edit whose mtime was set back (os.utime, touch -r,
+        # rsync -t); the inode change time cannot be set back by a user, and the inode number
+        # changes when the file is replaced (a copy, a rename over it)
+        files.append([f.name, st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino])
     return {
         "moepack": __version__,
         "source": str(pl.src.resolve()),

@@ -136,7 +136,8 @@ def _write_other(pl: _Plan, fname: str, names: list, w: ShardWriter, tensors: di
         del t
 
 
-def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, report, created_at: str) -> dict:
+def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, report, created_at: str,
+              carried_sha: dict | None = None, act_mode_option: str | None = None) -> dict:  # fmt: skip
     """Stage 4: the manifest (docs/PACKED_FORMAT.md §4)."""
     return {
         "format": "moepack",
@@ -162,4 +163,6 @@ def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, 
         "files": {f: {"size": (tmp / f).stat().st_size} for f in report.files},
         "tensors": tensors,
         "carried_files": carried,
+        "carried_sha256": dict(carried_sha or {}),  # verify re-hashes every carried file (config.json, tokenizer)
+        "act_mode_option": act_mode_option,  # --act-mode as given (a deliberate mode, reported by verify), or null
     }

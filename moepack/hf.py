@@ -19,6 +19,7 @@ the names are transformers 5's in-memory ones (docs/COMPATIBILITY.md lists what 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -92,6 +93,30 @@ def _transformers():
     except ImportError:
         raise UnsupportedError("moepack.patch / load_model need transformers (pip install transformers)") from None
     return transformers
+
+
+@contextlib.contextmanager
+def quiet_transformers():
+    """transformers' own warnings and log lines (tokenizer notices, config deprecations) kept off
+    the user's screen: moepack reports what matters in its own one line. ``MOEPACK_DEBUG=1`` (the
+    CLI's ``--debug``) lets them through."""
+    if os.environ.get("MOEPACK_DEBUG", "") not in ("", "0"):
+        yield
+        return
+    import logging
+    import warnings
+
+    loggers = [logging.getLogger(n) for n in ("transformers", "tokenizers", "huggingface_hub")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR + 10)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
 
 
 def _family(model_type: str) -> Family:
@@ -387,6 +412,24 @@ def _rebuild_buffers(model) -> None:
                 mod._buffers[bname] = nb
 
 
+_FLOAT_NAMES = ("bfloat16", "float16", "float32")
+
+
+def _config_dtype(pm, cfgd: dict) -> torch.dtype:
+    """The model dtype config.json names (``dtype``, else ``torch_dtype``); "auto" or none: the
+    stored dtype of the embedding (else bfloat16); any other word is refused naming it."""
+    word = cfgd.get("dtype") or cfgd.get("torch_dtype")
+    word = str(word).replace("torch.", "") if word is not None else "auto"
+    if word in _FLOAT_NAMES:
+        return getattr(torch, word)
+    if word != "auto":
+        raise UnsupportedError(f"{pm.path}: model.config dtype={word!r}: must be one of {', '.join(_FLOAT_NAMES)} or 'auto' "
+                               "(or pass dtype= / --dtype)")  # fmt: skip
+    emb = next((n for n in pm._tensor_file if n.endswith("embed_tokens.weight")), None)
+    stored = pm.tensor(emb).dtype if emb else torch.bfloat16
+    return stored if stored in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
+
+
 def load_model(packed_dir, dtype=None, *, strict: bool = False):
     """The transformers model of a packed directory, built from the directory alone.
 
@@ -412,11 +455,18 @@ def load_model(packed_dir, dtype=None, *, strict: bool = False):
         raise UnsupportedError(f"model_type={model_type!r}: the installed transformers {tf.__version__} has no such family")
     _family(model_type)
     if dtype is None:
-        dtype = getattr(torch, str(cfgd.get("dtype") or cfgd.get("torch_dtype") or "bfloat16").replace("torch.", ""))
+        dtype = _config_dtype(pm, cfgd)
     cfgd.pop("model_type")
-    config = AutoConfig.for_model(model_type, **cfgd)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    cfgd["dtype"] = str(dtype).replace("torch.", "")  # "auto" (or none) resolved: transformers reads it too
+    cfgd.pop("torch_dtype", None)
+    try:
+        with quiet_transformers():
+            config = AutoConfig.for_model(model_type, **cfgd)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; the user sees one line
+        raise UnsupportedError(f"{pm.path}: model.config: transformers cannot build a {model_type} model from it "
+                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None  # fmt: skip
     patch(model, pm, strict=strict)
     qc = (pm.config or {}).get("quantization_config")
     names = pm._tensor_file
@@ -571,13 +621,19 @@ def load_tokenizer(packed_dir):
     carried = set(manifest.get("carried_files") or [])
     tok_files = {"tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"}
     if not carried & tok_files:
-        raise UnsupportedError(f"{path}: the packed directory carries no tokenizer files (use --prompt-ids)")
+        raise UnsupportedError(f"{path}: the packed directory carries no tokenizer files (use --prompt-ids): a text prompt "
+                               "needs the source's tokenizer (tokenizer.json, tokenizer.model, ...)")  # fmt: skip
+    gone = sorted(n for n in carried & tok_files if not (path / n).is_file())
+    if gone:
+        raise UnsupportedError(f"{path}: tokenizer file {gone[0]} is listed in carried_files but missing: the directory was "
+                               "edited after convert (`moepack verify` checks every carried file)")  # fmt: skip
     _transformers()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        with quiet_transformers():
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds; the user sees one line
         raise UnsupportedError(f"{path}: its tokenizer does not load offline ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 

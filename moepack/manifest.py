@@ -160,7 +160,23 @@ def check_manifest(path: str | os.PathLike, m: Any) -> None:
         )
     for key in ("created_by", "created_at", "routing_note"):
         c.val(m, key, key, "str", required=False, null=True)
-    c.val(m, "carried_files", "carried_files", "strs", required=False)
+    carried = c.val(m, "carried_files", "carried_files", "strs", required=False) or []
+    for pos, name in enumerate(carried):
+        if name in carried[:pos]:
+            c.fail(f"carried_files[{pos}]", name, "is listed twice: every carried file once")
+        if not _plain_name(name):
+            c.fail("carried_files", name, "every entry must be the plain name of a file in the directory (no folder, not "
+                                          "hidden, not moepack.json)")  # fmt: skip
+    sums = c.obj(m, "carried_sha256", "carried_sha256", required=False)
+    if sums is not None:
+        if set(sums) != set(carried):
+            extra = sorted(set(sums) ^ set(carried))[0]
+            c.fail("carried_sha256", extra, "must hold one sha256 for each name of carried_files, and no other")
+        for name, sha in sums.items():
+            if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+                c.fail(f"carried_sha256[{name!r}]", sha, "must be 64 lowercase hex digits")
+    c.val(m, "act_mode_option", "act_mode_option", "str", required=False, null=True, choices=("a16", "a8"),
+          why=" (the --act-mode convert was given; null: each layer's own meaning)")
     source = c.obj(m, "source", "source")
     for key in ("path", "reader", "fingerprint"):
         c.val(source, key, f"source.{key}", "str", required=False, null=True)
@@ -242,6 +258,12 @@ def check_manifest(path: str | os.PathLike, m: Any) -> None:
 # Layout fields added after a format version was released: a manifest written before a field
 # existed lacks it, and the layout id fixes its value (code_order: the u4 layouts always had it).
 IMPLIED_LAYOUT_FIELDS = ("code_order",)
+
+
+def _plain_name(name: str) -> bool:
+    """A file name of the directory itself: no folder, not hidden, not the manifest."""
+    return bool(name) and name == os.path.basename(name) and not name.startswith(".") and "\\" not in name \
+        and "\0" not in name and name != MANIFEST
 
 
 def _identity(desc: dict) -> dict:

@@ -3,7 +3,11 @@
 1. Structure: the manifest, every shard header, alignment, shapes against layout math
    (everything ``moepack.open`` checks).
 2. Integrity: the sha256 of every tensor's bytes against the manifest (a flipped byte names the
-   tensor).
+   tensor); every packed expert tensor's values against its role's rule (moepack.verify_values:
+   scales finite and >= 0, zero points 0..15, permutations, finite bf16 weights and biases, int8
+   column sums equal to the codes' sums): a hostile pack with consistent checksums is named;
+   every carried file (config.json, tokenizer files) present and equal to the manifest's
+   ``carried_sha256``.
 3. With the source: every layer's packed weights unpacked equal the source's weights rounded
    to bf16, exactly, padding included (zero); and the packed layer's output on seeded random
    tokens matches ``moepack.reference`` run on the source's own weights.
@@ -24,7 +28,17 @@
    gate, router tensors, the scheme a quantized source keeps) and the routing config convert
    derives from config.json, against the manifest; and the carried-over tensors (every source
    tensor no MoE layer consumes) as a set, with dtype, shape and bytes (the source's sha256
-   against the manifest's, which step 2 proved against the pack). Any difference fails, named.
+   against the manifest's, which step 2 proved against the pack); each layer's ``act_mode``
+   against the source's meaning (a16 for W4A16 and dense, a8 for W8A8 and W4A8), a different one
+   accepted only as the deliberate ``act_mode_option`` convert recorded, and then reported in
+   ``notes``; the stored ``model.config`` (load_model builds the model from it) against
+   config.json, key for key; the carried files against the source's. Any difference fails,
+   named. The output check runs in the manifest's mode, never ``MOEPACK_ACT_MODE``.
+
+What verify cannot prove: that the source itself is what its author meant (a config.json and
+tensors that agree with each other but not with the real model), the bytes of a non-expert
+quantized linear against its source's meaning (they are compared as carried bytes only), and
+anything outside the directory (the transformers version that builds the model).
 
 Memory: verify streams. Checksums read each tensor in 16 MiB pieces with pread (the pack's
 mapping is not touched, so its pages never count against verify). The weight and output checks
@@ -60,15 +74,113 @@ BLOCK_BYTES = 64 << 20
 
 
 def _check_tensors(model: PackedModel, report: VerifyReport, notify) -> None:
+    """Step 2: every tensor's sha256 against the manifest and, for packed expert tensors, its
+    values against its role's rule (moepack.verify_values): bf16 codes while they are hashed (one
+    read), the small tensors (scales, zero points, biases, permutations) read once more whole,
+    int8 column sums against the codes, block by block."""
+    from .verify_values import roles_of
+
     buf = bytearray(READ_CHUNK)
+    roles = dict(roles_of(model))
     for name, e in model.manifest["tensors"].items():
-        info = model._shards[e["file"]].info(name)
-        digest = file_sha256(model._shards[e["file"]].path, info.file_offset, info.nbytes, buf)
+        shard = model._shards[e["file"]]
+        info = shard.info(name)
+        role = roles.get(name)
+        problems: list[str] = []
+        inspect = None
+        if role == "codes" and info.torch_dtype.is_floating_point:
+            inspect = _piece_check(name, role, info.torch_dtype, problems)
+        digest = file_sha256(shard.path, info.file_offset, info.nbytes, buf, inspect)
         ok = digest == e.get("sha256")
-        report.tensors.append(
-            TensorCheck(name, e["file"], ok, "" if ok else f"sha256 {digest[:16]}… differs from the manifest's {str(e.get('sha256'))[:16]}…")
-        )
+        detail = "" if ok else f"sha256 {digest[:16]}… differs from the manifest's {str(e.get('sha256'))[:16]}…"
+        if role is not None and inspect is None:
+            problems += _small_check(model, name, role, info)
+        if role is not None:
+            report.values_checked += 1
+        if problems:
+            ok = False
+            detail = "; ".join([detail, *problems] if detail else problems)
+        report.tensors.append(TensorCheck(name, e["file"], ok, detail))
         notify("tensor", name=name, ok=ok)
+
+
+_VALUE_STEP = 1 << 20  # elements per value check of a float piece
+
+
+def _piece_check(name: str, role: str, dtype, problems: list):
+    """A file_sha256 ``inspect`` callback: the value rule on each piece of a float tensor (the
+    first problem kept)."""
+    import torch
+
+    from .verify_values import value_problem
+
+    size = torch.empty(0, dtype=dtype).element_size()
+
+    def inspect(piece, start: int) -> None:
+        if problems or len(piece) < size:
+            return
+        t = torch.frombuffer(piece[: len(piece) // size * size], dtype=dtype)
+        for i in range(0, t.numel(), _VALUE_STEP):  # small temporaries (the masks), whatever the piece
+            msg = value_problem(name, role, t[i : i + _VALUE_STEP], offset=start // size + i)
+            if msg:
+                problems.append(msg)
+                return
+
+    return inspect
+
+
+def _small_check(model: PackedModel, name: str, role: str, info) -> list[str]:
+    """The value rule of a small tensor (read whole with pread), or of int8 column sums against
+    their codes (one block of experts at a time)."""
+    from .verify_layer import _read_rows
+    from .verify_values import colsum_problem, value_problem
+
+    if role != "sum":
+        msg = value_problem(name, role, _read_rows(model, name, 0, info.shape[0]))
+        return [msg] if msg else []
+    codes_name, layout = _codes_of(model, name)
+    if codes_name is None:
+        return []
+    e_all = info.shape[0]
+    row = max(1, model._shards[model.manifest["tensors"][codes_name]["file"]].info(codes_name).nbytes // max(1, e_all))
+    step = max(1, BLOCK_BYTES // row)
+    for e0 in range(0, e_all, step):
+        e1 = min(e_all, e0 + step)
+        msg = colsum_problem(name, codes_name, layout, _read_rows(model, codes_name, e0, e1), _read_rows(model, name, e0, e1), e0)
+        if msg:
+            return [msg]
+    return []
+
+
+def _codes_of(model: PackedModel, sum_name: str):
+    """The codes tensor an int8 column-sum tensor belongs to, and its layout."""
+    for layer in model.layers.values():
+        for group in (layer.entry["tensors"], layer.entry.get("shared") or {}):
+            for role, n in group.items():
+                if n == sum_name and role.endswith("_colsum"):
+                    return group.get(role[: -len("_colsum")]), layer.packed.layout
+    return None, None
+
+
+def _check_files(model: PackedModel, report: VerifyReport, notify) -> None:
+    """Every carried file (config.json, tokenizer files, ...): present, a regular file, and its
+    sha256 equal to the manifest's (``carried_sha256``; a pack written before moepack recorded
+    them is checked for presence only, and the report says so)."""
+    m = model.manifest
+    sums = m.get("carried_sha256")
+    for name in m.get("carried_files") or []:
+        p = model.path / name
+        if not p.is_file():
+            report.files.append(TensorCheck(name, name, False, "is missing (listed in carried_files; it must be a regular file "
+                                                               "of the directory)"))  # fmt: skip
+        elif sums is None:
+            report.files.append(TensorCheck(name, name, True, "present (no checksum recorded: packed before moepack recorded them)"))
+        else:
+            digest = file_sha256(p, 0, p.stat().st_size)
+            ok = digest == sums[name]
+            report.files.append(TensorCheck(name, name, ok, "" if ok else f"sha256 {digest[:16]}… differs from the manifest's "
+                                                                         f"{sums[name][:16]}… (edited after convert)"))  # fmt: skip
+        notify("file", name=name, ok=report.files[-1].ok)
 
 
 def _options(layer):
@@ -94,9 +206,10 @@ def verify(
 ) -> VerifyReport:
     """Verify the packed directory at ``dst``; see the module docstring."""
     notify = progress or (lambda *a, **k: None)
-    model = open_packed(dst)
+    model = open_packed(dst, check_values=False)  # verify names every bad value itself (_check_tensors)
     report = VerifyReport(path=Path(dst))
     _check_tensors(model, report, notify)
+    _check_files(model, report, notify)
     if source is not None:
         from .sources import open_source
 
@@ -104,7 +217,7 @@ def verify(
         report.source = str(source)
         report.fingerprint_match = ckpt.fingerprint() == model.manifest["source"].get("fingerprint")
         specs = {s.index: s for s in reader.layers(ckpt)}
-        report.model = _check_model(model, ckpt, reader, specs)
+        report.model = _check_model(model, ckpt, reader, specs, report.notes)
         for idx in sorted(model.layers):
             if idx not in specs:
                 continue  # named in report.model

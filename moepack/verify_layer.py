@@ -280,7 +280,9 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
     # canonical tensors and (schemes with an fp32 tolerance) the fp32 reference on its weights
     x, w, ids = _tokens(model, layer_index, e_all, p.hidden, tokens, seed)
     kw = dict(activation=layer.activation, alpha=layer.alpha, limit=layer.limit, interleaved=p.interleaved)
-    mode = layer.act_mode  # the layer's own (the manifest's act_mode, or MOEPACK_ACT_MODE)
+    # the manifest's act_mode (proved against the source's meaning by verify_model), never
+    # MOEPACK_ACT_MODE: verify proves what the pack says it runs
+    mode = layer.entry.get("act_mode") or p.layout.act_modes[0]
     rkw = dict(act_mode=mode) if len(p.layout.act_modes) > 1 else {}  # the reference of a two-mode scheme takes it
     layer.check_strict()
     biases = reader.read_biases(ckpt, spec)
@@ -327,4 +329,4 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
     if rel32 is not None and rel32 > orule.fp32_tol:
         detail.append(f"output differs from the fp32 reference on the source's weights: {rel32:.3g} > {orule.fp32_tol:g}")
     return LayerCheck(layer_index, exact, rel, tol, ok, "; ".join(detail), rel32, shared_exact, tensors, shared_tensors,
-                      orule.fp32_tol if rel32 is not None else None, scheme.weights_note, layer.entry.get("quantizer"))  # fmt: skip
+                      orule.fp32_tol if rel32 is not None else None, scheme.weights_note, layer.entry.get("quantizer"), mode, orule.base)  # fmt: skip

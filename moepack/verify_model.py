@@ -22,9 +22,11 @@ def _norm_routing(r: dict | None) -> dict | None:
     return None if r is None else RoutingConfig.from_dict(r).to_dict()
 
 
-def _check_model(model: PackedModel, ckpt, reader, specs: dict) -> list[str]:
+def _check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | None = None) -> list[str]:
     """Step 4 of moepack.verify_dir's docstring: what the source says the model is, against the manifest.
-    Returns one line per difference (empty: the same model)."""
+    Returns one line per difference (empty: the same model); ``notes`` gets what passed but must
+    be reported (a layer run in a deliberate ``--act-mode`` other than the source's meaning)."""
+    notes = notes if notes is not None else []
     from .convert_plan import _routing_for, _swiglu_params
     from .sources import text_config
 
@@ -66,6 +68,7 @@ def _check_model(model: PackedModel, ckpt, reader, specs: dict) -> list[str]:
         for what, (src, got) in want.items():
             if src != got:
                 out.append(f"layer {idx} {what}: pack {got!r}, source {src!r}")
+        out += _check_act_mode(idx, s, e, lay, scheme, m.get("act_mode_option"), notes)
     src_routing, note = _routing_for(config)
     try:
         pack_routing = _norm_routing(m["routing"])
@@ -79,7 +82,107 @@ def _check_model(model: PackedModel, ckpt, reader, specs: dict) -> list[str]:
         for k in src_routing:
             if src_routing[k] != pack_routing.get(k):
                 out.append(f"routing.{k}: pack {pack_routing.get(k)!r}, source config {src_routing[k]!r}")
-    out += _check_carried(model, ckpt, specs, set(reader.skipped(ckpt)[0]) if reader.skipped is not None else set())
+    out += _check_config(m, ckpt)
+    out += _check_carried(model, ckpt, specs, set(reader.skipped(ckpt)[0]))
+    out += _check_carried_files(model, ckpt)
+    return out
+
+
+def act_mode_meaning(scheme, spec, lay) -> str:
+    """The activation mode the source means for a layer: a16 for W4A16 and dense sources, a8 for
+    W8A8 and compressed-tensors W4A8 (Scheme.default_act_mode)."""
+    return scheme.default_act_mode(spec, lay)
+
+
+def _check_act_mode(idx: int, spec, entry: dict, lay, scheme, option, notes: list) -> list[str]:
+    """The layer's recorded act_mode against the source's meaning; a different one passes only
+    when convert recorded it as the deliberate ``--act-mode`` (``act_mode_option``), and is then
+    reported in ``notes``."""
+    got = entry.get("act_mode") or lay.act_modes[0]
+    meaning = act_mode_meaning(scheme, spec, lay)
+    if option is not None and got != option:
+        return [f"layer {idx} act_mode: pack {got!r}, but the pack records convert --act-mode {option!r}"]
+    if got == meaning:
+        return []
+    if option == got:
+        notes.append(f"layer {idx} runs in act_mode {got} (convert --act-mode {got}); the source means {meaning}: "
+                     f"its output was compared in {got}, with the {got} tolerance")  # fmt: skip
+        return []
+    return [f"layer {idx} act_mode: pack {got!r}, source {meaning!r} (the source's meaning; another mode is "
+            "recorded only by convert --act-mode)"]  # fmt: skip
+
+
+def _canon(v) -> str:
+    """A JSON value as text that tells every difference apart, types included (8 and 8.0, true
+    and 1 are equal in Python, not in a config)."""
+    import json
+
+    return json.dumps(v, sort_keys=True)
+
+
+def _first_difference(a, b, path: str) -> str | None:
+    """The path of the first place where JSON values ``a`` (pack) and ``b`` (source) differ,
+    type included."""
+    if _canon(a) == _canon(b):
+        return None
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in list(a) + [k for k in b if k not in a]:
+            if k not in a or k not in b:
+                return f"{path}.{k}: pack {_short(a.get(k, '(absent)'))}, source config.json {_short(b.get(k, '(absent)'))}"
+            sub = _first_difference(a[k], b[k], f"{path}.{k}")
+            if sub:
+                return sub
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            sub = _first_difference(x, y, f"{path}[{i}]")
+            if sub:
+                return sub
+    return f"{path}: pack {_short(a)}, source config.json {_short(b)}"
+
+
+def _short(v) -> str:
+    r = repr(v)
+    return r if len(r) <= 60 else r[:55] + "…" + r[-4:]
+
+
+def _check_config(m: dict, ckpt) -> list[str]:
+    """The model config the manifest stores (load_model and generate build the model from it)
+    against the source's config.json, key for key, and the two fields derived from it."""
+    from .sources import text_config
+
+    out = []
+    diff = _first_difference(m["model"].get("config"), ckpt.config, "model.config")
+    if diff:
+        out.append(diff)
+    tc = text_config(ckpt.config)
+    for k in ("model_type", "hidden_size"):
+        if m["model"].get(k) != tc.get(k):
+            out.append(f"model.{k}: pack {m['model'].get(k)!r}, source config.json {tc.get(k)!r}")
+    return out
+
+
+def _check_carried_files(model: PackedModel, ckpt) -> list[str]:
+    """The carried files (config.json, tokenizer files, ...) against the source's: the same set
+    of names, and each one's sha256 (recorded at convert, proved against the pack by step 2)
+    equal to the source file's."""
+    m = model.manifest
+    src = {p.name: p for p in ckpt.carried_files()}
+    ours = list(m.get("carried_files") or [])
+    out = []
+    for words, names in (("in the source but not carried", sorted(set(src) - set(ours))),
+                         ("carried but not in the source", sorted(set(ours) - set(src)))):  # fmt: skip
+        if names:
+            out.append(f"{len(names)} file(s) {words}: {', '.join(map(repr, names[:3]))}{' ...' if len(names) > 3 else ''}")
+    sums = m.get("carried_sha256")
+    for name in (n for n in ours if n in src):
+        p = src[name]
+        digest = file_sha256(p, 0, p.stat().st_size)
+        if sums is not None and digest != sums.get(name):
+            out.append(f"carried file {name!r}: its sha256 in the manifest differs from the source file's")
+        elif sums is None and (model.path / name).is_file():
+            mine = file_sha256(model.path / name, 0, (model.path / name).stat().st_size)
+            if mine != digest:
+                out.append(f"carried file {name!r}: its bytes differ from the source file's")
     return out
 
 

@@ -55,6 +55,8 @@ class LayerCheck:
     fp32_tol: float | None = None  # the rule rel_err_fp32 was judged by (None: not judged)
     weights: str = ""  # what the packed weights were compared as (Scheme.weights_note: "bf16", "int8 codes")
     quantizer: str | None = None  # the quantizer convert ran on the float source ("int4_group:g64:asym"), or None
+    act_mode: str | None = None  # the activation mode both sides ran in (the manifest's, proved against the source's)
+    tol_base: float | None = None  # the scheme's base tolerance; ``tol`` above it: widened by A8 code flips (reported)
 
 
 @dataclass
@@ -65,10 +67,14 @@ class VerifyReport:
     source: str | None = None
     fingerprint_match: bool | None = None
     model: list[str] = field(default_factory=list)  # where the pack's model differs from the source's (step 4)
+    files: list[TensorCheck] = field(default_factory=list)  # carried files (config.json, tokenizer): present, sha256
+    values_checked: int = 0  # tensors whose values were checked against their role's rule (moepack.verify_values)
+    notes: list[str] = field(default_factory=list)  # what passed but the reader should know (a deliberate --act-mode)
 
     @property
     def ok(self) -> bool:
-        return all(t.ok for t in self.tensors) and all(layer.ok for layer in self.layers) and not self.model
+        return (all(t.ok for t in self.tensors) and all(f.ok for f in self.files) and all(layer.ok for layer in self.layers)
+                and not self.model)  # fmt: skip
 
     def weights_checked(self, shared: bool = False) -> tuple[int, int]:
         """(equal, checked): packed expert tensors compared with the source (``shared``: only
@@ -80,6 +86,7 @@ class VerifyReport:
 
     def failures(self) -> list[str]:
         out = [f"tensor {t.name!r} in {t.file}: {t.detail}" for t in self.tensors if not t.ok]
+        out += [f"carried file {f.name!r}: {f.detail}" for f in self.files if not f.ok]
         out += [f"layer {c.index}: {c.detail}" for c in self.layers if not c.ok]
         out += [f"model: {p}" for p in self.model]
         return out
@@ -94,14 +101,19 @@ class VerifyReport:
             "weights_checked": self.weights_checked()[1],
             "shared_weights_checked": self.weights_checked(shared=True)[1],
             "model_differences": list(self.model),
+            "carried_files_checked": len(self.files),
+            "values_checked": self.values_checked,
+            "notes": list(self.notes),
             "failures": self.failures(),
             "layers": [c.__dict__ for c in self.layers],
         }
 
 
-def file_sha256(path, offset: int, nbytes: int, buf: bytearray | None = None) -> str:
+def file_sha256(path, offset: int, nbytes: int, buf: bytearray | None = None, inspect=None) -> str:
     """sha256 of ``nbytes`` bytes of a file from ``offset``, read with pread in pieces into one
-    buffer: memory stays at the buffer's size (a mapped file's pages would count as ours)."""
+    buffer: memory stays at the buffer's size (a mapped file's pages would count as ours).
+    ``inspect(piece, start)``: called with every piece read (a memoryview) and its byte offset
+    from ``offset``, so that one read serves the checksum and a value check."""
     h = hashlib.sha256()
     buf = buf if buf is not None else bytearray(READ_CHUNK)
     view = memoryview(buf)
@@ -112,5 +124,7 @@ def file_sha256(path, offset: int, nbytes: int, buf: bytearray | None = None) ->
             if n <= 0:
                 raise PackedDirError(f"{path}: short read at byte {offset + done} (file truncated while verifying?)")
             h.update(view[:n])
+            if inspect is not None:
+                inspect(view[:n], done)
             done += n
     return h.hexdigest()

@@ -17,7 +17,12 @@ outcome in one class:
 * ``silent``: outputs differ although the meaning did not (a bug: something the schema does not
   check changed what the model computes);
 * ``missed`` (targets that know their source): an ``other_model`` manifest case that
-  ``verify --source`` passes (a bug: verify must tell another model from the source's).
+  ``verify --source`` passes (a bug: verify must tell another model from the source's), or an
+  ``other_config`` one that it passes;
+* ``other_config``: everything ran identically, but what else a run uses (``run_facts``: the
+  stored model config that ``load_model`` / ``generate`` build the model from, the carried
+  files and their checksums) differs, and ``verify`` (with the source, where the target has one)
+  fails it, as it must (issue 29: these passed verify before).
 
 Each case is reproducible from (seed, case number) alone.
 """
@@ -41,7 +46,7 @@ import moepack
 from moepack.errors import MoepackError
 
 MANIFEST = "moepack.json"
-CLASSES = ("refused", "identical", "other_model", "crash", "silent", "missed")
+CLASSES = ("refused", "identical", "other_model", "other_config", "crash", "silent", "missed")
 TOKENS = 5
 
 # Values a mutation drops in where another value was: every JSON type, edges of ranges.
@@ -67,6 +72,7 @@ class Target:
     meaning: str
     shards: dict = field(default_factory=dict)  # file name -> bytes (for header cases)
     source: Path | None = None  # its source checkpoint: an ``other_model`` case must fail verify --source
+    facts: str = ""  # run_facts of its manifest
 
 
 def run_outputs(d: Path) -> dict:
@@ -147,13 +153,23 @@ def meaning(m: dict) -> str:
     return json.dumps({"routing": routing, "layers": layers}, sort_keys=True)
 
 
+def run_facts(m: dict) -> str:
+    """What a run uses beyond the layers' meaning (issue 29): the stored model config (load_model
+    and generate build the model from it) and the fields derived from it, the carried files.
+    ``verify --source`` proves each against the source."""
+    model = m.get("model") if isinstance(m.get("model"), dict) else {}
+    return json.dumps({"config": model.get("config"), "model_type": model.get("model_type"),
+                       "hidden_size": model.get("hidden_size"), "carried": sorted(m.get("carried_files") or [])},
+                      sort_keys=True)  # fmt: skip (carried_sha256 is how verify proves the files, not what a run reads)
+
+
 def make_target(path: Path, source: Path | None = None) -> Target:
     text = (path / MANIFEST).read_text()
     m = json.loads(text)
     shards = {f: (path / f).read_bytes() for f in m["files"]}
     out = run_outputs(path)
     assert out.pop("verify_ok") is True, f"{path} does not verify"
-    return Target(path, text, m, out, meaning(m), shards, source)
+    return Target(path, text, m, out, meaning(m), shards, source, run_facts(m))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,11 +198,11 @@ def _parent(root, path):
 
 def _pick_path(rng: random.Random, m: dict) -> tuple:
     """A random node: first a top-level field (each alike, so the long ``tensors`` table does not
-    drown ``routing``), then a node inside it at any depth. ``model.config`` (a copy of config.json,
-    read for num_hidden_layers only) is visited rarely."""
+    drown ``routing``), then a node inside it at any depth. ``model.config`` (a copy of config.json:
+    load_model builds the model from it) is visited in half the picks of ``model``."""
     key = rng.choice(list(m))
     nodes = [(key,)] + [(key,) + p for p, _ in _nodes(m[key])]
-    if key == "model" and rng.random() > 0.1:
+    if key == "model" and rng.random() > 0.5:  # (verify proves model.config since issue 29: visited half the time)
         nodes = [p for p in nodes if p[:2] != ("model", "config")] or nodes
     if key == "tensors" and len(nodes) > 1 and rng.random() < 0.5:  # the layers' own tensors more often
         nodes = [p for p in nodes if len(p) > 1 and p[1].startswith("moepack.")] or nodes
@@ -304,7 +320,12 @@ def mutate_shard(rng: random.Random, data: bytes) -> tuple[bytes, str]:
 # one case
 
 
-def _classify(t: Target, d: Path, new_meaning) -> Outcome:
+def _facts_diff(a: str, b: str) -> list[str]:
+    x, y = json.loads(a), json.loads(b)
+    return [k for k in x if x[k] != y.get(k)]
+
+
+def _classify(t: Target, d: Path, new_meaning, new_facts=None) -> Outcome:
     try:
         out = run_outputs(d)
     except MoepackError as e:
@@ -313,7 +334,19 @@ def _classify(t: Target, d: Path, new_meaning) -> Outcome:
         return Outcome("crash", f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
     verify_ok = out.pop("verify_ok")
     if _same(out, t.outputs):
-        return Outcome("identical")  # (a changed sha256 only makes verify fail: what it is for)
+        facts = new_facts() if new_facts is not None else None
+        if facts is None or facts == t.facts:
+            return Outcome("identical")  # (a changed sha256 only makes verify fail: what it is for)
+        if verify_ok and t.source is not None:  # the experts compute the same, the model around them differs
+            try:
+                caught = not moepack.verify(d, source=t.source).ok
+            except MoepackError:
+                caught = True
+            if not caught:
+                return Outcome("missed", "the model config or the carried files differ, and verify --source passes it")
+        elif verify_ok:
+            return Outcome("identical")  # no source to judge the model config by
+        return Outcome("other_config", ", ".join(_facts_diff(facts, t.facts)))
     m = new_meaning()
     if m is not None and m != t.meaning:
         if t.source is not None:  # another model: verify --source must say so
@@ -354,7 +387,13 @@ def run_manifest_case(t: Target, work: Path, seed: int, i: int) -> tuple[Outcome
         except Exception:  # noqa: BLE001 - it ran, so the schema passed; meaning() reads like the runtime
             return "unreadable"
 
-    return _classify(t, d, new_meaning), edits
+    def new_facts():
+        try:
+            return run_facts(m)
+        except Exception:  # noqa: BLE001
+            return "unreadable"
+
+    return _classify(t, d, new_meaning, new_facts), edits
 
 
 def run_header_case(t: Target, work: Path, seed: int, i: int) -> tuple[Outcome, list[str]]:
@@ -371,11 +410,11 @@ def run_header_case(t: Target, work: Path, seed: int, i: int) -> tuple[Outcome, 
 
 
 def fuzz(targets: list[Target], work: Path, cases: int, seed: int, kind: str = "both", log=None, *, job: int = 0,
-         jobs: int = 1) -> dict:  # fmt: skip
+         jobs: int = 1, progress=None) -> dict:  # fmt: skip
     """Run cases ``job, job + jobs, ...`` below ``cases`` over ``targets`` (round robin: a case's
     target and edits depend only on its number and the seed, so the counts do not depend on
     ``jobs``); returns {"counts": Counter by (kind, class), "bugs": [(kind, target, case, edits,
-    detail)]}."""
+    detail)]}. ``progress(done, counts, bugs)``: called after every case."""
     counts, bugs = Counter(), []
     for i in range(job, cases, jobs):
         t = targets[i % len(targets)]
@@ -386,4 +425,6 @@ def fuzz(targets: list[Target], work: Path, cases: int, seed: int, kind: str = "
             bugs.append((k, t.path.name, i, edits, o.detail))
             if log:
                 log(f"{o.cls}: {k} case {i} on {t.path.name}: {edits}: {o.detail}")
+        if progress:
+            progress(sum(counts.values()), counts, bugs)
     return {"counts": counts, "bugs": bugs}

@@ -135,13 +135,13 @@ def test_python_m_moepack(packed_mixtral, tmp_path):
     lines = out.splitlines()
     assert any("layers against" in ln and str(fixture_dir("mixtral")) in ln for ln in lines), out
     header = next(ln for ln in lines if "weights == source (bf16)" in ln)
-    for col in ("layer", "output rel. error", "tolerance", "result"):
+    for col in ("layer", "act mode", "output rel. error", "tolerance", "result"):
         assert col in header
     rows = [flat(ln).split() for ln in lines]
     rows = [row for row in rows if row[:1] in (["0"], ["1"])]
     assert [row[0] for row in rows] == ["0", "1"], out
     for row in rows:
-        assert row[1] == "yes" and row[-1] == "ok" and float(row[2]) <= float(row[3]), row
+        assert row[1] == "yes" and row[2] == "a16" and row[-1] == "ok" and float(row[3]) <= float(row[4]), row
 
     out, err = bad.communicate(timeout=120)
     assert bad.returncode == 2

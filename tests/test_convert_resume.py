@@ -276,3 +276,36 @@ def test_cli_resume_flag_and_note(small_src, tmp_path):
                        capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "resuming" in r.stderr and _leftovers(dst) == []
+
+
+def test_in_place_source_edit_with_mtime_restored_is_not_resumed(small_src, tmp_path):
+    """Issue 29: a source edited in place (same size) with its mtime set back, between a kill and
+    the rerun, was resumed from stale shards (verify caught it, convert said nothing). The key
+    holds the ctime and inode too, which a user cannot set back."""
+    import shutil
+
+    from moepack.container import read_safetensors_header
+
+    src = tmp_path / "src"
+    shutil.copytree(small_src, src)
+    dst = tmp_path / "pk"
+    p = _child(src, dst, "shard_done", 1, "kill")
+    assert p.wait(60) == -signal.SIGKILL
+    shard = sorted(src.glob("*.safetensors"))[0]
+    hdr = read_safetensors_header(shard)
+    name = next(n for n in hdr.tensors if ".layers.0." in n and "experts" in n)
+    ti = hdr.tensors[name]
+    st = shard.stat()
+    with open(shard, "r+b") as f:  # the low byte of a bf16 weight: a finite value still
+        f.seek(ti.file_offset)
+        b = f.read(1)
+        f.seek(ti.file_offset)
+        f.write(bytes([b[0] ^ 1]))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert shard.stat().st_size == st.st_size and shard.stat().st_mtime_ns == st.st_mtime_ns
+    events = []
+    convert(src, dst, shard_bytes=SHARD, progress=lambda ev, **kw: events.append((ev, kw)))
+    assert "resume" not in [ev for ev, _ in events]
+    removed = [kw["reason"] for ev, kw in events if ev == "stale_removed"]
+    assert removed == ["its source_files differs from this run's"], removed
+    assert moepack.verify(dst, source=src).ok

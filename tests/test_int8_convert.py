@@ -322,7 +322,10 @@ def _renamed_copy(tmp_path: Path, rename, config_update: dict, extra=None) -> Pa
     d = tmp_path / "renamed"
     shutil.copytree(fixture_dir(CT), d)
     sd = load_file(str(d / "model.safetensors"))
-    sd = {rename(k): v for k, v in sd.items()}
+    # relabelled, it is no whole model of its new type (its attention stays Qwen3's), which
+    # convert's config cross-check would refuse; without the embedding it is packed as experts
+    # and carried-over tensors, which is what these tests are about
+    sd = {rename(k): v for k, v in sd.items() if not k.endswith("embed_tokens.weight")}
     if extra:
         extra(sd)
     save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})

@@ -17,8 +17,8 @@ import moepack
 from tests.fixtures_util import fixture_dir
 from tests.manifest_fuzz import fuzz, make_target
 
-FIXTURES = ("deepseek_v3", "gpt_oss", "qwen2_moe", "qwen3_moe_w8a8", "qwen2_moe_w4a16")
-CASES = 400  # about 4 s
+FIXTURES = ("deepseek_v3", "gpt_oss", "qwen2_moe", "qwen3_moe_w8a8", "qwen2_moe_w4a16", "qwen2_moe_w4a16@a8")  # @a8: --act-mode a8
+CASES = 480  # about 20 s (verify --source runs on every case whose model config changed)
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +26,9 @@ def targets(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     out = []
     for name in FIXTURES:
-        moepack.convert(fixture_dir(name), root / name)
-        out.append(make_target(root / name, fixture_dir(name)))
+        fixture, _, mode = name.partition("@")
+        moepack.convert(fixture_dir(fixture), root / name, act_mode=mode or None)
+        out.append(make_target(root / name, fixture_dir(fixture)))
     return out
 
 
@@ -41,6 +42,7 @@ def test_bent_directories_are_refused_or_compute_the_same(targets, tmp_path):
     for kind in ("manifest", "header"):
         assert counts[(kind, "refused")] > 0 and counts[(kind, "identical")] > 0, counts
     assert counts[("manifest", "refused")] > counts[("manifest", "identical")], counts
+    assert counts[("manifest", "other_config")] > 0, counts  # model.config edits, which verify --source must catch
 
 
 def test_the_fuzzer_sees_a_silent_change(targets, tmp_path):

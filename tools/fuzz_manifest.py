@@ -20,7 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-FIXTURES = ("deepseek_v3", "gpt_oss", "qwen2_moe", "qwen3_moe_w8a8", "qwen2_moe_w4a16", "mixtral", "llama4_text")
+# "name@a8": the fixture converted with --act-mode a8 (a deliberate mode: verify reports it, and
+# an edit of act_mode or act_mode_option must fail verify --source)
+FIXTURES = ("deepseek_v3", "gpt_oss", "qwen2_moe", "qwen3_moe_w8a8", "qwen2_moe_w4a16", "mixtral", "llama4_text",
+            "qwen2_moe_w4a16@a8")  # fmt: skip
 
 
 def _worker(args) -> tuple[Counter, list]:
@@ -32,9 +35,20 @@ def _worker(args) -> tuple[Counter, list]:
 
     from tests.fixtures_util import fixture_dir
 
-    targets = [make_target(Path(root) / name, fixture_dir(name) if with_source else None) for name in FIXTURES]
-    r = fuzz(targets, Path(root) / f"work-{job}", cases, seed, kind, job=job, jobs=jobs)
+    targets = [make_target(Path(root) / name, fixture_dir(name.split("@")[0]) if with_source else None) for name in FIXTURES]
+    r = fuzz(targets, Path(root) / f"work-{job}", cases, seed, kind, job=job, jobs=jobs, progress=_progress(job))
     return r["counts"], r["bugs"]
+
+
+def _progress(job: int):
+    """Every 1000 cases, the job's counts so far on stderr (a long run that is stopped still tells)."""
+
+    def report(done: int, counts: Counter, bugs: list) -> None:
+        if done % 1000 == 0:
+            row = " ".join(f"{k}/{c}={n}" for (k, c), n in sorted(counts.items()))
+            print(f"[job {job}] {done} cases: {row}; bugs {len(bugs)}", file=sys.stderr, flush=True)
+
+    return report
 
 
 def main() -> int:
@@ -51,7 +65,8 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="moepack-fuzz-") as root:
         for name in FIXTURES:
-            moepack.convert(fixture_dir(name), Path(root) / name)
+            fixture, _, mode = name.partition("@")
+            moepack.convert(fixture_dir(fixture), Path(root) / name, act_mode=mode or None)
         t0 = time.perf_counter()
         args = [(root, j, a.jobs, a.cases, a.seed, a.kind, a.verify_source) for j in range(a.jobs)]
         if a.jobs == 1:
@@ -66,7 +81,8 @@ def main() -> int:
         bugs += b
     print(f"{a.cases} cases, seed {a.seed}, {a.jobs} job(s), {secs:.0f} s, fixtures: {', '.join(FIXTURES)}")
     for kind in ("manifest", "header"):
-        row = {cls: counts[(kind, cls)] for cls in ("refused", "identical", "other_model", "crash", "silent", "missed")}
+        row = {cls: counts[(kind, cls)] for cls in ("refused", "identical", "other_model", "other_config", "crash", "silent",
+                                                     "missed")}  # fmt: skip
         if sum(row.values()):
             print(f"  {kind:8s} " + "  ".join(f"{k} {v}" for k, v in row.items()))
     for k, name, i, edits, detail in sorted(bugs, key=lambda b: b[2]):

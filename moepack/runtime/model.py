@@ -93,10 +93,23 @@ class PackedMoELayer(torch.nn.Module):
 
     def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The router's logits ``[T, E]`` in fp32 from this layer's router weight (and bias)."""
+        self._check_hidden(hidden_states)
         if self.router_weight is None:
             raise UnsupportedError(f"layer {self.index}: the packed directory has no router weight for this layer")
         bias = None if self.router_bias is None else _like(self.router_bias.float(), hidden_states)
         return torch.nn.functional.linear(hidden_states.float(), _like(self.router_weight.float(), hidden_states), bias)
+
+    def _check_hidden(self, hidden_states) -> None:
+        """``hidden_states`` must be a floating [tokens, H] tensor: refused in one line naming the
+        layer, the shape and the rule (before: torch's matmul error, or a 1-D/3-D input blamed on
+        router_logits)."""
+        if not isinstance(hidden_states, torch.Tensor):
+            raise UnsupportedError(f"layer {self.index}: hidden_states is {type(hidden_states).__name__}: must be a "
+                                   f"[tokens, H={self.hidden_size}] tensor")  # fmt: skip
+        if hidden_states.dim() != 2 or hidden_states.shape[1] != self.hidden_size or not hidden_states.is_floating_point():
+            raise UnsupportedError(f"layer {self.index}: hidden_states is {str(hidden_states.dtype).replace('torch.', '')} "
+                                   f"{list(hidden_states.shape)}: must be a floating [tokens, H={self.hidden_size}] tensor "
+                                   "(2-D: flatten batch and sequence first; H: the hidden size the experts were packed for)")  # fmt: skip
 
     def route(self, router_logits: torch.Tensor, hidden_states: torch.Tensor | None = None):
         """(topk_weights fp32, topk_ids int32) for ``router_logits [T, E]`` per the manifest."""
@@ -141,6 +154,7 @@ class PackedMoELayer(torch.nn.Module):
         """The whole MoE block: route, run the experts, add the shared expert. Without
         ``router_logits`` the layer's own router weight computes them. ``act_mode``: this call's
         activation mode (routed and shared experts), else ``self.act_mode``."""
+        self._check_hidden(hidden_states)
         if router_logits is None:
             router_logits = self.router_logits(hidden_states)
         weights, ids = self.route(router_logits, hidden_states)
@@ -253,8 +267,9 @@ def _file_kind(p: Path) -> str:
     return "not a plain file"
 
 
-def open_packed(path: str | os.PathLike, *, strict: bool = False) -> PackedModel:
-    """Validate and memory-map the packed directory at ``path``."""
+def open_packed(path: str | os.PathLike, *, strict: bool = False, check_values: bool = True) -> PackedModel:
+    """Validate and memory-map the packed directory at ``path``. ``check_values=False`` (verify,
+    which checks and names every value itself) skips the value rules of moepack.verify_values."""
     path = Path(path)
     manifest = load_manifest(path)  # the schema: after it, every field read below is there and typed
     shards = {}
@@ -282,6 +297,12 @@ def open_packed(path: str | os.PathLike, *, strict: bool = False) -> PackedModel
                 f"{MANIFEST} says {e['dtype']} {e['shape']}",
             )
     model = PackedModel(path, manifest, shards, strict)
+    # the small per-group tensors (scales, zero points, act-order permutations) keep their value
+    # rules, so that no byte pattern makes the kernels' result depend on the ISA level
+    if check_values:
+        from ..verify_values import check_open
+
+        check_open(model)
     if strict or _strict_env():
         for layer in model.layers.values():
             layer.check_strict()

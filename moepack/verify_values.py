@@ -1,0 +1,141 @@
+"""The value rules of a packed directory's tensors: what a checksum-consistent but hostile pack
+cannot be allowed to hold (docs/PACKED_FORMAT.md §4 "Value rules").
+
+A sha256 in the manifest proves the bytes are the ones convert wrote, unless the manifest was
+rewritten with them. These rules hold for every pack convert can write, whatever the source, so
+a value that breaks one was written by someone else, and the kernels' result on it would be
+undefined (a zero point above 15 or a NaN scale gives different values on the scalar, AVX2 and
+AVX-512 levels). By role (moepack.layout's TensorSpec.role):
+
+* ``scale`` (int8 and int4 scales): finite and >= 0 (convert refuses a source scale that is not
+  finite and > 0; padding channels hold 0);
+* ``zero`` (int4 zero points, one per byte): 0..15;
+* ``perm`` (int4 act-order ``w13_perm``): each expert's row a permutation of 0..K-1;
+* ``bias`` (fp32 expert biases): finite (convert refuses non-finite source biases);
+* ``codes`` of a bf16 layout: finite (convert refuses non-finite source weights). Codes of int8
+  and 4-bit layouts cannot be out of range: every byte pattern is a code;
+* ``sum`` (int8 column sums): equal to the sum of the channel's codes (only verify checks it:
+  it needs every code, see ``colsum_problem``).
+
+``moepack.open`` checks the small per-group tensors (scale, zero, perm) of every layer, which
+costs a read of about 1/16 of a 4-bit pack (docs/PACKED_FORMAT.md gives the measured cost);
+``moepack verify DST`` checks them all, the bf16 codes while it hashes them. Apart from
+verify_dir because both open and verify use it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# the roles open checks (their tensors are small next to the codes)
+OPEN_ROLES = ("scale", "zero", "perm")
+
+
+def _at(mask: torch.Tensor) -> tuple[list[int], int]:
+    return mask.nonzero()[0].tolist(), int(mask.sum())
+
+
+def value_problem(name: str, role: str, t: torch.Tensor, *, offset: int | None = None) -> str | None:
+    """None when tensor ``name`` (of layout role ``role``; ``t`` its values, or a flat piece of
+    them starting at element ``offset``) keeps its role's rule; else one line naming the first
+    element that breaks it, its value and the rule."""
+    if t.numel() == 0 or _fast_ok(role, t):
+        return None
+    if role == "scale":
+        bad, rule = ~(torch.isfinite(t) & (t >= 0)), "scales must be finite and >= 0 (0 only in padding)"
+    elif role == "zero":
+        bad, rule = t > 15, "zero points must be in 0..15 (4-bit codes)"
+    elif role in ("bias", "codes"):
+        if not t.dtype.is_floating_point:
+            return None  # int8 / 4-bit codes: every byte pattern is a code
+        bad, rule = ~torch.isfinite(t), f"{'biases' if role == 'bias' else 'weights'} must be finite (convert refuses others)"
+    elif role == "perm":
+        return _perm_problem(name, t)
+    else:
+        return None
+    if not bool(bad.any()):
+        return None
+    idx, n = _at(bad)
+    if offset is not None:  # a flat piece: name the element of the whole tensor by its flat index
+        idx = [offset + idx[0]]
+        where = f"element {idx[0]}"
+    else:
+        where = str(idx)
+    v = t[tuple(_at(bad)[0])].item()
+    return f"tensor {name!r} {where} = {v!r}: {rule} ({n} bad value(s){' in this piece' if offset is not None else ''})"
+
+
+def _fast_ok(role: str, t: torch.Tensor) -> bool:
+    """True when the rule surely holds, from two reductions and no temporary tensor (torch's
+    max/min propagate NaN): the common case costs a read of the values; only a tensor that may
+    break the rule is looked at element by element (``value_problem``)."""
+    if role == "scale":
+        lo, hi = torch.aminmax(t)
+        return bool(lo >= 0) and bool(torch.isfinite(hi))
+    if role == "zero":
+        return int(t.max()) <= 15
+    if role in ("bias", "codes") and t.dtype.is_floating_point:
+        lo, hi = torch.aminmax(t) if t.dtype != torch.bfloat16 else (t.min(), t.max())
+        return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
+    return False
+
+
+def _perm_problem(name: str, t: torch.Tensor) -> str | None:
+    """Every row of ``t`` [E, K] a permutation of 0..K-1."""
+    if t.dim() != 2:
+        return None  # the manifest schema fixed the shape
+    k = t.shape[1]
+    want = torch.arange(k, dtype=t.dtype)
+    srt = t.sort(dim=1).values
+    bad = (srt != want).any(dim=1)
+    if not bool(bad.any()):
+        return None
+    e = int(bad.nonzero()[0])
+    return f"tensor {name!r} [expert {e}] is not a permutation of 0..{k - 1}: act-order permutations must be"
+
+
+def roles_of(model, roles: tuple | None = None):
+    """(tensor name, role) of every packed expert tensor of ``model`` (a PackedModel), routed and
+    shared, whose layout role is in ``roles`` (None: every role)."""
+    for layer in model.layers.values():
+        lay = layer.packed.layout
+        kinds = {t.name: t.role for t in _plan_roles(lay)}
+        for group in (layer.entry["tensors"], (layer.entry.get("shared") or {})):
+            for r, name in group.items():
+                role = kinds.get(r)
+                if role is not None and isinstance(name, str) and (roles is None or role in roles):
+                    yield name, role
+
+
+def _plan_roles(lay):
+    from .layout import layout_tensor_plan
+
+    from .layout import PERM_SCHEMES
+
+    return layout_tensor_plan(lay, 1, lay.block_n, lay.block_n, bias=True, perm=lay.scheme in PERM_SCHEMES)
+
+
+def check_open(model) -> None:
+    """``moepack.open``'s value check: the small per-group tensors (OPEN_ROLES) of every layer;
+    the first bad value is refused with one ``PackedDirError`` line."""
+    from .errors import PackedDirError
+
+    for name, role in roles_of(model, OPEN_ROLES):
+        msg = value_problem(name, role, model.tensor(name))
+        if msg:
+            raise PackedDirError(f"{model.path}: {msg}; the pack was not written by moepack convert or was edited "
+                                 "(`moepack verify` names every such value)")  # fmt: skip
+
+
+def colsum_problem(name: str, codes_name: str, layout, codes: torch.Tensor, sums: torch.Tensor, e0: int = 0) -> str | None:
+    """int8 column sums ``sums`` [e, N] against the codes ``codes`` (packed, [e, ...]) of experts
+    from ``e0``: None when every channel's sum is the sum of its codes (padding included)."""
+    from .pack import unpack_codes
+
+    got = unpack_codes(layout, codes).to(torch.int32).sum(dim=-1)
+    bad = got != sums
+    if not bool(bad.any()):
+        return None
+    idx, n = _at(bad)
+    return (f"tensor {name!r} [expert {idx[0] + e0}, channel {idx[1]}] = {int(sums[tuple(idx)])}, the sum of "
+            f"{codes_name!r}'s codes is {int(got[tuple(idx)])}: column sums must equal it ({n} differ)")  # fmt: skip
