@@ -457,3 +457,26 @@ def test_ct_channel_scale_shape_is_checked(tmp_path, fp8_sources):
     with pytest.raises(SourceError, match=rf"{re.escape(m)}.weight_scale' has shape \[200, 2\]: expected \[200, 1\] \(one scale per output channel"):
         moepack.convert(src, tmp_path / "dst")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_weight_block_size_absent_or_null_as_transformers_reads_it(tmp_path, fp8_sources):
+    """The key absent is transformers' default [128, 128] for the experts and the carried Linears
+    alike (the Linears took it as per-tensor and refused the block scales); an explicit null is
+    per-tensor for both (the experts took it as [128, 128])."""
+    from moepack.sources import linears
+
+    src = _copy(tmp_path, fp8_sources("deepseek_v3_f32"))
+    _edit_config(src, lambda qc: qc.pop("weight_block_size"))
+    ckpt, reader = open_source(src)
+    specs = reader.layers(ckpt)
+    assert specs and all(s.quant.block == (128, 128) for s in specs)
+    attn = [lin for lin in linears.find_linears(ckpt).values() if ".self_attn." in lin.prefix]
+    assert attn and {lin.scale_rule for lin in attn} == {("block", 128, 128)}
+    src2 = tmp_path / "null"
+    shutil.copytree(src, src2)
+    _edit_config(src2, lambda qc: qc.update(weight_block_size=None))
+    ckpt2, reader2 = open_source(src2)
+    with pytest.raises(SourceError, match=r"weight_scale_inv' has shape \[\d+, \d+\]: expected \[1\] \(one scale for the tensor"):
+        reader2.layers(ckpt2)
+    with pytest.raises(SourceError, match=r"with weight_block_size null a scale_inv is one value per tensor"):
+        linears.find_linears(ckpt2)

@@ -120,8 +120,10 @@ def _deepseek_cfg(qc: dict) -> _Cfg:
     act = qc.get("activation_scheme")
     if act not in (None, "dynamic", "static"):
         raise SourceError(f"quantization_config activation_scheme={act!r}: expected 'dynamic' or 'static'")
-    wbs = qc.get("weight_block_size")
-    block = _block(wbs, "weight_block_size") if wbs is not None else (128, 128)  # transformers' default
+    # as transformers reads the config: the key absent is its default [128, 128]; an explicit null
+    # is per-tensor FP8 (one weight_scale_inv per weight)
+    wbs = qc.get("weight_block_size", [128, 128])
+    block = _block(wbs, "weight_block_size") if wbs is not None else None
     skip = tuple(str(x) for x in (qc.get("modules_to_not_convert") or []) + (qc.get("ignored_layers") or []))
     return _Cfg("fp8", ".weight_scale_inv", "block" if block else "tensor", block, skip, (),
                 {"activation_scheme": act} if act else None)  # fmt: skip
