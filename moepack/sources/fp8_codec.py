@@ -11,8 +11,9 @@ reads FP8 tensors: the non-expert Linears convert carries and load_model dequant
 * ``check_block_scales(name, scale, n, k, block)``: a block scale grid must be
   ``[ceil(N/bn), ceil(K/bk)]`` of finite scales > 0 (the rule the experts' scales follow).
 * ``dequantize_block(codes, scale, block)``: ``W[n, k] = fp8(codes[n, k]) * scale[n // bn, k // bk]``
-  in float32; each product of an fp8 value (<= 4 significant bits) and an f32/bf16/f16 scale is
-  exact in float32, so this is bit-exact whatever order another implementation multiplies in.
+  in float32, one multiplication per weight: exact for bf16/f16 scales (an fp8 value has <= 4
+  significant bits, so the product has <= 15), rounded once (to nearest) for f32 scales, so any
+  implementation that multiplies the two in float32 gets the same bits.
 """
 
 from __future__ import annotations
