@@ -480,3 +480,21 @@ def test_weight_block_size_absent_or_null_as_transformers_reads_it(tmp_path, fp8
         reader2.layers(ckpt2)
     with pytest.raises(SourceError, match=r"with weight_block_size null a scale_inv is one value per tensor"):
         linears.find_linears(ckpt2)
+
+
+@pytest.mark.parametrize("where", ["ignore", "targets"])
+def test_ct_regex_that_is_not_one_is_refused_by_name(tmp_path, fp8_sources, where):
+    """A compressed-tensors 're:' entry that is not a regular expression (in ``ignore``, or a
+    config group's ``targets``, which the carried-Linear reader matches) is a one-line
+    SourceError naming it, nothing written (it was a raw re.error)."""
+    src = _copy(tmp_path, fp8_sources("ct_FP8_BLOCK"))
+    if where == "ignore":
+        _edit_config(src, lambda qc: qc.update(ignore=["lm_head", "re:(unclosed"]))
+        words = "quantization_config ignore entry 're:(unclosed': not a regular expression"
+    else:
+        _edit_config(src, lambda qc: _ct_group(qc).update(targets=["re:(unclosed", "Linear"]))
+        words = "config_groups target 're:(unclosed': not a regular expression"
+    with pytest.raises(SourceError) as ei:
+        moepack.convert(src, tmp_path / "dst")
+    assert words in str(ei.value), str(ei.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -268,9 +268,17 @@ def _left_in_float(cfg: _Cfg, module: str) -> str | None:
         if _names_module(key, module):
             return key
     for t in cfg.ignore:
-        if (t.startswith("re:") and re.match(t[3:], module)) or t == module:
+        if (t.startswith("re:") and _re_match(t[3:], module, f"quantization_config ignore entry {t!r}")) or t == module:
             return t
     return None
+
+
+def _re_match(pattern: str, name: str, what: str):
+    """re.match, with a pattern from the config that is not a regular expression refused naming it."""
+    try:
+        return re.match(pattern, name)
+    except re.error as e:
+        raise SourceError(f"{what}: not a regular expression ({e}); compressed-tensors reads 're:' entries as regexes") from None
 
 
 def _scale_shape(cfg: _Cfg, n: int, k: int) -> tuple[tuple, ...]:

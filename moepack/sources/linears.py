@@ -133,11 +133,19 @@ def _ct_group(qc: dict, prefix: str) -> dict | None:
     for rank in ("name", "re", "class"):
         for g in groups:
             for t in g.get("targets") or []:
-                if (rank == "name" and t == prefix) or (rank == "re" and t.startswith("re:") and re.match(t[3:], prefix)) or (
+                if (rank == "name" and t == prefix) or (rank == "re" and t.startswith("re:") and _re_match(t[3:], prefix, t)) or (
                     rank == "class" and t == "Linear"
                 ):
                     return g
     return None
+
+
+def _re_match(pattern: str, name: str, target: str):
+    try:
+        return re.match(pattern, name)
+    except re.error as e:
+        raise SourceError(f"quantization_config config_groups target {target!r}: not a regular expression ({e}); "
+                          "compressed-tensors reads 're:' targets as regexes") from None
 
 
 def _ct_fp8_rule(name: str, g: dict | None, n: int, k: int) -> tuple:
