@@ -275,8 +275,8 @@ def _val(idx, value):
 
 
 BAD = [
-    ("model.layers.0.self_attn.q_proj.weight", _byte(5, 0x7F), ["0x7F", "NaN FP8 code"]),
-    ("model.layers.1.self_attn.o_proj.weight", _byte(0, 0xFF), ["0xFF", "NaN FP8 code"]),
+    ("model.layers.0.self_attn.q_proj.weight", _byte(5, 0x7F), ["0x7F", "e4m3fn NaN code (0x7F / 0xFF)"]),
+    ("model.layers.1.self_attn.o_proj.weight", _byte(0, 0xFF), ["0xFF", "e4m3fn NaN code (0x7F / 0xFF)"]),
     ("model.layers.0.self_attn.kv_b_proj.weight_scale_inv", _val(0, 0.0), ["= 0.0", "finite and > 0"]),
     ("model.layers.0.mlp.down_proj.weight_scale_inv", _val(0, float("nan")), ["nan", "finite and > 0"]),
     ("model.layers.1.mlp.shared_experts.up_proj.weight_scale_inv", _val(0, -1.0), ["-1.0"]),

@@ -48,6 +48,8 @@ from ..errors import SourceError
 from ..schemes.fp8.facts import Fp8Facts
 from ..schemes.fp8.quantize import dequantize_fp8
 from .checkpoint import Checkpoint
+from .fp8_codec import check_fp8_codes
+from .int4_common import check_scales
 from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, mtp_skipped, read_biases as dense_read_biases, text_config
 
 SCHEME = "fp8_block"
@@ -381,23 +383,12 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
 
 def _read_scale(ckpt: Checkpoint, name: str) -> torch.Tensor:
     """A scale tensor as fp32, or a SourceError naming its first NaN / Inf / zero / negative value."""
-    s = ckpt.read(name).float()
-    bad = ~(torch.isfinite(s) & (s > 0))
-    if bool(bad.any()):
-        idx = [int(i) for i in bad.nonzero()[0]]
-        raise SourceError(f"tensor {name!r}{idx} = {s[tuple(idx)].item()!r}: FP8 weight scales must be finite and > 0")
-    return s
+    return check_scales(name, ckpt.read(name))
 
 
 def _read_codes(ckpt: Checkpoint, name: str) -> torch.Tensor:
     """An F8_E4M3 weight as its uint8 bit patterns, or a SourceError naming its first NaN code."""
-    q = ckpt.read(name).view(torch.uint8)
-    bad = (q & 0x7F) == 0x7F
-    if bool(bad.any()):
-        idx = [int(i) for i in bad.nonzero()[0]]
-        raise SourceError(f"tensor {name!r}{idx} = 0x{int(q[tuple(idx)]):02X}: an e4m3fn NaN code (0x7F / 0xFF); FP8 "
-                          "weights must be finite")  # fmt: skip
-    return q
+    return check_fp8_codes(name, ckpt.read(name))
 
 
 def _canonical_scale(s: torch.Tensor, cfg: _Cfg, n: int) -> torch.Tensor:
