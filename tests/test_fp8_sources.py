@@ -480,6 +480,11 @@ def test_weight_block_size_absent_or_null_as_transformers_reads_it(tmp_path, fp8
         reader2.layers(ckpt2)
     with pytest.raises(SourceError, match=r"with weight_block_size null a scale_inv is one value per tensor"):
         linears.find_linears(ckpt2)
+    # per-tensor scale_inv [1] everywhere: converts exactly into the per-channel layout
+    _edit_tensors(src2, lambda sd: sd.update({k: v.float().amax().reshape(1) for k, v in sd.items() if k.endswith("_scale_inv")}))
+    report = moepack.convert(src2, tmp_path / "dst")
+    assert report.layout == "f8ch_n32k2_x86"
+    assert moepack.verify(tmp_path / "dst", source=src2).ok
 
 
 @pytest.mark.parametrize("where", ["ignore", "targets"])
