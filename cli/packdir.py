@@ -177,7 +177,7 @@ def verify(
         for t_ in bad:
             console.print(f"  [red]MISMATCH[/] {t_.name} ({t_.file}): {escape(t_.detail)}", highlight=False)
         console.print(f"values: {report.values_checked} packed expert tensors checked against their value rules "
-                      "(scales, zero points, column sums, permutations, float weights and biases)", highlight=False)  # fmt: skip
+                      "(scales, zero points, column sums, permutations, float weights, fp8 codes and biases)", highlight=False)  # fmt: skip
         badf = [f for f in report.files if not f.ok]
         unsummed = [f for f in report.files if f.ok and f.detail]
         console.print(

@@ -88,7 +88,7 @@ def _check_tensors(model: PackedModel, report: VerifyReport, notify) -> None:
         role = roles.get(name)
         problems: list[str] = []
         inspect = None
-        if role == "codes" and info.torch_dtype.is_floating_point:
+        if (role == "codes" and info.torch_dtype.is_floating_point) or role == "f8codes":
             inspect = _piece_check(name, role, info.torch_dtype, problems)
         digest = file_sha256(shard.path, info.file_offset, info.nbytes, buf, inspect)
         ok = digest == e.get("sha256")

@@ -14,6 +14,8 @@ AVX-512 levels). By role (moepack.layout's TensorSpec.role):
 * ``bias`` (fp32 expert biases): finite (convert refuses non-finite source biases);
 * ``codes`` of a bf16 layout: finite (convert refuses non-finite source weights). Codes of int8
   and 4-bit layouts cannot be out of range: every byte pattern is a code;
+* ``f8codes`` (the ``codes`` of an fp8 layout, e4m3fn bit patterns): never 0x7F / 0xFF, the NaN
+  codes (convert and the packer refuse them; the kernels would turn them into NaN outputs);
 * ``sum`` (int8 column sums): equal to the sum of the channel's codes (only verify checks it:
   it needs every code, see ``colsum_problem``).
 
@@ -49,6 +51,8 @@ def value_problem(name: str, role: str, t: torch.Tensor, *, offset: int | None =
         if not t.dtype.is_floating_point:
             return None  # int8 / 4-bit codes: every byte pattern is a code
         bad, rule = ~torch.isfinite(t), f"{'biases' if role == 'bias' else 'weights'} must be finite (convert refuses others)"
+    elif role == "f8codes":
+        bad, rule = (t & 0x7F) == 0x7F, "e4m3fn codes 0x7F / 0xFF are NaN (convert refuses them)"
     elif role == "perm":
         return _perm_problem(name, t)
     else:
@@ -62,6 +66,9 @@ def value_problem(name: str, role: str, t: torch.Tensor, *, offset: int | None =
     else:
         where = str(idx)
     v = t[tuple(_at(bad)[0])].item()
+    if role == "f8codes":
+        v = f"0x{v:02X}"
+        return f"tensor {name!r} {where} = {v}: {rule} ({n} bad value(s){' in this piece' if offset is not None else ''})"
     return f"tensor {name!r} {where} = {v!r}: {rule} ({n} bad value(s){' in this piece' if offset is not None else ''})"
 
 
@@ -74,6 +81,8 @@ def _fast_ok(role: str, t: torch.Tensor) -> bool:
         return bool(lo >= 0) and bool(torch.isfinite(hi))
     if role == "zero":
         return int(t.max()) <= 15
+    if role == "f8codes":
+        return not bool(((t & 0x7F) == 0x7F).any())
     if role in ("bias", "codes") and t.dtype.is_floating_point:
         lo, hi = torch.aminmax(t) if t.dtype != torch.bfloat16 else (t.min(), t.max())
         return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
@@ -99,7 +108,9 @@ def roles_of(model, roles: tuple | None = None):
     shared, whose layout role is in ``roles`` (None: every role)."""
     for layer in model.layers.values():
         lay = layer.packed.layout
-        kinds = {t.name: t.role for t in _plan_roles(lay)}
+        # an fp8 layout's codes have their own rule (no NaN code); other one-byte codes have none
+        f8 = lay.scheme == "fp8_block"
+        kinds = {t.name: ("f8codes" if f8 and t.role == "codes" else t.role) for t in _plan_roles(lay)}
         for group in (layer.entry["tensors"], (layer.entry.get("shared") or {})):
             for r, name in group.items():
                 role = kinds.get(r)

@@ -169,6 +169,20 @@ def test_tampered_codes_and_scales_fail_verify(tmp_path, packed, fp8_sources, wh
     assert name in fails and "differ" in fails, fails
 
 
+def test_nan_code_in_a_checksum_consistent_pack_fails_verify_without_source(tmp_path, packed):
+    """verify DST checks the value rules: an fp8 code 0x7F / 0xFF (NaN) written with its sha256
+    fixed is named by tensor, element and value (it passed before: one-byte codes had no rule)."""
+    d = tmp_path / "p"
+    shutil.copytree(packed("deepseek_v3_f32"), d)
+    name = "moepack.layers.1.w2"
+    rewrite_tensor(d, name, lambda t: t.view(-1).__setitem__(70, 0xFF))
+    report = moepack.verify(d)
+    assert not report.ok
+    fails = " ".join(report.failures())
+    assert f"{name!r} element 70 = 0xFF: e4m3fn codes 0x7F / 0xFF are NaN" in fails, fails
+    assert moepack.verify(packed("deepseek_v3_f32")).ok  # the untouched pack keeps the rule
+
+
 @pytest.mark.parametrize("name,quantize,layout", [
     ("qwen3_moe", "fp8", "f8g128_n32k2_x86"),
     ("qwen3_moe", "fp8:ch", "f8ch_n32k2_x86"),

@@ -457,3 +457,49 @@ def test_ct_channel_scale_shape_is_checked(tmp_path, fp8_sources):
     with pytest.raises(SourceError, match=rf"{re.escape(m)}.weight_scale' has shape \[200, 2\]: expected \[200, 1\] \(one scale per output channel"):
         moepack.convert(src, tmp_path / "dst")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_weight_block_size_absent_or_null_as_transformers_reads_it(tmp_path, fp8_sources):
+    """The key absent is transformers' default [128, 128] for the experts and the carried Linears
+    alike (the Linears took it as per-tensor and refused the block scales); an explicit null is
+    per-tensor for both (the experts took it as [128, 128])."""
+    from moepack.sources import linears
+
+    src = _copy(tmp_path, fp8_sources("deepseek_v3_f32"))
+    _edit_config(src, lambda qc: qc.pop("weight_block_size"))
+    ckpt, reader = open_source(src)
+    specs = reader.layers(ckpt)
+    assert specs and all(s.quant.block == (128, 128) for s in specs)
+    attn = [lin for lin in linears.find_linears(ckpt).values() if ".self_attn." in lin.prefix]
+    assert attn and {lin.scale_rule for lin in attn} == {("block", 128, 128)}
+    src2 = tmp_path / "null"
+    shutil.copytree(src, src2)
+    _edit_config(src2, lambda qc: qc.update(weight_block_size=None))
+    ckpt2, reader2 = open_source(src2)
+    with pytest.raises(SourceError, match=r"weight_scale_inv' has shape \[\d+, \d+\]: expected \[1\] \(one scale for the tensor"):
+        reader2.layers(ckpt2)
+    with pytest.raises(SourceError, match=r"with weight_block_size null a scale_inv is one value per tensor"):
+        linears.find_linears(ckpt2)
+    # per-tensor scale_inv [1] everywhere: converts exactly into the per-channel layout
+    _edit_tensors(src2, lambda sd: sd.update({k: v.float().amax().reshape(1) for k, v in sd.items() if k.endswith("_scale_inv")}))
+    report = moepack.convert(src2, tmp_path / "dst")
+    assert report.layout == "f8ch_n32k2_x86"
+    assert moepack.verify(tmp_path / "dst", source=src2).ok
+
+
+@pytest.mark.parametrize("where", ["ignore", "targets"])
+def test_ct_regex_that_is_not_one_is_refused_by_name(tmp_path, fp8_sources, where):
+    """A compressed-tensors 're:' entry that is not a regular expression (in ``ignore``, or a
+    config group's ``targets``, which the carried-Linear reader matches) is a one-line
+    SourceError naming it, nothing written (it was a raw re.error)."""
+    src = _copy(tmp_path, fp8_sources("ct_FP8_BLOCK"))
+    if where == "ignore":
+        _edit_config(src, lambda qc: qc.update(ignore=["lm_head", "re:(unclosed"]))
+        words = "quantization_config ignore entry 're:(unclosed': not a regular expression"
+    else:
+        _edit_config(src, lambda qc: _ct_group(qc).update(targets=["re:(unclosed", "Linear"]))
+        words = "config_groups target 're:(unclosed': not a regular expression"
+    with pytest.raises(SourceError) as ei:
+        moepack.convert(src, tmp_path / "dst")
+    assert words in str(ei.value), str(ei.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

@@ -48,6 +48,8 @@ from ..errors import SourceError
 from ..schemes.fp8.facts import Fp8Facts
 from ..schemes.fp8.quantize import dequantize_fp8
 from .checkpoint import Checkpoint
+from .fp8_codec import check_fp8_codes
+from .int4_common import check_scales
 from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, mtp_skipped, read_biases as dense_read_biases, text_config
 
 SCHEME = "fp8_block"
@@ -120,8 +122,10 @@ def _deepseek_cfg(qc: dict) -> _Cfg:
     act = qc.get("activation_scheme")
     if act not in (None, "dynamic", "static"):
         raise SourceError(f"quantization_config activation_scheme={act!r}: expected 'dynamic' or 'static'")
-    wbs = qc.get("weight_block_size")
-    block = _block(wbs, "weight_block_size") if wbs is not None else (128, 128)  # transformers' default
+    # as transformers reads the config: the key absent is its default [128, 128]; an explicit null
+    # is per-tensor FP8 (one weight_scale_inv per weight)
+    wbs = qc.get("weight_block_size", [128, 128])
+    block = _block(wbs, "weight_block_size") if wbs is not None else None
     skip = tuple(str(x) for x in (qc.get("modules_to_not_convert") or []) + (qc.get("ignored_layers") or []))
     return _Cfg("fp8", ".weight_scale_inv", "block" if block else "tensor", block, skip, (),
                 {"activation_scheme": act} if act else None)  # fmt: skip
@@ -266,9 +270,17 @@ def _left_in_float(cfg: _Cfg, module: str) -> str | None:
         if _names_module(key, module):
             return key
     for t in cfg.ignore:
-        if (t.startswith("re:") and re.match(t[3:], module)) or t == module:
+        if (t.startswith("re:") and _re_match(t[3:], module, f"quantization_config ignore entry {t!r}")) or t == module:
             return t
     return None
+
+
+def _re_match(pattern: str, name: str, what: str):
+    """re.match, with a pattern from the config that is not a regular expression refused naming it."""
+    try:
+        return re.match(pattern, name)
+    except re.error as e:
+        raise SourceError(f"{what}: not a regular expression ({e}); compressed-tensors reads 're:' entries as regexes") from None
 
 
 def _scale_shape(cfg: _Cfg, n: int, k: int) -> tuple[tuple, ...]:
@@ -371,23 +383,12 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
 
 def _read_scale(ckpt: Checkpoint, name: str) -> torch.Tensor:
     """A scale tensor as fp32, or a SourceError naming its first NaN / Inf / zero / negative value."""
-    s = ckpt.read(name).float()
-    bad = ~(torch.isfinite(s) & (s > 0))
-    if bool(bad.any()):
-        idx = [int(i) for i in bad.nonzero()[0]]
-        raise SourceError(f"tensor {name!r}{idx} = {s[tuple(idx)].item()!r}: FP8 weight scales must be finite and > 0")
-    return s
+    return check_scales(name, ckpt.read(name))
 
 
 def _read_codes(ckpt: Checkpoint, name: str) -> torch.Tensor:
     """An F8_E4M3 weight as its uint8 bit patterns, or a SourceError naming its first NaN code."""
-    q = ckpt.read(name).view(torch.uint8)
-    bad = (q & 0x7F) == 0x7F
-    if bool(bad.any()):
-        idx = [int(i) for i in bad.nonzero()[0]]
-        raise SourceError(f"tensor {name!r}{idx} = 0x{int(q[tuple(idx)]):02X}: an e4m3fn NaN code (0x7F / 0xFF); FP8 "
-                          "weights must be finite")  # fmt: skip
-    return q
+    return check_fp8_codes(name, ckpt.read(name))
 
 
 def _canonical_scale(s: torch.Tensor, cfg: _Cfg, n: int) -> torch.Tensor:

@@ -11,8 +11,9 @@ reads FP8 tensors: the non-expert Linears convert carries and load_model dequant
 * ``check_block_scales(name, scale, n, k, block)``: a block scale grid must be
   ``[ceil(N/bn), ceil(K/bk)]`` of finite scales > 0 (the rule the experts' scales follow).
 * ``dequantize_block(codes, scale, block)``: ``W[n, k] = fp8(codes[n, k]) * scale[n // bn, k // bk]``
-  in float32; each product of an fp8 value (<= 4 significant bits) and an f32/bf16/f16 scale is
-  exact in float32, so this is bit-exact whatever order another implementation multiplies in.
+  in float32, one multiplication per weight: exact for bf16/f16 scales (an fp8 value has <= 4
+  significant bits, so the product has <= 15), rounded once (to nearest) for f32 scales, so any
+  implementation that multiplies the two in float32 gets the same bits.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from functools import lru_cache
 import torch
 
 from ..errors import SourceError
+from .int4_common import check_scales
 
 FP8_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
@@ -49,12 +51,16 @@ def nan_codes(codes: torch.Tensor) -> torch.Tensor:
     return bad
 
 
-def check_fp8_codes(name: str, codes: torch.Tensor) -> None:
+def check_fp8_codes(name: str, codes: torch.Tensor) -> torch.Tensor:
+    """``codes`` as their uint8 bit patterns, or a SourceError naming the first NaN code (every FP8
+    reader's check: the carried Linears' and the experts', moepack/sources/fp8.py)."""
     bad = nan_codes(codes)
     if bool(bad.any()):
         idx = [int(i) for i in bad.nonzero()[0]]
         byte = int(codes.view(torch.uint8)[tuple(idx)])
-        raise SourceError(f"tensor {name!r}{idx} = 0x{byte:02X}: a NaN FP8 code; FP8 weights must be finite")
+        what = "an e4m3fn NaN code (0x7F / 0xFF)" if codes.dtype == torch.float8_e4m3fn else f"a NaN {codes.dtype} code"
+        raise SourceError(f"tensor {name!r}{idx} = 0x{byte:02X}: {what}; FP8 weights must be finite")
+    return codes.view(torch.uint8)
 
 
 def block_grid(n: int, k: int, block) -> tuple[int, int]:
@@ -67,12 +73,7 @@ def check_block_scales(name: str, scale: torch.Tensor, n: int, k: int, block) ->
     if tuple(scale.shape) != want:
         raise SourceError(f"tensor {name!r} has shape {list(scale.shape)}: expected {list(want)} "
                           f"(ceil(N={n} / {block[0]}), ceil(K={k} / {block[1]}) blocks)")  # fmt: skip
-    s = scale.float()
-    bad = ~(torch.isfinite(s) & (s > 0))
-    if bool(bad.any()):
-        idx = [int(i) for i in bad.nonzero()[0]]
-        raise SourceError(f"tensor {name!r}{idx} = {s[tuple(idx)].item()!r}: scales must be finite and > 0")
-    return s
+    return check_scales(name, scale)
 
 
 def dequantize_block(codes: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:

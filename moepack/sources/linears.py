@@ -133,11 +133,19 @@ def _ct_group(qc: dict, prefix: str) -> dict | None:
     for rank in ("name", "re", "class"):
         for g in groups:
             for t in g.get("targets") or []:
-                if (rank == "name" and t == prefix) or (rank == "re" and t.startswith("re:") and re.match(t[3:], prefix)) or (
+                if (rank == "name" and t == prefix) or (rank == "re" and t.startswith("re:") and _re_match(t[3:], prefix, t)) or (
                     rank == "class" and t == "Linear"
                 ):
                     return g
     return None
+
+
+def _re_match(pattern: str, name: str, target: str):
+    try:
+        return re.match(pattern, name)
+    except re.error as e:
+        raise SourceError(f"quantization_config config_groups target {target!r}: not a regular expression ({e}); "
+                          "compressed-tensors reads 're:' targets as regexes") from None
 
 
 def _ct_fp8_rule(name: str, g: dict | None, n: int, k: int) -> tuple:
@@ -201,7 +209,7 @@ def _compressed_tensors(view, qc: dict) -> dict[str, CarriedLinear]:
 
 
 def _fp8(view, qc: dict) -> dict[str, CarriedLinear]:
-    bs = qc.get("weight_block_size")
+    bs = qc.get("weight_block_size", [128, 128])  # transformers: absent = [128, 128], null = per tensor
     if bs is not None and not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in bs)):
         raise SourceError(f"quantization_config.weight_block_size={bs!r}: expected [block_n, block_k], two positive integers")
     fmt = qc.get("scale_fmt")
@@ -223,7 +231,7 @@ def _fp8(view, qc: dict) -> dict[str, CarriedLinear]:
             raise SourceError(f"tensor {s!r} has dtype {sti.dtype_str}: FP8 scales must be F32, BF16, F16 (or E8M0)")
         if bs is None:
             if tuple(sti.shape) not in ((), (1,)):
-                raise SourceError(f"tensor {s!r} has shape {list(sti.shape)}: without weight_block_size a scale_inv is one value per tensor")
+                raise SourceError(f"tensor {s!r} has shape {list(sti.shape)}: with weight_block_size null a scale_inv is one value per tensor")
             rule = ("tensor",)
         else:
             rule = ("block", bs[0], bs[1])
