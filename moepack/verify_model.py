@@ -68,7 +68,7 @@ def _check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | No
         for what, (src, got) in want.items():
             if src != got:
                 out.append(f"layer {idx} {what}: pack {got!r}, source {src!r}")
-        out += _check_act_mode(idx, s, e, lay, scheme, m.get("act_mode_option"), notes)
+        out += _check_act_mode(idx, s, e, lay, scheme, m.get("act_mode_option"), notes, "act_mode_option" not in m)
     src_routing, note = _routing_for(config)
     try:
         pack_routing = _norm_routing(m["routing"])
@@ -94,10 +94,12 @@ def act_mode_meaning(scheme, spec, lay) -> str:
     return scheme.default_act_mode(spec, lay)
 
 
-def _check_act_mode(idx: int, spec, entry: dict, lay, scheme, option, notes: list) -> list[str]:
+def _check_act_mode(idx: int, spec, entry: dict, lay, scheme, option, notes: list, older: bool = False) -> list[str]:
     """The layer's recorded act_mode against the source's meaning; a different one passes only
     when convert recorded it as the deliberate ``--act-mode`` (``act_mode_option``), and is then
-    reported in ``notes``."""
+    reported in ``notes``. A manifest written before convert recorded ``act_mode_option`` at all
+    (``older``) cannot tell a deliberate mode from an edit: its other mode is reported in
+    ``notes`` as such, not failed (its output is still compared, in its own mode)."""
     got = entry.get("act_mode") or lay.act_modes[0]
     meaning = act_mode_meaning(scheme, spec, lay)
     if option is not None and got != option:
@@ -107,6 +109,11 @@ def _check_act_mode(idx: int, spec, entry: dict, lay, scheme, option, notes: lis
     if option == got:
         notes.append(f"layer {idx} runs in act_mode {got} (convert --act-mode {got}); the source means {meaning}: "
                      f"its output was compared in {got}, with the {got} tolerance")  # fmt: skip
+        return []
+    if older:
+        notes.append(f"layer {idx} runs in act_mode {got}; the source means {meaning}, and this manifest predates "
+                     f"act_mode_option, so whether convert --act-mode chose it cannot be told: its output was compared "
+                     f"in {got}, with the {got} tolerance")  # fmt: skip
         return []
     return [f"layer {idx} act_mode: pack {got!r}, source {meaning!r} (the source's meaning; another mode is "
             "recorded only by convert --act-mode)"]  # fmt: skip

@@ -92,6 +92,16 @@ def test_deliberate_act_mode_erased_fails_verify(packs, tmp_path):
                                  "recorded only by convert --act-mode)")  # fmt: skip
 
 
+def test_an_older_manifest_without_act_mode_option_is_reported_not_failed(packs, tmp_path):
+    """A pack written before convert recorded act_mode_option (no key at all) cannot tell a
+    deliberate --act-mode from an edit: verify reports the other mode instead of failing it."""
+    d = edited(packs, tmp_path, "w4a16_a8", lambda m: m.pop("act_mode_option"))
+    report = moepack.verify(d, source=fixture_dir(W4A16))
+    assert report.ok, report.failures()
+    assert {c.act_mode for c in report.layers} == {"a8"}
+    assert len(report.notes) == len(report.layers) and all("predates act_mode_option" in n for n in report.notes)
+
+
 def test_verify_runs_the_manifests_mode_not_the_environments(packs, monkeypatch):
     monkeypatch.setenv("MOEPACK_ACT_MODE", "a8")
     report = moepack.verify(packs["w4a16"], source=fixture_dir(W4A16))
