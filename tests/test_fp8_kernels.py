@@ -243,3 +243,21 @@ def test_every_f8_layout_has_its_best_level():
         assert not choice.is_fallback, choice.reason
         if any(isa != "scalar" for isa in available_isas()):
             assert choice.isa != "scalar", choice.reason
+
+
+def test_word_table_copy_where_vbmi_picks_the_byte_tables():
+    """On a CPU with AVX512-VBMI the avx512_bf16 level's few-row kernel runs the byte tables;
+    MOEPACK_F8_WORD_TABLES=1 (read once per process) forces its word-table copy, which a CPU
+    without VBMI (Cooper Lake) runs: the awkward cases above, in a process that forces it, so the
+    copy is checked natively here and not only under SIMDe (tests/cpp)."""
+    import os
+    import subprocess
+    import sys
+
+    if "avx512_bf16" not in isas_running(F8G) or "avx512vbmi" not in moepack.cpu_flags():
+        pytest.skip("the word-table copy is what this CPU runs anyway (no avx512_bf16 level or no AVX512-VBMI)")
+    env = dict(os.environ, MOEPACK_F8_WORD_TABLES="1", MOEPACK_MAX_ISA="avx512_bf16")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_both_layouts_on_every_level"],
+                       env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and " skipped" not in r.stdout.splitlines()[-1], r.stdout[-500:]
