@@ -166,6 +166,11 @@ AWKWARD = [
     # segments; I 256: 2 groups, 2 segments)
     Case(BF16, "silu", "1", 1024, 256, 1, 4, True, 29),
     Case(BF16, "gelu", "1/sqrt(H)", 1024, 256, 2, 5, False, 30),
+    # decode with groups that do not deal out to the segments (K 1000: 7 groups + 104; 4 or 2
+    # groups streamed as segments, the rest in one stream after them): 1, 2 and 3 rows
+    Case(BF16, "silu", "1", 1000, 200, 1, 4, True, 31),
+    Case(BF16, "gelu", "1/sqrt(H)", 1000, 200, 2, 5, False, 32),
+    Case(BF16, "silu", "1", 744, 104, 3, 2, True, 33),
 ]
 
 

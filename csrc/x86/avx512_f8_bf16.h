@@ -108,6 +108,24 @@ static inline bool gemm_f8a16_streams(bool bytes, const uint16_t* const* x, cons
   return false;
 }
 
+// A K that the groups do not deal out evenly to S segments (gpt-oss: K 2880 = 22.5 groups of 128):
+// the largest multiple of S whole groups streamed as S segments, the rest (whole groups and a
+// partial last one) after it in one stream, added to C. False (nothing written): fewer than S
+// whole groups, or nothing left over (the plain call takes those).
+template <int MR, int S>
+static inline bool gemm_f8a16_split(bool b, const uint16_t* const* x, const uint8_t* codes, const float* scale,
+                                    int64_t gstride, int64_t kp, int64_t G, float* C) {
+  const int64_t head = kp / G / S * S;  // whole groups, a multiple of S
+  if (head < S || head * G == kp) return false;
+  if (!gemm_f8a16_streams<MR, S>(b, x, codes, scale, gstride, head * G, G, C)) return false;
+  const uint16_t* xt[MR];
+  for (int r = 0; r < MR; ++r) xt[r] = x[r] + head * G;
+  alignas(64) float tail[MR * 32];
+  gemm_f8a16_streams<MR, 1>(b, xt, codes + head * G * 32, scale + head * gstride, gstride, kp - head * G, G, tail);
+  for (int i = 0; i < MR * 32; ++i) C[i] += tail[i];
+  return true;
+}
+
 // C[m, 32] for m <= kF8A16MaxRows bf16 rows; false (nothing written) otherwise.
 static inline bool gemm_f8a16_bf16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const float* scale,
                                    int64_t gstride, int64_t kp, int64_t G, float* C) {
@@ -117,15 +135,18 @@ static inline bool gemm_f8a16_bf16(RowFormat fmt, const void* const* rows, int m
   if (m == 1) {
     if (decode_one_stream()) return gemm_f8a16_streams<1, 1>(b, x, codes, scale, gstride, kp, G, C);
     return gemm_f8a16_streams<1, 4>(b, x, codes, scale, gstride, kp, G, C) ||
-           gemm_f8a16_streams<1, 2>(b, x, codes, scale, gstride, kp, G, C) || gemm_f8a16_streams<1, 1>(b, x, codes, scale, gstride, kp, G, C);
+           gemm_f8a16_streams<1, 2>(b, x, codes, scale, gstride, kp, G, C) || gemm_f8a16_split<1, 4>(b, x, codes, scale, gstride, kp, G, C) ||
+           gemm_f8a16_split<1, 2>(b, x, codes, scale, gstride, kp, G, C) || gemm_f8a16_streams<1, 1>(b, x, codes, scale, gstride, kp, G, C);
   }
   int i = 0;
   for (; i + 2 <= m; i += 2) {
-    if (!(!decode_one_stream() && gemm_f8a16_streams<2, 2>(b, x + i, codes, scale, gstride, kp, G, C + i * 32)))
+    if (!(!decode_one_stream() && (gemm_f8a16_streams<2, 2>(b, x + i, codes, scale, gstride, kp, G, C + i * 32) ||
+                                   gemm_f8a16_split<2, 2>(b, x + i, codes, scale, gstride, kp, G, C + i * 32))))
       gemm_f8a16_streams<2, 1>(b, x + i, codes, scale, gstride, kp, G, C + i * 32);
   }
   if (i < m) {
-    if (!(!decode_one_stream() && gemm_f8a16_streams<1, 4>(b, x + i, codes, scale, gstride, kp, G, C + i * 32)))
+    if (!(!decode_one_stream() && (gemm_f8a16_streams<1, 4>(b, x + i, codes, scale, gstride, kp, G, C + i * 32) ||
+                                   gemm_f8a16_split<1, 4>(b, x + i, codes, scale, gstride, kp, G, C + i * 32))))
       gemm_f8a16_streams<1, 1>(b, x + i, codes, scale, gstride, kp, G, C + i * 32);
   }
   return true;
