@@ -436,6 +436,12 @@ CT_BAD_CONFIGS = {
     "int weights": (lambda qc: _ct_group(qc)["weights"].update(type="int"), "type='int': float-quantized FP8 weights are 8-bit float"),
     "4-bit float": (lambda qc: _ct_group(qc)["weights"].update(num_bits=4), "num_bits=4"),
     "not compressed": (lambda qc: qc.update(quantization_status="frozen"), "quantization_status='frozen'"),
+    "group not an object": (lambda qc: qc["config_groups"].update(group_0=["Linear"]),
+                            "config group 'group_0' is list ['Linear']: a config group is a JSON object"),
+    "weights not an object": (lambda qc: _ct_group(qc).update(weights=8),
+                              "config group 'group_0' weights is int 8: the weights' quantization args are a JSON object"),
+    "activations not an object": (lambda qc: _ct_group(qc).update(input_activations="fp8"),
+                                  "config group 'group_0' input_activations is str 'fp8': a JSON object or null"),
 }  # fmt: skip
 
 

@@ -55,6 +55,8 @@ def _check_config(qc: dict) -> str | None:
     if not isinstance(groups, dict) or not groups:
         return "quantization_config has no config_groups"
     for gname, g in groups.items():
+        if not isinstance(g, dict):
+            return f"config group {gname!r} is {type(g).__name__} {g!r:.60}: a config group is a JSON object"
         fmt = g.get("format") or qc.get("format")
         if fmt != "int-quantized":
             return f"config group {gname!r} has format {fmt!r}: moepack reads 'int-quantized' (W8A8 INT8)"

@@ -97,6 +97,9 @@ def config(ckpt: Checkpoint) -> dict:
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise SourceError("quantization_config has no config_groups")
+    for n, g in groups.items():
+        if not isinstance(g, dict):
+            raise SourceError(f"config group {n!r} is {type(g).__name__} {g!r:.60}: a config group is a JSON object")
     parsed = [_check_group(n, g, g.get("format") or qc.get("format")) for n, g in groups.items()]
     return {"format": FORMAT_NAME, "groups": parsed}
 

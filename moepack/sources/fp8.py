@@ -144,10 +144,14 @@ def _ct_cfg(qc: dict) -> _Cfg:
     found = None
     for gname, g in groups.items():
         where = f"config group {gname!r}"
+        if not isinstance(g, dict):
+            raise SourceError(f"{where} is {type(g).__name__} {g!r:.60}: a config group is a JSON object")
         fmt = g.get("format") or qc.get("format")
         if fmt != "float-quantized":
             raise SourceError(f"{where} has format {fmt!r}: this reader reads 'float-quantized' (FP8)")
         w = g.get("weights") or {}
+        if not isinstance(w, dict):
+            raise SourceError(f"{where} weights is {type(w).__name__} {w!r:.60}: the weights' quantization args are a JSON object")
         bits, typ, strat = w.get("num_bits"), w.get("type"), _ct_strategy(w)
         if (bits, typ) != (8, "float"):
             raise SourceError(f"{where} weights num_bits={bits!r}, type={typ!r}: float-quantized FP8 weights are 8-bit float")
@@ -165,6 +169,8 @@ def _ct_cfg(qc: dict) -> _Cfg:
         if g.get("output_activations"):
             raise SourceError(f"{where} quantizes output activations: not supported")
         a = g.get("input_activations")
+        if a is not None and not isinstance(a, dict):
+            raise SourceError(f"{where} input_activations is {type(a).__name__} {a!r:.60}: a JSON object or null")
         this = (strat, block)
         if found is not None and found[0] != this:
             raise SourceError(f"{where} weights are strategy={strat!r} block={block}, config group {found[1]!r} "
@@ -187,7 +193,7 @@ def config(ckpt: Checkpoint) -> _Cfg:
         cfg = _deepseek_cfg(qc)
     elif method == "compressed-tensors":
         fmt = qc.get("format")
-        fmts = {(g or {}).get("format") or fmt for g in (qc.get("config_groups") or {}).values()} if isinstance(
+        fmts = {(g.get("format") if isinstance(g, dict) else None) or fmt for g in qc["config_groups"].values()} if isinstance(
             qc.get("config_groups"), dict) else {fmt}  # fmt: skip
         if "float-quantized" not in fmts:
             raise SourceError(f"compressed-tensors format {fmt!r}: not float-quantized (FP8)")
