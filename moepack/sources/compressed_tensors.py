@@ -33,7 +33,8 @@ def quantization_config(ckpt: Checkpoint) -> dict | None:
     return qc if isinstance(qc, dict) else None
 
 
-def _strategy(args: dict) -> str:
+def ct_strategy(args: dict) -> str:
+    """A quantization args' strategy, spelled out where an older config gives only group_size."""
     s = args.get("strategy")
     if s:
         return s
@@ -41,37 +42,49 @@ def _strategy(args: dict) -> str:
     return "group" if isinstance(gs, int) and gs > 0 else "channel" if gs == -1 else "tensor"
 
 
+def config_groups(qc: dict) -> dict:
+    """The config groups of a compressed-tensors quantization_config, after the rules every
+    compressed-tensors reader shares (compressed, neither sparse nor transformed, at least one
+    group, each a JSON object); a SourceError says which one failed."""
+    status = qc.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise SourceError(f"quantization_status={status!r}: moepack reads compressed checkpoints")
+    for key in ("sparsity_config", "transform_config"):
+        if qc.get(key):
+            raise SourceError(f"{key} is set: sparse or transformed compressed-tensors checkpoints are not supported")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise SourceError("quantization_config has no config_groups")
+    for gname, g in groups.items():
+        if not isinstance(g, dict):
+            raise SourceError(f"config group {gname!r} is {type(g).__name__} {g!r:.60}: a config group is a JSON object")
+    return groups
+
+
 def _check_config(qc: dict) -> str | None:
     """None when ``qc`` is a W8A8 int8 per-channel compressed-tensors config, else why not."""
     if qc.get("quant_method") != "compressed-tensors":
         return f"quant_method={qc.get('quant_method')!r}, not 'compressed-tensors'"
-    status = qc.get("quantization_status", "compressed")
-    if status != "compressed":
-        return f"quantization_status={status!r}: moepack reads compressed checkpoints"
-    for key in ("sparsity_config", "transform_config"):
-        if qc.get(key):
-            return f"{key} is set: sparse or transformed compressed-tensors checkpoints are not supported"
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        return "quantization_config has no config_groups"
+    try:
+        groups = config_groups(qc)
+    except SourceError as e:
+        return str(e)
     for gname, g in groups.items():
-        if not isinstance(g, dict):
-            return f"config group {gname!r} is {type(g).__name__} {g!r:.60}: a config group is a JSON object"
         fmt = g.get("format") or qc.get("format")
         if fmt != "int-quantized":
             return f"config group {gname!r} has format {fmt!r}: moepack reads 'int-quantized' (W8A8 INT8)"
         w = g.get("weights") or {}
-        if (w.get("num_bits"), w.get("type"), w.get("symmetric"), _strategy(w)) != (8, "int", True, "channel"):
+        if (w.get("num_bits"), w.get("type"), w.get("symmetric"), ct_strategy(w)) != (8, "int", True, "channel"):
             return (
                 f"config group {gname!r} weights are num_bits={w.get('num_bits')}, type={w.get('type')!r}, "
-                f"symmetric={w.get('symmetric')}, strategy={_strategy(w)!r}: moepack's int8 layout needs 8-bit int, "
+                f"symmetric={w.get('symmetric')}, strategy={ct_strategy(w)!r}: moepack's int8 layout needs 8-bit int, "
                 "symmetric, one scale per output channel"
             )
         if w.get("dynamic") not in (False, None):
             return f"config group {gname!r} has dynamic weights: weights must be stored quantized"
         a = g.get("input_activations")
         want = (8, "int", True, "token", True)
-        got = None if not a else (a.get("num_bits"), a.get("type"), a.get("symmetric"), _strategy(a), a.get("dynamic"))
+        got = None if not a else (a.get("num_bits"), a.get("type"), a.get("symmetric"), ct_strategy(a), a.get("dynamic"))
         if got != want:
             return (
                 f"config group {gname!r} input_activations={a}: moepack runs int8 weights with dynamic per-token "

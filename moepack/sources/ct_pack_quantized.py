@@ -19,6 +19,7 @@ import torch
 
 from ..errors import SourceError
 from .checkpoint import Checkpoint
+from .compressed_tensors import config_groups, ct_strategy
 from .dense import FLOAT_DTYPES
 from .int4_common import Int4Format, Int4Reader, QLinear, QModule, check_dtype, check_scales, check_shape, quantization_config, unpack_nibbles
 
@@ -27,21 +28,13 @@ SOURCE_NOTE = "compressed-tensors pack-quantized 4-bit (int4 codes with group or
 FORMAT_NAME = "pack-quantized"
 
 
-def _strategy(args: dict) -> str:
-    s = args.get("strategy")
-    if s:
-        return s
-    gs = args.get("group_size")
-    return "group" if isinstance(gs, int) and gs > 0 else "channel" if gs == -1 else "tensor"
-
-
 def _check_group(gname: str, g: dict, fmt) -> dict:
     """The group's int4 facts, or a SourceError saying why moepack does not read it."""
     where = f"config group {gname!r}"
     if fmt != FORMAT_NAME:
         raise SourceError(f"{where} has format {fmt!r}: this reader reads {FORMAT_NAME!r} (int-quantized is the int8 reader's)")
     w = g.get("weights") or {}
-    bits, typ, strat = w.get("num_bits"), w.get("type"), _strategy(w)
+    bits, typ, strat = w.get("num_bits"), w.get("type"), ct_strategy(w)
     if typ != "int":
         raise SourceError(f"{where} weights type={typ!r}: pack-quantized weights are int")
     if bits == 8:
@@ -64,7 +57,7 @@ def _check_group(gname: str, g: dict, fmt) -> dict:
         raise SourceError(f"{where} weights have block_structure={w['block_structure']!r}: not an int4 group layout")
     a = g.get("input_activations")
     if a:
-        got = (a.get("num_bits"), _strategy(a), a.get("dynamic"))
+        got = (a.get("num_bits"), ct_strategy(a), a.get("dynamic"))
         if got[0] != 8 or got[1] != "token" or got[2] is not True:
             raise SourceError(
                 f"{where} input_activations={a}: moepack runs int4 weights with 16-bit activations or dynamic per-token "
@@ -88,18 +81,7 @@ def config(ckpt: Checkpoint) -> dict:
         raise SourceError("no quantization_config")
     if qc.get("quant_method") != "compressed-tensors":
         raise SourceError(f"quant_method={qc.get('quant_method')!r}, not 'compressed-tensors'")
-    status = qc.get("quantization_status", "compressed")
-    if status != "compressed":
-        raise SourceError(f"quantization_status={status!r}: moepack reads compressed checkpoints")
-    for key in ("sparsity_config", "transform_config"):
-        if qc.get(key):
-            raise SourceError(f"{key} is set: sparse or transformed compressed-tensors checkpoints are not supported")
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise SourceError("quantization_config has no config_groups")
-    for n, g in groups.items():
-        if not isinstance(g, dict):
-            raise SourceError(f"config group {n!r} is {type(g).__name__} {g!r:.60}: a config group is a JSON object")
+    groups = config_groups(qc)
     parsed = [_check_group(n, g, g.get("format") or qc.get("format")) for n, g in groups.items()]
     return {"format": FORMAT_NAME, "groups": parsed}
 

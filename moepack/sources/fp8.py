@@ -48,9 +48,10 @@ from ..errors import SourceError
 from ..schemes.fp8.facts import Fp8Facts
 from ..schemes.fp8.quantize import dequantize_fp8
 from .checkpoint import Checkpoint
+from .compressed_tensors import config_groups, ct_strategy, quantization_config
 from .fp8_codec import check_fp8_codes
 from .int4_common import check_scales
-from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, mtp_skipped, read_biases as dense_read_biases, text_config
+from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, mtp_skipped, read_biases as dense_read_biases
 
 SCHEME = "fp8_block"
 FP8 = "F8_E4M3"
@@ -67,11 +68,6 @@ _WHY_FNUZ = ("e4m3fnuz (bias 8, 0x80 = NaN) is not e4m3fn: its +-240 (0x7F/0xFF)
              "the same scale and its odd subnormals (m * 2^-10) only at half the scale, so it cannot be repacked exactly")  # fmt: skip
 
 
-def quantization_config(ckpt: Checkpoint) -> dict | None:
-    qc = text_config(ckpt.config).get("quantization_config") or ckpt.config.get("quantization_config")
-    return qc if isinstance(qc, dict) else None
-
-
 @dataclass(frozen=True)
 class _Cfg:
     """What the config says, checked: the format, the scale tensor's suffix, the strategy and block."""
@@ -83,14 +79,6 @@ class _Cfg:
     not_converted: tuple  # module names / substrings the config leaves in float
     ignore: tuple  # compressed-tensors "ignore": exact names or "re:" regexes
     input_activations: dict | None
-
-
-def _ct_strategy(args: dict) -> str:
-    s = args.get("strategy")
-    if s:
-        return s
-    gs = args.get("group_size")
-    return "group" if isinstance(gs, int) and gs > 0 else "channel" if gs == -1 else "tensor"
 
 
 def _block(value, key: str) -> tuple:
@@ -132,27 +120,17 @@ def _deepseek_cfg(qc: dict) -> _Cfg:
 
 
 def _ct_cfg(qc: dict) -> _Cfg:
-    status = qc.get("quantization_status", "compressed")
-    if status != "compressed":
-        raise SourceError(f"quantization_status={status!r}: moepack reads compressed checkpoints")
-    for key in ("sparsity_config", "transform_config"):
-        if qc.get(key):
-            raise SourceError(f"{key} is set: sparse or transformed compressed-tensors checkpoints are not supported")
-    groups = qc.get("config_groups")
-    if not isinstance(groups, dict) or not groups:
-        raise SourceError("quantization_config has no config_groups")
+    groups = config_groups(qc)
     found = None
     for gname, g in groups.items():
         where = f"config group {gname!r}"
-        if not isinstance(g, dict):
-            raise SourceError(f"{where} is {type(g).__name__} {g!r:.60}: a config group is a JSON object")
         fmt = g.get("format") or qc.get("format")
         if fmt != "float-quantized":
             raise SourceError(f"{where} has format {fmt!r}: this reader reads 'float-quantized' (FP8)")
         w = g.get("weights") or {}
         if not isinstance(w, dict):
             raise SourceError(f"{where} weights is {type(w).__name__} {w!r:.60}: the weights' quantization args are a JSON object")
-        bits, typ, strat = w.get("num_bits"), w.get("type"), _ct_strategy(w)
+        bits, typ, strat = w.get("num_bits"), w.get("type"), ct_strategy(w)
         if (bits, typ) != (8, "float"):
             raise SourceError(f"{where} weights num_bits={bits!r}, type={typ!r}: float-quantized FP8 weights are 8-bit float")
         if w.get("symmetric") is False:
