@@ -35,12 +35,12 @@ from .errors import LayoutError
 FAMILIES = ("x86", "arm")
 # Element type of the stored codes/values -> bits per element. Sub-byte codes (4 bits) are stored
 # two to a byte in a uint8 tensor (TensorSpec.dtype), low nibble first.
-WEIGHT_DTYPES = {"bf16": 16, "f32": 32, "i8": 8, "u4": 4, "f8e4m3": 8}
+WEIGHT_DTYPES = {"bf16": 16, "f32": 32, "i8": 8, "u4": 4, "f8e4m3": 8, "e2m1": 4}
 SCALE_DTYPES = ("none", "f32", "bf16", "e8m0")
 ZERO_KINDS = ("none", "u4", "bf16")
 # The packed weight schemes (docs/SEMANTICS.md §3): one name everywhere (CLI, manifest, Python
 # API, docs); moepack/schemes/ has one module per scheme.
-SCHEMES = ("dense", "int8_channel", "int4_group", "fp8_block")
+SCHEMES = ("dense", "int8_channel", "int4_group", "fp8_block", "mxfp4")
 # Activation modes a layout serves (docs/SEMANTICS.md §3): a16 = activations in their own dtype,
 # a8 = per-token dynamic int8.
 ACT_MODES = ("a16", "a8")
@@ -198,7 +198,7 @@ MAX_LAYOUT_TENSORS = 4
 # permutation of int4_group layouts (PERM_SCHEMES)
 RESERVED_SUFFIXES = ("_bias", "_perm")
 PERM_SCHEMES = ("int4_group",)  # the schemes whose layers may carry a w13_perm
-CODES_DTYPES = {"bf16": "bfloat16", "f32": "float32", "i8": "int8", "u4": "uint8", "f8e4m3": "uint8"}  # weight_dtype -> codes tensor
+CODES_DTYPES = {"bf16": "bfloat16", "f32": "float32", "i8": "int8", "u4": "uint8", "f8e4m3": "uint8", "e2m1": "uint8"}  # weight_dtype -> codes tensor
 SCALE_TENSOR_DTYPES = {"f32": "float32", "bf16": "bfloat16", "e8m0": "uint8"}
 ZERO_TENSOR_DTYPES = {"u4": "uint8", "bf16": "bfloat16"}
 # The fields of a layout descriptor in a format-version-1 manifest (before layouts declared their
@@ -276,6 +276,29 @@ def _f8_layout(id_: int, group: int) -> "PackedLayout":
 
 F8_GROUP_SIZES = (128,)  # the fp8 layouts' K block sizes (and 0 = per channel)
 
+# mxfp4 (SEMANTICS.md §3 "mxfp4", OCP MX v1.0): 4-bit e2m1 codes (bit 3 the sign, bits 2-1 the
+# exponent with bias 1, bit 0 the mantissa: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) and one e8m0
+# exponent byte e per (K group of 32, output channel): w = e2m1(q) * 2^(e - 127), e = 255 (NaN)
+# refused. The codes sit exactly where the u4 layouts put theirs (k_pack 8, U4_CODE_ORDER: byte j
+# of a column's 32-bit word holds codes j and j + 4), so the int4 kernels' nibble handling reads
+# them; a 16-entry table per nibble gives the value (A16: the bf16 bits of e2m1(q); A8: the
+# integer 2 * e2m1(q), -12..12). The scales stay one byte each ([E, Kp/32, Np] uint8, 1/16 of the
+# codes' bytes). Padding codes are 0 (+0) and padding scales 0 (2^-127): a padded weight is 0.
+def _mx4_layout(id_: int) -> "PackedLayout":
+    return PackedLayout(
+        id=id_, name="mx4g32_n32k8_x86", weight_dtype="e2m1", weight_bits=4, group_size=32, block_n=32,
+        k_pack=8, scale_dtype="e8m0", zero_kind="none", family="x86", i_align=32, scheme="mxfp4",
+        act_modes=("a16", "a8"), code_order=U4_CODE_ORDER,
+        tensors=(
+            TensorSpec("codes", "", "uint8", "packed", note="e2m1 codes, two per byte (U4_NIBBLE_ORDER)"),
+            TensorSpec("scale", "_scale", "uint8", "group",
+                       note="e8m0 exponent e per (K group of 32, output channel): 2^(e - 127); 0 in padding"),
+        ),
+    )  # fmt: skip
+
+
+MX4_GROUP = 32  # OCP MX: one e8m0 scale per 32 K values
+
 LAYOUTS: tuple[PackedLayout, ...] = (
     PackedLayout(
         id=1,
@@ -319,6 +342,7 @@ LAYOUTS: tuple[PackedLayout, ...] = (
     _u4_layout(6, 0),
     _f8_layout(7, 128),
     _f8_layout(8, 0),
+    _mx4_layout(9),
 )
 
 _BY_ID = {layout.id: layout for layout in LAYOUTS}
@@ -329,6 +353,7 @@ DEFAULT_LAYOUT = _BY_NAME["bf16_n32k2_x86"]
 INT8_LAYOUT = _BY_NAME["i8_n32k4_x86"]
 INT4_LAYOUT = _BY_NAME["u4g128_n32k8_x86"]  # pack_experts' int4 default (symmetric, group 128)
 FP8_LAYOUT = _BY_NAME["f8g128_n32k2_x86"]  # DeepSeek-style 128 x 128 blocks
+MXFP4_LAYOUT = _BY_NAME["mx4g32_n32k8_x86"]
 
 
 def int4_layout_for(group_size: int, family: str = "x86") -> PackedLayout:

@@ -33,11 +33,16 @@ enum MkHook : uint32_t {
   kHook_gemm_u4a8 = 1u << 6,         // int4 A8: the whole block
   kHook_unpack_f8 = 1u << 7,         // fp8 A16: n e4m3fn codes -> n bf16 (exact: kF8Bf16)
   kHook_gemm_f8a16 = 1u << 8,        // fp8 A16: the whole block (may decline: returns false)
+  kHook_unpack_mx4 = 1u << 9,        // mxfp4 A16: a K slice of codes -> the MK's dense bf16 block
+  kHook_gemm_mx4a16 = 1u << 10,      // mxfp4 A16: the whole block (may decline: returns false)
+  kHook_dot_mx4_s8 = 1u << 11,       // mxfp4 A8: the exact integer core of one block
+  kHook_gemm_mx4a8 = 1u << 12,       // mxfp4 A8: the whole block
 };
-constexpr int kNumMkHooks = 9;
+constexpr int kNumMkHooks = 13;
 constexpr const char* kMkHookNames[kNumMkHooks] = {"gemm_prefetch", "gemm_i8_prefetch", "quantize_row_i8", "unpack_u4",
                                                    "dot_u4_s8",     "gemm_u4a16",       "gemm_u4a8",       "unpack_f8",
-                                                   "gemm_f8a16"};
+                                                   "gemm_f8a16",    "unpack_mx4",       "gemm_mx4a16",     "dot_mx4_s8",
+                                                   "gemm_mx4a8"};
 static constexpr int mk_hook_index(uint32_t bit) {
   int i = 0;
   while (bit > 1u) bit >>= 1, ++i;
@@ -78,6 +83,28 @@ using HookUnpackF8 = void(const uint8_t*, int64_t, uint16_t*);
 // the grouped-decode path.
 using HookGemmF8A16 = bool(RowFormat, const void* const*, int, const uint8_t*, const float*, int64_t, int64_t, int64_t,
                            float*);
+// The mxfp4 hooks read the blocking MK::kU4Blocking declares (the mx4 layout puts its nibbles
+// where the u4 layouts put theirs); e8m0 scales are bytes e: 2^(e - 127), e = 255 never reaches a
+// kernel (refused at convert and open). kMx4Bf16 (codec_mx4.inc) is the exact value table.
+// unpack_mx4(codes, k0, kk, out): K [k0, k0 + kk) (multiples of k_pack) of one mx4 block -> the
+// dense bf16 block (MK's dense format) of the unscaled values e2m1(q), exact (kMx4Bf16).
+using HookUnpackMx4 = void(const uint8_t*, int64_t, int64_t, uint16_t*);
+// gemm_mx4a16(fmt, rows, m, codes, scale, group_stride, kp, C, memo) -> taken: fp32 C[m, block_n]
+// of one block, C = sum over the K groups g of 32 (in order) of (rows . e2m1(q_g)) * 2^(e[g, n] -
+// 127), the scale applied in fp32 after each group's dot product (never folded into a bf16
+// weight where the product would be a bf16 subnormal); false leaves the call to the
+// grouped-decode path. memo: the worker's S::RowMemo (MK::Mx4A16Memo), or null.
+using HookGemmMx4A16 = bool(RowFormat, const void* const*, int, const uint8_t*, const uint8_t*, int64_t, int64_t, float*,
+                            void*);
+// dot_mx4_s8(rows, m, codes, k0, kk, acc): acc[i * block_n + n] = sum over K [k0, k0 + kk) of
+// rows[i][k] * 2 * e2m1(q[n][k]) (an integer -12..12), exact.
+using HookDotMx4S8 = void(const int8_t* const*, int, const uint8_t*, int64_t, int64_t, int32_t*);
+// gemm_mx4a8(rows, row_scales, m, codes, scale, group_stride, kp, xsum, C): fp32 C[m, block_n] of
+// one block, C = row_scale * sum over groups g (in order) of float(acc_g) * 2^(e[g, n] - 128),
+// acc_g = dot_mx4_s8 over the group; xsum[i * ng + g]: row i's s8 sum over group g (for kernels
+// that offset the weights to unsigned bytes).
+using HookGemmMx4A8 = void(const int8_t* const*, const float*, int, const uint8_t*, const uint8_t*, int64_t, int64_t,
+                           const int32_t*, float*);
 
 // ---- one concept per hook: M's member converts to the exact signature -------------------------
 template <class M>
@@ -98,6 +125,14 @@ template <class M>
 concept MkUnpackF8 = requires { static_cast<HookUnpackF8*>(&M::unpack_f8); };
 template <class M>
 concept MkGemmF8A16 = requires { static_cast<HookGemmF8A16*>(&M::gemm_f8a16); };
+template <class M>
+concept MkUnpackMx4 = requires { static_cast<HookUnpackMx4*>(&M::unpack_mx4); };
+template <class M>
+concept MkGemmMx4A16 = requires { static_cast<HookGemmMx4A16*>(&M::gemm_mx4a16); };
+template <class M>
+concept MkDotMx4S8 = requires { static_cast<HookDotMx4S8*>(&M::dot_mx4_s8); };
+template <class M>
+concept MkGemmMx4A8 = requires { static_cast<HookGemmMx4A8*>(&M::gemm_mx4a8); };
 
 // The hooks M states (every MK declares kHooks; the scalar one states none).
 template <class M>
@@ -150,6 +185,22 @@ constexpr bool check_mk_hooks() {
                 "MK states kHook_gemm_f8a16 but gemm_f8a16 is not HookGemmF8A16 (csrc/kernels/mk_hooks.h)");
   static_assert(mk_states<M>(kHook_gemm_f8a16) || !requires { &M::gemm_f8a16; },
                 "MK has a gemm_f8a16 but does not state kHook_gemm_f8a16 in kHooks");
+  static_assert(!mk_states<M>(kHook_unpack_mx4) || MkUnpackMx4<M>,
+                "MK states kHook_unpack_mx4 but unpack_mx4 is not HookUnpackMx4 (csrc/kernels/mk_hooks.h)");
+  static_assert(mk_states<M>(kHook_unpack_mx4) || !requires { &M::unpack_mx4; },
+                "MK has an unpack_mx4 but does not state kHook_unpack_mx4 in kHooks");
+  static_assert(!mk_states<M>(kHook_gemm_mx4a16) || MkGemmMx4A16<M>,
+                "MK states kHook_gemm_mx4a16 but gemm_mx4a16 is not HookGemmMx4A16 (csrc/kernels/mk_hooks.h)");
+  static_assert(mk_states<M>(kHook_gemm_mx4a16) || !requires { &M::gemm_mx4a16; },
+                "MK has a gemm_mx4a16 but does not state kHook_gemm_mx4a16 in kHooks");
+  static_assert(!mk_states<M>(kHook_dot_mx4_s8) || MkDotMx4S8<M>,
+                "MK states kHook_dot_mx4_s8 but dot_mx4_s8 is not HookDotMx4S8 (csrc/kernels/mk_hooks.h)");
+  static_assert(mk_states<M>(kHook_dot_mx4_s8) || !requires { &M::dot_mx4_s8; },
+                "MK has a dot_mx4_s8 but does not state kHook_dot_mx4_s8 in kHooks");
+  static_assert(!mk_states<M>(kHook_gemm_mx4a8) || MkGemmMx4A8<M>,
+                "MK states kHook_gemm_mx4a8 but gemm_mx4a8 is not HookGemmMx4A8 (csrc/kernels/mk_hooks.h)");
+  static_assert(mk_states<M>(kHook_gemm_mx4a8) || !requires { &M::gemm_mx4a8; },
+                "MK has a gemm_mx4a8 but does not state kHook_gemm_mx4a8 in kHooks");
   return true;
 }
 

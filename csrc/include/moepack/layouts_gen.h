@@ -8,8 +8,8 @@ namespace moepack {
 enum Family : int32_t { kFamily_x86 = 0, kFamily_arm = 1 };
 enum ScaleDtype : int32_t { kScaleDtype_none = 0, kScaleDtype_f32 = 1, kScaleDtype_bf16 = 2, kScaleDtype_e8m0 = 3 };
 enum ZeroKind : int32_t { kZeroKind_none = 0, kZeroKind_u4 = 1, kZeroKind_bf16 = 2 };
-enum WeightDtype : int32_t { kWeight_bf16 = 0, kWeight_f32 = 1, kWeight_i8 = 2, kWeight_u4 = 3, kWeight_f8e4m3 = 4 };
-enum Scheme : int32_t { kScheme_dense = 0, kScheme_int8_channel = 1, kScheme_int4_group = 2, kScheme_fp8_block = 3 };
+enum WeightDtype : int32_t { kWeight_bf16 = 0, kWeight_f32 = 1, kWeight_i8 = 2, kWeight_u4 = 3, kWeight_f8e4m3 = 4, kWeight_e2m1 = 5 };
+enum Scheme : int32_t { kScheme_dense = 0, kScheme_int8_channel = 1, kScheme_int4_group = 2, kScheme_fp8_block = 3, kScheme_mxfp4 = 4 };
 enum TensorRole : int32_t { kRole_codes = 0, kRole_scale = 1, kRole_zero = 2, kRole_sum = 3 };
 enum TensorDtype : int32_t { kTensor_bfloat16 = 0, kTensor_int8 = 1, kTensor_uint8 = 2, kTensor_float32 = 3, kTensor_int32 = 4 };
 enum TensorShape : int32_t { kShape_packed = 0, kShape_channel = 1, kShape_group = 2 };
@@ -111,9 +111,14 @@ constexpr LayoutDesc kLayout_f8ch_n32k2_x86 = {8, "f8ch_n32k2_x86", kWeight_f8e4
 constexpr int32_t kLayoutId_f8ch_n32k2_x86 = 8;
 static_assert(kLayout_f8ch_n32k2_x86.k_pack * kLayout_f8ch_n32k2_x86.weight_bits % 8 == 0, "f8ch_n32k2_x86: a column's run of k_pack codes is whole bytes");
 static_assert(kLayout_f8ch_n32k2_x86.i_align % kLayout_f8ch_n32k2_x86.block_n == 0, "f8ch_n32k2_x86: i_align");
+constexpr LayoutDesc kLayout_mx4g32_n32k8_x86 = {9, "mx4g32_n32k8_x86", kWeight_e2m1 /*5*/, 4, 32, 32, 8, kScaleDtype_e8m0, kZeroKind_none, kFamily_x86, 32, kScheme_mxfp4, kAct_a16 | kAct_a8, 2, {{kRole_codes, "", kTensor_uint8, kShape_packed, "e2m1 codes, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_uint8, kShape_group, "e8m0 exponent e per (K group of 32, output channel): 2^(e - 127); 0 in padding"}}, 8, {0, 2, 4, 6, 1, 3, 5, 7}};
+constexpr int32_t kLayoutId_mx4g32_n32k8_x86 = 9;
+static_assert(kLayout_mx4g32_n32k8_x86.k_pack * kLayout_mx4g32_n32k8_x86.weight_bits % 8 == 0, "mx4g32_n32k8_x86: a column's run of k_pack codes is whole bytes");
+static_assert(kLayout_mx4g32_n32k8_x86.code_order_len == kLayout_mx4g32_n32k8_x86.k_pack, "mx4g32_n32k8_x86: code_order covers k_pack");
+static_assert(kLayout_mx4g32_n32k8_x86.i_align % kLayout_mx4g32_n32k8_x86.block_n == 0, "mx4g32_n32k8_x86: i_align");
 
-constexpr int32_t kMaxLayoutId = 8;
-constexpr int32_t kNumLayouts = 8;
-constexpr LayoutDesc kLayouts[kNumLayouts] = {kLayout_bf16_n32k2_x86, kLayout_i8_n32k4_x86, kLayout_u4g32_n32k8_x86, kLayout_u4g64_n32k8_x86, kLayout_u4g128_n32k8_x86, kLayout_u4ch_n32k8_x86, kLayout_f8g128_n32k2_x86, kLayout_f8ch_n32k2_x86};
+constexpr int32_t kMaxLayoutId = 9;
+constexpr int32_t kNumLayouts = 9;
+constexpr LayoutDesc kLayouts[kNumLayouts] = {kLayout_bf16_n32k2_x86, kLayout_i8_n32k4_x86, kLayout_u4g32_n32k8_x86, kLayout_u4g64_n32k8_x86, kLayout_u4g128_n32k8_x86, kLayout_u4ch_n32k8_x86, kLayout_f8g128_n32k2_x86, kLayout_f8ch_n32k2_x86, kLayout_mx4g32_n32k8_x86};
 
 }  // namespace moepack
