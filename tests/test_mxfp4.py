@@ -134,6 +134,23 @@ def test_quantizer_rule_on_crafted_values(vals, e, codes):
     assert not q[0, len(codes) :].any()
 
 
+def test_rounding_is_nearest_even_on_a_sweep():
+    """round_to_e2m1 against a brute-force nearest-even search in float64, on every midpoint, one
+    fp32 ulp either side of it, and a dense sweep of [-9, 9]."""
+    from moepack.schemes.mxfp4.quantize import round_to_e2m1
+
+    grid = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    v = torch.cat([mids, torch.nextafter(mids, torch.zeros(())), torch.nextafter(mids, torch.full((), 9.0)),
+                   torch.linspace(-9, 9, 20001)])  # fmt: skip
+    v = torch.cat([v, -v])
+    d = (v.double().abs()[:, None] - grid[None, :]).abs()
+    best = d.min(dim=1, keepdim=True).values
+    cand = (d == best).int() * (8 - torch.arange(8) % 2)  # among equally near codes, an even one wins
+    want = cand.argmax(dim=1).to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
+    assert torch.equal(round_to_e2m1(v), want)
+
+
 def test_quantizer_groups_zero_groups_and_partial_groups():
     w = torch.zeros(3, 70)  # groups of 32, 32 and 6 real values
     w[0, 0:32] = torch.linspace(-1.0, 1.0, 32)

@@ -39,9 +39,13 @@ from .codec import E8M0_NAN, MX4_GROUP, e8m0_to_float
 E2M1_MAX = 6.0
 E8M0_BIAS = 127
 ZERO_GROUP_EXPONENT = 127  # the e8m0 byte of an all-zero group: scale 1, every code 0
-# round to nearest even on the e2m1 magnitudes: (threshold, ties go up) -> passing it adds one
-# code; a tie at a threshold goes to the even code (codes 0, 2, 4, 6 are the even ones)
+# round to nearest even on the e2m1 magnitudes: (midpoint, ties go up) -> passing it adds one
+# code; a tie at a midpoint goes to the even code (codes 0, 2, 4, 6 are the even ones)
 _THRESHOLDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+# the same as bucketize boundaries (the code is the number of boundaries strictly below |v|): a
+# midpoint whose tie goes up is moved one fp32 ulp down, so |v| = midpoint passes it
+_MIDS = torch.tensor([t for t, _ in _THRESHOLDS], dtype=torch.float32)
+_BOUNDS = torch.where(torch.tensor([up for _, up in _THRESHOLDS]), torch.nextafter(_MIDS, torch.zeros(())), _MIDS)
 
 
 def _groups(k: int) -> int:
@@ -60,11 +64,8 @@ def shared_exponent(amax: torch.Tensor) -> torch.Tensor:
 def round_to_e2m1(v: torch.Tensor) -> torch.Tensor:
     """fp32 values (already divided by their scale) -> e2m1 codes (uint8 0..15): the nearest
     magnitude of 0, 0.5, 1, 1.5, 2, 3, 4, 6, ties to even, saturated at 6; the sign in bit 3."""
-    a = v.abs()
-    idx = torch.zeros(v.shape, dtype=torch.uint8)
-    for t, up in _THRESHOLDS:
-        idx += (a >= t) if up else (a > t)
-    return idx | (torch.signbit(v).to(torch.uint8) << 3)
+    idx = torch.bucketize(v.abs(), _BOUNDS).to(torch.uint8)
+    return idx.bitwise_or_(torch.signbit(v).to(torch.uint8) << 3)
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +75,9 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise LayoutError(f"weight has dtype {w.dtype}: quantize_mxfp4 takes float32, bfloat16 or float16")
     if w.dim() < 2:
         raise LayoutError(f"weight has shape {list(w.shape)}: must be [..., N, K]")
+    if w.dim() > 2 and w.shape[0] > 1:  # expert by expert: fp32 temporaries of one expert, not of a layer
+        parts = [quantize_mxfp4(x) for x in w.unbind(0)]
+        return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
     check_float("weight", w)
     wf = w.float()
     k = wf.shape[-1]
