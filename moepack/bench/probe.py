@@ -169,8 +169,13 @@ KERNEL_INSTRUCTIONS: dict[tuple[str, str], str] = {
     # mode (A16: decoded to bf16 / fp32, the float kernels' FMA; A8: 2 * e2m1(q) as int8)
     ("e2m1:a16", "avx2"): "fma_ymm",
     ("e2m1:a16", "avx512"): "fma_zmm",
+    ("e2m1:a16", "avx512_bf16"): "vdpbf16ps",
+    ("e2m1:a16", "amx_bf16"): "tdpbf16ps",
     ("e2m1:a8", "avx2"): "vpmaddubsw_ymm",
     ("e2m1:a8", "avx512"): "vpmaddubsw_zmm",
+    ("e2m1:a8", "avx_vnni"): "vpdpbusd_ymm",
+    ("e2m1:a8", "avx512_vnni"): "vpdpbusd_zmm",
+    ("e2m1:a8", "amx_int8"): "tdpbssd",
 }
 
 
