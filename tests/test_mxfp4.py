@@ -183,6 +183,8 @@ def test_shared_exponent_is_floor_log2_minus_2_over_the_fp32_range():
     (torch.ones(2, 32, dtype=torch.int32), "dtype torch.int32: quantize_mxfp4 takes float32"),
     (torch.ones(32), r"shape \[32\]: must be \[\.\.\., N, K\]"),
     (torch.tensor([[1.0, float("nan")]]), r"weight has a non-finite value at \[0, 1\]"),
+    (torch.ones(3, 4, 40).index_put_((torch.tensor(2), torch.tensor(1), torch.tensor(33)), torch.tensor(float("inf"))),
+     r"weight has a non-finite value at \[2, 1, 33\]"),
 ])  # fmt: skip
 def test_quantizer_refuses(w, match):
     with pytest.raises(LayoutError, match=match):

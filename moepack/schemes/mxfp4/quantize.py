@@ -75,10 +75,14 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise LayoutError(f"weight has dtype {w.dtype}: quantize_mxfp4 takes float32, bfloat16 or float16")
     if w.dim() < 2:
         raise LayoutError(f"weight has shape {list(w.shape)}: must be [..., N, K]")
+    check_float("weight", w)  # names the element in the whole tensor (expert index included)
     if w.dim() > 2 and w.shape[0] > 1:  # expert by expert: fp32 temporaries of one expert, not of a layer
-        parts = [quantize_mxfp4(x) for x in w.unbind(0)]
+        parts = [_quantize(x) for x in w.unbind(0)]
         return torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts])
-    check_float("weight", w)
+    return _quantize(w)
+
+
+def _quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     wf = w.float()
     k = wf.shape[-1]
     ng = _groups(k)
