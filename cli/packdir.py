@@ -32,7 +32,8 @@ def convert(
         None, "--quantize", help="Quantize a float source's experts into a scheme: int8_channel (alias int8: W8A8, "
         "symmetric per output channel) or int4_group (alias int4: round to nearest, symmetric, group 128 by default, as "
         "GPTQ/compressed-tensors W4A16; see --group-size, --asym) or fp8_block (alias fp8: e4m3fn, 128x128 blocks, "
-        "scale amax / 448). Options may follow the name: int4:g64:asym, int4:ch, fp8:ch. "
+        "scale amax / 448) or mxfp4 (OCP MX: e2m1 codes, an e8m0 scale per 32 K values, shared exponent "
+        "floor(log2 amax) - 2, round to nearest even). Options may follow the name: int4:g64:asym, int4:ch, fp8:ch. "
         "A quantized source stays in its own scheme, never re-quantized."
     ),
     group_size: Optional[int] = typer.Option(
@@ -42,8 +43,8 @@ def convert(
     asym: bool = typer.Option(False, "--asym", help="--quantize int4: asymmetric (scale and zero point from each group's "
                               "min and max, as W4A16_ASYM / AWQ) instead of symmetric (zero point 8)."),
     act_mode: Optional[str] = typer.Option(
-        None, "--act-mode", help="Every layer's default activation mode: a16 or a8 (layouts that serve it: int4). "
-        "Default: int4 a16 (the checkpoint's meaning), a8 for a compressed-tensors W4A8 checkpoint."
+        None, "--act-mode", help="Every layer's default activation mode: a16 or a8 (layouts that serve it: int4, mxfp4). "
+        "Default: a16 (the checkpoint's meaning), a8 for a compressed-tensors W4A8 checkpoint."
     ),
     threads: Optional[int] = typer.Option(None, "--threads", help="Threads for packing (default: torch's)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it exists (atomically)."),
@@ -177,7 +178,7 @@ def verify(
         for t_ in bad:
             console.print(f"  [red]MISMATCH[/] {t_.name} ({t_.file}): {escape(t_.detail)}", highlight=False)
         console.print(f"values: {report.values_checked} packed expert tensors checked against their value rules "
-                      "(scales, zero points, column sums, permutations, float weights, fp8 codes and biases)", highlight=False)  # fmt: skip
+                      "(scales, e8m0 scales, zero points, column sums, permutations, float weights, fp8 codes and biases)", highlight=False)  # fmt: skip
         badf = [f for f in report.files if not f.ok]
         unsummed = [f for f in report.files if f.ok and f.detail]
         console.print(

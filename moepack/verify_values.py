@@ -16,10 +16,12 @@ AVX-512 levels). By role (moepack.layout's TensorSpec.role):
   and 4-bit layouts cannot be out of range: every byte pattern is a code;
 * ``f8codes`` (the ``codes`` of an fp8 layout, e4m3fn bit patterns): never 0x7F / 0xFF, the NaN
   codes (convert and the packer refuse them; the kernels would turn them into NaN outputs);
+* ``e8m0`` (the ``scale`` of a layout whose scales are e8m0 exponent bytes, mxfp4's): never 255,
+  the e8m0 NaN (convert refuses it; 0..254 are the scales 2^(e - 127), 0 also in padding);
 * ``sum`` (int8 column sums): equal to the sum of the channel's codes (only verify checks it:
   it needs every code, see ``colsum_problem``).
 
-``moepack.open`` checks the small per-group tensors (scale, zero, perm) of every layer, which
+``moepack.open`` checks the small per-group tensors (scale, e8m0, zero, perm) of every layer, which
 costs a read of about 1/16 of a 4-bit pack (docs/PACKED_FORMAT.md gives the measured cost);
 ``moepack verify DST`` checks them all, the bf16 codes while it hashes them. Apart from
 verify_dir because both open and verify use it.
@@ -30,7 +32,7 @@ from __future__ import annotations
 import torch
 
 # the roles open checks (their tensors are small next to the codes)
-OPEN_ROLES = ("scale", "zero", "perm")
+OPEN_ROLES = ("scale", "e8m0", "zero", "perm")
 
 
 def _at(mask: torch.Tensor) -> tuple[list[int], int]:
@@ -53,6 +55,8 @@ def value_problem(name: str, role: str, t: torch.Tensor, *, offset: int | None =
         bad, rule = ~torch.isfinite(t), f"{'biases' if role == 'bias' else 'weights'} must be finite (convert refuses others)"
     elif role == "f8codes":
         bad, rule = (t & 0x7F) == 0x7F, "e4m3fn codes 0x7F / 0xFF are NaN (convert refuses them)"
+    elif role == "e8m0":
+        bad, rule = t == 255, "e8m0 scale 255 is NaN (scales are 2^(e - 127), e = 0..254; convert refuses it)"
     elif role == "perm":
         return _perm_problem(name, t)
     else:
@@ -83,6 +87,8 @@ def _fast_ok(role: str, t: torch.Tensor) -> bool:
         return int(t.max()) <= 15
     if role == "f8codes":
         return not bool(((t & 0x7F) == 0x7F).any())
+    if role == "e8m0":
+        return int(t.max()) < 255
     if role in ("bias", "codes") and t.dtype.is_floating_point:
         lo, hi = torch.aminmax(t) if t.dtype != torch.bfloat16 else (t.min(), t.max())
         return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
@@ -108,9 +114,12 @@ def roles_of(model, roles: tuple | None = None):
     shared, whose layout role is in ``roles`` (None: every role)."""
     for layer in model.layers.values():
         lay = layer.packed.layout
-        # an fp8 layout's codes have their own rule (no NaN code); other one-byte codes have none
+        # an fp8 layout's codes have their own rule (no NaN code); other one-byte codes have none;
+        # e8m0 scales (exponent bytes) have theirs (no 255), not the float scales' rule
         f8 = lay.scheme == "fp8_block"
-        kinds = {t.name: ("f8codes" if f8 and t.role == "codes" else t.role) for t in _plan_roles(lay)}
+        e8 = lay.scale_dtype == "e8m0"
+        kinds = {t.name: ("f8codes" if f8 and t.role == "codes" else "e8m0" if e8 and t.role == "scale" else t.role)
+                 for t in _plan_roles(lay)}  # fmt: skip
         for group in (layer.entry["tensors"], (layer.entry.get("shared") or {})):
             for r, name in group.items():
                 role = kinds.get(r)
