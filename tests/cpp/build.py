@@ -303,6 +303,10 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "", arch_na
     r = subprocess.run(cxx() + extra + objs + ["-pthread"] + static + ["-o", exe], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError("link failed:\n" + r.stdout + r.stderr)
+    if cross:
+        log(f"built {exe} in {time.time() - t0:.1f}s (cross-built for {arch.name}, static; levels "
+            f"{', '.join(lv.name for lv in levels)}; run it with {' '.join(CROSS_RUNNERS[arch.name])})")
+        return exe
     over = emu_host.name if emu_flags else "portable SIMDe"
     log(f"built {exe} in {time.time() - t0:.1f}s (emulated {', '.join(emulated) or 'none'} over {over}; "
         f"native objects linked: {', '.join(lv for lv, ok in native.items() if ok) or 'none'})")

@@ -90,6 +90,13 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "-v") == 0) g_verbose = true;
     if (std::strcmp(argv[i], "--quick") == 0) g_quick = true;
+    if (std::strcmp(argv[i], "--levels") == 0) {  // what cpu_features.cpp finds: one line per level
+      for (int l = 0; l < kNumIsa; ++l) {
+        const char* why = isa_unavailable_reason(Isa(l));
+        std::printf("level %s: %s\n", isa_name(Isa(l)), why ? why : "available");
+      }
+      return 0;
+    }
   }
   const auto t0 = std::chrono::steady_clock::now();
   collect_kernels();
