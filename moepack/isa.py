@@ -15,7 +15,7 @@ import os
 import platform
 
 from .errors import UnsupportedError
-from .isa_levels import LEVELS, build_arch, doc_rows, serves_kind
+from .isa_levels import LEVELS, arch, build_arch, doc_rows, serves_kind
 from .layout import FAMILIES, LAYOUTS
 
 ISAS = tuple(lv.name for lv in LEVELS)  # order = preference
@@ -30,6 +30,17 @@ MODE_ISAS = {
     for mode in lay.act_modes
 }
 KERNEL_ISAS = {lay.weight_dtype: MODE_ISAS[(lay.weight_dtype, lay.act_modes[0])] for lay in LAYOUTS}
+
+
+def layout_isas(layout, act_mode: str | None = None) -> tuple[str, ...]:
+    """The levels with a kernel for ``layout`` in ``act_mode`` (default: its first mode): scalar
+    and the levels of the layout's family (an x86 level never serves an arm layout, nor the
+    reverse) that serve its weight kind, in preference order (csrc/dispatch.cpp isa_serves)."""
+    mode = act_mode or layout.act_modes[0]
+    return tuple(
+        lv.name for lv in LEVELS
+        if (lv.arch is None or arch(lv.arch).layout_family == layout.family) and serves_kind(lv, layout.weight_dtype, mode)
+    )  # fmt: skip
 
 
 def _rst_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:

@@ -101,20 +101,35 @@ static inline int32x4_t hsum4(int32x4_t a, int32x4_t b, int32x4_t c, int32x4_t d
 }
 
 // Dense, fp32 row: C[16] = x[:kp] . B^T (bf16_n16k4_arm). One accumulator per column holds its
-// 4 K lanes; shll #16 widens a bf16 exactly to fp32.
+// 4 K lanes; shll #16 widens a bf16 exactly to fp32. (Sixteen named accumulators: as an array,
+// GCC 12 stored all of them to the stack on every iteration.)
+static inline float32x4_t widen_lo(uint16x8_t w) { return vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(w), 16)); }
+static inline float32x4_t widen_hi(uint16x8_t w) { return vreinterpretq_f32_u32(vshll_high_n_u16(w, 16)); }
 static inline void gemm_f32_row(const float* x, const uint16_t* B, int64_t kp, float* C) {
-  float32x4_t acc[kBlockN];
-  for (float32x4_t& a : acc) a = vdupq_n_f32(0.0f);
+  float32x4_t a0 = vdupq_n_f32(0.0f), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  float32x4_t a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
   for (int64_t kq = 0; kq < kp / 4; ++kq, B += 4 * kBlockN) {
     const float32x4_t xv = vld1q_f32(x + 4 * kq);
-#pragma GCC unroll 8
-    for (int j = 0; j < kVecs; ++j) {
-      const uint16x8_t w = vld1q_u16(B + 8 * j);
-      acc[2 * j] = vfmaq_f32(acc[2 * j], vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(w), 16)), xv);
-      acc[2 * j + 1] = vfmaq_f32(acc[2 * j + 1], vreinterpretq_f32_u32(vshll_high_n_u16(w, 16)), xv);
-    }
+#define MOEPACK_NEON_F32_STEP(J, A, Z)             \
+  {                                                \
+    const uint16x8_t w = vld1q_u16(B + 8 * (J));   \
+    A = vfmaq_f32(A, widen_lo(w), xv);             \
+    Z = vfmaq_f32(Z, widen_hi(w), xv);             \
   }
-  for (int c = 0; c < kBlockN; c += 4) vst1q_f32(C + c, hsum4(acc[c], acc[c + 1], acc[c + 2], acc[c + 3]));
+    MOEPACK_NEON_F32_STEP(0, a0, a1)
+    MOEPACK_NEON_F32_STEP(1, a2, a3)
+    MOEPACK_NEON_F32_STEP(2, a4, a5)
+    MOEPACK_NEON_F32_STEP(3, a6, a7)
+    MOEPACK_NEON_F32_STEP(4, a8, a9)
+    MOEPACK_NEON_F32_STEP(5, a10, a11)
+    MOEPACK_NEON_F32_STEP(6, a12, a13)
+    MOEPACK_NEON_F32_STEP(7, a14, a15)
+#undef MOEPACK_NEON_F32_STEP
+  }
+  vst1q_f32(C + 0, hsum4(a0, a1, a2, a3));
+  vst1q_f32(C + 4, hsum4(a4, a5, a6, a7));
+  vst1q_f32(C + 8, hsum4(a8, a9, a10, a11));
+  vst1q_f32(C + 12, hsum4(a12, a13, a14, a15));
 }
 
 static inline void gemm_f32(const void* const* rows, int m, const uint16_t* B, int64_t kp, float* C) {
