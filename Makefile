@@ -14,13 +14,20 @@ setup:
 	$(PIP) install -q $(RUNTIME_DEPS) $(BUILD_DEPS)
 	$(PIP) install -q --no-build-isolation --no-deps -e .
 
-# SIMDe lets tests run the AVX-512 kernel's code on CPUs without AVX-512 (tests/cpp).
+# SIMDe lets tests run the AVX-512 kernel's code on CPUs without AVX-512 (tests/cpp); the aarch64
+# cross toolchain and qemu-user run the ARM kernels' tests on x86.
 setup-test: setup
 	$(PIP) install -q $(TEST_DEPS)
 	@if [ ! -d /usr/include/simde ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    (apt-get update -qq && apt-get install -y -qq libsimde-dev) >/dev/null || echo "warning: could not install libsimde-dev"; \
 	  else echo "note: libsimde-dev missing and not root: the emulated AVX-512 kernel test will be skipped"; fi; \
+	fi
+	@# the ARM kernels, cross-built and run under qemu-user (tests/test_arm_cross.py)
+	@if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && apt-get install -y -qq g++-aarch64-linux-gnu qemu-user) >/dev/null || echo "warning: could not install g++-aarch64-linux-gnu qemu-user"; \
+	  else echo "note: g++-aarch64-linux-gnu or qemu-user missing and not root: the ARM kernel tests will be skipped"; fi; \
 	fi
 
 build:

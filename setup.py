@@ -9,6 +9,7 @@ import glob
 import os
 import platform
 import runpy
+import sys
 from types import SimpleNamespace
 
 from setuptools import setup
@@ -24,7 +25,10 @@ ARCH = ISA.build_arch(platform.machine())  # None: an architecture the list lack
 # The op files (csrc/torch/op_*.cpp) instantiate at::parallel_for, whose OpenMP body is inline in
 # the ATen headers: without -fopenmp it silently runs on one thread.
 TORCH_SOURCES = sorted(os.path.relpath(f, ROOT).replace(os.sep, "/") for f in glob.glob(os.path.join(ROOT, "csrc", "torch", "*.cpp")))
-FILE_FLAGS = {f: ["-fopenmp"] for f in TORCH_SOURCES}
+# Apple Clang has no -fopenmp driver flag: the preprocessor flag and the libomp the torch wheel ships.
+OPENMP_COMPILE = ["-Xpreprocessor", "-fopenmp"] if sys.platform == "darwin" else ["-fopenmp"]
+OPENMP_LINK = ["-lomp"] if sys.platform == "darwin" else ["-fopenmp"]
+FILE_FLAGS = {f: list(OPENMP_COMPILE) for f in TORCH_SOURCES}
 FILE_FLAGS.update({lv.source: ISA.all_flags(lv) for lv in ISA.LEVELS})
 COMMON_FLAGS = ["-O3", "-std=c++20", "-fno-math-errno", "-Wall", "-Wno-unused-function"]
 
@@ -119,7 +123,7 @@ setup(
             _sources(),
             include_dirs=[os.path.join(ROOT, "csrc", "include")],
             extra_compile_args={"cxx": COMMON_FLAGS},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=OPENMP_LINK,
         )
     ],
     cmdclass={"build_ext": IsaBuildExt.with_options(use_ninja=False)},

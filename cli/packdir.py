@@ -27,7 +27,9 @@ def _human(n: float) -> str:
 def convert(
     src: Path = typer.Argument(..., help="Checkpoint directory: config.json + *.safetensors."),
     dst: Path = typer.Argument(..., help="Packed directory to create (must not exist unless --overwrite)."),
-    isa: str = typer.Option("x86", "--isa", help="Target ISA family of the packed layout: x86."),
+    target: str = typer.Option("auto", "--target", help="The CPU family the layouts are blocked for: x86, arm, or auto "
+                               "(this machine's). Any family runs everywhere, through the scalar level off its own CPUs."),
+    isa: Optional[str] = typer.Option(None, "--isa", hidden=True, help="The old spelling of --target."),
     quantize: Optional[str] = typer.Option(
         None, "--quantize", help="Quantize a float source's experts into a scheme: int8_channel (alias int8: W8A8, "
         "symmetric per output channel) or int4_group (alias int4: round to nearest, symmetric, group 128 by default, as "
@@ -59,11 +61,19 @@ def convert(
 
     from moepack.schemes import get_scheme
 
+    from moepack.isa import resolve_target
+
+    if isa is not None:  # the old spelling: same meaning
+        if target != "auto" and target != isa:
+            raise ConvertError(f"--isa {isa!r} and --target {target!r}: --isa is the old spelling of --target; give one")
+        err_console.print(f"note: --isa is now spelled --target (--target {isa})")
+        target = isa
+    family = resolve_target(target)
     # the family's layout for float weights kept as floats (a quantized source or --quantize picks its scheme's)
-    family_layouts = [x for x in LAYOUTS if x.family == isa and not get_scheme(x).quantized]
+    family_layouts = [x for x in LAYOUTS if x.family == family and not get_scheme(x).quantized]
     if not family_layouts:
         fams = sorted({x.family for x in LAYOUTS})
-        raise ConvertError(f"--isa {isa!r}: no float layout for that family in this build (available: {', '.join(fams)})")
+        raise ConvertError(f"--target {target!r}: no float layout for that family in this build (available: {', '.join(fams)})")
     layout = family_layouts[0]
     if shard_gib <= 0:
         raise ConvertError(f"--shard-gib {shard_gib}: must be positive")

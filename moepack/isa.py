@@ -12,10 +12,11 @@ A layout runs on the best level the CPU has that serves it and is at or below MO
 from __future__ import annotations
 
 import os
+import platform
 
 from .errors import UnsupportedError
-from .isa_levels import LEVELS, doc_rows, serves_kind
-from .layout import LAYOUTS
+from .isa_levels import LEVELS, arch, build_arch, doc_rows, serves_kind
+from .layout import FAMILIES, LAYOUTS
 
 ISAS = tuple(lv.name for lv in LEVELS)  # order = preference
 
@@ -29,6 +30,17 @@ MODE_ISAS = {
     for mode in lay.act_modes
 }
 KERNEL_ISAS = {lay.weight_dtype: MODE_ISAS[(lay.weight_dtype, lay.act_modes[0])] for lay in LAYOUTS}
+
+
+def layout_isas(layout, act_mode: str | None = None) -> tuple[str, ...]:
+    """The levels with a kernel for ``layout`` in ``act_mode`` (default: its first mode): scalar
+    and the levels of the layout's family (an x86 level never serves an arm layout, nor the
+    reverse) that serve its weight kind, in preference order (csrc/dispatch.cpp isa_serves)."""
+    mode = act_mode or layout.act_modes[0]
+    return tuple(
+        lv.name for lv in LEVELS
+        if (lv.arch is None or arch(lv.arch).layout_family == layout.family) and serves_kind(lv, layout.weight_dtype, mode)
+    )  # fmt: skip
 
 
 def _rst_table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
@@ -73,3 +85,20 @@ def max_isa() -> str:
     if value not in ISAS:
         raise UnsupportedError(f"MOEPACK_MAX_ISA={value!r} is not one of {', '.join(ISAS)}")
     return ISAS[min(ISAS.index(value), ISAS.index(host_isa()))]
+
+
+def host_family(machine: str | None = None) -> str:
+    """The layout family of this machine's architecture (moepack/isa_levels.py ARCHES: "x86" on
+    x86-64, "arm" on AArch64); an architecture the list lacks runs every family through the
+    scalar level only, and gets the first family, "x86"."""
+    arch = build_arch(machine or platform.machine())
+    return arch.layout_family if arch is not None else FAMILIES[0]
+
+
+def resolve_target(target: str) -> str:
+    """A convert target: a layout family ("x86", "arm") or "auto" (this machine's: host_family)."""
+    if target == "auto":
+        return host_family()
+    if target not in FAMILIES:
+        raise UnsupportedError(f"--target {target!r}: must be auto or one of the layout families {', '.join(FAMILIES)}")
+    return target

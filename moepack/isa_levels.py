@@ -34,6 +34,8 @@ class Arch:
     # tests/cpp: the level whose flags the SIMDe-emulated objects are compiled with when the build
     # host has it (native code around the emulated instructions); None: portable SIMDe only
     emulate_with: str | None = None
+    # CpuFeatures members its probe fills that no level needs: reported by cpu_flags, for information
+    info_features: tuple[str, ...] = ()
 
     @property
     def folder(self) -> str:
@@ -105,6 +107,17 @@ ARCHES = (
         layout_family="x86",
         intrinsics_header="<immintrin.h>",
         emulate_with="avx2",
+    ),
+    # AArch64 (Linux: getauxval HWCAP/HWCAP2; macOS: sysctlbyname hw.optional.*). Every level's
+    # kernel is built natively for its target; tests/cpp cross-builds them and runs them under
+    # qemu-user on x86 (tests/test_arm_cross.py), so no level has an SIMDe emulation.
+    Arch(
+        name="arm",
+        machines=("aarch64", "arm64"),
+        cpp_condition="defined(__aarch64__)",
+        layout_family="arm",
+        intrinsics_header="<arm_neon.h>",
+        info_features=("sve",),
     ),
 )
 
@@ -197,6 +210,44 @@ LEVELS = (
         probe="void f(void) { _tile_dpbssd(0, 1, 2); }",
         cpus="Sapphire Rapids, Emerald Rapids, Granite Rapids",
     ),
+    # ---- AArch64 (csrc/arm/). Baseline ARMv8-A has Advanced SIMD (every AArch64 CPU moepack
+    # targets); the others are optional features of ARMv8.2+ that -march=...+<feature> enables.
+    Level(
+        "neon",  # fp32 FMA on widened bf16; int8 with smull + sadalp
+        arch="arm",
+        needs=(cpu("Advanced SIMD (asimd)", "asimd"),),
+        cpus="every AArch64 CPU (Cortex-A53+, Graviton 1+, Apple M1+)",
+    ),
+    Level(
+        "neon_dotprod",  # sdot
+        arch="arm",
+        base="neon",
+        flags=("-march=armv8.2-a+dotprod",),
+        needs=(cpu("the dot product (SDOT, asimddp)", "asimddp"),),
+        serves=("i8", "u4:a8"),
+        probe="int32x4_t f(int32x4_t a, int8x16_t b, int8x16_t c) { return vdotq_s32(a, b, c); }",
+        cpus="Neoverse N1 (Graviton 2), Ampere Altra, Apple M1+",
+    ),
+    Level(
+        "neon_i8mm",  # smmla (2 rows x 2 columns x 8 K per instruction); sdot for an odd row
+        arch="arm",
+        base="neon_dotprod",
+        flags=("-march=armv8.2-a+dotprod+i8mm",),
+        needs=(cpu("the int8 matrix multiply (SMMLA, i8mm)", "i8mm"),),
+        serves=("i8", "u4:a8"),
+        probe="int32x4_t f(int32x4_t a, int8x16_t b, int8x16_t c) { return vmmlaq_s32(a, b, c); }",
+        cpus="Neoverse V1/N2/V2 (Graviton 3/4, Grace), Apple M2+",
+    ),
+    Level(
+        "neon_bf16",  # bfmmla (2 bf16 rows x 2 columns x 4 K), bfdot for an odd row; fp32 rows: fmla
+        arch="arm",
+        base="neon",
+        flags=("-march=armv8.2-a+bf16",),
+        needs=(cpu("BF16 (BFDOT/BFMMLA, bf16)", "bf16"),),
+        serves=("bf16", "u4:a16", "f8e4m3"),
+        probe="float32x4_t f(float32x4_t a, bfloat16x8_t b, bfloat16x8_t c) { return vbfmmlaq_f32(a, b, c); }",
+        cpus="Neoverse V1/N2/V2 (Graviton 3/4, Grace), Apple M2+",
+    ),
 )
 
 _BY_NAME = {lv.name: lv for lv in LEVELS}
@@ -238,8 +289,11 @@ def features_of(lv: Level, by: str | None = None) -> list[str]:
 
 
 def features(by: str | None = None) -> list[str]:
-    """Every CpuFeatures member some level needs (those of kind `by` only, when given), in order."""
-    return list(dict.fromkeys(f for lv in LEVELS for f in features_of(lv, by)))
+    """Every CpuFeatures member some level needs (those of kind `by` only, when given), in order;
+    without `by`, the architectures' information-only features (Arch.info_features) after them."""
+    needed = [f for lv in LEVELS for f in features_of(lv, by)]
+    info = [f for a in ARCHES for f in a.info_features] if by is None else []
+    return list(dict.fromkeys(needed + info))
 
 
 def arch_levels(arch_name: str) -> list[Level]:

@@ -234,11 +234,11 @@ def _u4_tensors(shape: str) -> tuple[TensorSpec, ...]:
     )
 
 
-def _u4_layout(id_: int, group: int) -> "PackedLayout":
+def _u4_layout(id_: int, group: int, family: str = "x86", block_n: int = 32) -> "PackedLayout":
     tag = f"g{group}" if group else "ch"
     return PackedLayout(
-        id=id_, name=f"u4{tag}_n32k8_x86", weight_dtype="u4", weight_bits=4, group_size=group, block_n=32,
-        k_pack=8, scale_dtype="f32", zero_kind="u4", family="x86", i_align=32, scheme="int4_group",
+        id=id_, name=f"u4{tag}_n{block_n}k8_{family}", weight_dtype="u4", weight_bits=4, group_size=group, block_n=block_n,
+        k_pack=8, scale_dtype="f32", zero_kind="u4", family=family, i_align=32, scheme="int4_group",
         act_modes=("a16", "a8"), tensors=_u4_tensors("group" if group else "channel"), code_order=U4_CODE_ORDER,
     )  # fmt: skip
 
@@ -265,11 +265,11 @@ def _f8_tensors(shape: str) -> tuple[TensorSpec, ...]:
     )
 
 
-def _f8_layout(id_: int, group: int) -> "PackedLayout":
+def _f8_layout(id_: int, group: int, family: str = "x86", block_n: int = 32, k_pack: int = 2) -> "PackedLayout":
     tag = f"g{group}" if group else "ch"
     return PackedLayout(
-        id=id_, name=f"f8{tag}_n32k2_x86", weight_dtype="f8e4m3", weight_bits=8, group_size=group, block_n=32,
-        k_pack=2, scale_dtype="f32", zero_kind="none", family="x86", i_align=32, scheme="fp8_block",
+        id=id_, name=f"f8{tag}_n{block_n}k{k_pack}_{family}", weight_dtype="f8e4m3", weight_bits=8, group_size=group,
+        block_n=block_n, k_pack=k_pack, scale_dtype="f32", zero_kind="none", family=family, i_align=32, scheme="fp8_block",
         act_modes=("a16",), tensors=_f8_tensors("group" if group else "channel"),
     )  # fmt: skip
 
@@ -343,6 +343,43 @@ LAYOUTS: tuple[PackedLayout, ...] = (
     _f8_layout(7, 128),
     _f8_layout(8, 0),
     _mx4_layout(9),
+    # ---- the arm family (AArch64 NEON, csrc/arm/; docs/KERNELS.md "ARM"): blocks of 16 columns,
+    # so a 128-bit register holds two columns' K runs (the B operand of the 2x2 matrix-multiply
+    # instructions) and a level keeps one or two rows' accumulators of a block in its 32 registers.
+    # I is still padded to 32, like the x86 layouts.
+    #
+    # Dense bf16: runs of 4 K values. One 16-byte vector = columns n, n+1 x K k..k+3 = the B operand
+    # of BFMMLA (2 rows x 4 K . 4 K x 2 columns); for BFDOT (an odd row) its 32-bit lanes are the
+    # K pairs (n: k..k+1, n: k+2..k+3, n+1: ..), against the row's 4 values broadcast to both 64-bit
+    # halves, the two partial sums of a column added at the end; without bf16 instructions (level
+    # neon) the low and high halves widen (shll #16) to the fp32 runs of columns n and n+1 for fmla.
+    # One layout serves the three.
+    PackedLayout(
+        id=10, name="bf16_n16k4_arm", weight_dtype="bf16", weight_bits=16, group_size=0, block_n=16, k_pack=4,
+        scale_dtype="none", zero_kind="none", family="arm", i_align=32, scheme="dense", act_modes=("a16",),
+        tensors=(_BF16_CODES,),
+    ),
+    # int8 (W8A8): runs of 8 K values. One 16-byte vector = columns n, n+1 x K k..k+7 = the B operand
+    # of SMMLA (2 rows x 8 K . 8 K x 2 columns); for SDOT its 32-bit lanes are the K quads (n: k..k+3,
+    # n: k+4..k+7, n+1: ..) against the row's 8 codes broadcast to both halves (pairwise added at the
+    # end); without SDOT (level neon) smull of each half + sadalp. One layout for SDOT and SMMLA, so
+    # a pack runs at the best level of any ARM CPU (a k_pack 4 layout would suit SDOT alone).
+    PackedLayout(
+        id=11, name="i8_n16k8_arm", weight_dtype="i8", weight_bits=8, group_size=0, block_n=16, k_pack=8,
+        scale_dtype="f32", zero_kind="none", family="arm", i_align=32, scheme="int8_channel", act_modes=("a8",),
+        tensors=_I8_TENSORS,
+    ),
+    # int4 group: the x86 code arrangement (runs of 8, U4_CODE_ORDER) in blocks of 16 columns: one
+    # 16-byte vector = 4 columns x 8 codes whose low nibbles are K k..k+3 and high nibbles k+4..k+7,
+    # each the 4-byte lane operand of SDOT. (The ARM levels decode them through the portable codec
+    # into their dense block today: docs/KERNELS.md.) The default group size 128 first.
+    _u4_layout(12, 128, "arm", 16),
+    _u4_layout(13, 32, "arm", 16),
+    _u4_layout(14, 64, "arm", 16),
+    _u4_layout(15, 0, "arm", 16),
+    # fp8 block: blocked like bf16_n16k4_arm, so a decoded K slice is the ARM dense block.
+    _f8_layout(16, 128, "arm", 16, 4),
+    _f8_layout(17, 0, "arm", 16, 4),
 )
 
 _BY_ID = {layout.id: layout for layout in LAYOUTS}
@@ -354,6 +391,7 @@ INT8_LAYOUT = _BY_NAME["i8_n32k4_x86"]
 INT4_LAYOUT = _BY_NAME["u4g128_n32k8_x86"]  # pack_experts' int4 default (symmetric, group 128)
 FP8_LAYOUT = _BY_NAME["f8g128_n32k2_x86"]  # DeepSeek-style 128 x 128 blocks
 MXFP4_LAYOUT = _BY_NAME["mx4g32_n32k8_x86"]
+ARM_LAYOUT = _BY_NAME["bf16_n16k4_arm"]  # the arm family's dense layout
 
 
 def int4_layout_for(group_size: int, family: str = "x86") -> PackedLayout:

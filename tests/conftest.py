@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import moepack
-from moepack.isa import KERNEL_ISAS, available_isas, host_isa
+from moepack.isa import KERNEL_ISAS, available_isas, host_isa, layout_isas
 from moepack.pack import PackedExperts, pack_experts
 from moepack.reference import moe_reference
 from tests.synthetic import SYNTH, write_synthetic_checkpoint
@@ -85,7 +85,7 @@ def isa(request, monkeypatch) -> str:
 
 # Every (layout, kernel level) pair this build has: the driver's routing, expert_map, strides,
 # threads and refusals are shared by every scheme, so their tests run on each pair.
-LAYOUT_ISAS = [(lay, lv) for lay in moepack.LAYOUTS for lv in KERNEL_ISAS[lay.weight_dtype]]
+LAYOUT_ISAS = [(lay, lv) for lay in moepack.LAYOUTS for lv in layout_isas(lay)]
 
 
 @pytest.fixture(params=LAYOUT_ISAS, ids=[f"{lay.name}-{lv}" for lay, lv in LAYOUT_ISAS])

@@ -181,7 +181,8 @@ def test_exit_codes(packed, tmp_path):
         (("verify", packed, "--source", tmp_path / "nope"), "not a directory"),
         (("convert", fixture_dir("qwen3_moe"), tmp_path / "a", "--shard-gib", 0), "--shard-gib 0.0: must be positive"),
         (("convert", fixture_dir("qwen3_moe"), tmp_path / "b", "--threads", 0), "threads=0: must be a positive integer"),
-        (("convert", fixture_dir("qwen3_moe"), tmp_path / "c", "--isa", "arm"), "--isa 'arm'"),
+        (("convert", fixture_dir("qwen3_moe"), tmp_path / "c", "--target", "riscv"), "--target 'riscv'"),
+        (("convert", fixture_dir("qwen3_moe"), tmp_path / "d", "--isa", "riscv"), "--target 'riscv'"),
         (("convert", fixture_dir("qwen3_moe"), packed), "already exists"),
     ):
         r = cli(*args)

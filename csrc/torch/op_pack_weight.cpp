@@ -199,7 +199,7 @@ at::Tensor huge_page_copy_cpu(const at::Tensor& t) {
   const uintptr_t huge = uintptr_t(2) << 20;
   const uintptr_t lo = (reinterpret_cast<uintptr_t>(d) + huge - 1) & ~(huge - 1);
   const uintptr_t hi = (reinterpret_cast<uintptr_t>(d) + uintptr_t(n)) & ~(huge - 1);
-  if (hi > lo) (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
+  if (hi > lo) advise_huge_pages(reinterpret_cast<void*>(lo), hi - lo);
   const char* sp = static_cast<const char*>(src.data_ptr());
   at::parallel_for(0, n, int64_t(1) << 22, [&](int64_t b, int64_t e) { std::memcpy(d + b, sp + b, size_t(e - b)); });
   return out;

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from ..isa import host_family
 from ..layout import layout_flops
 from .probe import MachineProbe, _loadavg, describe_limits, kernel_instruction, machine_info, probe_machine
 from .report import PLAIN_SCHEME, BenchResult, Row
@@ -66,7 +67,7 @@ class BenchConfig:
             raise ValueError(f"--scheme: {e}") from None
         self.scheme = sch.name
         if self.act_mode is not None:
-            modes = sch.layout_for("x86").act_modes
+            modes = sch.layout_for(host_family()).act_modes
             if self.act_mode not in modes:
                 raise ValueError(f"--act-mode {self.act_mode!r}: scheme {sch.name} runs with {' or '.join(modes)} activations")
         if not (self.min_time > 0 and math.isfinite(self.min_time)):
@@ -137,7 +138,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
     from ..schemes import get_scheme
 
     scheme = get_scheme(cfg.scheme)
-    layout = scheme.layout_for("x86")
+    layout = scheme.layout_for(host_family())
     act_mode = cfg.act_mode or layout.act_modes[0]
     kernel_isa = moepack.kernel_choice(layout, act_mode).isa
     instruction = kernel_instruction(layout.weight_dtype, kernel_isa, act_mode)

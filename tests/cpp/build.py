@@ -29,6 +29,13 @@ After compiling it checks that an emulated object contains no instruction of the
 exports nothing but its register_* function (an exported inline function compiled with ISA flags
 could be picked by the linker for baseline code). Needs g++ (or $CXX) and SIMDe (Debian/Ubuntu: apt-get install libsimde-dev).
 Objects are rebuilt when a source, a csrc header or this script is newer, or flags changed.
+
+Cross build (--arch ARCH, another architecture than the host's: tests/test_arm_cross.py):
+    python tests/cpp/build.py --arch arm [--run]
+compiles every level of ARCH natively for it with CROSS_PREFIXES[ARCH] (aarch64-linux-gnu-g++,
+-nm, -objdump; $CROSS_CXX overrides the compiler), links the binary statically, and --run runs
+it under the user-mode emulator (qemu-aarch64 -cpu max: every optional feature of the
+architecture, so every level runs). No level of ARM is emulated through SIMDe.
 """
 
 from __future__ import annotations
@@ -62,10 +69,49 @@ ISA = SimpleNamespace(**runpy.run_path(os.path.join(ROOT, "moepack", "isa_levels
 EMULATED_INSN = {
     "x86": re.compile(r"%?\bzmm\d+|%k[0-7]\b|\b[xy]mm(1[6-9]|2\d|3[01])\b|\bv(pdpbus|pdpws|dpbf16)"),
 }
+# Cross builds: the GNU toolchain prefix of an architecture, and the user-mode emulator that runs
+# its binaries on this host (with the CPU model that has every optional feature).
+CROSS_PREFIXES = {"arm": "aarch64-linux-gnu-"}
+CROSS_RUNNERS = {"arm": ["qemu-aarch64", "-cpu", "max"]}
+# The instruction of each level of a cross-built architecture that its object must contain (the
+# level's flags took effect and its kernels were compiled in, not an empty MOEPACK_OMIT_LEVEL).
+LEVEL_INSN = {
+    "neon_dotprod": re.compile(r"\bsdot\b"),
+    "neon_i8mm": re.compile(r"\bsmmla\b"),
+    "neon_bf16": re.compile(r"\bbfmmla\b|\bbfdot\b"),
+}
+
+
+_TARGET: dict = {"arch": None}  # build(): the architecture being built for (None: the host's)
 
 
 def cxx() -> list[str]:
+    cross = _TARGET["arch"]
+    if cross is not None:
+        return shlex.split(os.environ.get("CROSS_CXX", CROSS_PREFIXES[cross] + "g++"))
     return shlex.split(os.environ.get("CXX", "g++"))
+
+
+def binutil(name: str) -> str:
+    """nm / objdump for the architecture being built for."""
+    cross = _TARGET["arch"]
+    return CROSS_PREFIXES[cross] + name if cross is not None else name
+
+
+def cross_toolchain(arch_name: str) -> tuple[bool, str]:
+    """(True, '') when the cross compiler, binutils and emulator of arch_name are installed, else (False, why)."""
+    import shutil
+
+    prefix = CROSS_PREFIXES.get(arch_name)
+    if prefix is None:
+        return False, f"no cross toolchain is known for architecture {arch_name!r} (CROSS_PREFIXES)"
+    compiler = shlex.split(os.environ.get("CROSS_CXX", prefix + "g++"))[0]
+    need = [compiler, prefix + "nm", prefix + "objdump", CROSS_RUNNERS[arch_name][0]]
+    missing = [n for n in need if shutil.which(n) is None]
+    if missing:
+        return False, (f"{', '.join(missing)} not found (Debian/Ubuntu: apt-get install g++-aarch64-linux-gnu qemu-user; "
+                       "make setup-test installs them)")
+    return True, ""
 
 
 def simde_available() -> tuple[bool, str]:
@@ -126,7 +172,7 @@ def _compile(obj: str, src: str, flags: list[str], extra: list[str]) -> tuple[st
 
 
 def _exported(obj: str) -> list[str]:
-    r = subprocess.run(["nm", "-C", "--defined-only", obj], capture_output=True, text=True, check=True)
+    r = subprocess.run([binutil("nm"), "-C", "--defined-only", obj], capture_output=True, text=True, check=True)
     out = []
     for line in r.stdout.splitlines():
         parts = line.split(None, 2)
@@ -135,24 +181,37 @@ def _exported(obj: str) -> list[str]:
     return out
 
 
-def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "") -> str:
+def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "", arch_name: str | None = None) -> str:
     """Builds the test binary; returns its path. Raises RuntimeError with the compiler output.
 
-    sanitize: e.g. "address,undefined" or "thread" (-fsanitize=...; use its own build_dir)."""
+    sanitize: e.g. "address,undefined" or "thread" (-fsanitize=...; use its own build_dir).
+    arch_name: build for this architecture of moepack/isa_levels.py (None: the host's); another
+    than the host's is a cross build (a static binary for CROSS_RUNNERS)."""
     extra = [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g"] if sanitize else []
-    ok, why = simde_available()
-    if not ok:
-        raise RuntimeError(why)
-    os.makedirs(build_dir, exist_ok=True)
-    arch = ISA.build_arch(platform.machine())
-    if arch is None:
-        raise RuntimeError(f"platform.machine()={platform.machine()!r} is none of moepack/isa_levels.py's ARCHES "
-                           f"({', '.join(a.name for a in ISA.ARCHES)}): tests/cpp builds one architecture's kernels")
+    host_arch = ISA.build_arch(platform.machine())
+    if arch_name is None:
+        arch = host_arch
+        if arch is None:
+            raise RuntimeError(f"platform.machine()={platform.machine()!r} is none of moepack/isa_levels.py's ARCHES "
+                               f"({', '.join(a.name for a in ISA.ARCHES)}): tests/cpp builds one architecture's kernels")
+    else:
+        arch = ISA.arch(arch_name)
+    cross = host_arch is None or arch.name != host_arch.name
+    _TARGET["arch"] = arch.name if cross else None
+    if cross:
+        ok, why = cross_toolchain(arch.name)
+        if not ok:
+            raise RuntimeError(why)
     levels = ISA.arch_levels(arch.name)
+    if any(lv.emulate for lv in levels):
+        ok, why = simde_available()
+        if not ok:
+            raise RuntimeError(why)
+    os.makedirs(build_dir, exist_ok=True)
     # the emulated objects run native code of Arch.emulate_with around the emulated instructions
     # where the build host has that level (/proc/cpuinfo: its CPU features)
     emu_host = ISA.level(arch.emulate_with) if arch.emulate_with else None
-    emu_flags = ISA.all_flags(emu_host) if emu_host and host_has(*ISA.features_of(emu_host, "cpu")) else []
+    emu_flags = ISA.all_flags(emu_host) if emu_host and not cross and host_has(*ISA.features_of(emu_host, "cpu")) else []
     units = {
         "scalar": (ISA.level("scalar").source, []),
         "pack": ("csrc/pack.cpp", []),
@@ -163,6 +222,8 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "") -> str:
     for lv in levels:
         if lv.emulate is None:
             units[lv.name] = (lv.source, ISA.all_flags(lv))
+            if lv.probe is not None:  # what setup.py builds when the toolchain fails the probe
+                units[lv.name + "_omit"] = (lv.source, ["-DMOEPACK_OMIT_LEVEL"])
             continue
         # what setup.py builds when the compiler lacks the level's flags: an empty register_<lv>
         units[lv.name + "_omit"] = (lv.source, ["-DMOEPACK_OMIT_LEVEL"])
@@ -214,14 +275,23 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "") -> str:
     for lv in emulated:
         if arch.name not in EMULATED_INSN:
             raise RuntimeError(f"level {lv} is emulated but EMULATED_INSN has no pattern for architecture {arch.name}")
-        dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", results[lv + "_emu"][0]], capture_output=True,
-                             text=True, check=True).stdout
+        dis = subprocess.run([binutil("objdump"), "-d", "--no-show-raw-insn", results[lv + "_emu"][0]],
+                             capture_output=True, text=True, check=True).stdout
         bad = [ln.strip() for ln in dis.splitlines() if EMULATED_INSN[arch.name].search(ln)]
         if bad:
             raise RuntimeError(f"the emulated {lv} object contains instructions of the level:\n" + "\n".join(bad[:20]))
+    # A level's object contains its key instruction (its flags took effect; nothing was omitted).
+    for lv in levels:
+        pat = LEVEL_INSN.get(lv.name)
+        if pat is None or lv.name not in link:
+            continue
+        dis = subprocess.run([binutil("objdump"), "-d", "--no-show-raw-insn", results[lv.name][0]], capture_output=True,
+                             text=True, check=True).stdout
+        if not pat.search(dis):
+            raise RuntimeError(f"the {lv.name} object contains no {pat.pattern} instruction: its kernels were not compiled in")
     # ISA objects export exactly their register function.
     want = dict(link)
-    want.update({lv.name + "_omit": f"register_{lv.name}" for lv in levels if lv.emulate})
+    want.update({lv.name + "_omit": f"register_{lv.name}" for lv in levels if lv.name + "_omit" in results})
     for name, fn in want.items():
         syms = _exported(results[name][0])
         if syms != [f"moepack::{fn}(moepack::KernelTable&)"]:
@@ -229,9 +299,14 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "") -> str:
 
     objs = [results[n][0] for n in ("scalar", "pack", "dispatch", "cpu_features")] + [results[n][0] for n in link] + [obj]
     exe = os.path.join(build_dir, "test_kernels")
-    r = subprocess.run(cxx() + extra + objs + ["-pthread", "-o", exe], capture_output=True, text=True)
+    static = ["-static"] if cross else []  # the emulator then needs no target sysroot
+    r = subprocess.run(cxx() + extra + objs + ["-pthread"] + static + ["-o", exe], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError("link failed:\n" + r.stdout + r.stderr)
+    if cross:
+        log(f"built {exe} in {time.time() - t0:.1f}s (cross-built for {arch.name}, static; levels "
+            f"{', '.join(lv.name for lv in levels)}; run it with {' '.join(CROSS_RUNNERS[arch.name])})")
+        return exe
     over = emu_host.name if emu_flags else "portable SIMDe"
     log(f"built {exe} in {time.time() - t0:.1f}s (emulated {', '.join(emulated) or 'none'} over {over}; "
         f"native objects linked: {', '.join(lv for lv, ok in native.items() if ok) or 'none'})")
@@ -243,18 +318,23 @@ def main() -> int:
     ap.add_argument("--build-dir", default=DEFAULT_BUILD)
     ap.add_argument("--run", action="store_true", help="run the binary after building it")
     ap.add_argument("--sanitize", default="", help='e.g. "address,undefined" or "thread" (default build dir: build/san-<name>)')
+    ap.add_argument("--arch", default=None, help="build for this architecture of moepack/isa_levels.py (e.g. arm: "
+                    "a cross build, run under its emulator; default build dir: build/<arch>)")
     ap.add_argument("args", nargs="*", help="arguments for the binary (after --), e.g. -v")
     a = ap.parse_args()
     try:
         build_dir = a.build_dir
         if a.sanitize and build_dir == DEFAULT_BUILD:
             build_dir = os.path.join(DEFAULT_BUILD, "san-" + a.sanitize.replace(",", "-"))
-        exe = build(build_dir, sanitize=a.sanitize)
+        if a.arch and build_dir == DEFAULT_BUILD:
+            build_dir = os.path.join(DEFAULT_BUILD, a.arch)
+        exe = build(build_dir, sanitize=a.sanitize, arch_name=a.arch)
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 2
     if a.run:
-        return subprocess.run([exe] + a.args).returncode
+        runner = CROSS_RUNNERS[_TARGET["arch"]] if _TARGET["arch"] else []
+        return subprocess.run(runner + [exe] + a.args).returncode
     return 0
 
 

@@ -53,6 +53,29 @@ using namespace moepack;
 
 namespace {
 
+// The layouts the tests run every level on: the family of the architecture this binary is built
+// for (tests/cpp/build.py builds one architecture; moepack/layout.py). The tests of one blocking's
+// rules (kt_misc, kt_seam) name x86 layouts and run on any architecture (scalar and the table).
+#if defined(__aarch64__)
+const LayoutDesc& kTDense = kLayout_bf16_n16k4_arm;
+const LayoutDesc& kTI8 = kLayout_i8_n16k8_arm;
+const LayoutDesc& kTU4g32 = kLayout_u4g32_n16k8_arm;
+const LayoutDesc& kTU4g128 = kLayout_u4g128_n16k8_arm;
+const LayoutDesc& kTU4ch = kLayout_u4ch_n16k8_arm;
+const LayoutDesc& kTF8g128 = kLayout_f8g128_n16k4_arm;
+const LayoutDesc& kTF8ch = kLayout_f8ch_n16k4_arm;
+#else
+const LayoutDesc& kTDense = kLayout_bf16_n32k2_x86;
+const LayoutDesc& kTI8 = kLayout_i8_n32k4_x86;
+const LayoutDesc& kTU4g32 = kLayout_u4g32_n32k8_x86;
+const LayoutDesc& kTU4g128 = kLayout_u4g128_n32k8_x86;
+const LayoutDesc& kTU4ch = kLayout_u4ch_n32k8_x86;
+const LayoutDesc& kTF8g128 = kLayout_f8g128_n32k2_x86;
+const LayoutDesc& kTF8ch = kLayout_f8ch_n32k2_x86;
+#endif
+// --quick (the emulated cross runs, tests/test_arm_cross.py): every 5th case of the big dense loop
+bool g_quick = false;
+
 #include "kt_common.inc"
 #include "kt_problem.inc"
 #include "kt_misc.inc"
@@ -67,6 +90,14 @@ namespace {
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "-v") == 0) g_verbose = true;
+    if (std::strcmp(argv[i], "--quick") == 0) g_quick = true;
+    if (std::strcmp(argv[i], "--levels") == 0) {  // what cpu_features.cpp finds: one line per level
+      for (int l = 0; l < kNumIsa; ++l) {
+        const char* why = isa_unavailable_reason(Isa(l));
+        std::printf("level %s: %s\n", isa_name(Isa(l)), why ? why : "available");
+      }
+      return 0;
+    }
   }
   const auto t0 = std::chrono::steady_clock::now();
   collect_kernels();
@@ -111,6 +142,7 @@ int main(int argc, char** argv) {
           for (int ki = 0; ki < nk; ++ki) {
             for (int bias = 0; bias < 2; ++bias) {
               ++variant;
+              if (g_quick && variant % 5 != 0) continue;
               Case c;
               c.T = T;
               c.H = s.H;

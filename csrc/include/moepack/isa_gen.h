@@ -12,6 +12,10 @@
 #define MOEPACK_ARCH_x86 1
 #define MOEPACK_ARCH_KNOWN 1
 #define MOEPACK_BUILT_ISA_LEVELS(X) X(scalar) X(avx2) X(avx_vnni) X(avx512) X(avx512_vnni) X(avx512_bf16) X(amx_bf16) X(amx_int8)
+#elif defined(__aarch64__)
+#define MOEPACK_ARCH_arm 1
+#define MOEPACK_ARCH_KNOWN 1
+#define MOEPACK_BUILT_ISA_LEVELS(X) X(scalar) X(neon) X(neon_dotprod) X(neon_i8mm) X(neon_bf16)
 #else
 #define MOEPACK_ARCH_KNOWN 0
 #define MOEPACK_BUILT_ISA_LEVELS(X) X(scalar)
@@ -19,19 +23,22 @@
 #ifndef MOEPACK_ARCH_x86
 #define MOEPACK_ARCH_x86 0
 #endif
+#ifndef MOEPACK_ARCH_arm
+#define MOEPACK_ARCH_arm 0
+#endif
 
 // X(isa) for every level, in preference order.
-#define MOEPACK_ISA_LEVELS(X) X(scalar) X(avx2) X(avx_vnni) X(avx512) X(avx512_vnni) X(avx512_bf16) X(amx_bf16) X(amx_int8)
+#define MOEPACK_ISA_LEVELS(X) X(scalar) X(avx2) X(avx_vnni) X(avx512) X(avx512_vnni) X(avx512_bf16) X(amx_bf16) X(amx_int8) X(neon) X(neon_dotprod) X(neon_i8mm) X(neon_bf16)
 // X(feature) for every CpuFeatures member.
-#define MOEPACK_CPU_FEATURES(X) X(avx2) X(fma) X(f16c) X(os_avx) X(avx_vnni) X(avx512f) X(avx512bw) X(avx512vl) X(avx512dq) X(os_avx512) X(avx512_vnni) X(avx512_bf16) X(amx_tile) X(amx_bf16) X(avx512vbmi) X(os_amx) X(amx_int8)
+#define MOEPACK_CPU_FEATURES(X) X(avx2) X(fma) X(f16c) X(os_avx) X(avx_vnni) X(avx512f) X(avx512bw) X(avx512vl) X(avx512dq) X(os_avx512) X(avx512_vnni) X(avx512_bf16) X(amx_tile) X(amx_bf16) X(avx512vbmi) X(os_amx) X(amx_int8) X(asimd) X(asimddp) X(i8mm) X(bf16) X(sve)
 
 namespace moepack {
 
 // Kernel ISA levels. Order is preference: a higher value is a better kernel when the CPU has it
 // and it serves the layout (docs/KERNELS.md, Dispatch).
-enum class Isa : int32_t { scalar = 0, avx2 = 1, avx_vnni = 2, avx512 = 3, avx512_vnni = 4, avx512_bf16 = 5, amx_bf16 = 6, amx_int8 = 7 };
-constexpr int kNumIsa = 8;
-constexpr const char* kIsaNames = "scalar, avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16, amx_bf16, amx_int8";  // for refusals
+enum class Isa : int32_t { scalar = 0, avx2 = 1, avx_vnni = 2, avx512 = 3, avx512_vnni = 4, avx512_bf16 = 5, amx_bf16 = 6, amx_int8 = 7, neon = 8, neon_dotprod = 9, neon_i8mm = 10, neon_bf16 = 11 };
+constexpr int kNumIsa = 12;
+constexpr const char* kIsaNames = "scalar, avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16, amx_bf16, amx_int8, neon, neon_dotprod, neon_i8mm, neon_bf16";  // for refusals
 
 // What this CPU and OS provide: csrc/<arch>/cpu_features.cpp sets its architecture's members
 // (named as Linux's /proc/cpuinfo names the features; os_*: the OS saves those registers).
@@ -53,6 +60,11 @@ struct CpuFeatures {
   bool avx512vbmi = false;
   bool os_amx = false;
   bool amx_int8 = false;
+  bool asimd = false;
+  bool asimddp = false;
+  bool i8mm = false;
+  bool bf16 = false;
+  bool sve = false;
 };
 
 // One requirement of a level: every non-null member of `features` is true, else `reason`.
@@ -80,6 +92,10 @@ constexpr IsaLevel kIsaLevels[kNumIsa] = {
     {"avx512_bf16", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, (1u << (2 * kWeight_bf16 + 0)) | (1u << (2 * kWeight_bf16 + 1)) | (1u << (2 * kWeight_u4 + 0)) | (1u << (2 * kWeight_f8e4m3 + 0)) | (1u << (2 * kWeight_f8e4m3 + 1)) | (1u << (2 * kWeight_e2m1 + 0)), {{"the CPU lacks AVX512_BF16", {&CpuFeatures::avx512_bf16}}, {"the CPU lacks AVX-512 F/BW/VL/DQ", {&CpuFeatures::avx512f, &CpuFeatures::avx512bw, &CpuFeatures::avx512vl, &CpuFeatures::avx512dq}}, {"the OS does not enable AVX-512 state (XCR0 opmask/ZMM)", {&CpuFeatures::os_avx512}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
     {"amx_bf16", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, (1u << (2 * kWeight_bf16 + 0)) | (1u << (2 * kWeight_bf16 + 1)) | (1u << (2 * kWeight_u4 + 0)) | (1u << (2 * kWeight_f8e4m3 + 0)) | (1u << (2 * kWeight_f8e4m3 + 1)) | (1u << (2 * kWeight_e2m1 + 0)), {{"the CPU lacks AMX-TILE/AMX-BF16", {&CpuFeatures::amx_tile, &CpuFeatures::amx_bf16}}, {"the CPU lacks AVX512_VBMI", {&CpuFeatures::avx512vbmi}}, {"the OS does not enable AMX tile data (XCR0 and the kernel's permission, arch_prctl)", {&CpuFeatures::os_amx}}, {"the CPU lacks AVX512_BF16", {&CpuFeatures::avx512_bf16}}, {"the CPU lacks AVX-512 F/BW/VL/DQ", {&CpuFeatures::avx512f, &CpuFeatures::avx512bw, &CpuFeatures::avx512vl, &CpuFeatures::avx512dq}}, {"the OS does not enable AVX-512 state (XCR0 opmask/ZMM)", {&CpuFeatures::os_avx512}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
     {"amx_int8", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, (1u << (2 * kWeight_i8 + 0)) | (1u << (2 * kWeight_i8 + 1)) | (1u << (2 * kWeight_u4 + 1)) | (1u << (2 * kWeight_e2m1 + 1)), {{"the CPU lacks AMX-TILE/AMX-INT8", {&CpuFeatures::amx_tile, &CpuFeatures::amx_int8}}, {"the OS does not enable AMX tile data (XCR0 and the kernel's permission, arch_prctl)", {&CpuFeatures::os_amx}}, {"the CPU lacks AVX512_VNNI", {&CpuFeatures::avx512_vnni}}, {"the CPU lacks AVX-512 F/BW/VL/DQ", {&CpuFeatures::avx512f, &CpuFeatures::avx512bw, &CpuFeatures::avx512vl, &CpuFeatures::avx512dq}}, {"the OS does not enable AVX-512 state (XCR0 opmask/ZMM)", {&CpuFeatures::os_avx512}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
+    {"neon", MOEPACK_ARCH_arm != 0, "not an arm CPU", kFamily_arm, 0, {{"the CPU lacks Advanced SIMD (asimd)", {&CpuFeatures::asimd}}}},
+    {"neon_dotprod", MOEPACK_ARCH_arm != 0, "not an arm CPU", kFamily_arm, (1u << (2 * kWeight_i8 + 0)) | (1u << (2 * kWeight_i8 + 1)) | (1u << (2 * kWeight_u4 + 1)), {{"the CPU lacks the dot product (SDOT, asimddp)", {&CpuFeatures::asimddp}}, {"the CPU lacks Advanced SIMD (asimd)", {&CpuFeatures::asimd}}}},
+    {"neon_i8mm", MOEPACK_ARCH_arm != 0, "not an arm CPU", kFamily_arm, (1u << (2 * kWeight_i8 + 0)) | (1u << (2 * kWeight_i8 + 1)) | (1u << (2 * kWeight_u4 + 1)), {{"the CPU lacks the int8 matrix multiply (SMMLA, i8mm)", {&CpuFeatures::i8mm}}, {"the CPU lacks the dot product (SDOT, asimddp)", {&CpuFeatures::asimddp}}, {"the CPU lacks Advanced SIMD (asimd)", {&CpuFeatures::asimd}}}},
+    {"neon_bf16", MOEPACK_ARCH_arm != 0, "not an arm CPU", kFamily_arm, (1u << (2 * kWeight_bf16 + 0)) | (1u << (2 * kWeight_bf16 + 1)) | (1u << (2 * kWeight_u4 + 0)) | (1u << (2 * kWeight_f8e4m3 + 0)) | (1u << (2 * kWeight_f8e4m3 + 1)), {{"the CPU lacks BF16 (BFDOT/BFMMLA, bf16)", {&CpuFeatures::bf16}}, {"the CPU lacks Advanced SIMD (asimd)", {&CpuFeatures::asimd}}}},
 };
 
 }  // namespace moepack

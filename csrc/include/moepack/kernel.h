@@ -13,6 +13,16 @@
 
 namespace moepack {
 
+// The transparent-huge-page hint (madvise MADV_HUGEPAGE) is Linux's; where the OS has no such
+// advice (macOS) it is dropped: the memory is the same, only the TLB pressure differs.
+inline void advise_huge_pages(void* p, size_t bytes) {
+#if defined(MADV_HUGEPAGE)
+  (void)madvise(p, bytes, MADV_HUGEPAGE);  // a hint: refused or ignored where THP is off
+#else
+  (void)p, (void)bytes;
+#endif
+}
+
 // Kernel ISA levels: the `Isa` enum (order = preference), kNumIsa, CpuFeatures and the kIsaLevels
 // table are generated from moepack/isa_levels.py, the one list of levels, into isa_gen.h
 // (docs/KERNELS.md, Dispatch; docs/CONTRIBUTING.md: how to add an ISA level).
