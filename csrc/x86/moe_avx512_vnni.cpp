@@ -27,7 +27,7 @@ struct MK : Avx512Base {
 
   // acc[m, 32] = exact int32 dot products of one 32-column int8 block (rows u8 = q + 128),
   // prefetching `next_bytes` of the worker's next block (`next`) while the tiles compute. The
-  // column sums of the u8 offset come from the block's codes (the stored ones are not read).
+  // stored column sums are not read (the kernels offset the weights: avx512_vnni_common.h).
   static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t*,
                       int32_t* C, const char* next = nullptr, int64_t next_bytes = 0) {
     gemm_i8_vnni_rows(x, m, B, kp, C, NextLines{next, next_bytes / 64});
