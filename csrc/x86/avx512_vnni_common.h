@@ -13,105 +13,135 @@ namespace {
 
 using namespace x86_avx512;
 
-// ---- int8 layouts (AVX512_VNNI): u8 rows x s8 weights with vpdpbusd -------------------------
+// ---- int8 layouts (AVX512_VNNI): vpdpbusd, u8 x s8 ------------------------------------------
 // One block of i8_n32k4_x86 is [Kp/4][32 columns][4] int8: per K quad 128 bytes = 2 zmm whose
-// 32-bit lanes hold w[n][k..k+3], exactly vpdpbusd's signed operand. Its unsigned operand is
-// the row's 4 codes broadcast; the driver stores rows as u8 = q + 128 (MK::kI8RowsU8), so
-//   acc = sum (q + 128) w = sum q w + 128 colsum[n],  and the exact result is acc - (colsum << 7).
+// 32-bit lanes hold w[n][k..k+3]; the row's 4 codes are broadcast to every lane. vpdpbusd takes
+// one unsigned and one signed operand, and both codes are signed, so one of them gets an offset of
+// 128. These kernels offset the weights: u = w ^ 0x80 = w + 128 as u8 (one vpxord per weight
+// vector, shared by the tile's rows, on a port the dot products leave free), the rows are the
+// signed operand, and
+//   acc = sum (w + 128) q = sum q w + 128 sum_k q[k],  so the exact result is acc - 128 rowsum.
+// The correction is the row's own code sum (i8_row_sum, kp / 64 steps per row): nothing of the
+// pack's stored column sums (w13_colsum, w2_colsum) is read, so a pack whose stored sums disagree
+// with its codes gives every level the same exact products (docs/KERNELS.md "int8 column sums").
 // vpdpbusd adds the four u8 x s8 products (each |.| <= 255 * 128) into the i32 lane without
 // saturating (it is vpdpbusds that saturates); int32 wraparound cancels in the subtraction.
-// kRowXor: what the row's code words are XORed with before use: 0 for rows stored as u8 = q + 128,
-// 0x80808080 for signed rows (q ^ 0x80 = q + 128 as u8: the same arithmetic, encoded on the fly).
+// kRowXor: how the rows are stored: 0 for u8 = q + 128 (MK::kI8RowsU8: the avx512_vnni level),
+// 0x80808080 for signed codes (amx_int8); each code word is XORed with kRowXor ^ 0x80808080 to give
+// the signed codes (nothing for signed rows).
 // `nl`: the next block's lines this tile prefetches (NextLines).
+
+// sum_k q[k] of a row of kp codes (zero codes up to kp, stored like the others): vpdpbusd of the
+// bytes against ones, 64 at a time, the tail one byte at a time (u8 rows: their u8 sum - 128 kp).
+template <uint32_t kRowXor>
+static inline int32_t i8_row_sum(const int8_t* x, int64_t kp) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i s = _mm512_setzero_si512();
+  int64_t k = 0;
+  for (; k + 64 <= kp; k += 64) {
+    const __m512i v = _mm512_loadu_si512(x + k);
+    s = kRowXor ? _mm512_dpbusd_epi32(s, ones, v) : _mm512_dpbusd_epi32(s, v, ones);  // s8 sum : u8 sum
+  }
+  alignas(64) int32_t l[16];
+  _mm512_store_si512(l, s);
+  uint32_t t = 0;
+  for (int i = 0; i < 16; ++i) t += uint32_t(l[i]);
+  for (; k < kp; ++k) t += kRowXor ? uint32_t(int32_t(x[k])) : uint32_t(uint8_t(x[k]));
+  return int32_t(kRowXor ? t : t - (uint32_t(kp) << 7));
+}
+
+// C[r] = acc[r] - 128 rowsum(x[r]) for one row's two column halves.
+template <uint32_t kRowXor>
+static inline void i8_store_row(int32_t* C, __m512i s0, __m512i s1, const int8_t* x, int64_t kp) {
+  const __m512i c = _mm512_set1_epi32(int32_t(uint32_t(i8_row_sum<kRowXor>(x, kp)) << 7));
+  _mm512_storeu_si512(C, _mm512_sub_epi32(s0, c));
+  _mm512_storeu_si512(C + 16, _mm512_sub_epi32(s1, c));
+}
+
 template <int MR, uint32_t kRowXor = 0>
-static inline void gemm_i8_tile(const int8_t* const* x, const int8_t* B, int64_t kp, const int32_t* colsum, int32_t* C,
-                                NextLines nl = {}) {
+static inline void gemm_i8_tile(const int8_t* const* x, const int8_t* B, int64_t kp, int32_t* C, NextLines nl = {}) {
   __m512i acc[MR][2];
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  const __m512i k80 = _mm512_set1_epi8(char(0x80));
   const __m512i* b = reinterpret_cast<const __m512i*>(B);
   const bool two = nl.lines > kp / 4;
   for (int64_t kq = 0; kq < kp / 4; ++kq, b += 2) {
     next_lines_step(nl, two);
-    const __m512i w0 = _mm512_loadu_si512(b), w1 = _mm512_loadu_si512(b + 1);
+    const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(b), k80);
+    const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(b + 1), k80);
     for (int r = 0; r < MR; ++r) {
       uint32_t v;
       std::memcpy(&v, x[r] + 4 * kq, 4);
-      const __m512i xr = _mm512_set1_epi32(int(v ^ kRowXor));
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], xr, w0);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], xr, w1);
+      const __m512i xr = _mm512_set1_epi32(int(v ^ kRowXor ^ 0x80808080u));  // the signed codes
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, xr);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, xr);
     }
   }
-  const __m512i c0 = _mm512_slli_epi32(_mm512_loadu_si512(colsum), 7);
-  const __m512i c1 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + 16), 7);
-  for (int r = 0; r < MR; ++r) {
-    _mm512_storeu_si512(C + r * 32, _mm512_sub_epi32(acc[r][0], c0));
-    _mm512_storeu_si512(C + r * 32 + 16, _mm512_sub_epi32(acc[r][1], c1));
-  }
+  for (int r = 0; r < MR; ++r) i8_store_row<kRowXor>(C + r * 32, acc[r][0], acc[r][1], x[r], kp);
 }
 
 // Few rows (decode): MR rows against S K segments streamed at once (for_k_streams).
 template <int MR, int S, uint32_t kRowXor = 0>
-static inline void gemm_i8_streams(const int8_t* const* x, const int8_t* B, int64_t kp, const int32_t* colsum, int32_t* C) {
+static inline void gemm_i8_streams(const int8_t* const* x, const int8_t* B, int64_t kp, int32_t* C) {
   __m512i a[MR][S][2];
-  for (int r = 0; r < MR; ++r)
-    for (int u = 0; u < S; ++u) a[r][u][0] = a[r][u][1] = _mm512_setzero_si512();
+  for (int u = 0; u < S; ++u)
+    for (int r = 0; r < MR; ++r) a[r][u][0] = a[r][u][1] = _mm512_setzero_si512();
+  const __m512i k80 = _mm512_set1_epi8(char(0x80));
   const __m512i* b = reinterpret_cast<const __m512i*>(B);
   for_k_streams<S>(kp / 4, B, 128, 2, [&](int u, int64_t k) {
-    const __m512i w0 = _mm512_loadu_si512(b + 2 * k), w1 = _mm512_loadu_si512(b + 2 * k + 1);
+    const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(b + 2 * k), k80);
+    const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(b + 2 * k + 1), k80);
 #pragma GCC unroll 4
     for (int r = 0; r < MR; ++r) {
       uint32_t v;
       std::memcpy(&v, x[r] + 4 * k, 4);
-      const __m512i xr = _mm512_set1_epi32(int(v ^ kRowXor));
-      a[r][u][0] = _mm512_dpbusd_epi32(a[r][u][0], xr, w0);
-      a[r][u][1] = _mm512_dpbusd_epi32(a[r][u][1], xr, w1);
+      const __m512i xr = _mm512_set1_epi32(int(v ^ kRowXor ^ 0x80808080u));
+      a[r][u][0] = _mm512_dpbusd_epi32(a[r][u][0], w0, xr);
+      a[r][u][1] = _mm512_dpbusd_epi32(a[r][u][1], w1, xr);
     }
   });
-  const __m512i c0 = _mm512_slli_epi32(_mm512_loadu_si512(colsum), 7);
-  const __m512i c1 = _mm512_slli_epi32(_mm512_loadu_si512(colsum + 16), 7);
   for (int r = 0; r < MR; ++r) {
     __m512i s0 = a[r][0][0], s1 = a[r][0][1];
     for (int u = 1; u < S; ++u) {
       s0 = _mm512_add_epi32(s0, a[r][u][0]);
       s1 = _mm512_add_epi32(s1, a[r][u][1]);
     }
-    _mm512_storeu_si512(C + r * 32, _mm512_sub_epi32(s0, c0));
-    _mm512_storeu_si512(C + r * 32 + 16, _mm512_sub_epi32(s1, c1));
+    i8_store_row<kRowXor>(C + r * 32, s0, s1, x[r], kp);
   }
 }
 
 template <uint32_t kRowXor = 0>
-static inline void gemm_i8_row(const int8_t* x, const int8_t* B, int64_t kp, const int32_t* colsum, int32_t* C) {
-  gemm_i8_streams<1, 4, kRowXor>(&x, B, kp, colsum, C);
+static inline void gemm_i8_row(const int8_t* x, const int8_t* B, int64_t kp, int32_t* C) {
+  gemm_i8_streams<1, 4, kRowXor>(&x, B, kp, C);
 }
 
 // acc[m, 32] = exact int32 dot products of one 32-column block with m rows (u8 = q + 128 when
 // kRowXor = 0, signed codes when kRowXor = 0x80808080), m <= 64.
 template <uint32_t kRowXor = 0>
-static inline void gemm_i8_vnni_rows(const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t* colsum,
-                                     int32_t* C, NextLines next = {}) {
+static inline void gemm_i8_vnni_rows(const int8_t* const* x, int m, const int8_t* B, int64_t kp, int32_t* C,
+                                     NextLines next = {}) {
   if (m <= 4) {  // decode: one stream per block (decode_one_stream), else 4 or 2 K segments
     const bool one = decode_one_stream();
     switch (m) {
-      case 1: return one ? gemm_i8_streams<1, 1, kRowXor>(x, B, kp, colsum, C) : gemm_i8_streams<1, 4, kRowXor>(x, B, kp, colsum, C);
-      case 2: return one ? gemm_i8_streams<2, 1, kRowXor>(x, B, kp, colsum, C) : gemm_i8_streams<2, 4, kRowXor>(x, B, kp, colsum, C);
-      case 3: return one ? gemm_i8_streams<3, 1, kRowXor>(x, B, kp, colsum, C) : gemm_i8_streams<3, 2, kRowXor>(x, B, kp, colsum, C);
-      case 4: return one ? gemm_i8_streams<4, 1, kRowXor>(x, B, kp, colsum, C) : gemm_i8_streams<4, 2, kRowXor>(x, B, kp, colsum, C);
+      case 1: return one ? gemm_i8_streams<1, 1, kRowXor>(x, B, kp, C) : gemm_i8_streams<1, 4, kRowXor>(x, B, kp, C);
+      case 2: return one ? gemm_i8_streams<2, 1, kRowXor>(x, B, kp, C) : gemm_i8_streams<2, 4, kRowXor>(x, B, kp, C);
+      case 3: return one ? gemm_i8_streams<3, 1, kRowXor>(x, B, kp, C) : gemm_i8_streams<3, 2, kRowXor>(x, B, kp, C);
+      case 4: return one ? gemm_i8_streams<4, 1, kRowXor>(x, B, kp, C) : gemm_i8_streams<4, 2, kRowXor>(x, B, kp, C);
       default: break;
     }
   }
   const int tiles = (m + 7) / 8;
   int i = 0;
-  for (; i + 8 <= m; i += 8) gemm_i8_tile<8, kRowXor>(x + i, B, kp, colsum, C + i * 32, next.share(i / 8, tiles));
+  for (; i + 8 <= m; i += 8) gemm_i8_tile<8, kRowXor>(x + i, B, kp, C + i * 32, next.share(i / 8, tiles));
   const NextLines nl = next.share(i / 8, tiles);
   switch (m - i) {
-    case 7: gemm_i8_tile<7, kRowXor>(x + i, B, kp, colsum, C + i * 32, nl); break;
-    case 6: gemm_i8_tile<6, kRowXor>(x + i, B, kp, colsum, C + i * 32, nl); break;
-    case 5: gemm_i8_tile<5, kRowXor>(x + i, B, kp, colsum, C + i * 32, nl); break;
-    case 4: gemm_i8_tile<4, kRowXor>(x + i, B, kp, colsum, C + i * 32, nl); break;
-    case 3: gemm_i8_tile<3, kRowXor>(x + i, B, kp, colsum, C + i * 32, nl); break;
-    case 2: gemm_i8_tile<2, kRowXor>(x + i, B, kp, colsum, C + i * 32, nl); break;
-    case 1: gemm_i8_row<kRowXor>(x[i], B, kp, colsum, C + i * 32); break;
+    case 7: gemm_i8_tile<7, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
+    case 6: gemm_i8_tile<6, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
+    case 5: gemm_i8_tile<5, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
+    case 4: gemm_i8_tile<4, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
+    case 3: gemm_i8_tile<3, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
+    case 2: gemm_i8_tile<2, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
+    case 1: gemm_i8_row<kRowXor>(x[i], B, kp, C + i * 32); break;
     default: break;
   }
 }

@@ -10,8 +10,8 @@
 // The driver keeps a chunk's rows consecutive (MK::kContiguousRows; x codes are quantized once
 // per token and copied to their positions), so 16 rows x 64 codes are one A tile at a stride of
 // Kp bytes. Tiles: C 2x2 (32 rows x 32 columns of int32), A 2, B 2; per 16 K quads 4 loads and
-// 4 tdpbssd. Calls of fewer rows (decode) use the VNNI kernel with the rows' codes XORed to u8
-// on the fly and the column sums (avx512_vnni_common.h); the quads after the last whole 16 the
+// 4 tdpbssd. Calls of fewer rows (decode) use the VNNI kernel on the signed rows (the weights are
+// its unsigned operand, w ^ 0x80, and the rows' code sums its correction: avx512_vnni_common.h); the quads after the last whole 16 the
 // AVX-512 BW signed-row kernel (avx512_i8_common.h). Every result is the exact integer dot product.
 #if defined(MOEPACK_OMIT_LEVEL)
 // setup.py found no compiler support for this level's flags: register nothing (the dispatcher
@@ -124,9 +124,9 @@ struct MK : Avx512Base {
   static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
   using WorkerScope = TileScope;  // one tile configuration per driver worker (amx_common.h)
 
-  // acc[m, 32] = exact int32 dot products of one 32-column int8 block (signed rows; the column
-  // sums serve the short-chunk VNNI kernel's u8 encoding).
-  static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t* colsum,
+  // acc[m, 32] = exact int32 dot products of one 32-column int8 block (signed rows; no kernel
+  // reads the stored column sums).
+  static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t*,
                       int32_t* acc) {
     // Tiles need the rows as one matrix (one row every `stride` >= kp bytes): the driver's promise,
     // checked so that a caller that breaks it (the gemm_i8_block test hook passes any rows) gets
@@ -137,7 +137,7 @@ struct MK : Avx512Base {
       int32_t* out = acc + int64_t(r0) * 32;
       const int64_t stride = mm > 1 ? xr[1] - xr[0] : 0;
       if (mm < kAmxMinRows || stride < kp || xr[mm - 1] != xr[0] + int64_t(mm - 1) * stride) {
-        gemm_i8_vnni_rows<0x80808080u>(xr, mm, B, kp, colsum, out);  // signed rows, u8 on the fly
+        gemm_i8_vnni_rows<0x80808080u>(xr, mm, B, kp, out);  // signed rows
       } else {
         gemm_amx(xr[0], stride, mm, B, kp, out);
       }

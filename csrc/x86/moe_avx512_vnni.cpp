@@ -26,10 +26,11 @@ struct MK : Avx512Base {
   static constexpr bool kI8RowsU8 = true;
 
   // acc[m, 32] = exact int32 dot products of one 32-column int8 block (rows u8 = q + 128),
-  // prefetching `next_bytes` of the worker's next block (`next`) while the tiles compute.
-  static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t* colsum,
+  // prefetching `next_bytes` of the worker's next block (`next`) while the tiles compute. The
+  // stored column sums are not read (the kernels offset the weights: avx512_vnni_common.h).
+  static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t*,
                       int32_t* C, const char* next = nullptr, int64_t next_bytes = 0) {
-    gemm_i8_vnni_rows(x, m, B, kp, colsum, C, NextLines{next, next_bytes / 64});
+    gemm_i8_vnni_rows(x, m, B, kp, C, NextLines{next, next_bytes / 64});
   }
 
   // int4_group layouts: the W4A8 fused block GEMM and its integer core, the W4A16 unpack.

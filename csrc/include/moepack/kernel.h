@@ -100,7 +100,8 @@ const char* fused_moe_check_routing(const FusedMoeArgs& a, char* buf, size_t buf
 // The integer core of an int8 layout's kernel, for tests (SEMANTICS.md §4: SIMD and scalar
 // integer dot products must be identical): one packed block of L.block_n columns against m
 // int8 rows (canonical signed codes, zero-padded to kp), acc[i * block_n + n] = sum_k a_i[k] *
-// w[n][k] exactly. colsum = the block's column sums (kernels that feed u8 = a + 128 use them).
+// w[n][k] exactly. colsum: the layout's stored column sums, read by no kernel (the VNNI ones
+// correct their u8 offset from the codes; docs/KERNELS.md "int8 column sums").
 using Int8BlockGemmFn = void (*)(const LayoutDesc& L, const int8_t* const* rows, int m, const int8_t* B, int64_t kp,
                                  const int32_t* colsum, int32_t* acc);
 
