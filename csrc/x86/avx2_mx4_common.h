@@ -83,7 +83,8 @@ template <int Bias>
 static inline __m256 mx4_scale8(const uint8_t* e) {
   const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(e)));
   const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(v, _mm256_set1_epi32(Bias - 127)), 23);
-  const __m256i sub = _mm256_srlv_epi32(_mm256_set1_epi32(0x00400000), _mm256_sub_epi32(_mm256_set1_epi32(Bias - 126), v));
+  // below the normal range: 2^(e - Bias) = 2^-127 >> (Bias - 127 - e) (2^-127: mantissa bit 22)
+  const __m256i sub = _mm256_srlv_epi32(_mm256_set1_epi32(0x00400000), _mm256_sub_epi32(_mm256_set1_epi32(Bias - 127), v));
   const __m256i low = _mm256_cmpgt_epi32(_mm256_set1_epi32(Bias - 126), v);
   return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, low));
 }

@@ -94,8 +94,8 @@ template <int Bias>
 static inline __m512 mx4_scale16(const uint8_t* e) {
   const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(e)));
   const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(v, _mm512_set1_epi32(Bias - 127)), 23);
-  // below the normal range: 2^(e - Bias) = 0x00400000 >> (Bias - 126 - e) (mantissa bits)
-  const __m512i sub = _mm512_srlv_epi32(_mm512_set1_epi32(0x00400000), _mm512_sub_epi32(_mm512_set1_epi32(Bias - 126), v));
+  // below the normal range: 2^(e - Bias) = 2^-127 >> (Bias - 127 - e) (2^-127: mantissa bit 22)
+  const __m512i sub = _mm512_srlv_epi32(_mm512_set1_epi32(0x00400000), _mm512_sub_epi32(_mm512_set1_epi32(Bias - 127), v));
   const __mmask16 low = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(Bias - 126), v);
   return _mm512_castsi512_ps(_mm512_mask_blend_epi32(low, normal, sub));
 }
