@@ -17,8 +17,9 @@ template <int MR>
 struct Mx4AccVnni {
   void operator()(const int8_t* const* x, const uint8_t* codes, int64_t j0, int64_t j1, __m512i acc[][2]) const {
     const __m512i m4 = _mm512_set1_epi8(0x0F), t = mx4_u8_table();
-    __m512i ah[MR][2];  // the high nibbles' own accumulators (two chains per column half)
-    for (int r = 0; r < MR; ++r) ah[r][0] = ah[r][1] = _mm512_setzero_si512();
+    constexpr int H = MR <= 4 ? MR : 1;  // up to 4 rows the high nibbles have their own accumulators (2 chains per half)
+    __m512i ah[H][2];
+    for (int r = 0; r < H; ++r) ah[r][0] = ah[r][1] = _mm512_setzero_si512();
     for (int64_t j = j0; j < j1; ++j) {
       const __m512i* g = reinterpret_cast<const __m512i*>(codes + j * 128);
       _mm_prefetch(reinterpret_cast<const char*>(g) + kMx4PrefetchBytes, _MM_HINT_T0);
@@ -33,14 +34,20 @@ struct Mx4AccVnni {
         const __m512i xl = _mm512_set1_epi32(int(load_u32(x[r] + 8 * j)));
         const __m512i xh = _mm512_set1_epi32(int(load_u32(x[r] + 8 * j + 4)));
         for (int h = 0; h < 2; ++h) {
-          acc[r][h] = _mm512_dpbusd_epi32(acc[r][h], lo[h], xl);
-          ah[r][h] = _mm512_dpbusd_epi32(ah[r][h], hi[h], xh);
+          if constexpr (MR <= 4) {
+            acc[r][h] = _mm512_dpbusd_epi32(acc[r][h], lo[h], xl);
+            ah[r][h] = _mm512_dpbusd_epi32(ah[r][h], hi[h], xh);
+          } else {  // 16 chains already
+            acc[r][h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[r][h], lo[h], xl), hi[h], xh);
+          }
         }
       }
     }
-    for (int r = 0; r < MR; ++r) {
-      acc[r][0] = _mm512_add_epi32(acc[r][0], ah[r][0]);
-      acc[r][1] = _mm512_add_epi32(acc[r][1], ah[r][1]);
+    if constexpr (MR <= 4) {
+      for (int r = 0; r < MR; ++r) {
+        acc[r][0] = _mm512_add_epi32(acc[r][0], ah[r][0]);
+        acc[r][1] = _mm512_add_epi32(acc[r][1], ah[r][1]);
+      }
     }
   }
 };
@@ -113,9 +120,33 @@ static inline void gemm_mx4a8_streams(const int8_t* const* x, const float* rs, c
   }
 }
 
+// Many rows (prefill): tiles of 8 rows (16 accumulators: each group's codes decoded once per 8
+// rows), the rest in one tile of 1..7.
+static inline void gemm_mx4a8_vnni_rows(const int8_t* const* x, const float* rs, int m, const uint8_t* codes,
+                                        const uint8_t* scale, int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
+  const int64_t ng = (kp + kMx4Group - 1) / kMx4Group;
+  int i = 0;
+  for (; i + 8 <= m; i += 8)
+    gemm_mx4a8_tile<8>(x + i, rs + i, codes, scale, gstride, kp, xsum + i * ng, C + i * 32, Mx4AccVnni<8>{});
+  const int8_t* const* xr = x + i;
+  const float* r = rs + i;
+  const int32_t* xs = xsum + i * ng;
+  float* c = C + i * 32;
+  switch (m - i) {
+    case 7: gemm_mx4a8_tile<7>(xr, r, codes, scale, gstride, kp, xs, c, Mx4AccVnni<7>{}); break;
+    case 6: gemm_mx4a8_tile<6>(xr, r, codes, scale, gstride, kp, xs, c, Mx4AccVnni<6>{}); break;
+    case 5: gemm_mx4a8_tile<5>(xr, r, codes, scale, gstride, kp, xs, c, Mx4AccVnni<5>{}); break;
+    case 4: gemm_mx4a8_tile<4>(xr, r, codes, scale, gstride, kp, xs, c, Mx4AccVnni<4>{}); break;
+    case 3: gemm_mx4a8_tile<3>(xr, r, codes, scale, gstride, kp, xs, c, Mx4AccVnni<3>{}); break;
+    case 2: gemm_mx4a8_tile<2>(xr, r, codes, scale, gstride, kp, xs, c, Mx4AccVnni<2>{}); break;
+    case 1: gemm_mx4a8_tile<1>(xr, r, codes, scale, gstride, kp, xs, c, Mx4AccVnni<1>{}); break;
+    default: break;
+  }
+}
+
 // The W4A8 block GEMM of the VNNI levels (kHook_gemm_mx4a8): one or two rows through the decode
 // streams (one stream where decode_one_stream(), else 4 or 2 segments), more through
-// gemm_mx4a8_tile with Mx4AccVnni.
+// gemm_mx4a8_vnni_rows.
 static inline void gemm_mx4a8_vnni(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
                                    int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
   if (m == 1) {
@@ -126,7 +157,7 @@ static inline void gemm_mx4a8_vnni(const int8_t* const* x, const float* rs, int 
     return decode_one_stream() ? gemm_mx4a8_streams<2, 1>(x, rs, codes, scale, gstride, kp, xsum, C)
                                : gemm_mx4a8_streams<2, 2>(x, rs, codes, scale, gstride, kp, xsum, C);
   }
-  gemm_mx4a8_rows<Mx4AccVnni>(x, rs, m, codes, scale, gstride, kp, xsum, C);
+  gemm_mx4a8_vnni_rows(x, rs, m, codes, scale, gstride, kp, xsum, C);
 }
 
 }  // namespace
