@@ -86,7 +86,9 @@ static inline __m256 mx4_scale8(const uint8_t* e) {
   // below the normal range: 2^(e - Bias) = 2^-127 >> (Bias - 127 - e) (2^-127: mantissa bit 22)
   const __m256i sub = _mm256_srlv_epi32(_mm256_set1_epi32(0x00400000), _mm256_sub_epi32(_mm256_set1_epi32(Bias - 127), v));
   const __m256i low = _mm256_cmpgt_epi32(_mm256_set1_epi32(Bias - 126), v);
-  return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, low));
+  // e = 255 (e8m0 NaN: refused at convert and open) as the codec's e8m0_pow2 gives it: a quiet NaN
+  const __m256i nan = _mm256_cmpeq_epi32(v, _mm256_set1_epi32(255));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(_mm256_blendv_epi8(normal, sub, low), _mm256_set1_epi32(0x7FC00000), nan));
 }
 
 // ---- W4A8 ---------------------------------------------------------------------------------

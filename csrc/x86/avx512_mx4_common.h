@@ -97,7 +97,9 @@ static inline __m512 mx4_scale16(const uint8_t* e) {
   // below the normal range: 2^(e - Bias) = 2^-127 >> (Bias - 127 - e) (2^-127: mantissa bit 22)
   const __m512i sub = _mm512_srlv_epi32(_mm512_set1_epi32(0x00400000), _mm512_sub_epi32(_mm512_set1_epi32(Bias - 127), v));
   const __mmask16 low = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(Bias - 126), v);
-  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(low, normal, sub));
+  // e = 255 (e8m0 NaN: refused at convert and open) as the codec's e8m0_pow2 gives it: a quiet NaN
+  const __mmask16 nan = _mm512_cmpeq_epi32_mask(v, _mm512_set1_epi32(255));
+  return _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_mask_blend_epi32(low, normal, sub), nan, _mm512_set1_epi32(0x7FC00000)));
 }
 
 // ---- W4A8 ---------------------------------------------------------------------------------
