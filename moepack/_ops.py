@@ -75,7 +75,7 @@ def fused_experts(
     or -1). ``interleaved`` is w13's row order as packed (``PackedExperts.interleaved``); when
     not given, the checkpoints' convention: interleaved for swigluoai, gate-then-up otherwise.
     ``act_mode`` ("a16" or "a8", docs/SEMANTICS.md §3) picks how activations meet the weights
-    in layouts that serve both (int4_group); None: the layout's default (its first act mode).
+    in layouts that serve both (int4_group, mxfp4); None: the layout's default (its first act mode).
     ``w13_perm`` [E, H] int32 (int4_group layouts of act-order checkpoints,
     ``PackedExperts.w13_perm``): column j of expert e's w13 is input channel w13_perm[e, j]; the
     kernel feeds it ``x[t][w13_perm[e]]``. Returns [T, H] in the input dtype."""

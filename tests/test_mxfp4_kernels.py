@@ -165,7 +165,7 @@ def test_extreme_exponents_every_code(mode, ex):
     want = expected_weights(q, e, mode)
     for isa in level_isas(mode):
         got = one_hot_run(isa, mode, q, e)
-        same = torch.where(torch.isfinite(want), got == want, got == want)  # inf == inf
+        same = got == want  # the overflowing products: inf == inf
         assert bool(same.all()), f"{isa} {mode} e={ex}: {got[~same][:4].tolist()} != {want[~same][:4].tolist()}"
         nz = want != 0
         assert torch.equal(got[nz].view(torch.int32), want[nz].view(torch.int32)), f"{isa} {mode} e={ex}: bits"
@@ -192,9 +192,8 @@ def test_nan_exponent_gives_nan_on_every_level(mode):
 
 
 def test_a16_random_rows_on_every_level():
-    """Random rows, random codes and exponents over 5 groups (one partial block of K is not
-    possible: kp is whole runs): each level against the fp64 sum of (x . e2m1(q_g)) * 2^(e - 127)
-    per group, and every level equal to scalar within fp32 summation order."""
+    """Random rows (fp32, bf16, fp16), codes and exponents over 5 groups: each level against the
+    fp64 sum of (x . e2m1(q_g)) * 2^(e - 127), and against scalar, within fp32 summation order."""
     gen = torch.Generator().manual_seed(11)
     kp = 160
     q = torch.randint(0, 16, (BN, kp), generator=gen, dtype=torch.uint8)
@@ -361,9 +360,8 @@ def references(inp, c: dict, act_kwargs: dict, **route):
     """(A16 reference, fp32-pipeline reference, (A8 reference, flip)) of a case."""
     w13 = dequantize_mxfp4(c["w13_q"], c["w13_scale"])
     w2 = dequantize_mxfp4(c["w2_q"], c["w2_scale"])
-    kw = dict(act_kwargs, interleaved=inp.interleaved, w13_bias=inp.w13_bias, w2_bias=inp.w2_bias, **route)
     ids = route.pop("topk_ids", inp.topk_ids)
-    kw.pop("topk_ids", None)
+    kw = dict(act_kwargs, interleaved=inp.interleaved, w13_bias=inp.w13_bias, w2_bias=inp.w2_bias, **route)
     ref = moe_reference(inp.x, w13, w2, inp.topk_weights, ids, **kw)
     ref32 = moe_reference(inp.x.float(), w13, w2, inp.topk_weights, ids, **kw)
 

@@ -38,7 +38,7 @@ at::Tensor dot_u4_block_cpu(const at::Tensor& rows, const at::Tensor& block, int
                             std::string_view isa) {
   const LayoutDesc& L = layout_or_throw(layout);
   TORCH_CHECK_VALUE(L.scheme == kScheme_int4_group || L.scheme == kScheme_mxfp4, "layout ", L.name,
-                    " is not an int4_group or mxfp4 layout");
+                    " is not an int4_group layout (nor an mxfp4 one): the W4A8 integer core is theirs");
   TORCH_CHECK_VALUE(rows.dim() == 2 && rows.size(1) % L.k_pack == 0 && rows.size(1) <= kMaxI8K, "rows has shape ",
                     shape_str(rows), ": must be [m, kp] with kp a multiple of k_pack=", L.k_pack, " and <= ", kMaxI8K);
   const int64_t m = rows.size(0), kp = rows.size(1);

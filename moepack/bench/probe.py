@@ -164,6 +164,17 @@ KERNEL_INSTRUCTIONS: dict[tuple[str, str], str] = {
     ("u4:a8", "avx_vnni"): "vpdpbusd_ymm",
     ("u4:a8", "avx512_vnni"): "vpdpbusd_zmm",
     ("u4:a8", "amx_int8"): "tdpbssd",  # tdpbsud on chunks of 4+ rows (tdpbssd's rate); vpdpbusd below
+    # mxfp4 (e2m1 layouts), as int4: A16 decodes to bf16 for the bf16 dot product, A8's integer
+    # weights 2 * e2m1 meet the int8 rows in the int8 one
+    ("e2m1:a16", "avx2"): "fma_ymm",
+    ("e2m1:a16", "avx512"): "fma_zmm",
+    ("e2m1:a16", "avx512_bf16"): "vdpbf16ps",
+    ("e2m1:a16", "amx_bf16"): "tdpbf16ps",
+    ("e2m1:a8", "avx2"): "vpmaddubsw_ymm",
+    ("e2m1:a8", "avx512"): "vpmaddubsw_zmm",
+    ("e2m1:a8", "avx_vnni"): "vpdpbusd_ymm",
+    ("e2m1:a8", "avx512_vnni"): "vpdpbusd_zmm",
+    ("e2m1:a8", "amx_int8"): "tdpbssd",
 }
 
 
