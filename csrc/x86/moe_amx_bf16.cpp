@@ -26,6 +26,8 @@ void register_amx_bf16(KernelTable&) {}
 #include "avx512_u4_bf16.h"
 #include "avx512_f8.h"
 #include "avx512_f8_bf16.h"
+#include "avx512_mx4_amx.h"
+#include "avx512_mx4_bf16.h"
 
 namespace moepack {
 namespace amx_bf16 {
@@ -118,10 +120,11 @@ static bool gemm_f8a16_amx(const uint16_t* const* x, int m, const uint8_t* codes
   });
 }
 constexpr int kF8AmxMinRows = 3;
+constexpr int kMx4AmxMinRows = 3;  // as int4 W4A16: from 3 rows one decode for all rows beats one per row pair
 
 struct MK : Avx512Base {
   static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_unpack_u4 | kHook_gemm_u4a16 | kHook_unpack_f8 |
-                                     kHook_gemm_f8a16;
+                                     kHook_gemm_f8a16 | kHook_unpack_mx4 | kHook_gemm_mx4a16;
   static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
   using WorkerScope = TileScope;  // one tile configuration per driver worker (amx_common.h)
   static RowFormat row_format(DType d) { return d == DType::bf16 ? RowFormat::bf16 : RowFormat::f32; }
@@ -167,6 +170,22 @@ struct MK : Avx512Base {
     }
     return x86_avx512_u4_bf16::gemm_u4a16_bf16(fmt, rows, m, codes, scale, zero, gstride, kp, G, C,
                                                static_cast<U4A16Memo*>(memo));
+  }
+
+  // mxfp4 layout (W4A16): the exact table decode to the dense bf16 block (avx512_mx4_common.h), few
+  // bf16 rows straight from the codes (avx512_mx4_bf16.h), more through tiles over the whole K
+  // with the scales folded into the decoded weights where that is exact (avx512_mx4_amx.h; blocks
+  // with extreme scales take the grouped path: unpack_mx4, tiles per group, the scale after).
+  static void unpack_mx4(const uint8_t* codes, int64_t k0, int64_t kk, uint16_t* out) {
+    x86_avx512_mx4::unpack_mx4_avx512(codes, k0, kk, out);
+  }
+  static bool gemm_mx4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const uint8_t* scale,
+                          int64_t gstride, int64_t kp, float* C, void*) {
+    if (fmt == RowFormat::bf16 && m >= kMx4AmxMinRows &&
+        x86_avx512_mx4_amx::gemm_mx4a16_amx(reinterpret_cast<const uint16_t* const*>(rows), m, codes, scale, gstride, kp, C)) {
+      return true;
+    }
+    return x86_avx512_mx4_bf16::gemm_mx4a16_bf16(fmt, rows, m, codes, scale, gstride, kp, C);
   }
 };
 

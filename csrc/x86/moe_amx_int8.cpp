@@ -24,6 +24,7 @@ void register_amx_int8(KernelTable&) {}
 #include "amx_common.h"
 #include "avx512_i8_common.h"
 #include "avx512_vnni_common.h"
+#include "avx512_mx4_vnni.h"
 
 namespace moepack {
 namespace amx_int8 {
@@ -120,7 +121,8 @@ static bool gemm_u4a8_amx(const int8_t* const* x, const float* rs, int m, const 
 }
 
 struct MK : Avx512Base {
-  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8;
+  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_gemm_mx4a8 |
+                                     kHook_dot_mx4_s8;
   static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
   using WorkerScope = TileScope;  // one tile configuration per driver worker (amx_common.h)
 
@@ -153,6 +155,15 @@ struct MK : Avx512Base {
   }
   static void dot_u4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
     x86_avx512_u4::dot_u4_rows<AccVnniU4>(x, m, codes, k0, kk, acc);
+  }
+
+  // mxfp4 layout (W4A8): the fused block GEMM and its exact integer core (avx512_mx4{_common,_vnni}.h).
+  static void gemm_mx4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
+                         int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
+    x86_avx512_mx4::gemm_mx4a8_vnni(x, rs, m, codes, scale, gstride, kp, xsum, C);
+  }
+  static void dot_mx4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
+    x86_avx512_mx4::dot_mx4_rows<x86_avx512_mx4::Mx4AccVnni>(x, m, codes, k0, kk, acc);
   }
 };
 

@@ -24,6 +24,7 @@
 #include "avx2_common.h"
 #include "avx2_u4_common.h"
 #include "avx2_f8.h"
+#include "avx2_mx4_common.h"
 
 namespace moepack {
 namespace avx2 {
@@ -34,7 +35,7 @@ static inline __m256 odd_f32(__m256i w, __m256i hi_mask) { return _mm256_castsi2
 
 struct MK : x86_avx2::Avx2Elementwise {
   static constexpr uint32_t kHooks = Avx2Elementwise::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_unpack_u4 | kHook_gemm_u4a16 |
-                                     kHook_unpack_f8;
+                                     kHook_unpack_f8 | kHook_unpack_mx4 | kHook_dot_mx4_s8 | kHook_gemm_mx4a8;
   static RowFormat row_format(DType) { return RowFormat::f32; }
 
   static void gemm1(const float* x, const uint16_t* B, int64_t kp, float* C) {
@@ -197,6 +198,20 @@ struct MK : x86_avx2::Avx2Elementwise {
 
   // fp8_block layouts (W8A16): the exact F16C decode to the dense bf16 block (avx2_f8.h).
   static void unpack_f8(const uint8_t* codes, int64_t n, uint16_t* out) { x86_avx2_f8::unpack_f8_avx2(codes, n, out); }
+
+  // mxfp4 layout (W4A16): the exact table decode of the e2m1 codes to the dense bf16 block.
+  static void unpack_mx4(const uint8_t* codes, int64_t k0, int64_t kk, uint16_t* out) {
+    x86_avx2_mx4::unpack_mx4_avx2(codes, k0, kk, out);
+  }
+
+  // mxfp4 layout (W4A8): the fused block GEMM and its exact integer core (avx2_mx4_common.h).
+  static void gemm_mx4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
+                         int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
+    x86_avx2_mx4::gemm_mx4a8_rows<x86_avx2_mx4::Mx4AccMaddubs>(x, rs, m, codes, scale, gstride, kp, xsum, C);
+  }
+  static void dot_mx4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
+    x86_avx2_mx4::dot_mx4_rows<x86_avx2_mx4::Mx4AccMaddubs>(x, m, codes, k0, kk, acc);
+  }
 
   // acc[m, 32] for one 32-column int8 block (signed rows; colsum unused).
   static void gemm_i8(const LayoutDesc&, const int8_t* const* rows, int m, const int8_t* B, int64_t kp, const int32_t*,

@@ -22,6 +22,7 @@ void register_avx512(KernelTable&) {}
 #include "avx512_i8_common.h"
 #include "avx512_u4_common.h"
 #include "avx512_f8.h"
+#include "avx512_mx4_common.h"
 
 namespace moepack {
 namespace avx512 {
@@ -31,7 +32,8 @@ using namespace x86_avx512;
 using namespace x86_avx512_i8;
 
 struct MK : Avx512Base {
-  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_unpack_u4 | kHook_unpack_f8;
+  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_unpack_u4 | kHook_unpack_f8 |
+                                     kHook_unpack_mx4 | kHook_dot_mx4_s8 | kHook_gemm_mx4a8;
   // acc[m, 32] = exact int32 dot products of one 32-column int8 block (signed rows; colsum unused).
   static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t*,
                       int32_t* C) {
@@ -54,6 +56,20 @@ struct MK : Avx512Base {
   }
   // fp8_block layouts (W8A16): the exact table decode to the dense bf16 block (avx512_f8.h).
   static void unpack_f8(const uint8_t* codes, int64_t n, uint16_t* out) { x86_avx512_f8::unpack_f8_avx512(codes, n, out); }
+
+  // mxfp4 layout (W4A16): the exact table decode of the e2m1 codes to the dense bf16 block.
+  static void unpack_mx4(const uint8_t* codes, int64_t k0, int64_t kk, uint16_t* out) {
+    x86_avx512_mx4::unpack_mx4_avx512(codes, k0, kk, out);
+  }
+
+  // mxfp4 layout (W4A8): the fused block GEMM and its exact integer core (avx512_mx4{_common,_vnni}.h).
+  static void gemm_mx4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
+                         int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
+    x86_avx512_mx4::gemm_mx4a8_rows<x86_avx512_mx4::Mx4AccBw>(x, rs, m, codes, scale, gstride, kp, xsum, C);
+  }
+  static void dot_mx4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
+    x86_avx512_mx4::dot_mx4_rows<x86_avx512_mx4::Mx4AccBw>(x, m, codes, k0, kk, acc);
+  }
 };
 
 #include "../kernels/moe_kernels.inc"

@@ -23,6 +23,7 @@ void register_avx512_bf16(KernelTable&) {}
 #include "avx512_u4_bf16.h"
 #include "avx512_f8.h"
 #include "avx512_f8_bf16.h"
+#include "avx512_mx4_bf16.h"
 
 namespace moepack {
 namespace avx512_bf16 {
@@ -33,7 +34,7 @@ using namespace x86_avx512_bf16;
 
 struct MK : Avx512Base {
   static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_prefetch | kHook_unpack_u4 | kHook_gemm_u4a16 | kHook_unpack_f8 |
-                                     kHook_gemm_f8a16;
+                                     kHook_gemm_f8a16 | kHook_unpack_mx4 | kHook_gemm_mx4a16;
   static RowFormat row_format(DType d) { return d == DType::bf16 ? RowFormat::bf16 : RowFormat::f32; }
 
   // C[m, 32] = A[m, :kp] . B^T for one 32-column block; rows are bf16 bits or fp32 as
@@ -62,6 +63,16 @@ struct MK : Avx512Base {
                          const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C, void* memo) {
     return x86_avx512_u4_bf16::gemm_u4a16_bf16(fmt, rows, m, codes, scale, zero, gstride, kp, G, C,
                                                static_cast<U4A16Memo*>(memo));
+  }
+
+  // mxfp4 layout (W4A16): the exact table decode to the dense bf16 block (avx512_mx4_common.h), and
+  // few bf16 rows straight from the codes (avx512_mx4_bf16.h).
+  static void unpack_mx4(const uint8_t* codes, int64_t k0, int64_t kk, uint16_t* out) {
+    x86_avx512_mx4::unpack_mx4_avx512(codes, k0, kk, out);
+  }
+  static bool gemm_mx4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const uint8_t* scale,
+                          int64_t gstride, int64_t kp, float* C, void*) {
+    return x86_avx512_mx4_bf16::gemm_mx4a16_bf16(fmt, rows, m, codes, scale, gstride, kp, C);
   }
 };
 

@@ -12,6 +12,7 @@ void register_avx512_vnni(KernelTable&) {}
 }  // namespace moepack
 #else
 #include "avx512_vnni_common.h"
+#include "avx512_mx4_vnni.h"
 
 namespace moepack {
 namespace avx512_vnni {
@@ -21,7 +22,8 @@ using namespace x86_avx512;
 using namespace x86_avx512_vnni;
 
 struct MK : Avx512Base {
-  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_i8_prefetch | kHook_gemm_u4a8 | kHook_dot_u4_s8;
+  static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_i8_prefetch | kHook_gemm_u4a8 | kHook_dot_u4_s8 |
+                                     kHook_gemm_mx4a8 | kHook_dot_mx4_s8;
   // int8 layouts: the driver stores quantized rows as u8 = q + 128 (vpdpbusd's unsigned operand).
   static constexpr bool kI8RowsU8 = true;
 
@@ -41,6 +43,15 @@ struct MK : Avx512Base {
   }
   static void dot_u4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
     x86_avx512_u4::dot_u4_rows<AccVnniU4>(x, m, codes, k0, kk, acc);
+  }
+
+  // mxfp4 layout (W4A8): the fused block GEMM and its exact integer core (avx512_mx4{_common,_vnni}.h).
+  static void gemm_mx4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
+                         int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
+    x86_avx512_mx4::gemm_mx4a8_vnni(x, rs, m, codes, scale, gstride, kp, xsum, C);
+  }
+  static void dot_mx4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
+    x86_avx512_mx4::dot_mx4_rows<x86_avx512_mx4::Mx4AccVnni>(x, m, codes, k0, kk, acc);
   }
 };
 

@@ -34,6 +34,7 @@ void register_avx_vnni(KernelTable&) {}
 
 #include "avx2_common.h"
 #include "avx2_u4_common.h"
+#include "avx2_mx4_vnni.h"
 #include "moepack/kernel.h"
 
 namespace moepack {
@@ -165,7 +166,8 @@ struct AccVnniU4 {
 };
 
 struct MK : x86_avx2::Avx2Elementwise {
-  static constexpr uint32_t kHooks = Avx2Elementwise::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8;
+  static constexpr uint32_t kHooks = Avx2Elementwise::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_gemm_mx4a8 |
+                                     kHook_dot_mx4_s8;
   // int8 layouts: the driver stores quantized rows as u8 = q + 128 (vpdpbusd's unsigned operand).
   static constexpr bool kI8RowsU8 = true;
 
@@ -192,6 +194,15 @@ struct MK : x86_avx2::Avx2Elementwise {
   }
   static void dot_u4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
     x86_avx2_u4::dot_u4_rows<AccVnniU4>(x, m, codes, k0, kk, acc);
+  }
+
+  // mxfp4 layout (W4A8): the fused block GEMM and its exact integer core (avx2_mx4_vnni.h).
+  static void gemm_mx4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
+                         int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
+    x86_avx2_mx4::gemm_mx4a8_rows<x86_avx2_mx4::Mx4AccVnni>(x, rs, m, codes, scale, gstride, kp, xsum, C);
+  }
+  static void dot_mx4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
+    x86_avx2_mx4::dot_mx4_rows<x86_avx2_mx4::Mx4AccVnni>(x, m, codes, k0, kk, acc);
   }
 };
 
