@@ -164,6 +164,13 @@ KERNEL_INSTRUCTIONS: dict[tuple[str, str], str] = {
     ("u4:a8", "avx_vnni"): "vpdpbusd_ymm",
     ("u4:a8", "avx512_vnni"): "vpdpbusd_zmm",
     ("u4:a8", "amx_int8"): "tdpbssd",  # tdpbsud on chunks of 4+ rows (tdpbssd's rate); vpdpbusd below
+    # mxfp4 (mx4 layout), per activation mode, on the levels that serve it (moepack/isa_levels.py):
+    # the codes sit where u4's do and meet the rows in the same dot products as int4's of the same
+    # mode (A16: decoded to bf16 / fp32, the float kernels' FMA; A8: 2 * e2m1(q) as int8)
+    ("e2m1:a16", "avx2"): "fma_ymm",
+    ("e2m1:a16", "avx512"): "fma_zmm",
+    ("e2m1:a8", "avx2"): "vpmaddubsw_ymm",
+    ("e2m1:a8", "avx512"): "vpmaddubsw_zmm",
 }
 
 
