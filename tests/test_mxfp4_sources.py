@@ -140,11 +140,52 @@ def ct_oracle(d: Path, module: str) -> torch.Tensor:
     return mod.weight.data
 
 
+CT_MXFP4_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized", "quantization_status": "compressed",
+    "config_groups": {"group_0": {"targets": ["Linear"], "format": "mxfp4-pack-quantized", "input_activations": None,
+                                  "output_activations": None,
+                                  "weights": {"num_bits": 4, "type": "float", "symmetric": True, "group_size": 32,
+                                              "strategy": "group", "dynamic": False, "scale_dtype": "torch.uint8"}}},
+    "ignore": ["lm_head"],
+}  # fmt: skip
+
+
+def write_ragged_ct_mxfp4(src: Path, dst: Path) -> dict[str, torch.Tensor]:
+    """mxfp4-pack-quantized by hand, for K that compressed-tensors itself refuses to compress (not
+    a multiple of 32: fixtures/qwen3_moe, H = 72, I = 40): each Linear (as write_ct_mxfp4 picks
+    them) zero-padded to whole groups, encoded by tools/mxfp4_checkpoint.py's OCP rule, the codes
+    cut back to K (packed two a byte, low nibble = even k), the ceil(K/32) scales kept: the
+    format's partial last group. Returns {module: its decoded fp32 weight}."""
+    sd = {}
+    for f in sorted(src.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    out, want = {}, {}
+    for n, t in sd.items():
+        if not (n.endswith(".weight") and t.dim() == 2 and not _CT_KEEP.search(n)):
+            out[n] = t
+            continue
+        m, (rows, k) = n[: -len(".weight")], t.shape
+        pad = torch.zeros(rows, -(-k // 32) * 32)
+        pad[:, :k] = t.float()
+        codes, scales = MX.quantize_mxfp4(pad)
+        codes = codes[:, :k]
+        out[m + ".weight_packed"] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+        out[m + ".weight_scale"] = scales
+        want[m] = MX.dequantize_blocks(MX.pack_blocks(MX.quantize_mxfp4(pad)[0]), scales)[:, :k]
+    dst.mkdir(parents=True)
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = CT_MXFP4_CONFIG
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return want
+
+
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     """name -> a checkpoint directory, written on first use: "gpt_oss_bf16" (transformers), "gpt_oss"
     (tools/mxfp4_checkpoint.py of it), "gpt_oss_deq" (the MXFP4 experts dequantized by transformers,
-    bf16 in the dense layout), "qwen2_bf16", "ct" (compressed-tensors MXFP4A16 of qwen2_bf16)."""
+    bf16 in the dense layout), "qwen2_bf16", "ct" (compressed-tensors MXFP4A16 of qwen2_bf16),
+    "ct_ragged" (write_ragged_ct_mxfp4 of fixtures/qwen3_moe; ``get.ragged``: its decoded weights)."""
     root = tmp_path_factory.mktemp("mxsrc")
     made = {}
 
@@ -175,6 +216,8 @@ def sources(tmp_path_factory):
             float_checkpoint(d, "qwen2_moe", **QWEN2)
         elif name == "ct":
             write_ct_mxfp4(get("qwen2_bf16"), d)
+        elif name == "ct_ragged":
+            get.ragged = write_ragged_ct_mxfp4(fixture_dir("qwen3_moe"), d)
         else:
             raise KeyError(name)
         made[name] = d
@@ -364,6 +407,28 @@ def test_ct_mxfp4_attention_linears_match_compressed_tensors(sources):
     assert len(lins) == 8  # q, k, v, o of two layers
     for p, lin in lins.items():
         assert torch.equal(linears.dequantize_linear(view, lin).to(torch.bfloat16), ct_oracle(d, p)), p
+
+
+def test_ct_partial_last_group(sources):
+    """K not a multiple of 32 (H = 72, I = 40): ceil(K/32) scales, the last group partial; the
+    experts and the attention Linears decode to the encoder's values."""
+    d = sources("ct_ragged")
+    want = sources.ragged
+    ckpt, reader = open_source(d)
+    specs = reader.layers(ckpt)
+    assert specs and all((s.hidden, s.intermediate) == (72, 40) for s in specs)
+    for s in specs:
+        i = s.intermediate
+        layer = reader.read_layer(ckpt, s)
+        assert tuple(layer.canonical["w13_scale"].shape[1:]) == (80, 3) and tuple(layer.canonical["w2_scale"].shape[1:]) == (72, 2)
+        for e in range(s.num_experts):
+            for role, rows, w in (("gate", slice(0, i), "w13"), ("up", slice(i, 2 * i), "w13"), ("down", slice(None), "w2")):
+                assert torch.equal(getattr(layer, w)[e][rows], want[s.names[(e, role, "module")]])
+    view = linears.CarriedView(ckpt, [n for n in ckpt.tensors if ".self_attn." in n])
+    lins = linears.find_linears(view)
+    assert len(lins) == 8 and {lin.codec for lin in lins.values()} == {"mxfp4"}
+    for p, lin in lins.items():
+        assert torch.equal(linears.dequantize_linear(view, lin), want[p]), p
 
 
 # --------------------------------------------------------------------------- refusals
