@@ -70,7 +70,7 @@ def hf_decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
 
 
-_CT_KEEP = re.compile(r"(embed_tokens|lm_head|norm|\.mlp\.gate\.weight$|shared_expert_gate)")
+_CT_KEEP = re.compile(r"(embed_tokens|lm_head|norm|\.mlp\.gate\.weight$|shared_expert_gate|\.router\.)")
 
 
 def write_ct_mxfp4(src: Path, dst: Path) -> list[str]:
@@ -216,6 +216,27 @@ def sources(tmp_path_factory):
             float_checkpoint(d, "qwen2_moe", **QWEN2)
         elif name == "ct":
             write_ct_mxfp4(get("qwen2_bf16"), d)
+        elif name == "ct_gpt_oss":  # llm-compressor's linearized gpt-oss: per expert, gate/up de-interleaved
+            lin = d.parent / "gpt_oss_linearized"
+            lin.mkdir()
+            sd = load_file(str(get("gpt_oss_bf16") / "model.safetensors"))
+            out = {}
+            for n, t in sd.items():
+                m = re.match(r"^(.*\.experts)\.(gate_up_proj|down_proj)(_bias)?$", n)
+                if m is None:
+                    out[n] = t
+                    continue
+                for e in range(t.shape[0]):
+                    p = f"{m[1]}.{e}."
+                    if m[2] == "down_proj":
+                        out[p + "down_proj" + (".bias" if m[3] else ".weight")] = (t[e] if m[3] else t[e].t()).contiguous()
+                    elif m[3]:
+                        out[p + "gate_proj.bias"], out[p + "up_proj.bias"] = t[e, 0::2].contiguous(), t[e, 1::2].contiguous()
+                    else:
+                        out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = t[e][:, 0::2].t().contiguous(), t[e][:, 1::2].t().contiguous()
+            save_file(out, str(lin / "model.safetensors"), metadata={"format": "pt"})
+            shutil.copy(get("gpt_oss_bf16") / "config.json", lin / "config.json")
+            write_ct_mxfp4(lin, d)
         elif name == "ct_ragged":
             get.ragged = write_ragged_ct_mxfp4(fixture_dir("qwen3_moe"), d)
         else:
@@ -407,6 +428,26 @@ def test_ct_mxfp4_attention_linears_match_compressed_tensors(sources):
     assert len(lins) == 8  # q, k, v, o of two layers
     for p, lin in lins.items():
         assert torch.equal(linears.dequantize_linear(view, lin).to(torch.bfloat16), ct_oracle(d, p)), p
+
+
+def test_ct_linearized_gpt_oss_is_re_interleaved(sources):
+    """gpt-oss as llm-compressor writes it (per expert, gate and up de-interleaved, biases per
+    Linear, the router float): the reader
+    re-interleaves codes, scales and biases into swigluoai's order, which is the bf16 layout's."""
+    d = sources("ct_gpt_oss")
+    bf = load_file(str(sources("gpt_oss_bf16") / "model.safetensors"))
+    ckpt, reader = open_source(d)
+    assert reader.name == "compressed-tensors-mxfp4-pack-quantized"
+    for s in reader.layers(ckpt):
+        assert s.interleaved and s.activation == "swigluoai" and s.has_bias and s.router.get("bias")
+        layer = reader.read_layer(ckpt, s)
+        p = s.prefix + ".experts."
+        assert torch.equal(layer.w13_bias, bf[p + "gate_up_proj_bias"]) and torch.equal(layer.w2_bias, bf[p + "down_proj_bias"])
+        for e in range(s.num_experts):
+            g, u = ct_oracle(d, f"{p}{e}.gate_proj"), ct_oracle(d, f"{p}{e}.up_proj")
+            assert torch.equal(layer.w13[e, 0::2].to(g.dtype), g) and torch.equal(layer.w13[e, 1::2].to(u.dtype), u)
+            q = reader.read_expert_canonical(ckpt, s, "w13", e)
+            assert torch.equal(q["w13_scale"][1::2], load_file(str(d / "model.safetensors"))[f"{p}{e}.up_proj.weight_scale"])
 
 
 def test_ct_partial_last_group(sources):
@@ -625,6 +666,19 @@ def test_ct_bad_configs_are_refused_with_the_reason(tmp_path, sources, case):
     src = _copy(tmp_path, sources("ct"))
     _edit_config(src, edit)
     _refused(tmp_path, src, words)
+
+
+def test_ct_quantized_router_is_refused(tmp_path, sources):
+    src = _copy(tmp_path, sources("ct_gpt_oss"))
+    r = "model.layers.1.mlp.router"
+
+    def fn(sd):
+        sd.pop(r + ".weight")
+        sd[r + ".weight_packed"] = torch.zeros(3, 32, dtype=torch.uint8)
+        sd[r + ".weight_scale"] = torch.full((3, 2), 127, dtype=torch.uint8)
+
+    _edit_tensors(src, fn)
+    _refused(tmp_path, src, [f"router tensor '{r}.weight_packed' is MXFP4: the router must stay in float"])
 
 
 def test_ct_nan_scale_in_an_attention_linear_is_refused(tmp_path, sources):

@@ -258,8 +258,11 @@ def _discover(ckpt, view, rule: str, stand: dict) -> list[LayerSpec]:
 def _check_router(view, s: LayerSpec) -> None:
     for key in ("weight", "bias"):
         rn = s.router.get(key)
-        if rn and view.info(rn).dtype_str not in FLOAT_DTYPES:
-            raise SourceError(f"router tensor {rn!r} has dtype {view.info(rn).dtype_str}: the router must stay in float")
+        dt = view.info(rn).dtype_str if rn else None
+        if dt == E2M1:
+            raise SourceError(f"router tensor {rn[: -len('.weight')] + '.weight_packed'!r} is MXFP4: the router must stay in float")
+        if rn and dt not in FLOAT_DTYPES:
+            raise SourceError(f"router tensor {rn!r} has dtype {dt}: the router must stay in float")
     if s.shared.get("gate") and view.info(s.shared["gate"]).dtype_str not in FLOAT_DTYPES:
         raise SourceError(f"tensor {s.shared['gate']!r} is quantized: the shared-expert gate must stay in float")
 
