@@ -212,6 +212,12 @@ U4BlockDotFn find_dot_u4(int32_t layout_id, Isa isa) {
   return table().dot_u4[layout_id][int(isa)];
 }
 
+GroupedBlockFn find_grouped_block(int32_t layout_id, Isa isa, int32_t act_mode) {
+  if (layout_find(layout_id) == nullptr || int(isa) < 0 || int(isa) >= kNumIsa) return nullptr;
+  if (isa_unavailable_reason(isa) != nullptr) return nullptr;
+  return table().grouped_block[layout_id][act_index(act_mode)][int(isa)];
+}
+
 const char* fused_moe_check_routing(const FusedMoeArgs& a, char* buf, size_t n) {
   const int64_t slots = a.tokens * a.topk;
   const int64_t eg = a.expert_map ? a.num_global_experts : a.num_experts;

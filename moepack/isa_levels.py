@@ -128,7 +128,7 @@ LEVELS = (
         base="avx2",
         flags=("-mavxvnni",),
         needs=(cpu("AVX-VNNI", "avx_vnni"),),
-        serves=("i8", "u4:a8"),
+        serves=("i8", "u4:a8", "e2m1:a8"),
         probe="__m256i f(__m256i a, __m256i b, __m256i c) { return _mm256_dpbusd_avx_epi32(a, b, c); }",
         emulate="-DMOEPACK_EMULATE_AVX_VNNI",
         emulate_needs_host=True,  # the AVX-VNNI kernel is AVX2 code around one emulated instruction
@@ -153,7 +153,7 @@ LEVELS = (
         base="avx512",
         flags=("-mavx512vnni",),
         needs=(cpu("AVX512_VNNI", "avx512_vnni"),),
-        serves=("i8", "u4:a8"),
+        serves=("i8", "u4:a8", "e2m1:a8"),
         probe="__m512i f(__m512i a, __m512i b, __m512i c) { return _mm512_dpbusd_epi32(a, b, c); }",
         emulate="-DMOEPACK_EMULATE_AVX512",
         cpus="Cascade Lake, Ice Lake, Zen 4+",
@@ -164,7 +164,7 @@ LEVELS = (
         base="avx512",
         flags=("-mavx512bf16",),
         needs=(cpu("AVX512_BF16", "avx512_bf16"),),
-        serves=("bf16", "u4:a16", "f8e4m3"),
+        serves=("bf16", "u4:a16", "f8e4m3", "e2m1:a16"),
         probe="__m512 f(__m512 a, __m512i b, __m512i c) { return _mm512_dpbf16_ps(a, (__m512bh)b, (__m512bh)c); }",
         emulate="-DMOEPACK_EMULATE_AVX512",
         cpus="Cooper Lake, Sapphire Rapids, Zen 4+",
@@ -180,7 +180,7 @@ LEVELS = (
             cpu("AVX512_VBMI", "avx512vbmi"),
             os_state("AMX tile data (XCR0 and the kernel's permission, arch_prctl)", "os_amx"),
         ),
-        serves=("bf16", "u4:a16", "f8e4m3"),
+        serves=("bf16", "u4:a16", "f8e4m3", "e2m1:a16"),
         probe="void f(void) { _tile_dpbf16ps(0, 1, 2); }",
         cpus="Sapphire Rapids, Emerald Rapids, Granite Rapids",
     ),
@@ -193,7 +193,7 @@ LEVELS = (
             cpu("AMX-TILE/AMX-INT8", "amx_tile", "amx_int8"),
             os_state("AMX tile data (XCR0 and the kernel's permission, arch_prctl)", "os_amx"),
         ),
-        serves=("i8", "u4:a8"),
+        serves=("i8", "u4:a8", "e2m1:a8"),
         probe="void f(void) { _tile_dpbssd(0, 1, 2); }",
         cpus="Sapphire Rapids, Emerald Rapids, Granite Rapids",
     ),
@@ -281,7 +281,8 @@ def doc_rows() -> list[tuple[str, str, str, str]]:
             serves = "every layout"
         else:
             family = arch(lv.arch).layout_family
-            names = {"i8": "int8", "u4:a8": "int4 (A8)", "u4:a16": "int4 (A16)", "u4": "int4"}
+            names = {"i8": "int8", "u4:a8": "int4 (A8)", "u4:a16": "int4 (A16)", "u4": "int4",
+                     "e2m1:a8": "mxfp4 (A8)", "e2m1:a16": "mxfp4 (A16)"}
             kinds = ", ".join(names.get(k, k) for k in lv.serves) if lv.serves else family
             serves = f"{kinds} layouts"
         rows.append((lv.name, needs, serves, lv.cpus))

@@ -55,6 +55,17 @@ DType dtype_of(const at::Tensor& t, const char* name) {
   }
 }
 
+// The torch dtype of a layout tensor's TensorDtype.
+at::ScalarType scalar_type_of(int32_t tensor_dtype) {
+  switch (tensor_dtype) {
+    case kTensor_bfloat16: return at::kBFloat16;
+    case kTensor_int8: return at::kChar;
+    case kTensor_uint8: return at::kByte;
+    case kTensor_float32: return at::kFloat;
+    default: return at::kInt;  // kTensor_int32
+  }
+}
+
 void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK_VALUE(t.device().is_cpu() || t.device().is_meta(), name, " is on ", t.device(), ": moepack runs on the CPU");
 }

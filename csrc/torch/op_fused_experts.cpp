@@ -6,16 +6,6 @@
 namespace moepack {
 namespace {
 
-at::ScalarType scalar_type_of(int32_t tensor_dtype) {
-  switch (tensor_dtype) {
-    case kTensor_bfloat16: return at::kBFloat16;
-    case kTensor_int8: return at::kChar;
-    case kTensor_uint8: return at::kByte;
-    case kTensor_float32: return at::kFloat;
-    default: return at::kInt;  // kTensor_int32
-  }
-}
-
 const char* role_name(int32_t role) {
   switch (role) {
     case kRole_codes: return "codes";

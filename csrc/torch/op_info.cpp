@@ -1,6 +1,7 @@
 // The introspection and test/benchmark ops: layout_desc (the compiled layout table), kernel_choice
 // (the kernel a layout runs and why, with the fallback as a value), cpu_flags, gemm_i8_block (the
-// int8 integer core of one ISA, for tests) and read_experts (the benchmark's plain-read baseline).
+// int8 integer core of one ISA, for tests), dot_u4_block and grouped_block (one block of a
+// grouped-decode layout through one ISA, for tests) and read_experts (the benchmark's plain-read baseline).
 #include "op_common.h"
 
 namespace moepack {
@@ -31,12 +32,13 @@ at::Tensor gemm_i8_block_cpu(const at::Tensor& rows, const at::Tensor& block, co
 }
 
 // Test hook (SEMANTICS.md §4): the int32 accumulators of exactly `isa`'s W4A8 integer core for
-// an int4_group layout. rows int8 [m, kp], block uint8 [block_n * kp / 2] (one packed column
+// an int4_group or mxfp4 layout (mxfp4: the integer weights 2 * e2m1(q)). rows int8 [m, kp], block uint8 [block_n * kp / 2] (one packed column
 // block), K range [k0, k0 + kk) (multiples of k_pack inside kp) -> int32 [m, block_n].
 at::Tensor dot_u4_block_cpu(const at::Tensor& rows, const at::Tensor& block, int64_t k0, int64_t kk, int64_t layout,
                             std::string_view isa) {
   const LayoutDesc& L = layout_or_throw(layout);
-  TORCH_CHECK_VALUE(L.scheme == kScheme_int4_group, "layout ", L.name, " is not an int4_group layout");
+  TORCH_CHECK_VALUE(L.scheme == kScheme_int4_group || L.scheme == kScheme_mxfp4, "layout ", L.name,
+                    " is not an int4_group or mxfp4 layout");
   TORCH_CHECK_VALUE(rows.dim() == 2 && rows.size(1) % L.k_pack == 0 && rows.size(1) <= kMaxI8K, "rows has shape ",
                     shape_str(rows), ": must be [m, kp] with kp a multiple of k_pack=", L.k_pack, " and <= ", kMaxI8K);
   const int64_t m = rows.size(0), kp = rows.size(1);
@@ -53,6 +55,66 @@ at::Tensor dot_u4_block_cpu(const at::Tensor& rows, const at::Tensor& block, int
   std::vector<const int8_t*> ptrs(static_cast<size_t>(m));
   for (int64_t i = 0; i < m; ++i) ptrs[size_t(i)] = rows.data_ptr<int8_t>() + i * kp;
   if (m > 0) fn(L, ptrs.data(), int(m), block.data_ptr<uint8_t>(), k0, kk, out.data_ptr<int32_t>());
+  return out;
+}
+
+// Test hook (docs/SEMANTICS.md §4; the mxfp4 exactness checks): one packed column block through
+// exactly `isa`'s grouped-decode path (int4_group, fp8_block, mxfp4) in `act_mode`, as the fused
+// kernel's stage GEMM runs it. codes: the block's bytes [block_n * kp * bits / 8]; scale: [ng,
+// block_n] in the layout's scale dtype (ng K groups of group_size over kp; 1 per channel); zero:
+// [ng, block_n] uint8 where the layout has zero points. a16: rows float32 / bfloat16 / float16 [m,
+// kp] (stored for the level in its row format); a8: rows int8 [m, kp] and row_scales float32 [m].
+// -> float32 [m, block_n].
+at::Tensor grouped_block_cpu(const at::Tensor& rows, const at::Tensor& codes, const at::Tensor& scale,
+                             const std::optional<at::Tensor>& zero, const std::optional<at::Tensor>& row_scales,
+                             int64_t layout, std::string_view isa, std::string_view act_mode) {
+  const LayoutDesc& L = layout_or_throw(layout);
+  TORCH_CHECK_VALUE(L.scheme == kScheme_int4_group || L.scheme == kScheme_fp8_block || L.scheme == kScheme_mxfp4, "layout ",
+                    L.name, " is not a grouped-decode layout (int4_group, fp8_block, mxfp4)");
+  const int32_t mode = parse_act_mode(L, act_mode);
+  TORCH_CHECK_VALUE(rows.dim() == 2 && rows.size(1) % L.k_pack == 0 && rows.size(1) <= kMaxI8K, "rows has shape ",
+                    shape_str(rows), ": must be [m, kp] with kp a multiple of k_pack=", L.k_pack, " and <= ", kMaxI8K);
+  const int64_t m = rows.size(0), kp = rows.size(1);
+  TORCH_CHECK_VALUE(m <= 64, "rows has ", m, " rows: one block call takes at most 64 (one chunk)");
+  const int64_t G = L.group_size ? L.group_size : std::max<int64_t>(kp, 1);
+  const int64_t ng = std::max<int64_t>(1, (kp + G - 1) / G);
+  check_exact(codes, "codes", at::kByte, {L.block_n * kp * L.weight_bits / 8}, "one packed column block");
+  const int si = [&] {
+    for (int i = 0; i < L.num_tensors; ++i)
+      if (L.tensors[i].role == kRole_scale) return i;
+    return -1;
+  }();
+  TORCH_CHECK_VALUE(si >= 0, "layout ", L.name, " declares no scale tensor");
+  check_exact(scale, "scale", scalar_type_of(L.tensors[si].dtype), {ng, L.block_n}, "[groups, block_n] of the block");
+  const bool has_zero = L.zero_kind != kZeroKind_none;
+  TORCH_CHECK_VALUE(has_zero == zero.has_value(), "zero is ", zero ? "given" : "missing", ": layout ", L.name,
+                    has_zero ? " has" : " has no", " zero points");
+  if (zero) check_exact(*zero, "zero", at::kByte, {ng, L.block_n}, "uint8 [groups, block_n] of the block");
+  DType dt = DType::f32;
+  at::Tensor vals;
+  if (mode == kAct_a8) {
+    check_exact(rows, "rows", at::kChar, {m, kp}, "int8 [m, kp] (a8)");
+    TORCH_CHECK_VALUE(row_scales.has_value(), "row_scales is missing: a8 rows need their float32 [m] scales");
+    check_exact(*row_scales, "row_scales", at::kFloat, {m}, "float32 [m]");
+  } else {
+    dt = dtype_of(rows, "rows");
+    vals = rows.to(at::kFloat).contiguous();
+  }
+  const Isa want = parse_isa(isa);
+  GroupedBlockFn fn = find_grouped_block(int32_t(layout), want, mode);
+  TORCH_CHECK_VALUE(fn != nullptr, "no ", isa_name(want), " ", mode == kAct_a8 ? "a8" : "a16", " kernel for layout ",
+                    L.name, " on this CPU",
+                    isa_unavailable_reason(want) ? std::string(" (") + isa_unavailable_reason(want) + ")" : "");
+  at::Tensor out = at::zeros({m, L.block_n}, rows.options().dtype(at::kFloat));
+  std::vector<const void*> ptrs(static_cast<size_t>(m));
+  for (int64_t i = 0; i < m; ++i) {
+    ptrs[size_t(i)] = mode == kAct_a8 ? static_cast<const void*>(rows.data_ptr<int8_t>() + i * kp)
+                                      : static_cast<const void*>(vals.data_ptr<float>() + i * kp);
+  }
+  if (m > 0) {
+    fn(L, dt, ptrs.data(), mode == kAct_a8 ? row_scales->data_ptr<float>() : nullptr, int(m), codes.data_ptr<uint8_t>(),
+       scale.data_ptr(), zero ? zero->data_ptr() : nullptr, L.block_n, kp, out.data_ptr<float>());
+  }
   return out;
 }
 
@@ -157,6 +219,9 @@ TORCH_LIBRARY_FRAGMENT(moepack, m) {
   m.def("layout_desc(int layout) -> (str, int[], str[])", &moepack::layout_desc);
   m.def("kernel_choice(int layout, str act_mode=\"\") -> (str, str, bool)", &moepack::kernel_choice);
   m.def("dot_u4_block(Tensor rows, Tensor block, int k0, int kk, int layout, str isa) -> Tensor");
+  m.def(
+      "grouped_block(Tensor rows, Tensor codes, Tensor scale, Tensor? zero, Tensor? row_scales, int layout, str isa, "
+      "str act_mode) -> Tensor");
   m.def("cpu_flags() -> str[]", &moepack::cpu_flags);
   m.def("decode_streams() -> str", &moepack::decode_streams_info);
 }
@@ -164,5 +229,6 @@ TORCH_LIBRARY_FRAGMENT(moepack, m) {
 TORCH_LIBRARY_IMPL(moepack, CPU, m) {
   m.impl("gemm_i8_block", &moepack::gemm_i8_block_cpu);
   m.impl("dot_u4_block", &moepack::dot_u4_block_cpu);
+  m.impl("grouped_block", &moepack::grouped_block_cpu);
   m.impl("read_experts", &moepack::read_experts_cpu);
 }

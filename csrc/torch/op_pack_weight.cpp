@@ -63,7 +63,8 @@ void check_sub_byte(const at::Tensor& w, const std::optional<at::Tensor>& zero, 
   const int hi = (1 << L.weight_bits) - 1;
   TORCH_CHECK_TYPE(w.scalar_type() == at::kByte, "weight has dtype ", w.scalar_type(), ": layout ", L.name, " packs ",
                    L.weight_bits, "-bit codes as uint8, one per byte, 0..", hi,
-                   " (quantize first: moepack.schemes.int4.quantize_int4_group)");
+                   L.scheme == kScheme_mxfp4 ? " (e2m1 codes: quantize first with moepack.schemes.mxfp4)"
+                                             : " (quantize first: moepack.schemes.int4.quantize_int4_group)");
   if (!zero) return;
   const at::Tensor& z = *zero;
   TORCH_CHECK_TYPE(z.scalar_type() == at::kByte, "zero has dtype ", z.scalar_type(), ": layout ", L.name,

@@ -179,6 +179,7 @@ void register_amx_bf16(KernelTable& t) {
   amx_bf16::register_scheme<amx_bf16::DenseA16<amx_bf16::MK>>(t, kLayout_bf16_n32k2_x86, Isa::amx_bf16);
   amx_bf16::register_int4_layouts<amx_bf16::Int4A16<amx_bf16::MK>>(t, Isa::amx_bf16);
   amx_bf16::register_fp8_layouts<amx_bf16::Fp8A16<amx_bf16::MK>>(t, Isa::amx_bf16);
+  amx_bf16::register_mx4_layouts<amx_bf16::Mx4A16<amx_bf16::MK>>(t, Isa::amx_bf16);
 }
 
 }  // namespace moepack

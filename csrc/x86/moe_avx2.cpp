@@ -219,6 +219,8 @@ void register_avx2(KernelTable& t) {
   avx2::register_int4_layouts<avx2::Int4A16<MK>>(t, Isa::avx2);
   avx2::register_int4_layouts<avx2::Int4A8<MK>>(t, Isa::avx2);
   avx2::register_fp8_layouts<avx2::Fp8A16<MK>>(t, Isa::avx2);
+  avx2::register_mx4_layouts<avx2::Mx4A16<MK>>(t, Isa::avx2);
+  avx2::register_mx4_layouts<avx2::Mx4A8<MK>>(t, Isa::avx2);
 }
 
 }  // namespace moepack

@@ -68,6 +68,8 @@ void register_avx512(KernelTable& t) {
   avx512::register_int4_layouts<avx512::Int4A16<MK>>(t, Isa::avx512);
   avx512::register_int4_layouts<avx512::Int4A8<MK>>(t, Isa::avx512);
   avx512::register_fp8_layouts<avx512::Fp8A16<MK>>(t, Isa::avx512);
+  avx512::register_mx4_layouts<avx512::Mx4A16<MK>>(t, Isa::avx512);
+  avx512::register_mx4_layouts<avx512::Mx4A8<MK>>(t, Isa::avx512);
 }
 
 }  // namespace moepack

@@ -10,7 +10,7 @@
 // Each kernel runs on the layouts its level serves (isa_serves).
 //
 // The tests live in parts included below inside one anonymous namespace (kt_*.inc: common helpers,
-// one dense problem, misc checks, int8, int4, fp8, the grouped-decode seam); main() runs them.
+// one dense problem, misc checks, int8, int4, fp8, mxfp4, the grouped-decode seam); main() runs them.
 //
 // Build and run: python tests/cpp/build.py --run   (options: -v prints every case)
 // Last line: "N passed, M failed"; exit status 1 when anything failed.
@@ -59,6 +59,7 @@ namespace {
 #include "kt_int8.inc"
 #include "kt_int4.inc"
 #include "kt_fp8.inc"
+#include "kt_mx4.inc"
 #include "kt_seam.inc"
 
 }  // namespace
@@ -85,6 +86,10 @@ int main(int argc, char** argv) {
   test_u4_seam();
   test_f8_decode(runnable_registrars());
   test_f8_fused(runnable_registrars());
+  test_mx4_tables();
+  test_mx4_block(runnable_registrars());
+  test_mx4_blockings();
+  test_mx4_fused(runnable_registrars());
 
   const Activation acts[4] = {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::swigluoai};
   const DType dts[3] = {DType::f32, DType::bf16, DType::f16};

@@ -105,9 +105,10 @@ constexpr int act_index(int32_t mode) { return mode == kAct_a8 ? 1 : 0; }
 // A layout's default activation mode: a16 where it serves a16 (the checkpoint's own meaning), else a8.
 constexpr int32_t layout_default_act(const LayoutDesc& L) { return (L.act_modes & kAct_a16) ? kAct_a16 : kAct_a8; }
 
-// The integer core of an int4_group layout's A8 kernel, for tests (SEMANTICS.md §4: identical
-// integer accumulators): acc[i * block_n + n] = sum over K [k0, k0 + kk) (multiples of k_pack) of
-// rows[i][k] * q[n][k], s8 rows (kp long) against one packed block of layout L.
+// The integer core of an int4_group or mxfp4 layout's A8 kernel, for tests (SEMANTICS.md §4:
+// identical integer accumulators): acc[i * block_n + n] = sum over K [k0, k0 + kk) (multiples of
+// k_pack) of rows[i][k] * q[n][k], s8 rows (kp long) against one packed block of layout L; q the
+// code's integer value (int4_group: the code; mxfp4: 2 * e2m1(code), -12..12).
 using U4BlockDotFn = void (*)(const LayoutDesc& L, const int8_t* const* rows, int m, const uint8_t* codes, int64_t k0,
                               int64_t kk, int32_t* acc);
 
@@ -115,13 +116,25 @@ using U4BlockDotFn = void (*)(const LayoutDesc& L, const int8_t* const* rows, in
 // out[i] = the bf16 bits of e4m3fn code codes[i], i < n.
 using F8UnpackFn = void (*)(const uint8_t* codes, int64_t n, uint16_t* out);
 
+// One packed column block through exactly a level's grouped-decode scheme (int4_group, fp8_block,
+// mxfp4: grouped_decode.inc), for tests: C[m, block_n] fp32, what the fused kernel's stage GEMM
+// gives for these rows and this block (m <= 64). a16: rows[i] are kp fp32 values, stored for the
+// level as the driver stores them (its row format, rounded through `dtype`); row_scales unused.
+// a8: rows[i] are kp s8 codes and row_scales[i] their scales. scale / zero: the layout's group
+// tensors at the block's first column (dtype as declared), group_stride elements from one group
+// to the next (zero null where the layout has none).
+using GroupedBlockFn = void (*)(const LayoutDesc& L, DType dtype, const void* const* rows, const float* row_scales, int m,
+                                const uint8_t* codes, const void* scale, const void* zero, int64_t group_stride,
+                                int64_t kp, float* C);
+
 struct KernelTable {
   FusedMoeFn fused[kMaxLayoutId + 1][kNumActModes][kNumIsa] = {};
   // Why a level's kernel file did not register a layout it was asked to (the driver's
   // register_scheme: the layout's blocks do not fit the kernel), or null.
   char refused[kMaxLayoutId + 1][kNumActModes][kNumIsa][160] = {};  // "" = not refused
   Int8BlockGemmFn gemm_i8[kMaxLayoutId + 1][kNumIsa] = {};
-  U4BlockDotFn dot_u4[kMaxLayoutId + 1][kNumIsa] = {};
+  U4BlockDotFn dot_u4[kMaxLayoutId + 1][kNumIsa] = {};  // int4_group and mxfp4 layouts (A8)
+  GroupedBlockFn grouped_block[kMaxLayoutId + 1][kNumActModes][kNumIsa] = {};
   Int8QuantizeFn quantize_i8[kNumIsa] = {};
   F8UnpackFn unpack_f8[kNumIsa] = {};  // set where a level registers an fp8_block layout
 #if defined(MOEPACK_COUNT_HOOKS)
@@ -190,8 +203,11 @@ Selection select_kernel(const KernelTable& t, const char* const unavailable[kNum
 // The registered int8 block GEMM of exactly `isa` for `layout_id` (null when none: not an int8
 // layout, no such kernel, or the host cannot run `isa`).
 Int8BlockGemmFn find_gemm_i8(int32_t layout_id, Isa isa);
-// The registered W4A8 integer core of exactly `isa` for an int4_group layout (null when none).
+// The registered W4A8 integer core of exactly `isa` for an int4_group or mxfp4 layout (null when none).
 U4BlockDotFn find_dot_u4(int32_t layout_id, Isa isa);
+// The registered one-block path of exactly `isa` for a grouped-decode layout in act_mode (kAct_a16
+// or kAct_a8; null when none).
+GroupedBlockFn find_grouped_block(int32_t layout_id, Isa isa, int32_t act_mode);
 // MOEPACK_MAX_ISA as parsed (host_isa() when unset); throws std::invalid_argument when invalid.
 Isa env_max_isa();
 const LayoutDesc* layout_find(int32_t id);
