@@ -372,7 +372,7 @@ _CODE_DTYPES = (torch.int8, torch.uint8, torch.int32, torch.float8_e4m3fn, torch
 
 def _quantized_weight(pm, prefix: str, qc: dict | None = None) -> torch.Tensor | None:
     """fp32 weight of the Linear ``prefix`` when the directory carries it quantized (GPTQ, AWQ,
-    compressed-tensors int/pack/float-quantized, block FP8), dequantized through its source
+    compressed-tensors int/pack/float/mxfp4-pack-quantized, block FP8), dequantized through its source
     format's codec; None when it carries ``prefix.weight`` as floats. A ``prefix.weight`` of an
     integer or FP8 dtype that no codec claims is refused (its raw codes are not weights)."""
     from .sources.linears import dequantize_linear
@@ -437,7 +437,7 @@ def load_model(packed_dir, dtype=None, *, strict: bool = False):
     weight is allocated), its MoE blocks become ``PackedMoEBlock``s on the memory-mapped experts,
     and every other parameter is a view of the directory's memory map (a copy only where ``dtype``
     differs from the stored dtype). A Linear the source stored quantized (GPTQ, AWQ,
-    compressed-tensors int/pack/float-quantized, block FP8: attention, dense MLPs) is dequantized
+    compressed-tensors int/pack/float/mxfp4-pack-quantized, block FP8: attention, dense MLPs) is dequantized
     through its format's codec to fp32, then cast to ``dtype``: it then costs ``N * K *
     dtype.itemsize`` bytes of RAM (docs/COMPATIBILITY.md, "What the rest of the model is"). DeepSeek's
     MTP layers (``num_nextn_predict_layers``, index >= ``num_hidden_layers``; convert never packs

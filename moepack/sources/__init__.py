@@ -101,6 +101,19 @@ def _fp8_readers() -> list[SourceReader]:
             reader("compressed-tensors-float-quantized", fp8.detect_float_quantized, fp8.CT_NOTE)]  # fmt: skip
 
 
+def _mxfp4_readers() -> list[SourceReader]:
+    from . import mxfp4
+
+    def reader(name, detect, note):
+        return SourceReader(name, detect, mxfp4.layers, mxfp4.read_layer, mxfp4.read_expert_w13, mxfp4.read_expert_w2,
+                            mxfp4.read_biases, mxfp4.read_shared, scheme=mxfp4.SCHEME,
+                            read_expert_canonical=mxfp4.read_expert_canonical, read_shared_canonical=mxfp4.read_shared_canonical,
+                            weights_note=note)  # fmt: skip
+
+    return [reader("mxfp4-gpt-oss", mxfp4.detect_gpt_oss, mxfp4.GPT_OSS_NOTE),
+            reader("compressed-tensors-mxfp4-pack-quantized", mxfp4.detect_ct, mxfp4.CT_NOTE)]  # fmt: skip
+
+
 def _int4_readers() -> list[SourceReader]:
     from . import awq, ct_pack_quantized, gptq
 
@@ -111,6 +124,7 @@ READERS: list[SourceReader] = [
     _ct_reader(),
     *_int4_readers(),  # scheme int4_group (sources/int4_common.py): compressed-tensors pack-quantized, GPTQ, AWQ GEMM
     *_fp8_readers(),  # scheme fp8_block (sources/fp8.py): DeepSeek/Qwen block FP8, compressed-tensors float-quantized
+    *_mxfp4_readers(),  # scheme mxfp4 (sources/mxfp4.py): gpt-oss MXFP4, compressed-tensors mxfp4-pack-quantized
     SourceReader("dense", _detect_dense, discover_layers, read_layer, read_expert_w13, read_expert_w2, read_biases, read_shared),
 ]
 

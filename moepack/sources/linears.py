@@ -6,8 +6,8 @@ convert carries every tensor that no MoE layer consumes unchanged (names and byt
 source quantized some of them, ``find_linears`` lists each such Linear (``CarriedLinear``: its
 prefix, [N, K], codec and tensors) from the headers, refusing a malformed one (missing scale,
 wrong shape); ``check_linear`` / ``dequantize_linear`` read its values and refuse NaN/Inf/zero/
-negative scales, zero points outside 0..15, symmetric zero points other than 8, bad g_idx and
-NaN FP8 codes, naming the tensor (the same functions the expert readers validate with:
+negative scales, zero points outside 0..15, symmetric zero points other than 8, bad g_idx,
+NaN FP8 codes and NaN (255) e8m0 scales, naming the tensor (the same functions the expert readers validate with:
 int4_common.check_*, decode_g_idx, the format's ``decode``; fp8_codec). convert checks them all
 before it writes anything; ``load_model`` dequantizes them to float32 (then the model dtype) when
 it builds the model.
@@ -20,7 +20,11 @@ Codecs, by ``quantization_config.quant_method`` (docs/FORMATS.md):
 * ``compressed-tensors`` (§3), by tensor: ``weight_packed`` (pack-quantized: codec "int4"
   through ct_pack_quantized), int8 ``weight`` + ``weight_scale [N, 1]`` (int-quantized: "int8"),
   FP8 ``weight`` + ``weight_scale`` (float-quantized: "fp8", the scale's strategy from the
-  Linear's config group: tensor, channel, group or block).
+  Linear's config group: tensor, channel, group or block), U8 ``weight_packed`` + e8m0
+  ``weight_scale`` (mxfp4-pack-quantized: "mxfp4", decoded by moepack.schemes.mxfp4.codec;
+  ``W = e2m1(q) * 2^(e - 127)``, e = 255 refused).
+* ``mxfp4`` (§5, gpt-oss): only the experts are MXFP4 (the reader packs them); every other
+  Linear is float, so there is nothing to find.
 * ``fp8`` (§4, DeepSeek / Qwen FP8): FP8 ``weight`` + ``weight_scale_inv``
   ``[ceil(N/bn), ceil(K/bk)]`` with ``weight_block_size`` [bn, bk] (codec "fp8").
 
@@ -52,7 +56,7 @@ class CarriedLinear:
     """One quantized Linear outside the experts, as found in the headers (no value read)."""
 
     prefix: str
-    codec: str  # "int4", "int8" or "fp8"
+    codec: str  # "int4", "int8", "fp8" or "mxfp4"
     n: int
     k: int
     tensors: dict = field(default_factory=dict)  # role -> tensor name
@@ -167,10 +171,47 @@ def _ct_fp8_rule(name: str, g: dict | None, n: int, k: int) -> tuple:
                       "group or block scales")  # fmt: skip
 
 
+def _ct_mxfp4(view, qc: dict) -> dict[str, CarriedLinear]:
+    """The compressed-tensors ``mxfp4-pack-quantized`` Linears: ``weight_packed`` U8 [N, K/2] (two
+    e2m1 codes a byte, low nibble first) + ``weight_scale`` e8m0 [N, ceil(K/32)] (FORMATS.md §3.4)."""
+    from .mxfp4 import CT_FORMAT
+
+    out = {}
+    for name, ti in view.tensors.items():
+        if not name.endswith(".weight_packed") or ti.dtype_str != "U8":
+            continue
+        p = name[: -len(".weight_packed")]
+        g = _ct_group(qc, p)
+        fmt = (g or {}).get("format") or qc.get("format")
+        if fmt != CT_FORMAT:
+            raise SourceError(f"tensor {name!r} is U8 (packed FP4) but its config group's format is {fmt!r}: moepack reads "
+                              f"FP4 Linears as {CT_FORMAT!r} (NVFP4 is not read)")  # fmt: skip
+        if len(ti.shape) != 2:
+            raise SourceError(f"tensor {name!r} has shape {list(ti.shape)}: expected a 2-D [N, K/2] weight")
+        n, k = ti.shape[0], 2 * ti.shape[1]
+        s = f"{p}.weight_scale"
+        if s not in view.tensors:
+            raise SourceError(f"tensor {name!r} is MXFP4 but {s!r} is missing: MXFP4 codes need their e8m0 scales")
+        sti = view.info(s)
+        if sti.dtype_str not in ("U8", "F8_E8M0"):
+            raise SourceError(f"tensor {s!r} has dtype {sti.dtype_str}: MXFP4 scales are e8m0 bytes (U8)")
+        want = (n, -(-k // 32))
+        if tuple(sti.shape) != want:
+            raise SourceError(f"tensor {s!r} has shape {list(sti.shape)}: expected {list(want)} (one e8m0 scale per 32 K values "
+                              f"of {name!r} [N={n}, K/2={k // 2}])")  # fmt: skip
+        for extra in (".weight_global_scale", ".weight_zero_point"):
+            if p + extra in view.tensors:
+                raise SourceError(f"tensor {p + extra!r} is present: MXFP4 has neither a global scale (NVFP4's) nor a zero point")
+        out[p] = CarriedLinear(p, "mxfp4", n, k, {"weight": name, "scale": s})
+    return out
+
+
 def _compressed_tensors(view, qc: dict) -> dict[str, CarriedLinear]:
     from . import ct_pack_quantized as ctpq
 
-    out = {}
+    out = _ct_mxfp4(view, qc)
+    if out:  # the int4 scan below sees the pack-quantized (I32) Linears only
+        view = CarriedView(view, [n for n in view.tensors if n not in {t for lin in out.values() for t in lin.tensors.values()}])
     if any(n.endswith(".weight_packed") for n in view.tensors):
         groups = {gn: g for gn, g in (qc.get("config_groups") or {}).items() if (g.get("format") or qc.get("format")) == ctpq.FORMAT_NAME}
         cfg = {"format": ctpq.FORMAT_NAME, "groups": [ctpq._check_group(gn, g, ctpq.FORMAT_NAME) for gn, g in groups.items()]}
@@ -303,7 +344,20 @@ def _fp8_values(view, lin: CarriedLinear, dequant: bool = True) -> torch.Tensor 
     return v * expand_groups(s.reshape(n, -1), rule[1], k)
 
 
+def _mxfp4_values(view, lin: CarriedLinear, dequant: bool = True) -> torch.Tensor | None:
+    from ..schemes.mxfp4.codec import dequantize_mxfp4
+    from .mxfp4 import check_e8m0, unpack_e2m1
+
+    sn = lin.tensors["scale"]
+    s = check_e8m0(sn, view.read(sn))
+    if not dequant:
+        return None
+    return dequantize_mxfp4(unpack_e2m1(view.read(lin.tensors["weight"])), s)
+
+
 def _values(view, lin: CarriedLinear, dequant: bool) -> torch.Tensor | None:
+    if lin.codec == "mxfp4":
+        return _mxfp4_values(view, lin, dequant)
     if lin.codec == "int4":
         return _int4_values(view, lin, dequant)
     if lin.codec == "int8":
