@@ -112,11 +112,13 @@ class MoepackConfig(QuantizationConfig):
         return self._packed
 
     def get_checkpoint_weight_mapper(self):
-        """vLLM's weight stream without the packed expert tensors: the MoE layers take those from
-        ``moepack.open`` (mapped views); the carried tensors load as vLLM loads any checkpoint."""
+        """vLLM's weight stream without the packed expert tensors (the MoE layers take those from
+        ``moepack.open``: mapped views) and without the shards' alignment fillers ``__pad__.<i>``
+        (docs/PACKED_FORMAT.md §2); the carried tensors load as vLLM loads any checkpoint."""
         from vllm.model_executor.models.utils import WeightsMapper
 
-        return QuantizationConfig.get_checkpoint_weight_mapper() | WeightsMapper(orig_to_new_prefix={"moepack.": None})
+        return QuantizationConfig.get_checkpoint_weight_mapper() | WeightsMapper(
+            orig_to_new_prefix={"moepack.": None, "__pad__.": None})
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.fused_moe import RoutedExperts
