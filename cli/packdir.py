@@ -66,9 +66,10 @@ def convert(
     if isa is not None:  # the old spelling: same meaning
         if target != "auto" and target != isa:
             raise ConvertError(f"--isa {isa!r} and --target {target!r}: --isa is the old spelling of --target; give one")
-        err_console.print(f"note: --isa is now spelled --target (--target {isa})")
         target = isa
-    family = resolve_target(target)
+    family = resolve_target(target)  # a bad value is refused first: one line, no note before it
+    if isa is not None:
+        err_console.print(f"note: --isa is now spelled --target (--target {isa})")
     # the family's layout for float weights kept as floats (a quantized source or --quantize picks its scheme's)
     family_layouts = [x for x in LAYOUTS if x.family == family and not get_scheme(x).quantized]
     if not family_layouts:

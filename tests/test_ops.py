@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import moepack
+from moepack.layout import layout_padded_k, layout_padded_n
 from moepack.layout import layout_tensor_plan
 from tests.conftest import make_moe_inputs
 
@@ -99,7 +100,8 @@ def test_meta_tensors_give_the_output_shape(dtype, layout):
     if layout.tensors[0].dtype == "bfloat16":
         packed = moepack.pack_weight(torch.empty(e, 2 * i, h, dtype=dtype, **meta), layout)
         assert packed.device.type == "meta" and packed.dtype == BF16
-        assert tuple(packed.shape) == (e, 96, 94)  # N = 2I = 80 -> whole 32-column blocks; K = 93 -> k_pack pairs
+        # N = 2I = 80 -> whole column blocks; K = 93 -> whole k_pack runs (x86: (96, 94))
+        assert tuple(packed.shape) == (e, layout_padded_n(layout, 2 * i), layout_padded_k(layout, h))
 
 
 @pytest.mark.parametrize("layout", moepack.LAYOUTS, ids=lambda x: x.name)
@@ -119,7 +121,7 @@ def test_meta_pack_weight_gives_the_packed_codes_shape(layout):
         packed = moepack.pack_weight(w, layout, n_padded=np_, k_padded=kp, **kw)
         cpu = moepack.pack_weight(torch.zeros(w.shape, dtype=dtype), layout, n_padded=np_, k_padded=kp,
                                   **{key: torch.zeros(v.shape, dtype=v.dtype) for key, v in kw.items()})  # fmt: skip
-        want = (e, np_ or 96, (kp or layout.k_pack * -(-k // layout.k_pack)) // per_byte)
+        want = (e, np_ or layout_padded_n(layout, n), (kp or layout.k_pack * -(-k // layout.k_pack)) // per_byte)
         assert packed.device.type == "meta" and packed.dtype == cpu.dtype == getattr(torch, layout.tensors[0].dtype)
         assert tuple(packed.shape) == tuple(cpu.shape) == want
     if layout.weight_bits < 8:  # the Meta kernel refuses what the CPU one does, before any data

@@ -90,9 +90,9 @@ using HookGemmF8A16 = bool(RowFormat, const void* const*, int, const uint8_t*, c
 // dense bf16 block (MK's dense format) of the unscaled values e2m1(q), exact (kMx4Bf16).
 using HookUnpackMx4 = void(const uint8_t*, int64_t, int64_t, uint16_t*);
 // gemm_mx4a16(fmt, rows, m, codes, scale, group_stride, kp, C, memo) -> taken: fp32 C[m, block_n]
-// of one block, C = sum over the K groups g of 32 (in order) of (rows . e2m1(q_g)) * 2^(e[g, n] -
-// 127), the scale applied in fp32 after each group's dot product (never folded into a bf16
-// weight where the product would be a bf16 subnormal); false leaves the call to the
+// of one block, C = sum over the K groups g of 32 (any fp32 summation order) of (rows . e2m1(q_g)) *
+// 2^(e[g, n] - 127), the scale applied in fp32 after each group's dot product or folded into the
+// bf16 weight where that is exact (never where the weight would be a bf16 subnormal); false leaves the call to the
 // grouped-decode path. memo: the worker's S::RowMemo (MK::Mx4A16Memo), or null.
 using HookGemmMx4A16 = bool(RowFormat, const void* const*, int, const uint8_t*, const uint8_t*, int64_t, int64_t, float*,
                             void*);
