@@ -99,7 +99,16 @@ Isa env_max_isa() {
   const char* v = std::getenv("MOEPACK_MAX_ISA");
   if (v == nullptr || *v == '\0') return host_isa();
   for (int i = 0; i < kNumIsa; ++i) {
-    if (std::strcmp(v, isa_name(Isa(i))) == 0) return Isa(i);
+    if (std::strcmp(v, isa_name(Isa(i))) != 0) continue;
+    if (!kIsaLevels[i].built) {  // another architecture's level: it would lower nothing (or everything)
+      std::string mine;
+      for (int j = 0; j < kNumIsa; ++j) {
+        if (kIsaLevels[j].built) mine += std::string(mine.empty() ? "" : ", ") + isa_name(Isa(j));
+      }
+      throw std::invalid_argument(std::string("MOEPACK_MAX_ISA='") + v + "' is a level of another architecture (" +
+                                  kIsaLevels[i].not_built + "): it can only lower this machine's levels (" + mine + ")");
+    }
+    return Isa(i);
   }
   throw std::invalid_argument(std::string("MOEPACK_MAX_ISA='") + v + "' is not one of " + kIsaNames +
                               " (it can only lower the ISA level moepack uses)");

@@ -84,6 +84,12 @@ def max_isa() -> str:
         return host_isa()
     if value not in ISAS:
         raise UnsupportedError(f"MOEPACK_MAX_ISA={value!r} is not one of {', '.join(ISAS)}")
+    lv = LEVELS[ISAS.index(value)]
+    here = build_arch(platform.machine())
+    if lv.arch is not None and (here is None or lv.arch != here.name):
+        mine = [x.name for x in LEVELS if x.arch is None or (here is not None and x.arch == here.name)]
+        raise UnsupportedError(f"MOEPACK_MAX_ISA={value!r} is a level of the {lv.arch} architecture, not of this "
+                               f"{platform.machine()} machine: it can only lower this machine's levels ({', '.join(mine)})")
     return ISAS[min(ISAS.index(value), ISAS.index(host_isa()))]
 
 

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import moepack
+from moepack.errors import MoepackError
 from moepack.isa import host_family, ISAS, KERNEL_ISAS, available_isas, host_isa, layout_isas, max_isa
 from moepack.isa_levels import LEVELS, features, features_of
 from moepack.layout import LAYOUTS
@@ -91,7 +92,17 @@ def test_default_choice_is_the_best_serving_level(layout):
         assert any(f"({nxt}: {why}" in reason for why in ("the CPU lacks", "the OS", "not an ")), reason  # not an arm CPU
 
 
-@pytest.mark.parametrize("cap", ISAS)
+def _caps_of_this_machine() -> list[str]:
+    """The levels MOEPACK_MAX_ISA may name here: scalar and this architecture's."""
+    import platform
+
+    from moepack.isa import LEVELS, build_arch
+
+    here = build_arch(platform.machine())
+    return [lv.name for lv in LEVELS if lv.arch is None or (here is not None and lv.arch == here.name)]
+
+
+@pytest.mark.parametrize("cap", _caps_of_this_machine())
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda x: x.name)
 def test_max_isa_can_only_lower(monkeypatch, cap, layout):
     monkeypatch.setenv("MOEPACK_MAX_ISA", cap)
@@ -118,6 +129,22 @@ def test_invalid_max_isa(monkeypatch, bad):
     monkeypatch.setenv("MOEPACK_MAX_ISA", bad)
     with pytest.raises(ValueError, match=re.escape(f"MOEPACK_MAX_ISA='{bad}' is not one of {', '.join(ISAS)} (")):
         moepack.kernel_choice()
+
+
+def test_max_isa_of_another_architecture_is_refused(monkeypatch):
+    """A level of another architecture would lower nothing (x86: `neon`) or everything (ARM: an
+    x86 level): the dispatcher and moepack.isa.max_isa refuse it in one line naming both."""
+    import platform
+
+    from moepack.isa import LEVELS, build_arch
+
+    here = build_arch(platform.machine())
+    other = next(lv.name for lv in LEVELS if lv.arch is not None and (here is None or lv.arch != here.name))
+    monkeypatch.setenv("MOEPACK_MAX_ISA", other)
+    with pytest.raises(ValueError, match=re.escape(f"MOEPACK_MAX_ISA='{other}' is a level of another architecture (")):
+        moepack.kernel_choice()
+    with pytest.raises(MoepackError, match=re.escape(f"MOEPACK_MAX_ISA={other!r} is a level of the ")):
+        max_isa()
 
 
 def test_kernel_choice_is_a_named_triple():
