@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 import moepack
 from moepack.errors import MoepackError, SourceError
 from moepack.sources import open_source
+from tests.ct_writer import write_ct_checkpoint
 from tests.fixtures_util import fixture_dir
 
 F8 = torch.float8_e4m3fn
@@ -68,57 +69,19 @@ def write_ct_fp8(src: Path, dst: Path, preset: str, dtype=torch.bfloat16) -> Non
     weight but embeddings, lm_head, norms and routers), written by compressed-tensors 0.20.1 on
     CPU: ``preset`` FP8_BLOCK / FP8_DYNAMIC / FP8; the scales filled from each block's /
     channel's / tensor's amax (its observers live in llm-compressor), FP8's static input_scale 1."""
-    ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors==0.20.1 is a test dependency (Makefile)")
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
-    from compressed_tensors.quantization.utils import calculate_qparams
 
-    assert ct.__version__ == "0.20.1"
-    sd = {}
-    for f in sorted(src.glob("*.safetensors")):
-        sd.update(load_file(str(f)))
-    root = torch.nn.Module()
-    mods = [n[: -len(".weight")] for n, t in sd.items() if n.endswith(".weight") and t.dim() == 2 and not _CT_KEEP.search(n)]
-    for m in mods:
-        w = sd[m + ".weight"]
-        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=dtype)
-        with torch.no_grad():
-            lin.weight.copy_(w)
-        cur = root
-        for p in m.split(".")[:-1]:
-            if not hasattr(cur, p):
-                cur.add_module(p, torch.nn.Module())
-            cur = getattr(cur, p)
-        cur.add_module(m.split(".")[-1], lin)
-    scheme = preset_name_to_scheme(preset, ["Linear"])
-    apply_quantization_config(root, QuantizationConfig(config_groups={"group_0": scheme}))
-    for m in mods:
-        mod = root.get_submodule(m)
+    def amax(mod):
         w, sh = mod.weight.float(), tuple(mod.weight_scale.shape)
         if preset == "FP8_BLOCK":
             bn, bk = mod.quantization_scheme.weights.block_structure
             pad = torch.zeros(sh[0] * bn, sh[1] * bk)
             pad[: w.shape[0], : w.shape[1]] = w
-            a = pad.unflatten(0, (sh[0], bn)).unflatten(2, (sh[1], bk)).abs().amax(dim=(1, 3))
-        elif preset == "FP8_DYNAMIC":
-            a = w.abs().amax(dim=1, keepdim=True)
-        else:
-            a = w.abs().amax().reshape(sh)
-        scale, _ = calculate_qparams(-a, a, mod.quantization_scheme.weights)
-        with torch.no_grad():
-            mod.weight_scale.copy_(scale.to(mod.weight_scale.dtype))
-            if hasattr(mod, "input_scale"):
-                mod.input_scale.fill_(1.0)
-    comp = ModelCompressor.from_pretrained_model(root)
-    comp.compress_model(root)
-    quantized = {k: v.detach().contiguous() for k, v in root.state_dict().items()}
-    out = {n: t for n, t in sd.items() if n[: -len(".weight")] not in mods}
-    out.update(quantized)
-    dst.mkdir(parents=True)
-    save_file({k: out[k] for k in sorted(out)}, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copy(src / "config.json", dst / "config.json")
-    comp.update_config(str(dst))
+            return pad.unflatten(0, (sh[0], bn)).unflatten(2, (sh[1], bk)).abs().amax(dim=(1, 3))
+        if preset == "FP8_DYNAMIC":
+            return w.abs().amax(dim=1, keepdim=True)
+        return w.abs().amax().reshape(sh)
+
+    write_ct_checkpoint(src, dst, preset, amax, keep=_CT_KEEP, dtype=dtype)
 
 
 def ct_oracle(dst: Path, module: str, preset: str, dtype=torch.bfloat16) -> torch.Tensor:

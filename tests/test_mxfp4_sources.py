@@ -36,6 +36,7 @@ import moepack  # noqa: E402
 from moepack.errors import MoepackError, SourceError  # noqa: E402
 from moepack.schemes.mxfp4.codec import E2M1_VALUES, dequantize_mxfp4  # noqa: E402
 from moepack.sources import Checkpoint, linears, open_source  # noqa: E402
+from tests.ct_writer import CT_KEEP, write_ct_checkpoint  # noqa: E402
 from tests.fixtures_util import fixture_dir  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,53 +71,12 @@ def hf_decode(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
 
 
-_CT_KEEP = re.compile(r"(embed_tokens|lm_head|norm|\.mlp\.gate\.weight$|shared_expert_gate|\.router\.)")
-
-
 def write_ct_mxfp4(src: Path, dst: Path) -> list[str]:
     """A compressed-tensors mxfp4-pack-quantized checkpoint of ``src``'s Linear weights (every 2-D
     weight but embeddings, lm_head, norms and routers), written by compressed-tensors 0.20.1 on CPU
     (preset MXFP4A16), the scales from each group's amax through its calculate_qparams (its
     observers live in llm-compressor). Returns the quantized module names."""
-    ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors==0.20.1 is a test dependency (Makefile)")
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
-    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
-    from compressed_tensors.quantization.utils import calculate_qparams
-
-    assert ct.__version__ == "0.20.1"
-    sd = {}
-    for f in sorted(src.glob("*.safetensors")):
-        sd.update(load_file(str(f)))
-    root = torch.nn.Module()
-    mods = [n[: -len(".weight")] for n, t in sd.items() if n.endswith(".weight") and t.dim() == 2 and not _CT_KEEP.search(n)]
-    for m in mods:
-        w = sd[m + ".weight"]
-        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
-        with torch.no_grad():
-            lin.weight.copy_(w)
-        cur = root
-        for p in m.split(".")[:-1]:
-            if not hasattr(cur, p):
-                cur.add_module(p, torch.nn.Module())
-            cur = getattr(cur, p)
-        cur.add_module(m.split(".")[-1], lin)
-    apply_quantization_config(root, QuantizationConfig(config_groups={"group_0": preset_name_to_scheme("MXFP4A16", ["Linear"])}))
-    for m in mods:
-        mod = root.get_submodule(m)
-        a = mod.weight.float().unflatten(1, (-1, 32)).abs().amax(-1)
-        scale, _ = calculate_qparams(-a, a, mod.quantization_scheme.weights)
-        with torch.no_grad():
-            mod.weight_scale.copy_(scale.to(mod.weight_scale.dtype))
-    comp = ModelCompressor.from_pretrained_model(root)
-    comp.compress_model(root)
-    out = {n: t for n, t in sd.items() if n[: -len(".weight")] not in mods}
-    out.update({k: v.detach().contiguous() for k, v in root.state_dict().items()})
-    dst.mkdir(parents=True)
-    save_file({k: out[k] for k in sorted(out)}, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    shutil.copy(src / "config.json", dst / "config.json")
-    comp.update_config(str(dst))
-    return mods
+    return write_ct_checkpoint(src, dst, "MXFP4A16", lambda mod: mod.weight.float().unflatten(1, (-1, 32)).abs().amax(-1))
 
 
 def ct_oracle(d: Path, module: str) -> torch.Tensor:
@@ -161,7 +121,7 @@ def write_ragged_ct_mxfp4(src: Path, dst: Path) -> dict[str, torch.Tensor]:
         sd.update(load_file(str(f)))
     out, want = {}, {}
     for n, t in sd.items():
-        if not (n.endswith(".weight") and t.dim() == 2 and not _CT_KEEP.search(n)):
+        if not (n.endswith(".weight") and t.dim() == 2 and not CT_KEEP.search(n)):
             out[n] = t
             continue
         m, (rows, k) = n[: -len(".weight")], t.shape
