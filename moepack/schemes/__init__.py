@@ -145,6 +145,12 @@ class BenchInfo:
     notes: Callable | None = None
 
 
+def torch_loop_note(scheme: str, quantization: str) -> str:
+    """The bench note of a quantized scheme whose torch loop runs the float weights."""
+    return (f"--scheme {scheme}: the torch loop runs the bf16 weights (the check column includes the "
+            f"{quantization} quantization error)")
+
+
 @dataclass
 class LayerSource:
     """What a scheme's layer packer reads from: one MoE layer of an open source checkpoint, the

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ...errors import ConvertError, LayoutError, UnsupportedError
 from ...layout import LAYOUTS
-from .. import BenchInfo, OutputRule, Scheme, register
+from .. import BenchInfo, OutputRule, Scheme, register, torch_loop_note
 from ..quantized import QuantizedLayer, grouped_source_layout
 from .facts import Fp8Facts
 from .pack import layout_group, pack_experts_fp8, pack_fp8_weight
@@ -183,7 +183,7 @@ def _bench_notes(kernel_isa: str, instruction: str | None, torch_loop: bool) -> 
     notes = [f"--scheme fp8_block: GB/s counts the packed e4m3fn bytes and their fp32 scales (3.1% more); the kernel "
              f"runs at {kernel_isa}" + (" (this build has no SIMD fp8 kernel for the host)" if kernel_isa == "scalar" else "")]  # fmt: skip
     if torch_loop:
-        notes.append("--scheme fp8_block: the torch loop runs the bf16 weights (the check column includes the FP8 quantization error)")
+        notes.append(torch_loop_note("fp8_block", "FP8"))
     return notes
 
 

@@ -8,7 +8,7 @@ or ``quantize_int8_per_channel`` of float weights (``--quantize int8_channel``).
 
 from __future__ import annotations
 
-from .. import BenchInfo, OutputRule, Scheme, register
+from .. import BenchInfo, OutputRule, Scheme, register, torch_loop_note
 from ..quantized import QuantizedLayer
 from .pack import pack_experts_int8, pack_int8_weight
 from .quantize import dequantize_int8, quantize_int8_per_channel
@@ -72,7 +72,7 @@ def _bench_notes(kernel_isa: str, instruction: str | None, torch_loop: bool) -> 
     notes = ["--scheme int8_channel: GFLOP/s is int8 GOP/s, and '% dot peak' is against the peak of the int8 "
              f"instruction of the kernel that runs here ({kernel_isa}: {instruction or 'scalar code, no peak'})"]  # fmt: skip
     if torch_loop:
-        notes.append("--scheme int8_channel: the torch loop runs the bf16 weights (the check column includes the int8 quantization error)")
+        notes.append(torch_loop_note("int8_channel", "int8"))
     return notes
 
 

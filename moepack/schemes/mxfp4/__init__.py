@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ...errors import ConvertError
 from ...layout import LAYOUTS
-from .. import BenchInfo, OutputRule, Scheme, register
+from .. import BenchInfo, OutputRule, Scheme, register, torch_loop_note
 from ..quantized import QuantizedLayer, grouped_source_layout
 from .codec import E2M1_VALUES, E8M0_NAN, MX4_GROUP, decode_e2m1, dequantize_mxfp4, e8m0_to_float
 from .facts import Mxfp4Facts
@@ -127,7 +127,7 @@ def _bench_notes(kernel_isa: str, instruction: str | None, torch_loop: bool) -> 
     notes = [f"--scheme mxfp4: GB/s counts the packed e2m1 codes and their e8m0 scales (6.25% more); the kernel runs at "
              f"{kernel_isa}" + (" (this build has no SIMD mxfp4 kernel for the host)" if kernel_isa == "scalar" else "")]  # fmt: skip
     if torch_loop:
-        notes.append("--scheme mxfp4: the torch loop runs the bf16 weights (the check column includes the MXFP4 quantization error)")
+        notes.append(torch_loop_note("mxfp4", "MXFP4"))
     return notes
 
 
