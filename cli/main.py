@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from .app import app, command, console, err_console
+from .app import app, command, console, err_console, state
 
 __all__ = ["app"]
 
@@ -89,8 +89,10 @@ def info(
     console.print(t, highlight=False)
 
 
-@command(help="Time moepack's fused experts against the plain torch per-expert loop on real MoE shapes.")
+@command(help="Time moepack's fused experts against the plain torch per-expert loop on real MoE shapes, or (--vs) against "
+         "other engines' fused experts in the same process.")
 def bench(
+    ctx: typer.Context,
     shapes: str = typer.Option(
         "qwen3-30b-a3b,gpt-oss-20b,mixtral-8x7b",
         "--shapes",
@@ -122,6 +124,11 @@ def bench(
     retries: int = typer.Option(0, "--retries", help="Re-time a measurement up to N times when other processes were busy during it."),
     markdown: bool = typer.Option(False, "--markdown", help="Print the table as Markdown instead of a rich table."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress lines on stderr."),
+    vs: Optional[str] = typer.Option(
+        None, "--vs", help="Comma-separated engines to time against moepack in this process, on the same weights, calls "
+        "alternating (docs/BENCH.md): vllm (vLLM 0.32 fused_experts_cpu; run in MOEPACK_VLLM_PYTHON or build/vllm-venv "
+        "when vllm is not importable here), zentorch (zentorch_fused_moe), torch (the per-expert loop)."
+    ),
 ) -> None:
     from moepack import bench as B
 
@@ -140,8 +147,15 @@ def bench(
         seed=seed,
         wait_quiet=wait_quiet,
         retries=retries,
+        vs=B.parse_vs(vs) if vs is not None else [],
     )
     cfg.validate()  # before minutes of work
+    if cfg.vs:
+        python = B.reexec_python(cfg.vs)  # vLLM in its own venv: the same command there
+        if python is not None:
+            if not quiet:
+                err_console.print(f"[dim]--vs vllm: vllm is not importable here; running this bench in {python}[/]", highlight=False, soft_wrap=True)
+            raise typer.Exit(B.reexec(python, (["--debug"] if state.debug else []) + ["bench"] + _given_args(ctx)))
     if json_path is not None and json_path.parent and not json_path.parent.exists():
         raise ValueError(f"--json {json_path}: folder {json_path.parent} does not exist")
     threshold = B.threshold_from_percent(compare_threshold)
@@ -156,16 +170,16 @@ def bench(
         if not quiet:
             err_console.print(f"[dim]{line}[/]", highlight=False, soft_wrap=True)
 
-    result = B.run_benchmark(cfg, log=log)
+    result = B.run_vs(cfg, log=log) if cfg.vs else B.run_benchmark(cfg, log=log)
     if old is not None:
         result.comparison = B.compare_results(result, old, against=str(compare), threshold=threshold)
     if markdown:
-        typer.echo(B.render_markdown(result), nl=False)
+        typer.echo((B.render_vs_markdown if cfg.vs else B.render_markdown)(result), nl=False)
     else:
         from rich.console import Console
 
         out = console if console.is_terminal else Console(width=max(console.width, 220))
-        out.print(B.render_table(result))
+        out.print((B.render_vs_table if cfg.vs else B.render_table)(result))
         if result.comparison is not None:
             out.print(B.render_compare_table(result.comparison))
     if result.comparison is not None and not markdown:  # (the Markdown carries them)
@@ -177,5 +191,24 @@ def bench(
         B.write_json(result, json_path)
         if not quiet:
             err_console.print(f"[dim]wrote {json_path}[/]", highlight=False, soft_wrap=True)
+def _given_args(ctx: typer.Context) -> list[str]:
+    """The options a command was given (those not at their defaults), as command-line words."""
+    args: list[str] = []
+    for p in ctx.command.params:
+        if not p.opts or not p.opts[0].startswith("-"):
+            continue
+        v = ctx.params.get(p.name)
+        if v is None or v == p.default:
+            continue
+        if getattr(p, "is_flag", False):
+            if p.secondary_opts:
+                args.append(p.opts[0] if v else p.secondary_opts[0])
+            elif v:
+                args.append(p.opts[0])
+        else:
+            args += [p.opts[0], str(v)]
+    return args
+
+
 from . import packdir  # noqa: E402,F401  (registers convert, verify, inspect)
 from . import generate  # noqa: E402,F401  (registers generate)

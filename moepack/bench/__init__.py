@@ -28,6 +28,10 @@ layout ``i8_n32k4_x86``): GB/s then counts the int8 packed bytes (codes + fp32 s
 column sums) and GFLOP/s reads as GOP/s (the same ``2*T*k*3*H*I`` operations, done as int8
 multiply-adds), against the int8 instruction's GOP/s.
 
+``--vs vllm,zentorch,torch`` times other engines' fused experts against moepack in the same
+process, on the same weights (the scheme's codes and scales in each engine's format), calls
+alternating (``vs``: the run; ``peers``: one adapter per engine; docs/BENCH.md "Side by side").
+
 ``--json out.json`` writes the versioned result file (docs/BENCH.md); ``--compare old.json``
 adds, per row present in both runs, the new/old ratios of ms and GB/s, flagged where more than
 ``--compare-threshold`` percent slower.
@@ -79,12 +83,15 @@ from .report import (
     threshold_from_percent,
     write_json,
 )
+from .peers import ENGINES, PeerArm, PeerUnavailable, PeerUnsupported, parse_vs
 from .run import BenchConfig, main, make_weights, run_benchmark
+from .vs import arm_names, reexec, reexec_python, render_vs_markdown, render_vs_table, run_vs, schedule
 from .shapes import DEFAULT_SHAPES, DEFAULT_TOKENS, DTYPES, SHAPES, MoeShape, parse_shapes, parse_tokens
 from .timing import BUSY_CPUS, RoutingStream, Timing, wait_quiet
 
 __all__ = [
-    "BUSY_CPUS", "DEFAULT_COMPARE_THRESHOLD", "DEFAULT_SHAPES", "DEFAULT_TOKENS", "DTYPES", "FORMAT", "FORMAT_VERSION",
+    "BUSY_CPUS", "DEFAULT_COMPARE_THRESHOLD", "ENGINES", "PeerArm", "PeerUnavailable", "PeerUnsupported", "arm_names",
+    "parse_vs", "reexec", "reexec_python", "render_vs_markdown", "render_vs_table", "run_vs", "schedule", "DEFAULT_SHAPES", "DEFAULT_TOKENS", "DTYPES", "FORMAT", "FORMAT_VERSION",
     "INSTRUCTIONS", "KERNEL_INSTRUCTIONS", "PROBE_SOURCE", "SHAPES", "TABLE_COLUMNS",
     "BenchConfig", "BenchResult", "Comparison", "CompareRow", "Instruction", "MachineProbe", "MoeShape", "Row",
     "RoutingStream", "Timing",

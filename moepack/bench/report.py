@@ -72,6 +72,12 @@ class Row:
     kernel_isa: str | None = None  # the ISA level the layout's kernel ran at
     peak_instruction: str | None = None  # probe.INSTRUCTIONS name the peak fraction divides by
     peak_value: float | None = None  # its peak here (GFLOP/s or GOP/s), at `threads` threads
+    act_mode: str | None = None  # the activation mode moepack ran (schemes with two: "a16" / "a8"); --vs rows record it
+    # --vs (moepack/bench/vs.py): moepack's arms pooled into the moepack_* fields above, plus
+    moepack_ms_p25: float | None = None
+    moepack_rel_err: float | None = None  # ||out - ref|| / ||ref||, ref: fp32 on the same weights (T <= 8)
+    moepack_arms: list | None = None  # per moepack arm: {arm, calls, ms, ms_median, ms_p25, ms_min, gbs}
+    vs: list | None = None  # per engine: {engine, path, act, weights, bytes_per_expert, calls, ms, ms_median, ms_p25, ms_min, gbs, gflops, ratio, rel_err}
 
 
 @dataclass

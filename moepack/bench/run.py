@@ -48,6 +48,7 @@ class BenchConfig:
     seed: int = 0
     wait_quiet: float = 0.0  # before each measurement, wait up to this many s for other processes to go idle
     retries: int = 0  # re-time a measurement (up to this many times) when other processes were busy
+    vs: list[str] = field(default_factory=list)  # --vs: other engines timed against moepack in this process (vs.py)
 
     def validate(self) -> None:
         if not self.shapes:
@@ -80,6 +81,10 @@ class BenchConfig:
             raise ValueError(f"--wait-quiet {self.wait_quiet}: must be >= 0 seconds")
         if self.probe_bytes < (64 << 20):
             raise ValueError(f"--probe-gib: a probe buffer of {self.probe_bytes} bytes is too small to measure memory (>= 64 MiB)")
+        if self.vs:
+            from .peers import parse_vs
+
+            self.vs = parse_vs(self.vs)
         if self.probe_passes < 1:
             raise ValueError(f"probe_passes={self.probe_passes}: must be >= 1")
         if not (self.probe_peak_seconds > 0 and math.isfinite(self.probe_peak_seconds)):
@@ -248,6 +253,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
                 moepack_bg_cpus=bg_m,
                 moepack_waited_s=waited_m,
                 moepack_attempts=att_m,
+                act_mode=act_mode,
             )
             if tt is not None:
                 row.torch_calls = tt.calls

@@ -1,0 +1,513 @@
+"""``moepack bench --vs ENGINE[,ENGINE...]``: moepack and other engines' fused experts in ONE
+process, on the same weights and routings, calls alternating (docs/BENCH.md "Side by side").
+
+Why one process with the calls alternating: a shared or virtual machine's memory rate drifts by
+minutes (up to 2x seen), more than the differences between engines at decode; two engines timed
+in separate processes, or one after the other, can land in different phases. Alternating call by
+call gives every engine the same phases.
+
+The method, per (shape, T):
+
+* one set of seeded bf16 weights (``run.make_weights``, the plain bench's seeds); the scheme's
+  canonical tensors are made from them once (moepack's quantizer, expert by expert) and every
+  engine gets those same codes and scales in its own format (moepack/bench/peers.py);
+* ``SETS`` = 8 routing sets (activations, softmax/top-k weights and ids), made before timing;
+* the arms: each engine, then moepack; when that makes an even number of arms, moepack runs twice
+  (``moepack (again)``), so the arm count is odd, hence coprime with 8: call i runs arm
+  ``i % arms`` on set ``i % 8``, and every arm sees every set equally often (``schedule``);
+* one untimed round, one round timing each arm once (the call-count estimate), then
+  ``calls`` calls per arm (a multiple of 8: ``--calls``, or enough for ``--min-time`` seconds
+  of the slowest arm), each timed on its own with ``time.perf_counter``;
+* per arm: median, 25th percentile, minimum and mean; moepack's figures pool its arms; the ratio
+  is engine median / moepack median ("moepack ÷ engine speed": above 1, moepack is faster);
+* at T <= ``CHECK_MAX_TOKENS``, each engine's output on set 0 against an fp32 reference of the
+  layer on the same (dequantized) weights, so a wrong path shows as a large error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import gc
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..isa import host_family
+from ..layout import layout_flops
+from .peers import (
+    PeerArm,
+    PeerUnsupported,
+    build_peer,
+    check_engine,
+    expert_slice,
+    prepare_canonical,
+    supports,
+)
+from .probe import MachineProbe, _loadavg, describe_limits, kernel_instruction, machine_info, probe_machine
+from .report import BenchResult, Row, _f, _pct, machine_line
+from .shapes import DTYPES
+from .timing import BUSY_CPUS, RoutingStream, _CpuMeter, wait_quiet
+
+SETS = 8
+CHECK_MAX_TOKENS = 8  # output errors are measured at T <= this
+ERR_NOTE = 0.05  # an engine whose output is further than this from the fp32 reference gets a note
+MOEPACK = "moepack"
+MOEPACK_AGAIN = "moepack (again)"
+
+
+def arm_names(engines: list[str]) -> list[str]:
+    """The arms in call order: the engines, moepack, and moepack again when the count is even."""
+    names = list(engines) + [MOEPACK]
+    if len(names) % 2 == 0:
+        names.append(MOEPACK_AGAIN)
+    return names
+
+
+def schedule(n_arms: int, calls_per_arm: int, n_sets: int = SETS) -> list[tuple[int, int]]:
+    """(arm, routing set) of each timed call, in order: call i runs arm ``i % n_arms`` on set
+    ``i % n_sets``. The counts must be coprime (else an arm would see only some sets)."""
+    if n_arms < 1 or calls_per_arm < 1 or n_sets < 1:
+        raise ValueError(f"schedule({n_arms}, {calls_per_arm}, {n_sets}): arms, calls and sets must be >= 1")
+    if math.gcd(n_arms, n_sets) != 1:
+        raise ValueError(f"{n_arms} arms and {n_sets} routing sets share a factor: arm a would only see sets a + k*{math.gcd(n_arms, n_sets)}")
+    return [(i % n_arms, i % n_sets) for i in range(n_arms * calls_per_arm)]
+
+
+def calls_per_arm(cfg, slowest_s: float, n_sets: int = SETS) -> int:
+    """``cfg.calls``, or enough calls for ``cfg.min_time`` of the slowest arm (within
+    ``cfg.min_calls`` .. ``cfg.max_calls``), rounded up to a multiple of ``n_sets``."""
+    n = cfg.calls if cfg.calls is not None else max(cfg.min_calls, min(cfg.max_calls, math.ceil(cfg.min_time / max(slowest_s, 1e-6))))
+    return max(n_sets, -(-n // n_sets) * n_sets)
+
+
+@dataclass
+class ArmTimes:
+    name: str
+    times_s: list[float]
+    bytes_touched: float  # sum over the calls of unique experts x the arm's bytes per expert
+
+    def _q(self, f: float) -> float:
+        s = sorted(self.times_s)
+        return s[min(len(s) - 1, int(f * len(s)))] * 1e3
+
+    @property
+    def calls(self) -> int:
+        return len(self.times_s)
+
+    @property
+    def median_ms(self) -> float:
+        s = sorted(self.times_s)
+        n = len(s)
+        return (s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])) * 1e3
+
+    @property
+    def p25_ms(self) -> float:
+        return self._q(0.25)
+
+    @property
+    def min_ms(self) -> float:
+        return min(self.times_s) * 1e3
+
+    @property
+    def mean_ms(self) -> float:
+        return sum(self.times_s) / len(self.times_s) * 1e3
+
+    @property
+    def gbs(self) -> float:
+        """Bytes of the experts a call touches (mean over the calls) / the median time."""
+        return self.bytes_touched / self.calls / (self.median_ms / 1e3) / 1e9
+
+    def summary(self) -> dict:
+        return {"arm": self.name, "calls": self.calls, "ms": self.mean_ms, "ms_median": self.median_ms, "ms_p25": self.p25_ms,
+                "ms_min": self.min_ms, "gbs": self.gbs}  # fmt: skip
+
+
+def time_arms(fns: list[Callable[[int], object]], plan: list[tuple[int, int]]) -> list[list[float]]:
+    """Runs ``plan`` ((arm, set) per call, in order), each call timed alone; the seconds per arm."""
+    out: list[list[float]] = [[] for _ in fns]
+    clock = time.perf_counter
+    for a, s in plan:
+        t0 = clock()
+        fns[a](s)
+        out[a].append(clock() - t0)
+    return out
+
+
+def fp32_reference(scheme_obj, c: dict, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The MoE layer (silu, gate rows then up rows) in fp32 on the scheme's weights, dequantized
+    one routed expert at a time: [T, H] fp32."""
+    xf = x.float()
+    out = torch.zeros(xf.shape[0], xf.shape[1], dtype=torch.float32)
+    for e in topk_ids.unique().tolist():
+        w13, w2 = (w[0].float() for w in scheme_obj.dequantize(expert_slice(c, int(e))))
+        i = w13.shape[0] // 2
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        h = xf[tok] @ w13.t()
+        a = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
+        out.index_add_(0, tok, (a @ w2.t()) * topk_weights[tok, slot, None].float())
+    return out
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def canonical_from_float(scheme_obj, w13: torch.Tensor, w2: torch.Tensor, layout) -> dict:
+    """The scheme's canonical tensors of float weights, quantized one expert at a time (no fp32
+    copy of a whole layer)."""
+    if not scheme_obj.quantized:
+        return {"w13": w13, "w2": w2}
+    parts: dict[str, list] = {}
+    rest: dict = {}
+    for e in range(w13.shape[0]):
+        one = scheme_obj.from_float(w13[e : e + 1], w2[e : e + 1], layout=layout)
+        for k, v in one.items():
+            if torch.is_tensor(v):
+                parts.setdefault(k, []).append(v)
+            else:
+                rest[k] = v
+    return {**{k: torch.cat(v) for k, v in parts.items()}, **rest}
+
+
+def _probe(cfg, machine: dict, notes: list[str], log) -> MachineProbe:
+    if not cfg.probe:
+        return MachineProbe(threads=cfg.threads, note="disabled (--no-probe)")
+    log(f"probing the machine: read bandwidth over {cfg.probe_bytes / 2**30:.2f} GiB and dot-product peaks, {cfg.threads} threads")
+    meter = _CpuMeter()
+    meter.start()
+    probe = probe_machine(cfg.threads, cfg.probe_bytes, cfg.probe_passes, cfg.probe_peak_seconds)
+    bg = meter.stop()
+    for label, text in describe_limits(probe):
+        log(f"  {label}: {text}")
+    machine["probe_bg_cpus"] = bg
+    if bg is not None and bg > BUSY_CPUS:
+        notes.append(f"other processes used {bg:.2f} CPUs during the machine probe: its numbers are low")
+    return probe
+
+
+def run_vs(cfg, log: Callable[[str], None] = lambda s: None) -> BenchResult:
+    """Every (shape, T) of ``cfg`` with moepack against the engines ``cfg.vs`` (see the module)."""
+    import moepack
+    from ..pack import in_huge_pages
+    from ..schemes import get_scheme
+    from .run import make_weights
+
+    cfg.validate()
+    if not cfg.vs:
+        raise ValueError("run_vs: no engine to compare with (--vs)")
+    for eng in cfg.vs:
+        check_engine(eng)  # PeerUnavailable: one line naming what is missing and the fix
+    t_start = time.perf_counter()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    torch.set_num_threads(cfg.threads)
+    machine = machine_info(cfg.threads)
+    machine["torch_num_threads"] = torch.get_num_threads()
+    machine["loadavg_start"] = _loadavg()
+    machine["python"] = sys.executable
+    notes: list[str] = []
+    probe = _probe(cfg, machine, notes, log)
+    act_dtype = DTYPES[cfg.dtype]
+    scheme = get_scheme(cfg.scheme)
+    layout = scheme.layout_for(host_family())
+    act_mode = cfg.act_mode or layout.act_modes[0]
+    kernel_isa = moepack.kernel_choice(layout, act_mode).isa
+    instruction = kernel_instruction(layout.weight_dtype, kernel_isa, act_mode)
+    peak = probe.peak(instruction.name if instruction else None)
+    engines = []
+    for eng in cfg.vs:
+        why = supports(eng, scheme.name, act_dtype)
+        if why is None:
+            engines.append(eng)
+        else:
+            notes.append(f"--vs {eng} left out: {why}")
+    if not engines:
+        raise ValueError(f"--vs {','.join(cfg.vs)} with --scheme {scheme.name} --dtype {cfg.dtype}: no engine runs it ({'; '.join(notes)})")
+    rows: list[Row] = []
+    for si, shape in enumerate(cfg.shapes):
+        log(f"{shape.name} ({shape.describe()}): making random bf16 weights" + (f", quantizing them as {scheme.name}" if scheme.quantized else ""))
+        w13, w2 = make_weights(shape, cfg.seed + 1000 * si)
+        c = prepare_canonical(scheme.name, canonical_from_float(scheme, w13, w2, layout))
+        del w13, w2
+        packed = in_huge_pages(scheme.pack(c, interleaved=False, layout=layout))
+        packed_bpe = packed.nbytes // shape.num_experts
+        peers: dict[str, PeerArm] = {}
+        for eng in engines:
+            try:
+                peers[eng] = build_peer(eng, scheme, c, shape.num_experts, act_dtype)
+            except PeerUnsupported as e:
+                notes.append(f"{shape.name}: --vs {eng} left out: {e}")
+                continue
+            log(f"  {eng}: {peers[eng].path}, {peers[eng].act} activations; {peers[eng].weights}")
+        gc.collect()
+        if not peers:
+            del packed, c
+            continue
+        names = arm_names(list(peers))
+        for ti, tokens in enumerate(cfg.tokens):
+            row = _run_case(cfg, shape, si, ti, tokens, scheme, c, packed, packed_bpe, peers, names, act_dtype, act_mode,
+                            kernel_isa, instruction, peak, probe, notes, log)  # fmt: skip
+            rows.append(row)
+        del packed, c, peers
+        gc.collect()
+    if scheme.bench.notes is not None:
+        notes += [n for n in scheme.bench.notes(kernel_isa, instruction.asm if instruction else None, False)]
+    machine["loadavg_end"] = _loadavg()
+    config = dataclasses.asdict(cfg)
+    config["shapes"] = [dataclasses.asdict(s) for s in cfg.shapes]
+    return BenchResult(config=config, machine=machine, probe=probe, rows=rows, started=started,
+                       seconds=round(time.perf_counter() - t_start, 1), notes=notes)  # fmt: skip
+
+
+def _run_case(cfg, shape, si, ti, tokens, scheme, c, packed, packed_bpe, peers, names, act_dtype, act_mode, kernel_isa,
+              instruction, peak, probe, notes, log) -> Row:  # fmt: skip
+    import moepack
+
+    gx = torch.Generator().manual_seed(cfg.seed + 7919 * (si * 101 + ti))
+    stream = RoutingStream(tokens, shape.num_experts, shape.topk, seed=cfg.seed + 31 * (si * 101 + ti) + 1)
+    sets = []
+    for _ in range(SETS):
+        w, ids, uniq = stream.next()
+        sets.append((torch.randn(tokens, shape.hidden, generator=gx).to(act_dtype), w, ids, uniq))
+
+    def engine_arm(arm: PeerArm):
+        return lambda s: arm.fn(sets[s][0], sets[s][1], sets[s][2])
+
+    def moepack_arm(s):
+        return moepack.run_experts(packed, sets[s][0], sets[s][1], sets[s][2], act_mode=act_mode)
+
+    fns = [engine_arm(peers[n]) if n in peers else moepack_arm for n in names]
+    bpe = [peers[n].bytes_per_expert if n in peers else packed_bpe for n in names]
+    label = f"{shape.name} T={tokens} {scheme.name}" + (f" {act_mode}" if len(packed.layout.act_modes) > 1 else "")
+
+    errs: dict[str, float] = {}
+    if tokens <= CHECK_MAX_TOKENS:  # set 0: the first (untimed) call of each arm doubles as the check
+        ref = fp32_reference(scheme, c, sets[0][0], sets[0][1], sets[0][2])
+        for n, fn in zip(names, fns):
+            if n != MOEPACK_AGAIN:
+                errs[n] = rel_err(fn(0), ref)
+    for a, fn in enumerate(fns):  # an untimed round (each arm on a different set)
+        fn(a % SETS)
+    est = time_arms(fns, [(a, (a + len(fns)) % SETS) for a in range(len(fns))])
+    n = calls_per_arm(cfg, max(t[0] for t in est))
+    if cfg.wait_quiet:
+        wait_quiet(cfg.wait_quiet)
+    meter = _CpuMeter()
+    meter.start()
+    times = time_arms(fns, schedule(len(fns), n))
+    bg = meter.stop()
+    uniq = [s[3] for s in sets]
+    # arm a ran its calls on sets a, a + A, a + 2A, ... (mod 8): each set n / 8 times
+    arms = [ArmTimes(name, t, sum(uniq[(a + len(names) * j) % SETS] for j in range(len(t))) * b)
+            for a, (name, t, b) in enumerate(zip(names, times, bpe))]  # fmt: skip
+    mp = [x for x in arms if x.name in (MOEPACK, MOEPACK_AGAIN)]
+    pooled = ArmTimes(MOEPACK, [t for x in mp for t in x.times_s], sum(x.bytes_touched for x in mp))
+    flops = layout_flops(tokens, shape.topk, shape.hidden, shape.intermediate)
+    m_gflops = flops / (pooled.median_ms / 1e3) / 1e9
+    vs = []
+    for x in arms:
+        if x.name not in peers:
+            continue
+        p = peers[x.name]
+        ratio = x.median_ms / pooled.median_ms
+        vs.append({
+            "engine": x.name, "path": p.path, "act": p.act, "weights": p.weights, "bytes_per_expert": p.bytes_per_expert,
+            "calls": x.calls, "ms": x.mean_ms, "ms_median": x.median_ms, "ms_p25": x.p25_ms, "ms_min": x.min_ms,
+            "gbs": x.gbs, "gflops": flops / (x.median_ms / 1e3) / 1e9, "ratio": ratio, "rel_err": errs.get(x.name),
+        })  # fmt: skip
+        e = errs.get(x.name)
+        if e is not None and not e <= ERR_NOTE:
+            notes.append(f"{label}: {x.name}'s output is {e:.3g} (relative) from the fp32 reference on the same weights: "
+                         "its ratio compares a path that computes something else")  # fmt: skip
+    me = errs.get(MOEPACK)
+    if me is not None and not me <= ERR_NOTE:
+        notes.append(f"{label}: moepack's output is {me:.3g} (relative) from the fp32 reference: check the kernels")
+    if bg is not None and bg > BUSY_CPUS:
+        notes.append(f"{label}: other processes used {bg:.2f} CPUs while the arms were timed")
+    row = Row(
+        shape=shape.name, num_experts=shape.num_experts, topk=shape.topk, hidden=shape.hidden, intermediate=shape.intermediate,
+        tokens=tokens, dtype=cfg.dtype, threads=cfg.threads, flops_per_call=flops, scheme=scheme.name,
+        packed_bytes_per_expert=packed_bpe, unique_experts_mean=round(sum(uniq) / len(uniq), 3),
+        moepack_calls=pooled.calls, moepack_ms=pooled.mean_ms, moepack_ms_median=pooled.median_ms,
+        moepack_ms_min=pooled.min_ms, moepack_gbs=pooled.gbs, moepack_gflops=m_gflops,
+        moepack_bw_frac=pooled.gbs / probe.read_gbs if probe.read_gbs else None,
+        moepack_peak_frac=m_gflops / peak if peak else None, moepack_bg_cpus=bg,
+        kernel_isa=kernel_isa, peak_instruction=instruction.name if instruction else None, peak_value=peak,
+        act_mode=act_mode, moepack_ms_p25=pooled.p25_ms, moepack_rel_err=me,
+        moepack_arms=[x.summary() for x in mp], vs=vs,
+    )  # fmt: skip
+    t = next((x for x in arms if x.name == "torch"), None)
+    if t is not None:  # the plain bench's torch columns, from the same run
+        row.torch_calls, row.torch_ms, row.torch_ms_median, row.torch_ms_min = t.calls, t.mean_ms, t.median_ms, t.min_ms
+        row.torch_gbs, row.torch_gflops = t.gbs, flops * t.calls / sum(t.times_s) / 1e9
+        row.torch_weight_dtype = str(act_dtype).replace("torch.", "")
+        row.speedup = t.mean_ms / pooled.mean_ms
+    log(f"{label}: {n} calls per arm; moepack {pooled.median_ms:.3f} ms"
+        + "".join(f", {v['engine']} {v['ms_median']:.3f} ms (x{v['ratio']:.2f})" for v in vs))  # fmt: skip
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# the table
+
+VS_COLUMNS = (
+    "shape", "T", "scheme", "engine", "engine ms", "p25 / min", "moepack ms", "p25 / min", "moepack ÷ engine",
+    "engine err", "moepack err", "engine GB/s", "moepack GB/s", "% dot peak",
+)
+
+
+def scheme_label(row: Row) -> str:
+    text = row.scheme if row.dtype == "bf16" else f"{row.dtype}/{row.scheme}"
+    return text + (f" {row.act_mode}" if row.act_mode and row.scheme in ("int4_group", "mxfp4") else "")
+
+
+def vs_cells(row: Row, v: dict) -> list[str]:
+    eng = f"{v['engine']} {v['path']}"
+    if v["engine"] != "torch" and v.get("act"):
+        eng += f" ({v['act'].split(' (')[-1].rstrip(')') if '(' in v['act'] else v['act']})"
+    return [
+        row.shape, str(row.tokens), scheme_label(row), eng,
+        f"{v['ms_median']:.3f}", f"{v['ms_p25']:.3f} / {v['ms_min']:.3f}",
+        f"{row.moepack_ms_median:.3f}", f"{_f(row.moepack_ms_p25, '.3f')} / {row.moepack_ms_min:.3f}",
+        f"{v['ratio']:.2f}x", _f(v.get("rel_err"), ".1e"), _f(row.moepack_rel_err, ".1e"),
+        _f(v.get("gbs"), ".1f"), _f(row.moepack_gbs, ".1f"), _pct(row.moepack_peak_frac),
+    ]  # fmt: skip
+
+
+def vs_caption(result: BenchResult) -> str:
+    return (machine_line(result) + ". One process, the same weights and 8 rotated routings, calls alternating; medians; "
+            "moepack ÷ engine = engine median / moepack median (above 1: moepack faster); err: relative to an fp32 "
+            "reference on the same weights (T <= 8)")  # fmt: skip
+
+
+def render_vs_table(result: BenchResult):
+    from rich.table import Table
+
+    table = Table(title="moepack against other engines' fused experts", caption=vs_caption(result))
+    for i, name in enumerate(VS_COLUMNS):
+        table.add_column(name, justify="left" if i < 4 else "right", no_wrap=True)
+    for row in result.rows:
+        for v in row.vs or []:
+            table.add_row(*vs_cells(row, v))
+    return table
+
+
+def render_vs_markdown(result: BenchResult) -> str:
+    from .report import render_compare_markdown
+
+    lines = ["| " + " | ".join(VS_COLUMNS) + " |", "|" + "---|" * len(VS_COLUMNS)]
+    lines += ["| " + " | ".join(vs_cells(r, v)) + " |" for r in result.rows for v in r.vs or []]
+    out = "\n".join(lines) + "\n\n" + vs_caption(result) + "\n"
+    if result.comparison is not None:
+        out += "\n" + render_compare_markdown(result.comparison)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM lives in its own python (it pins its own packages): re-running the bench there
+
+CHILD_ENV = "MOEPACK_BENCH_VS_CHILD"  # set in the re-run: it must not re-run again
+TORCH_ENV = "MOEPACK_BENCH_VS_TORCH"  # the torch version moepack was built against (checked there first)
+
+# what the re-run executes: ``python -c BOOT ARGS_JSON PATH_DIR CLI_DIR``. PATH_DIR holds one
+# entry, ``moepack`` -> this moepack package, so nothing else of this interpreter's packages
+# comes along; the CLI package is loaded from CLI_DIR when that moepack has no ``moepack.cli``
+# of its own (a checkout maps ``cli/`` to it at install time).
+BOOT = r"""
+import importlib.util, json, os, sys
+import torch
+want = os.environ.get("MOEPACK_BENCH_VS_TORCH")
+if want and torch.__version__ != want:
+    sys.exit(f"moepack: error: --vs: {sys.executable} has torch {torch.__version__}; moepack's extension was built "
+             f"against torch {want}: install torch=={want} there (make vllm-venv does)")
+sys.path.insert(0, sys.argv[2])
+import moepack
+try:
+    import moepack.cli.main
+except ModuleNotFoundError:
+    d = sys.argv[3]
+    spec = importlib.util.spec_from_file_location("moepack.cli", os.path.join(d, "__init__.py"), submodule_search_locations=[d])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["moepack.cli"] = mod
+    spec.loader.exec_module(mod)
+from moepack.cli.main import app
+app(args=json.loads(sys.argv[1]), prog_name="moepack")
+"""
+
+
+def vllm_python() -> str | None:
+    """The interpreter ``--vs vllm`` re-runs in: ``MOEPACK_VLLM_PYTHON``, else
+    ``build/vllm-venv/bin/python`` (``make vllm-venv``) of this checkout or of the current
+    directory, when it exists; None otherwise."""
+    from pathlib import Path
+
+    p = os.environ.get("MOEPACK_VLLM_PYTHON")
+    if p:
+        return p
+    import moepack
+
+    for root in (Path(moepack.__file__).resolve().parent.parent, Path.cwd()):
+        cand = root / "build" / "vllm-venv" / "bin" / "python"
+        if cand.exists():
+            return str(cand)
+    return None
+
+
+def reexec_python(engines: list[str]) -> str | None:
+    """None when every engine of ``engines`` can be looked for in this interpreter; the python to
+    re-run the bench in when vLLM is not importable here but a vLLM python is known. Raises
+    PeerUnavailable (one line: what is missing, the fix) when there is none, or when this is
+    already the re-run."""
+    from .peers import PeerUnavailable, importable, missing_message
+
+    if "vllm" not in engines or importable("vllm"):
+        return None
+    if os.environ.get(CHILD_ENV):
+        raise PeerUnavailable(missing_message("vllm", f"is not importable in {sys.executable} either (the vLLM python named by "
+                                                      "MOEPACK_VLLM_PYTHON or build/vllm-venv)"))  # fmt: skip
+    py = vllm_python()
+    if py is None:
+        raise PeerUnavailable(missing_message("vllm"))
+    if not (os.path.isfile(py) and os.access(py, os.X_OK)):
+        raise PeerUnavailable(missing_message("vllm", f"is not importable in {sys.executable}, and the vLLM python {py} "
+                                                      "is not an executable file"))  # fmt: skip
+    return py
+
+
+def reexec(python: str, args: list[str]) -> int:
+    """Runs ``moepack ARGS`` in ``python`` with this moepack (package and CLI) on its path; its
+    output goes where ours goes. Returns its exit status."""
+    import json
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    import moepack
+
+    pkg = Path(moepack.__file__).resolve().parent
+    cli = sys.modules.get("moepack.cli")
+    cli_dir = str(Path(cli.__path__[0]).resolve()) if cli is not None and getattr(cli, "__path__", None) else str(pkg / "cli")
+    tmp = tempfile.mkdtemp(prefix="moepack-vs-")
+    try:
+        os.symlink(pkg, os.path.join(tmp, "moepack"))
+        env = dict(os.environ)
+        env[CHILD_ENV] = "1"
+        env[TORCH_ENV] = torch.__version__
+        sys.stdout.flush()
+        sys.stderr.flush()
+        return subprocess.run([python, "-c", BOOT, json.dumps(args), tmp, cli_dir], env=env).returncode
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+__all__ = [
+    "CHECK_MAX_TOKENS", "ERR_NOTE", "SETS", "VS_COLUMNS", "ArmTimes", "arm_names", "calls_per_arm", "canonical_from_float",
+    "fp32_reference", "reexec", "reexec_python", "rel_err", "render_vs_markdown", "render_vs_table", "run_vs", "schedule",
+    "time_arms", "vllm_python", "vs_cells",
+]
