@@ -178,7 +178,7 @@ def bench(
     else:
         from rich.console import Console
 
-        out = console if console.is_terminal else Console(width=max(console.width, 220))
+        out = console if console.is_terminal else Console(width=max(console.width, 240 if cfg.vs else 220))
         out.print((B.render_vs_table if cfg.vs else B.render_table)(result))
         if result.comparison is not None:
             out.print(B.render_compare_table(result.comparison))

@@ -108,7 +108,7 @@ def test_vs_torch_rows_ratios_json_and_compare(tmp_path):
     out = tmp_path / "vs.json"
     r = _bench(["--vs", "torch", *TINY, "--tokens", "1,8,16", "--json", str(out), "-q"])
     assert r.exit_code == 0, r.output
-    assert "moepack against other engines" in r.output and "torch per-expert loop" in r.output
+    assert "moepack against other engines" in r.output and "torch loop (bf16)" in r.output
     data = B.load_result(out)
     assert data["format"] == "moepack-bench" and data["config"]["vs"] == ["torch"]
     rows = data["rows"]

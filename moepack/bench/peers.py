@@ -79,7 +79,7 @@ class PeerArm:
 
     engine: str  # "vllm", "zentorch", "torch"
     path: str  # the op and mode, e.g. "fused_experts_cpu INT4_W4A8"
-    act: str  # what its activations are: "bf16", "int8 per token (W4A8)"
+    act: str  # what it multiplies: "bf16" (weights and activations), "W8A8", "W4A8" (int8 per-token activations), "W8A16", "W4A16"
     weights: str  # why these are the same weights as moepack's
     fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
     bytes_per_expert: float  # bytes of the engine's weight tensors (codes, scales, zeros) / E
@@ -260,12 +260,12 @@ def build_vllm(scheme: str, c: dict) -> PeerArm:
         p13, p2 = C.convert_weight_packed(c["w13_q"].contiguous()), C.convert_weight_packed(c["w2_q"].contiguous())
         s13, s2 = c["w13_scale"].float().unsqueeze(-1).contiguous(), c["w2_scale"].float().unsqueeze(-1).contiguous()
         args, method = (p13, p2, s13, s2, None, None, None), M.INT8_W8A8
-        path, act, weights = "fused_experts_cpu INT8_W8A8", "int8 per token (W8A8)", f"{same} int8 codes and per-channel scales"
+        path, act, weights = "fused_experts_cpu INT8_W8A8", "W8A8", f"{same} int8 codes and per-channel scales"
     elif scheme == "int4_group":
         args, note = _vllm_int4(c, ops)
         method = M.INT4_W4A8
-        path, act = "fused_experts_cpu INT4_W4A8", "int8 per token (W4A8: vLLM has no W4A16 CPU kernel)"
-        weights = f"{same} int4 codes and scales (scales bf16 in both; {note})"
+        path, act = "fused_experts_cpu INT4_W4A8", "W4A8"
+        weights = f"{same} int4 codes and scales (scales bf16 in both; {note}); activations int8 per token: vLLM has no W4A16 CPU kernel"
     elif scheme == "fp8_block":
         g = int(c["group_size"])
         if g != 128:
@@ -274,13 +274,13 @@ def build_vllm(scheme: str, c: dict) -> PeerArm:
         p13, p2 = f8(c["w13_q"]), f8(c["w2_q"])
         s13, s2 = c["w13_scale"][:, ::g, :].float().contiguous(), c["w2_scale"][:, ::g, :].float().contiguous()
         args, method = (p13, p2, s13, s2, None, None, [g, g]), M.FP8_W8A16
-        path, act, weights = "fused_experts_cpu FP8_W8A16", "bf16 (W8A16)", f"{same} e4m3fn codes and {g} x {g} block scales"
+        path, act, weights = "fused_experts_cpu FP8_W8A16", "W8A16", f"{same} e4m3fn codes and {g} x {g} block scales"
     elif scheme == "mxfp4":
         nib = lambda q: (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous()  # noqa: E731  low nibble = even k
         p13, p2 = C.convert_weight_packed(nib(c["w13_q"])), C.convert_weight_packed(nib(c["w2_q"]))
         s13, s2 = C.convert_scale_packed(c["w13_scale"].contiguous()), C.convert_scale_packed(c["w2_scale"].contiguous())
         args, method = (p13, p2, s13, s2, None, None, None), M.MXFP4
-        path, act, weights = "fused_experts_cpu MXFP4", "bf16 (W4A16)", f"{same} e2m1 codes and e8m0 scales"
+        path, act, weights = "fused_experts_cpu MXFP4", "W4A16", f"{same} e2m1 codes and e8m0 scales"
     else:
         raise PeerUnsupported(supports("vllm", scheme, torch.bfloat16) or f"vllm: scheme {scheme}")
     e = next(v for v in c.values() if torch.is_tensor(v)).shape[0]
@@ -306,7 +306,7 @@ def build_zentorch(scheme: str, c: dict) -> PeerArm:
     elif scheme == "int8_channel":
         a, b = c["w13_q"].contiguous(), c["w2_q"].contiguous()
         sa, sb = c["w13_scale"].float().contiguous(), c["w2_scale"].float().contiguous()
-        act, weights = "int8 per token (W8A8)", "the same int8 codes and per-channel scales"
+        act, weights = "W8A8", "the same int8 codes and per-channel scales"
     else:
         raise PeerUnsupported(supports("zentorch", scheme, torch.bfloat16) or f"zentorch: scheme {scheme}")
     op = torch.ops.zentorch.zentorch_fused_moe
@@ -339,7 +339,7 @@ def build_torch(scheme_obj, c: dict, num_experts: int, act_dtype: torch.dtype = 
     def fn(x, tw, ti):
         return torch_loop_moe(x, w13, w2, tw, ti)
 
-    act = str(act_dtype).replace("torch.", "")
+    act = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(act_dtype, str(act_dtype))
     return PeerArm("torch", "per-expert loop (torch_loop_moe)", act, weights, fn, _nbytes(w13, w2) / num_experts)
 
 

@@ -367,9 +367,8 @@ def scheme_label(row: Row) -> str:
 
 
 def vs_cells(row: Row, v: dict) -> list[str]:
-    eng = f"{v['engine']} {v['path']}"
-    if v["engine"] != "torch" and v.get("act"):
-        eng += f" ({v['act'].split(' (')[-1].rstrip(')') if '(' in v['act'] else v['act']})"
+    short = {"vllm": lambda p: p.split()[-1], "torch": lambda p: "loop"}.get(v["engine"], lambda p: "")
+    eng = f"{v['engine']} {short(v['path'])}".strip() + (f" ({v['act']})" if v.get("act") else "")
     return [
         row.shape, str(row.tokens), scheme_label(row), eng,
         f"{v['ms_median']:.3f}", f"{v['ms_p25']:.3f} / {v['ms_min']:.3f}",
