@@ -264,16 +264,33 @@ def run_vs(cfg, log: Callable[[str], None] = lambda s: None) -> BenchResult:
                        seconds=round(time.perf_counter() - t_start, 1), notes=notes)  # fmt: skip
 
 
-def _run_case(cfg, shape, si, ti, tokens, scheme, c, packed, packed_bpe, peers, names, act_dtype, act_mode, kernel_isa,
-              instruction, peak, probe, notes, log) -> Row:  # fmt: skip
-    import moepack
+def engine_entry(p: PeerArm, x: ArmTimes, moepack_times: ArmTimes, flops: int, err: float | None) -> dict:
+    """One engine's entry of a row's ``vs`` list (docs/BENCH.md)."""
+    return {
+        "engine": x.name, "path": p.path, "act": p.act, "weights": p.weights, "bytes_per_expert": p.bytes_per_expert,
+        "calls": x.calls, "ms": x.mean_ms, "ms_median": x.median_ms, "ms_p25": x.p25_ms, "ms_min": x.min_ms,
+        "gbs": x.gbs, "gflops": flops / (x.median_ms / 1e3) / 1e9, "ratio": x.median_ms / moepack_times.median_ms, "rel_err": err,
+    }  # fmt: skip
 
-    gx = torch.Generator().manual_seed(cfg.seed + 7919 * (si * 101 + ti))
-    stream = RoutingStream(tokens, shape.num_experts, shape.topk, seed=cfg.seed + 31 * (si * 101 + ti) + 1)
+
+def routing_sets(tokens: int, shape, act_dtype: torch.dtype, seed_x: int, seed_r: int) -> list[tuple]:
+    """``SETS`` inputs of a case, made before timing: (activations [T, H], topk weights fp32
+    [T, k], topk ids int32 [T, k], unique experts). Routing: ``RoutingStream`` (softmax -> top-k
+    -> renormalized; at T=1 each set's experts disjoint from the previous set's where E >= 2k)."""
+    gx = torch.Generator().manual_seed(seed_x)
+    stream = RoutingStream(tokens, shape.num_experts, shape.topk, seed=seed_r)
     sets = []
     for _ in range(SETS):
         w, ids, uniq = stream.next()
         sets.append((torch.randn(tokens, shape.hidden, generator=gx).to(act_dtype), w, ids, uniq))
+    return sets
+
+
+def _run_case(cfg, shape, si, ti, tokens, scheme, c, packed, packed_bpe, peers, names, act_dtype, act_mode, kernel_isa,
+              instruction, peak, probe, notes, log) -> Row:  # fmt: skip
+    import moepack
+
+    sets = routing_sets(tokens, shape, act_dtype, seed_x=cfg.seed + 7919 * (si * 101 + ti), seed_r=cfg.seed + 31 * (si * 101 + ti) + 1)
 
     def engine_arm(arm: PeerArm):
         return lambda s: arm.fn(sets[s][0], sets[s][1], sets[s][2])
@@ -309,19 +326,10 @@ def _run_case(cfg, shape, si, ti, tokens, scheme, c, packed, packed_bpe, peers, 
     pooled = ArmTimes(MOEPACK, [t for x in mp for t in x.times_s], sum(x.bytes_touched for x in mp))
     flops = layout_flops(tokens, shape.topk, shape.hidden, shape.intermediate)
     m_gflops = flops / (pooled.median_ms / 1e3) / 1e9
-    vs = []
+    vs = [engine_entry(peers[x.name], x, pooled, flops, errs.get(x.name)) for x in arms if x.name in peers]
     for x in arms:
-        if x.name not in peers:
-            continue
-        p = peers[x.name]
-        ratio = x.median_ms / pooled.median_ms
-        vs.append({
-            "engine": x.name, "path": p.path, "act": p.act, "weights": p.weights, "bytes_per_expert": p.bytes_per_expert,
-            "calls": x.calls, "ms": x.mean_ms, "ms_median": x.median_ms, "ms_p25": x.p25_ms, "ms_min": x.min_ms,
-            "gbs": x.gbs, "gflops": flops / (x.median_ms / 1e3) / 1e9, "ratio": ratio, "rel_err": errs.get(x.name),
-        })  # fmt: skip
         e = errs.get(x.name)
-        if e is not None and not e <= ERR_NOTE:
+        if x.name in peers and e is not None and not e <= ERR_NOTE:
             notes.append(f"{label}: {x.name}'s output is {e:.3g} (relative) from the fp32 reference on the same weights: "
                          "its ratio compares a path that computes something else")  # fmt: skip
     me = errs.get(MOEPACK)
