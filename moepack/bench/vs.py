@@ -243,7 +243,7 @@ def run_vs(cfg, log: Callable[[str], None] = lambda s: None) -> BenchResult:
             except PeerUnsupported as e:
                 notes.append(f"{shape.name}: --vs {eng} left out: {e}")
                 continue
-            log(f"  {eng}: {peers[eng].path}, {peers[eng].act} activations; {peers[eng].weights}")
+            log(f"  {eng}: {peers[eng].path} ({peers[eng].act}); {peers[eng].weights}")
         gc.collect()
         if not peers:
             del packed, c
