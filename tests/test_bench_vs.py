@@ -278,9 +278,15 @@ for shape in parse_shapes("e8k2h256i384,e8k2h384i352"):
 print("RESULT " + json.dumps(out))
 """
 
-# vLLM against moepack on the same weights: bf16 pipelines differ by bf16 roundings; W8A8 / W4A8
-# by each engine's per-token activation quantization
-BOUND = {"dense": 1e-2, "int8_channel": 5e-2, "int4_group": 5e-2, "fp8_block": 1e-2, "mxfp4": 1e-2}
+# Measured on the development machine (relative errors, T = 1 and 5): vLLM against moepack 2.8e-3
+# to 5.4e-3 (dense, int8, fp8, mxfp4: the same weights, and for int8 the same kind of per-token
+# activation quantization), 7.9e-3 to 1.2e-2 (int4, both W4A8), 1.8e-2 to 3.3e-2 (vLLM's W4A8
+# against moepack's W4A16); against the fp32 reference 2.1e-3 to 4.4e-3 for bf16 activations,
+# 1.8e-2 to 3.3e-2 for int8 ones. The bounds leave about 2x; a wrong layout, scale or nibble
+# order lands near 1.
+PAIR = {("dense", None): 1e-2, ("int8_channel", None): 1e-2, ("int4_group", "a8"): 3e-2, ("int4_group", "a16"): 6e-2,
+        ("fp8_block", None): 1e-2, ("mxfp4", "a16"): 1e-2}  # fmt: skip
+A8 = {"int8_channel", "int4_group"}  # vLLM quantizes the activations per token
 
 
 @needs_vllm
@@ -293,8 +299,8 @@ def test_every_vllm_adapter_matches_moepack_on_the_same_weights():
     assert len(res) == 2 * 6 * 2
     for x in res:
         what = f"{x['shape']} {x['scheme']} {x['mode']} T={x['t']} ({x['path']})"
-        bound = BOUND[x["scheme"]] if not (x["scheme"] == "int4_group" and x["mode"] == "a16") else 5e-2  # W4A8 vs W4A16
-        assert x["vllm_vs_moepack"] < bound, what + f": vLLM vs moepack {x['vllm_vs_moepack']:.3g}"
-        assert x["vllm_vs_ref"] < bound, what + f": vLLM vs the fp32 reference {x['vllm_vs_ref']:.3g}"
-        assert x["moepack_vs_ref"] < bound, what
+        assert x["vllm_vs_moepack"] < PAIR[(x["scheme"], x["mode"])], what + f": vLLM vs moepack {x['vllm_vs_moepack']:.3g}"
+        assert x["vllm_vs_ref"] < (6e-2 if x["scheme"] in A8 else 1e-2), what + f": vLLM vs the fp32 reference {x['vllm_vs_ref']:.3g}"
+        moepack_a8 = x["scheme"] == "int8_channel" or x["mode"] == "a8"
+        assert x["moepack_vs_ref"] < (6e-2 if moepack_a8 else 1e-2), what + f": moepack vs the fp32 reference {x['moepack_vs_ref']:.3g}"
     assert any("groups of 32" in x["weights"] for x in res if x["scheme"] == "int4_group")  # I = 352
