@@ -155,7 +155,7 @@ def bench(
         if python is not None:
             if not quiet:
                 err_console.print(f"[dim]--vs vllm: vllm is not importable here; running this bench in {python}[/]", highlight=False, soft_wrap=True)
-            raise typer.Exit(B.reexec(python, (["--debug"] if state.debug else []) + ["bench"] + _given_args(ctx)))
+            raise typer.Exit(B.reexec(python, (["--debug"] if state.debug else []) + ["bench"] + _given_args(ctx), cfg.threads))
     if json_path is not None and json_path.parent and not json_path.parent.exists():
         raise ValueError(f"--json {json_path}: folder {json_path.parent} does not exist")
     threshold = B.threshold_from_percent(compare_threshold)

@@ -196,17 +196,26 @@ def test_vllm_missing_reruns_the_same_options_in_the_vllm_python(monkeypatch):
     calls = []
     monkeypatch.delenv(V.CHILD_ENV, raising=False)
     monkeypatch.setattr(B, "reexec_python", lambda engines: "/venv/bin/python")
-    monkeypatch.setattr(B, "reexec", lambda py, args: calls.append((py, args)) or 0)
+    monkeypatch.setattr(B, "reexec", lambda py, args, threads=None: calls.append((py, args, threads)) or 0)
     r = _bench(["--vs", "vllm,torch", "--shapes", "tiny", "--tokens", "1,8", "--scheme", "int4", "--act-mode", "a8",
                 "--no-probe", "--calls", "16", "-q"])  # fmt: skip
     assert r.exit_code == 0, r.output
-    (py, args), = calls
-    assert py == "/venv/bin/python" and args[0] == "bench"
+    (py, args, threads), = calls
+    assert py == "/venv/bin/python" and args[0] == "bench" and threads == 2  # OMP_NUM_THREADS there, unless set
     a = args[1:]
     pairs = {a[i]: a[i + 1] for i in range(len(a) - 1) if a[i].startswith("--") and not a[i + 1].startswith("-")}
     assert pairs["--shapes"] == "tiny" and pairs["--tokens"] == "1,8" and pairs["--scheme"] == "int4"
     assert pairs["--act-mode"] == "a8" and pairs["--calls"] == "16" and pairs["--vs"] == "vllm,torch"
     assert "--no-probe" in a and "--quiet" in a
+
+
+def test_omp_note_when_vllm_runs_without_omp_num_threads(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert "OMP_NUM_THREADS is unset, not 2 (--threads)" in V.omp_note(["vllm"], 2)
+    assert V.omp_note(["torch"], 2) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert V.omp_note(["vllm", "torch"], 2) is None
+    assert "OMP_NUM_THREADS is '2', not 4" in V.omp_note(["vllm"], 4)
 
 
 def test_reexec_runs_the_cli_in_another_python(tmp_path):

@@ -210,7 +210,7 @@ def run_vs(cfg, log: Callable[[str], None] = lambda s: None) -> BenchResult:
     machine["torch_num_threads"] = torch.get_num_threads()
     machine["loadavg_start"] = _loadavg()
     machine["python"] = sys.executable
-    notes: list[str] = []
+    notes: list[str] = [n for n in [omp_note(cfg.vs, cfg.threads)] if n]
     probe = _probe(cfg, machine, notes, log)
     act_dtype = DTYPES[cfg.dtype]
     scheme = get_scheme(cfg.scheme)
@@ -447,6 +447,18 @@ app(args=json.loads(sys.argv[1]), prog_name="moepack")
 """
 
 
+def omp_note(engines: list[str], threads: int) -> str | None:
+    """A note when vLLM runs in a process whose OpenMP was started without OMP_NUM_THREADS = the
+    bench's thread count: measured on a loaded 2-core VM, vLLM's quantized T=1 calls then took
+    70-100 ms instead of 0.02 ms (torch.set_num_threads alone did not help; the variable, read
+    when OpenMP loads, did). The re-run in vLLM's python sets it; in-process it is too late."""
+    have = os.environ.get("OMP_NUM_THREADS")
+    if "vllm" not in engines or have == str(threads):
+        return None
+    return (f"OMP_NUM_THREADS is {'unset' if not have else repr(have)}, not {threads} (--threads): vLLM's OpenMP calls can stall "
+            f"without it (docs/BENCH.md); run with OMP_NUM_THREADS={threads}")  # fmt: skip
+
+
 def vllm_python() -> str | None:
     """The interpreter ``--vs vllm`` re-runs in: ``MOEPACK_VLLM_PYTHON``, else
     ``build/vllm-venv/bin/python`` (``make vllm-venv``) of this checkout or of the current
@@ -486,9 +498,10 @@ def reexec_python(engines: list[str]) -> str | None:
     return py
 
 
-def reexec(python: str, args: list[str]) -> int:
+def reexec(python: str, args: list[str], threads: int | None = None) -> int:
     """Runs ``moepack ARGS`` in ``python`` with this moepack (package and CLI) on its path; its
-    output goes where ours goes. Returns its exit status."""
+    output goes where ours goes. Returns its exit status. ``threads``: OMP_NUM_THREADS for it
+    when the environment does not set one (see ``omp_note``)."""
     import json
     import shutil
     import subprocess
@@ -506,6 +519,8 @@ def reexec(python: str, args: list[str]) -> int:
         env = dict(os.environ)
         env[CHILD_ENV] = "1"
         env[TORCH_ENV] = torch.__version__
+        if threads is not None and not env.get("OMP_NUM_THREADS"):
+            env["OMP_NUM_THREADS"] = str(threads)
         sys.stdout.flush()
         sys.stderr.flush()
         return subprocess.run([python, "-c", BOOT, json.dumps(args), tmp, cli_dir], env=env).returncode
@@ -515,6 +530,6 @@ def reexec(python: str, args: list[str]) -> int:
 
 __all__ = [
     "CHECK_MAX_TOKENS", "ERR_NOTE", "SETS", "VS_COLUMNS", "ArmTimes", "arm_names", "calls_per_arm", "canonical_from_float",
-    "fp32_reference", "reexec", "reexec_python", "rel_err", "render_vs_markdown", "render_vs_table", "run_vs", "schedule",
+    "fp32_reference", "omp_note", "reexec", "reexec_python", "rel_err", "render_vs_markdown", "render_vs_table", "run_vs", "schedule",
     "time_arms", "vllm_python", "vs_cells",
 ]
