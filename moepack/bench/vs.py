@@ -15,7 +15,7 @@ The method, per (shape, T):
 * the arms: each engine, then moepack; when that makes an even number of arms, moepack runs twice
   (``moepack (again)``), so the arm count is odd, hence coprime with 8: call i runs arm
   ``i % arms`` on set ``i % 8``, and every arm sees every set equally often (``schedule``);
-* one untimed round, one round timing each arm once (the call-count estimate), then
+* one untimed round, three rounds timing each arm (its median: the call-count estimate), then
   ``calls`` calls per arm (a multiple of 8: ``--calls``, or enough for ``--min-time`` seconds
   of the slowest arm), each timed on its own with ``time.perf_counter``;
 * per arm: median, 25th percentile, minimum and mean; moepack's figures pool its arms; the ratio
@@ -310,8 +310,8 @@ def _run_case(cfg, shape, si, ti, tokens, scheme, c, packed, packed_bpe, peers, 
                 errs[n] = rel_err(fn(0), ref)
     for a, fn in enumerate(fns):  # an untimed round (each arm on a different set)
         fn(a % SETS)
-    est = time_arms(fns, [(a, (a + len(fns)) % SETS) for a in range(len(fns))])
-    n = calls_per_arm(cfg, max(t[0] for t in est))
+    est = time_arms(fns, [(a, (a + r * len(fns)) % SETS) for r in (1, 2, 3) for a in range(len(fns))])
+    n = calls_per_arm(cfg, max(sorted(t)[1] for t in est))  # the slowest arm's median of 3
     if cfg.wait_quiet:
         wait_quiet(cfg.wait_quiet)
     meter = _CpuMeter()
