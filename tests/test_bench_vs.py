@@ -1,5 +1,5 @@
 """``moepack bench --vs``: other engines' fused experts against moepack's in one process
-(moepack/bench/vs.py, moepack/bench/peers.py, docs/BENCH.md "Side by side").
+(moepack/bench/vs.py, moepack/bench/peers/, docs/BENCH.md "Side by side").
 
 No timing is asserted (the machine is shared): the tests hold the arm scheduler's promises
 (alternation, every arm on every routing set), the rows and the JSON of a ``--vs torch`` run on
@@ -24,6 +24,7 @@ from typer.testing import CliRunner
 from moepack import bench as B
 from moepack.bench import peers as P
 from moepack.bench import vs as V
+from moepack.bench.peers import vllm as PV
 from moepack.cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,14 +86,14 @@ def test_parse_vs():
 
 def test_gptq_pack_places_row_8r_plus_j_in_nibble_j():
     q = torch.randint(0, 16, (5, 24), dtype=torch.uint8)  # [N, K]
-    w = P.gptq_pack(q)
+    w = PV.gptq_pack(q)
     assert w.shape == (3, 5) and w.dtype == torch.int32
     back = torch.stack([(w >> (4 * j)) & 0xF for j in range(8)], 1).reshape(24, 5)
     assert torch.equal(back.t().to(torch.uint8), q)
 
 
 def test_vllm_group_divides_k_and_the_scheme_group():
-    assert P._vllm_group(2048, 128) == 128 and P._vllm_group(2880, 128) == 64 and P._vllm_group(352, 128) == 32
+    assert PV._vllm_group(2048, 128) == 128 and PV._vllm_group(2880, 128) == 64 and PV._vllm_group(352, 128) == 32
 
 
 # ---------------------------------------------------------------------------------------------

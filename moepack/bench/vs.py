@@ -10,7 +10,7 @@ The method, per (shape, T):
 
 * one set of seeded bf16 weights (``run.make_weights``, the plain bench's seeds); the scheme's
   canonical tensors are made from them once (moepack's quantizer, expert by expert) and every
-  engine gets those same codes and scales in its own format (moepack/bench/peers.py);
+  engine gets those same codes and scales in its own format (moepack/bench/peers/);
 * ``SETS`` = 8 routing sets (activations, softmax/top-k weights and ids), made before timing;
 * the arms: each engine, then moepack; when that makes an even number of arms, moepack runs twice
   (``moepack (again)``), so the arm count is odd, hence coprime with 8: call i runs arm
@@ -371,7 +371,18 @@ VS_COLUMNS = (
 
 def scheme_label(row: Row) -> str:
     text = row.scheme if row.dtype == "bf16" else f"{row.dtype}/{row.scheme}"
-    return text + (f" {row.act_mode}" if row.act_mode and row.scheme in ("int4_group", "mxfp4") else "")
+    return text + (f" {row.act_mode}" if row.act_mode and len(_act_modes(row.scheme)) > 1 else "")
+
+
+def _act_modes(scheme: str) -> tuple[str, ...]:
+    """The activation modes of ``scheme``'s layout here (() for a scheme this build lacks)."""
+    from ..errors import UnsupportedError
+    from ..schemes import get_scheme
+
+    try:
+        return tuple(get_scheme(scheme).layout_for(host_family()).act_modes)
+    except UnsupportedError:
+        return ()
 
 
 def vs_cells(row: Row, v: dict) -> list[str]:
