@@ -192,7 +192,7 @@ def test_the_probe_runs_quickly_on_a_tiny_buffer(monkeypatch, tmp_path):
 
 
 @pytest.mark.skipif(not _have_cc(), reason="no C compiler: the probe cannot be built")
-def test_the_probe_binary_refuses_bad_arguments(monkeypatch, tmp_path):
+def test_the_probe_binary_refuses_bad_arguments_and_keeps_to_its_budget(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     build = P.build_probe([])
     assert build.binary is not None, build.note
@@ -201,6 +201,14 @@ def test_the_probe_binary_refuses_bad_arguments(monkeypatch, tmp_path):
                       (["1", str(8 << 20), "1", "0.01", "fma_zmm"], "kernel fma_zmm was not compiled into this probe")):
         r = subprocess.run([str(build.binary), *args], capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and msg in r.stderr, (args, r.stderr)
+    # out of time at once: the plain reads alone, and the count of patterns left out
+    r = subprocess.run([str(build.binary), "2", str(8 << 20), "1", "0.01", "--budget=1e-9"], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, OMP_NUM_THREADS="2"))
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout.strip().splitlines()[-1])
+    p = P.parse_probe_output(data, 2, 8 << 20)
+    assert [x["role"] for x in p.reads] == ["plain", "plain"] and p.over_budget > 0
+    assert p.read_gbs == max(p.plain_read_gbs, p.plain_read_1t_gbs)
 
 
 CROSS_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"

@@ -16,7 +16,7 @@
  * alone. Nothing is compiled with ISA flags but the instruction parts, and wider loads run only
  * where the CPU has them, so the binary starts on any CPU of its architecture.
  *
- *     bw_probe THREADS BYTES PASSES PEAK_SECONDS [--quick] [--expert=BYTES] [KERNEL ...]
+ *     bw_probe THREADS BYTES PASSES PEAK_SECONDS [--quick] [--expert=BYTES] [--budget=SECONDS] [KERNEL ...]
  *
  * prints one JSON line (format "probe": 3):
  *
@@ -24,7 +24,7 @@
  *      "llc_bytes": ..., "passes": 3, "loads": ["c", "ymm", "zmm"], "pages": {...},
  *      "read": [{"threads": 2, "load": "c", "streams": 1, "prefetch": 0, "split": 0, "pages": "4k",
  *                "shape": "buffer", "bytes": ..., "role": "plain", "passes": [...], "gbs": ...}, ...],
- *      "best": <index into read>, "read_seconds": ...,
+ *      "best": <index into read>, "read_seconds": ..., "over_budget": 0,
  *      "peaks": [{"name": "fma_zmm", "threads": 2, "instr_per_s": ..., "passes": [...]}, ...],
  *      "errors": {"tdpbf16ps": "..."}}
  *
@@ -56,7 +56,8 @@
  * measured at 1 thread) and walks the axes one at a time, keeping the value that reads fastest,
  * twice round (once with --quick); then again from the winner on huge pages. The full cross
  * product would be over a thousand patterns; this measures about fifty. "best" is the fastest
- * pattern measured.
+ * pattern measured. After --budget seconds (default 30: a loaded machine reads slowly) the search
+ * measures no new pattern; "over_budget" counts those it left out.
  *
  * Buffers are filled by the threads that read them, with non-zero data (untouched or all-zero
  * pages can come from the shared zero page, which measures the cache). One buffer of BYTES is
@@ -237,6 +238,8 @@ static int n_results;
 
 static size_t g_bytes, g_expert, g_window, g_pool, g_stride;
 static int g_passes;
+static double g_deadline;   /* omp_get_wtime() after which the search measures no new pattern */
+static int g_over_budget; /* patterns the search left out for lack of time */
 static unsigned long g_rot; /* rotates windows and experts through the buffer, pass after pass */
 static uint64_t g_sink;
 
@@ -314,7 +317,10 @@ static double measure(const struct buffer *buf, struct pat pt, int role) {
             if (role) results[i].role = role;
             return results[i].gbs;
         }
-    if (n_results == MAX_RESULTS) return 0.0;
+    if (n_results == MAX_RESULTS || (!role && omp_get_wtime() > g_deadline)) {
+        g_over_budget += 1;
+        return 0.0;
+    }
     struct result *res = &results[n_results++];
     memset(res, 0, sizeof *res);
     res->pat = pt;
@@ -434,7 +440,7 @@ static void print_result(const struct result *r, int first) {
 
 int main(int argc, char **argv) {
     if (argc < 5) {
-        fprintf(stderr, "usage: %s THREADS BYTES PASSES PEAK_SECONDS [--quick] [--expert=BYTES] [KERNEL ...]\n", argv[0]);
+        fprintf(stderr, "usage: %s THREADS BYTES PASSES PEAK_SECONDS [--quick] [--expert=BYTES] [--budget=SECONDS] [KERNEL ...]\n", argv[0]);
         return 2;
     }
     int threads = atoi(argv[1]);
@@ -443,16 +449,18 @@ int main(int argc, char **argv) {
     double peak_s = atof(argv[4]);
     int quick = 0, first_kernel = 5;
     size_t expert = 0;
+    double budget = 30.0;
     for (; first_kernel < argc && strncmp(argv[first_kernel], "--", 2) == 0; ++first_kernel) {
         if (strcmp(argv[first_kernel], "--quick") == 0) quick = 1;
         else if (strncmp(argv[first_kernel], "--expert=", 9) == 0) expert = (size_t)strtoull(argv[first_kernel] + 9, NULL, 10);
+        else if (strncmp(argv[first_kernel], "--budget=", 9) == 0) budget = atof(argv[first_kernel] + 9);
         else {
-            fprintf(stderr, "unknown option %s (known: --quick, --expert=BYTES)\n", argv[first_kernel]);
+            fprintf(stderr, "unknown option %s (known: --quick, --expert=BYTES, --budget=SECONDS)\n", argv[first_kernel]);
             return 2;
         }
     }
-    if (threads < 1 || passes < 1 || !(peak_s > 0) || bytes < (size_t)threads * (1 << 20)) {
-        fprintf(stderr, "bad arguments: THREADS >= 1, PASSES >= 1, PEAK_SECONDS > 0, BYTES >= THREADS * 1 MiB\n");
+    if (threads < 1 || passes < 1 || !(peak_s > 0) || !(budget > 0) || bytes < (size_t)threads * (1 << 20)) {
+        fprintf(stderr, "bad arguments: THREADS >= 1, PASSES >= 1, PEAK_SECONDS > 0, BUDGET > 0, BYTES >= THREADS * 1 MiB\n");
         return 2;
     }
     /* one expert: the given size, else qwen3-30b-a3b's, at most a 16th of the buffer (so that 8
@@ -480,6 +488,7 @@ int main(int argc, char **argv) {
     make_axes(threads, quick);
 
     double t_start = omp_get_wtime();
+    g_deadline = t_start + budget;
     const char *why = NULL;
     struct buffer buf;
     if (buffer_alloc(&buf, bytes, 0, threads, &why) != 0) {
@@ -520,7 +529,7 @@ int main(int argc, char **argv) {
     else printf("{\"huge_bytes\": %lld}", huge_thp);
     printf("}, \"read\": [");
     for (int i = 0; i < n_results; ++i) print_result(&results[i], i == 0);
-    printf("], \"best\": %d, \"read_seconds\": %.3f", best_i, read_s);
+    printf("], \"best\": %d, \"read_seconds\": %.3f, \"over_budget\": %d", best_i, read_s, g_over_budget);
 
     printf(", \"peaks\": [");
     char errors[4096] = "";

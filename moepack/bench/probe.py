@@ -294,6 +294,7 @@ class MachineProbe:
     llc_bytes: int | None = None  # last-level cache (sysfs, else the probe's sysconf)
     huge_pages: dict = field(default_factory=dict)  # "4k"/"thp" -> bytes backed by huge pages, or why unavailable
     read_seconds: float = 0.0
+    over_budget: int = 0  # patterns the search left out when its time ran out (a slow, loaded machine)
     peaks: dict[str, dict] = field(default_factory=dict)  # instruction -> asm, unit, ops, threads, value, passes
     skipped: dict[str, str] = field(default_factory=dict)  # instruction -> why it has no number
     fma_gflops: float | None = None  # best fp32 FMA peak (zmm or ymm)
@@ -375,7 +376,7 @@ def parse_probe_output(data: dict, threads: int, buffer_bytes: int) -> MachinePr
     probe = MachineProbe(threads=threads, buffer_bytes=int(data.get("bytes", buffer_bytes)), arch=str(data.get("arch", "")),
                          loads=[str(x) for x in data.get("loads", [])], expert_bytes=expert,
                          llc_bytes=int(llc) if llc is not None and int(llc) > 0 else None,
-                         read_seconds=float(data.get("read_seconds", 0.0)))
+                         read_seconds=float(data.get("read_seconds", 0.0)), over_budget=int(data.get("over_budget", 0)))
     for kind, v in (data.get("pages") or {}).items():
         probe.huge_pages[str(kind)] = v.get("huge_bytes", v.get("unavailable")) if isinstance(v, dict) else v
     for r in data.get("read", []):
@@ -615,7 +616,9 @@ def probe_machine(threads: int, buffer_bytes: int = 512 << 20, passes: int = 3, 
     parsed.llc_bytes = largest_cache_bytes() or parsed.llc_bytes
     parsed.skipped = {**skipped, **parsed.skipped}
     parsed.seconds = round(time.perf_counter() - t0, 2)
-    parsed.note = "; ".join(x for x in (note, "quick: a small buffer, reads may come from the cache" if quick else "") if x)
+    over = (f"the search ran out of time and left {parsed.over_budget} patterns out (a loaded machine reads slowly)"
+            if parsed.over_budget else "")
+    parsed.note = "; ".join(x for x in (note, over, "quick: a small buffer, reads may come from the cache" if quick else "") if x)
     return parsed
 
 
