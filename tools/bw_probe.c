@@ -438,41 +438,43 @@ static void print_result(const struct result *r, int first) {
 
 #define DEFAULT_EXPERT_BYTES ((size_t)9437184) /* qwen3-30b-a3b: 3 x 2048 x 768 bf16 */
 
-int main(int argc, char **argv) {
+struct opts {
+    int threads, passes, quick, first_kernel;
+    size_t bytes, expert;
+    double peak_s, budget;
+};
+
+/* 0, or the exit status after a message on stderr */
+static int parse_args(int argc, char **argv, struct opts *o) {
     if (argc < 5) {
         fprintf(stderr, "usage: %s THREADS BYTES PASSES PEAK_SECONDS [--quick] [--expert=BYTES] [--budget=SECONDS] [KERNEL ...]\n", argv[0]);
         return 2;
     }
-    int threads = atoi(argv[1]);
-    size_t bytes = (size_t)strtoull(argv[2], NULL, 10);
-    int passes = atoi(argv[3]);
-    double peak_s = atof(argv[4]);
-    int quick = 0, first_kernel = 5;
-    size_t expert = 0;
-    double budget = 30.0;
-    for (; first_kernel < argc && strncmp(argv[first_kernel], "--", 2) == 0; ++first_kernel) {
-        if (strcmp(argv[first_kernel], "--quick") == 0) quick = 1;
-        else if (strncmp(argv[first_kernel], "--expert=", 9) == 0) expert = (size_t)strtoull(argv[first_kernel] + 9, NULL, 10);
-        else if (strncmp(argv[first_kernel], "--budget=", 9) == 0) budget = atof(argv[first_kernel] + 9);
+    *o = (struct opts){atoi(argv[1]), atoi(argv[3]), 0, 5, (size_t)strtoull(argv[2], NULL, 10), 0, atof(argv[4]), 30.0};
+    for (; o->first_kernel < argc && strncmp(argv[o->first_kernel], "--", 2) == 0; ++o->first_kernel) {
+        const char *a = argv[o->first_kernel];
+        if (strcmp(a, "--quick") == 0) o->quick = 1;
+        else if (strncmp(a, "--expert=", 9) == 0) o->expert = (size_t)strtoull(a + 9, NULL, 10);
+        else if (strncmp(a, "--budget=", 9) == 0) o->budget = atof(a + 9);
         else {
-            fprintf(stderr, "unknown option %s (known: --quick, --expert=BYTES, --budget=SECONDS)\n", argv[first_kernel]);
+            fprintf(stderr, "unknown option %s (known: --quick, --expert=BYTES, --budget=SECONDS)\n", a);
             return 2;
         }
     }
-    if (threads < 1 || passes < 1 || !(peak_s > 0) || !(budget > 0) || bytes < (size_t)threads * (1 << 20)) {
+    if (o->threads < 1 || o->passes < 1 || !(o->peak_s > 0) || !(o->budget > 0) || o->bytes < (size_t)o->threads * (1 << 20)) {
         fprintf(stderr, "bad arguments: THREADS >= 1, PASSES >= 1, PEAK_SECONDS > 0, BUDGET > 0, BYTES >= THREADS * 1 MiB\n");
         return 2;
     }
     /* one expert: the given size, else qwen3-30b-a3b's, at most a 16th of the buffer (so that 8
        experts rotate through at least two disjoint sets); a multiple of 64 KiB */
-    if (expert == 0) expert = DEFAULT_EXPERT_BYTES;
-    if (expert > bytes / 16) expert = bytes / 16;
-    expert &= ~(((size_t)64 << 10) - 1);
-    if (expert == 0) {
-        fprintf(stderr, "BYTES=%zu: too small for 16 experts of at least 64 KiB\n", bytes);
+    if (o->expert == 0) o->expert = DEFAULT_EXPERT_BYTES;
+    if (o->expert > o->bytes / 16) o->expert = o->bytes / 16;
+    o->expert &= ~(((size_t)64 << 10) - 1);
+    if (o->expert == 0) {
+        fprintf(stderr, "BYTES=%zu: too small for 16 experts of at least 64 KiB\n", o->bytes);
         return 2;
     }
-    for (int k = first_kernel; k < argc; ++k) {
+    for (int k = o->first_kernel; k < argc; ++k) {
         int found = 0;
         for (int j = 0; kernels[j].name; ++j) found |= strcmp(kernels[j].name, argv[k]) == 0;
         if (!found) {
@@ -480,35 +482,39 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
+    return 0;
+}
+
+/* the search on 4 KiB pages, then on huge pages where they can be asked for; prints the read
+   part of the output; 0, or the exit status after a message on stderr */
+static int run_reads(const struct opts *o) {
     collect_loads();
-    g_bytes = bytes, g_expert = expert, g_window = expert * N_DECODE_EXPERTS, g_passes = passes;
-    g_pool = bytes / expert;
+    g_bytes = o->bytes, g_expert = o->expert, g_window = o->expert * N_DECODE_EXPERTS, g_passes = o->passes;
+    g_pool = o->bytes / o->expert;
     for (g_stride = g_pool / 3 + 1; gcd_size(g_stride, g_pool) != 1; ++g_stride) {
     }
-    make_axes(threads, quick);
-
+    make_axes(o->threads, o->quick);
     double t_start = omp_get_wtime();
-    g_deadline = t_start + budget;
-    const char *why = NULL;
+    g_deadline = t_start + o->budget;
+    const char *why = NULL, *thp_why = NULL;
     struct buffer buf;
-    if (buffer_alloc(&buf, bytes, 0, threads, &why) != 0) {
-        fprintf(stderr, "cannot allocate %zu bytes: %s\n", bytes, why);
+    if (buffer_alloc(&buf, o->bytes, 0, o->threads, &why) != 0) {
+        fprintf(stderr, "cannot allocate %zu bytes: %s\n", o->bytes, why);
         return 3;
     }
     long long huge_4k = buf.huge_bytes, huge_thp = -1;
-    const struct pat plain = {threads, 0, 1, 0, 0, 0, SHAPE_BUFFER};
+    const struct pat plain = {o->threads, 0, 1, 0, 0, 0, SHAPE_BUFFER};
     size_t nb = 0;
     read_pass(&buf, &plain, &nb); /* warm-up: TLB, frequency */
     measure(&buf, plain, 1);
-    if (threads > 1) {
+    if (o->threads > 1) {
         struct pat one = plain;
         one.threads = 1;
         measure(&buf, one, 1);
     }
-    struct pat best = search(&buf, plain, quick ? 1 : 2);
+    struct pat best = search(&buf, plain, o->quick ? 1 : 2);
     buffer_free(&buf);
-    const char *thp_why = NULL;
-    if (buffer_alloc(&buf, bytes, 1, threads, &thp_why) == 0) {
+    if (buffer_alloc(&buf, o->bytes, 1, o->threads, &thp_why) == 0) {
         huge_thp = buf.huge_bytes;
         best.huge = 1;
         read_pass(&buf, &plain, &nb); /* warm-up */
@@ -522,7 +528,7 @@ int main(int argc, char **argv) {
 
     printf("{\"probe\": 3, \"arch\": \"%s\", \"threads\": %d, \"bytes\": %zu, \"expert_bytes\": %zu, \"window_bytes\": %zu, "
            "\"llc_bytes\": %lld, \"passes\": %d, \"quick\": %d, \"loads\": [",
-           arch_name(), threads, bytes, g_expert, g_window, llc_bytes(), passes, quick);
+           arch_name(), o->threads, o->bytes, g_expert, g_window, llc_bytes(), o->passes, o->quick);
     for (int i = 0; i < n_loads; ++i) printf("%s\"%s\"", i ? ", " : "", loads[i].name);
     printf("], \"pages\": {\"4k\": {\"huge_bytes\": %lld}, \"thp\": ", huge_4k);
     if (thp_why) printf("{\"unavailable\": \"%s\"}", thp_why);
@@ -530,46 +536,59 @@ int main(int argc, char **argv) {
     printf("}, \"read\": [");
     for (int i = 0; i < n_results; ++i) print_result(&results[i], i == 0);
     printf("], \"best\": %d, \"read_seconds\": %.3f, \"over_budget\": %d", best_i, read_s, g_over_budget);
+    return 0;
+}
 
+/* the peak of each KERNEL named on the command line; prints the peaks part of the output */
+static void run_peaks(const struct opts *o, int argc, char **argv) {
     printf(", \"peaks\": [");
     char errors[4096] = "";
     int first = 1;
-    for (int k = first_kernel; k < argc; ++k) {
+    for (int k = o->first_kernel; k < argc; ++k) {
         long long (*fn)(long) = NULL;
         for (int j = 0; kernels[j].name; ++j)
             if (strcmp(kernels[j].name, argv[k]) == 0) fn = kernels[j].fn;
         /* calibrate on this thread alone (a scheduling delay in a parallel pass would pass for
-           work), which also warms it up (frequency, AVX-512 license); then check on all threads */
+           work), which also warms it up (frequency, wide-vector license); then check on all threads */
         long long count = 0;
         long iters = 1000;
         double t0 = omp_get_wtime();
         count = fn(iters);
         double t = omp_get_wtime() - t0;
-        while (count >= 0 && t < peak_s / 30 && iters < (1L << 40)) {
+        while (count >= 0 && t < o->peak_s / 30 && iters < (1L << 40)) {
             iters *= 2;
             t0 = omp_get_wtime();
             count = fn(iters);
             t = omp_get_wtime() - t0;
         }
-        if (count >= 0) peak_pass(fn, 1000, threads, &count);
-        if (count < 0) {
+        if (count >= 0) peak_pass(fn, 1000, o->threads, &count);
+        if (count < 0) { /* a part returns -1 when the OS would not enable the registers it needs */
             size_t len = strlen(errors);
-            snprintf(errors + len, sizeof errors - len, "%s\"%s\": \"the OS refused the instruction's register state "
-                     "(arch_prctl ARCH_REQ_XCOMP_PERM)\"", len ? ", " : "", argv[k]);
+            snprintf(errors + len, sizeof errors - len, "%s\"%s\": \"the OS refused the instruction's register state\"",
+                     len ? ", " : "", argv[k]);
             continue;
         }
-        iters = (long)(iters * (peak_s / 4) / t) + 1;
+        iters = (long)(iters * (o->peak_s / 4) / t) + 1;
         double best = 0.0;
-        printf("%s{\"name\": \"%s\", \"threads\": %d, \"passes\": [", first ? "" : ", ", argv[k], threads);
+        printf("%s{\"name\": \"%s\", \"threads\": %d, \"passes\": [", first ? "" : ", ", argv[k], o->threads);
         first = 0;
         for (int p = 0; p < 3; ++p) {
-            t = peak_pass(fn, iters, threads, &count);
+            t = peak_pass(fn, iters, o->threads, &count);
             double rate = (double)count / t;
             if (rate > best) best = rate;
             printf("%s%.6g", p ? ", " : "", rate);
         }
         printf("], \"instr_per_s\": %.6g}", best);
     }
-    printf("], \"errors\": {%s}, \"sink\": %llu}\n", errors, (unsigned long long)g_sink);
+    printf("], \"errors\": {%s}", errors);
+}
+
+int main(int argc, char **argv) {
+    struct opts o;
+    int rc = parse_args(argc, argv, &o);
+    if (rc == 0) rc = run_reads(&o);
+    if (rc != 0) return rc;
+    run_peaks(&o, argc, argv);
+    printf(", \"sink\": %llu}\n", (unsigned long long)g_sink);
     return 0;
 }
