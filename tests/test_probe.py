@@ -208,6 +208,8 @@ def test_the_probe_binary_refuses_bad_arguments_and_keeps_to_its_budget(monkeypa
     data = json.loads(r.stdout.strip().splitlines()[-1])
     p = P.parse_probe_output(data, 2, 8 << 20)
     assert [x["role"] for x in p.reads] == ["plain", "plain"] and p.over_budget > 0
+    assert p.huge_pages["thp"] == "not measured: the search's time budget ran out first"
+    assert dict(P.describe_limits(p))["read search"].endswith("huge pages: not measured: the search's time budget ran out first")
     assert p.read_gbs == max(p.plain_read_gbs, p.plain_read_1t_gbs)
 
 

@@ -514,7 +514,9 @@ static int run_reads(const struct opts *o) {
     }
     struct pat best = search(&buf, plain, o->quick ? 1 : 2);
     buffer_free(&buf);
-    if (buffer_alloc(&buf, o->bytes, 1, o->threads, &thp_why) == 0) {
+    if (omp_get_wtime() > g_deadline)
+        thp_why = "not measured: the search's time budget ran out first";
+    else if (buffer_alloc(&buf, o->bytes, 1, o->threads, &thp_why) == 0) {
         huge_thp = buf.huge_bytes;
         best.huge = 1;
         read_pass(&buf, &plain, &nb); /* warm-up */
