@@ -56,7 +56,7 @@
  * measured at 1 thread) and walks the axes one at a time, keeping the value that reads fastest,
  * twice round (once with --quick); then again from the winner on huge pages. The full cross
  * product would be over a thousand patterns; this measures about fifty. "best" is the fastest
- * pattern measured. After --budget seconds (default 30: a loaded machine reads slowly) the search
+ * pattern measured. After --budget seconds (default 15: a loaded machine reads slowly) the search
  * measures no new pattern; "over_budget" counts those it left out.
  *
  * Buffers are filled by the threads that read them, with non-zero data (untouched or all-zero
@@ -450,7 +450,7 @@ static int parse_args(int argc, char **argv, struct opts *o) {
         fprintf(stderr, "usage: %s THREADS BYTES PASSES PEAK_SECONDS [--quick] [--expert=BYTES] [--budget=SECONDS] [KERNEL ...]\n", argv[0]);
         return 2;
     }
-    *o = (struct opts){atoi(argv[1]), atoi(argv[3]), 0, 5, (size_t)strtoull(argv[2], NULL, 10), 0, atof(argv[4]), 30.0};
+    *o = (struct opts){atoi(argv[1]), atoi(argv[3]), 0, 5, (size_t)strtoull(argv[2], NULL, 10), 0, atof(argv[4]), 15.0};
     for (; o->first_kernel < argc && strncmp(argv[o->first_kernel], "--", 2) == 0; ++o->first_kernel) {
         const char *a = argv[o->first_kernel];
         if (strcmp(a, "--quick") == 0) o->quick = 1;
