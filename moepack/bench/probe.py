@@ -689,8 +689,10 @@ def describe_limits(probe: MachineProbe) -> list[tuple[str, str]]:
         lines.append(("decode-like read", f"{probe.decode_read_gbs:.1f} GB/s best over 8 scattered experts of "
                                           f"{_size(probe.expert_bytes)} ({probe.decode_pattern})"))
     thp = probe.huge_pages.get("thp")
-    pages = (f"huge pages backed {_size(thp)} of it" if isinstance(thp, int) and thp >= 0
-             else f"huge pages: {thp}" if thp is not None else "huge pages not measured")
+    if isinstance(thp, int):
+        pages = f"huge pages backed {_size(thp)} of it" if thp >= 0 else "huge pages asked for, backing unknown (no /proc/self/smaps)"
+    else:
+        pages = f"huge pages: {thp}" if thp is not None else "huge pages not measured"
     llc = f", last-level cache {_size(probe.llc_bytes)}" if probe.llc_bytes else ""
     lines.append(("read search", f"{len(probe.reads)} patterns in {probe.read_seconds:.1f} s over a {_size(probe.buffer_bytes)} "
                                  f"buffer{llc}; loads {', '.join(probe.loads) or '?'}; {pages}"
