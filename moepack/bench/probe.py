@@ -2,12 +2,17 @@
 limits the benchmark divides by, measured by tools/bw_probe.c.
 
 The probe is a small C program compiled on the fly (``build_probe``; never part of the
-extension): one object for its main (read bandwidth, no ISA flags) and one object per
-instruction of ``INSTRUCTIONS``, each with its own ``-m`` flags, built only when the CPU has the
-instruction (/proc/cpuinfo flags) and the compiler accepts the flags; the binary is cached by
-hash of source, compiler and parts. ``probe_machine`` runs it; ``machine_limits`` caches its
-result on disk per machine (``moepack info``). ``KERNEL_INSTRUCTIONS`` says which instruction's
-peak a layout's kernel is measured against at each ISA level.
+extension): the driver (tools/bw_probe.c: the read-pattern search, no ISA flags), the read
+kernels of this machine's architecture (``PROBE_ARCHS``: tools/bw_probe_x86.c or
+tools/bw_probe_arm.c, wider loads picked at run time) and one object per instruction of
+``INSTRUCTIONS`` (from the architecture's file), each with its own ``-m`` flags, built only when
+the CPU has the instruction (/proc/cpuinfo flags) and the compiler accepts the flags; the binary
+is cached by hash of sources, compiler and parts. ``probe_machine`` runs it on a buffer larger
+than the last-level cache (``cold_buffer_bytes``) and ``parse_probe_output`` reads its output:
+the fastest read pattern (what bench's '% read BW' divides by), the plain read the probe had
+before, the fastest decode-like read. ``machine_limits`` caches the result on disk per machine,
+versioned by ``LIMITS_FORMAT`` (``moepack info``). ``KERNEL_INSTRUCTIONS`` says which
+instruction's peak a layout's kernel is measured against at each ISA level.
 """
 
 from __future__ import annotations
