@@ -25,7 +25,7 @@ __all__ = ["app"]
 )
 def info(
     as_json: bool = typer.Option(False, "--json", help="Print the information as JSON."),
-    probe: bool = typer.Option(False, "--probe", help="Measure the machine's limits again (a few seconds) instead of using the cached ones."),
+    probe: bool = typer.Option(False, "--probe", help="Measure the machine's limits again (the read-pattern search and the peaks: about 20 s) instead of using the cached ones."),
 ) -> None:
     import torch
 
@@ -83,6 +83,8 @@ def info(
         when = f"measured {meta['measured_at']}" + (", cached (moepack info --probe measures again)" if meta["cached"] else "")
         if meta.get("bg_cpus") is not None and meta["bg_cpus"] > 0.25:
             when += f"; other processes used {meta['bg_cpus']:.2f} CPUs meanwhile: the numbers are low"
+        if meta.get("remeasured"):
+            when += f"; measured again because the {meta['remeasured']}"
         rows.append(("limits", when))
     for k, v in rows:
         t.add_row(k, str(v))

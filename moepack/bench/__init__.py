@@ -17,7 +17,7 @@ Per row: ms per call (mean over the timed calls), effective weight bandwidth (by
 experts the call touched -- unique ids x bytes per expert, summed over calls -- / total time),
 GFLOP/s (``2*T*k*3*H*I`` per call / time) and torch_ms / moepack_ms. The same run measures the
 machine's limits with tools/bw_probe.c (compiled on the fly, see ``probe.py``): read bandwidth
-(the best of several access patterns, and the plain one) and the peak of each dot-product
+(the fastest of a search over read patterns, and the plain read) and the peak of each dot-product
 instruction the CPU has, at the same thread count. '% read BW' divides by the best read; '% dot
 peak' by the peak of the instruction the layout's kernel uses at the ISA level it runs at here
 (``KERNEL_INSTRUCTIONS``: e.g. tdpbf16ps for bf16 on amx_bf16, vpdpbusd zmm for int8 on

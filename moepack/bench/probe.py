@@ -2,12 +2,17 @@
 limits the benchmark divides by, measured by tools/bw_probe.c.
 
 The probe is a small C program compiled on the fly (``build_probe``; never part of the
-extension): one object for its main (read bandwidth, no ISA flags) and one object per
-instruction of ``INSTRUCTIONS``, each with its own ``-m`` flags, built only when the CPU has the
-instruction (/proc/cpuinfo flags) and the compiler accepts the flags; the binary is cached by
-hash of source, compiler and parts. ``probe_machine`` runs it; ``machine_limits`` caches its
-result on disk per machine (``moepack info``). ``KERNEL_INSTRUCTIONS`` says which instruction's
-peak a layout's kernel is measured against at each ISA level.
+extension): the driver (tools/bw_probe.c: the read-pattern search, no ISA flags), the read
+kernels of this machine's architecture (``PROBE_ARCHS``: tools/bw_probe_x86.c or
+tools/bw_probe_arm.c, wider loads picked at run time) and one object per instruction of
+``INSTRUCTIONS`` (from the architecture's file), each with its own ``-m`` flags, built only when
+the CPU has the instruction (/proc/cpuinfo flags) and the compiler accepts the flags; the binary
+is cached by hash of sources, compiler and parts. ``probe_machine`` runs it on a buffer larger
+than the last-level cache (``cold_buffer_bytes``) and ``parse_probe_output`` reads its output:
+the fastest read pattern (what bench's '% read BW' divides by), the plain read the probe had
+before, the fastest decode-like read. ``machine_limits`` caches the result on disk per machine,
+versioned by ``LIMITS_FORMAT`` (``moepack info``). ``KERNEL_INSTRUCTIONS`` says which
+instruction's peak a layout's kernel is measured against at each ISA level.
 """
 
 from __future__ import annotations
@@ -215,14 +220,43 @@ def host_cpu_flags() -> set[str]:
     return flags
 
 
+# ---------------------------------------------------------------------------------------------
+# The probe's architectures: each has its file in tools/ (loads, prefetch, instruction parts)
+
+
+@dataclass(frozen=True)
+class ProbeArch:
+    """One architecture of the probe: ``source`` (in tools/) holds its read kernels (built with
+    -DPROBE_ARCH_READS) and the parts of ``instructions``; the driver, tools/bw_probe.c, is shared."""
+
+    name: str  # as the probe prints it ("arch" in its output)
+    machines: tuple[str, ...]  # platform.machine() values, lower case
+    source: str
+    instructions: tuple[Instruction, ...]
+
+
+PROBE_ARCHS: tuple[ProbeArch, ...] = (
+    ProbeArch("x86-64", ("x86_64", "amd64"), "bw_probe_x86.c", INSTRUCTIONS),
+    ProbeArch("aarch64", ("aarch64", "arm64"), "bw_probe_arm.c", ()),
+)
+
+
+def probe_arch(machine: str | None = None) -> ProbeArch | None:
+    """The probe architecture of ``machine`` (default: this one); None for one without its file."""
+    machine = (machine or platform.machine()).lower()
+    return next((a for a in PROBE_ARCHS if machine in a.machines), None)
+
+
 def runnable_instructions(flags: set[str], machine: str | None = None) -> tuple[list[Instruction], dict[str, str]]:
     """(instructions this CPU has, {name: why not} for the others)."""
     machine = (machine or platform.machine()).lower()
+    arch = probe_arch(machine)
     ok: list[Instruction] = []
     skipped: dict[str, str] = {}
     for ins in INSTRUCTIONS:
-        if machine not in ("x86_64", "amd64"):
-            skipped[ins.name] = f"not an x86-64 CPU ({machine})"
+        if arch is None or ins not in arch.instructions:
+            owner = next((a.name for a in PROBE_ARCHS if ins in a.instructions), "another architecture")
+            skipped[ins.name] = f"an instruction of {owner}; this CPU is {machine}"
         elif missing := [f for f in ins.needs if f not in flags]:
             skipped[ins.name] = "the CPU lacks " + ", ".join(missing)
         else:
@@ -233,19 +267,39 @@ def runnable_instructions(flags: set[str], machine: str | None = None) -> tuple[
 # ---------------------------------------------------------------------------------------------
 # The probe: build, run, parse
 
+PROBE_FORMAT = 3  # the "probe" number of tools/bw_probe.c's output this module reads
+SHAPES = ("buffer", "window", "experts")
+
 
 @dataclass
 class MachineProbe:
     """The machine's limits at ``threads`` threads. A number is present only when it was
-    measured; ``skipped`` says why each instruction without a number has none."""
+    measured; ``skipped`` says why each instruction without a number has none.
+
+    Read bandwidth: ``reads`` holds every pattern the probe measured (tools/bw_probe.c: threads,
+    load, streams, prefetch, split, pages, shape); ``read_gbs`` is the fastest of them at up to
+    ``threads`` threads (what bench's "% read BW" divides by), ``plain_read_gbs`` the plain read
+    at ``threads`` threads (the only read before probe format 3: 16-byte loads, 1 stream, no
+    prefetch, contiguous halves, 4 KiB pages, the whole buffer), ``decode_read_gbs`` the fastest
+    pattern that reads 8 scattered experts once (an MoE decode call's access)."""
 
     threads: int = 0
     buffer_bytes: int = 0
-    read_gbs: float | None = None  # best read pattern at `threads` threads
-    read_pattern: str | None = None  # which pattern gave read_gbs
-    plain_read_gbs: float | None = None  # the plain read (1 stream, no prefetch) at `threads` threads
-    reads: list[dict] = field(default_factory=list)  # every pattern: threads, streams, prefetch, gbs, passes
-    prefetch_bytes: int = 0
+    read_gbs: float | None = None  # best read pattern at <= `threads` threads
+    read_pattern: str | None = None  # which pattern gave read_gbs (pattern_name)
+    plain_read_gbs: float | None = None  # the plain read at `threads` threads
+    plain_read_1t_gbs: float | None = None  # the plain read at 1 thread
+    decode_read_gbs: float | None = None  # best pattern over 8 scattered experts
+    decode_pattern: str | None = None
+    best_read: dict | None = None  # the entry of `reads` that gave read_gbs
+    reads: list[dict] = field(default_factory=list)  # every pattern measured
+    arch: str = ""
+    loads: list[str] = field(default_factory=list)  # load widths the probe ran
+    expert_bytes: int = 0
+    llc_bytes: int | None = None  # last-level cache (sysfs, else the probe's sysconf)
+    huge_pages: dict = field(default_factory=dict)  # "4k"/"thp" -> bytes backed by huge pages, or why unavailable
+    read_seconds: float = 0.0
+    over_budget: int = 0  # patterns the search left out when its time ran out (a slow, loaded machine)
     peaks: dict[str, dict] = field(default_factory=dict)  # instruction -> asm, unit, ops, threads, value, passes
     skipped: dict[str, str] = field(default_factory=dict)  # instruction -> why it has no number
     fma_gflops: float | None = None  # best fp32 FMA peak (zmm or ymm)
@@ -268,28 +322,85 @@ class MachineProbe:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-def pattern_name(streams: int, prefetch: bool) -> str:
-    return ("plain" if streams == 1 else f"{streams} streams/thread") + (" + prefetch" if prefetch else "")
+def _size(n: int) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= div:
+            v = n / div
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{n} B"
+
+
+def pattern_name(r: dict, expert_bytes: int = 0) -> str:
+    """A read pattern of the probe's output in words, e.g. '2 threads, zmm loads, 8 streams/thread,
+    prefetch 1 KiB ahead, 1 MiB chunks round-robin, 4 KiB pages, 8 scattered experts'."""
+    t, s = r["threads"], r["streams"]
+    split = r["split"]
+    if split == 0:
+        split_text = "contiguous split"
+    elif expert_bytes and split == expert_bytes:
+        split_text = "expert-sized chunks round-robin"
+    else:
+        split_text = f"{_size(split)} chunks round-robin"
+    shape = {"buffer": "whole buffer", "window": "8-expert window", "experts": "8 scattered experts"}[r["shape"]]
+    return ", ".join([
+        f"{t} thread" + ("s" if t != 1 else ""), f"{r['load']} loads", f"{s} stream" + ("s" if s != 1 else "") + "/thread",
+        f"prefetch {_size(r['prefetch'])} ahead" if r["prefetch"] else "no prefetch", split_text,
+        "huge pages" if r["pages"] == "thp" else "4 KiB pages", shape,
+    ])
+
+
+_READ_KEYS = {"threads": int, "load": str, "streams": int, "prefetch": int, "split": int, "pages": str, "shape": str,
+              "bytes": int, "role": str, "gbs": float}
+
+
+def _parse_read(r: dict) -> dict:
+    if not isinstance(r, dict):
+        raise ValueError(f"probe output: read pattern {r!r} is not an object")
+    missing = [k for k in _READ_KEYS if k not in r]
+    if missing:
+        raise ValueError(f"probe output: read pattern {r!r} lacks {', '.join(missing)}")
+    out = {k: conv(r[k]) for k, conv in _READ_KEYS.items()}
+    if out["shape"] not in SHAPES or out["pages"] not in ("4k", "thp") or out["role"] not in ("plain", "search"):
+        raise ValueError(f"probe output: read pattern with shape={out['shape']!r}, pages={out['pages']!r}, role={out['role']!r}: "
+                         f"expected shape in {SHAPES}, pages 4k/thp, role plain/search")
+    if not (out["gbs"] >= 0 and out["threads"] >= 1 and out["streams"] >= 1):
+        raise ValueError(f"probe output: read pattern with threads={out['threads']}, streams={out['streams']}, gbs={out['gbs']}")
+    out["passes"] = [float(x) for x in r.get("passes", [])]
+    return out
 
 
 def parse_probe_output(data: dict, threads: int, buffer_bytes: int) -> MachineProbe:
-    """The probe binary's JSON line -> MachineProbe (peaks converted from instructions/s with
-    ``INSTRUCTIONS``' operation counts). Refuses output it does not understand, by name."""
-    if not isinstance(data, dict) or data.get("probe") != 2:
-        raise ValueError(f"probe output: 'probe' is {data.get('probe') if isinstance(data, dict) else data!r}, expected 2 (tools/bw_probe.c of this moepack)")
-    probe = MachineProbe(threads=threads, buffer_bytes=int(data.get("bytes", buffer_bytes)),
-                         prefetch_bytes=int(data.get("prefetch_bytes", 0)))
+    """The probe binary's JSON line (format PROBE_FORMAT) -> MachineProbe (peaks converted from
+    instructions/s with ``INSTRUCTIONS``' operation counts). Refuses output it does not
+    understand, by name."""
+    if not isinstance(data, dict) or data.get("probe") != PROBE_FORMAT:
+        got = data.get("probe") if isinstance(data, dict) else data
+        raise ValueError(f"probe output: 'probe' is {got!r}, expected {PROBE_FORMAT} (tools/bw_probe.c of this moepack)")
+    expert = int(data.get("expert_bytes", 0))
+    llc = data.get("llc_bytes")
+    probe = MachineProbe(threads=threads, buffer_bytes=int(data.get("bytes", buffer_bytes)), arch=str(data.get("arch", "")),
+                         loads=[str(x) for x in data.get("loads", [])], expert_bytes=expert,
+                         llc_bytes=int(llc) if llc is not None and int(llc) > 0 else None,
+                         read_seconds=float(data.get("read_seconds", 0.0)), over_budget=int(data.get("over_budget", 0)))
+    for kind, v in (data.get("pages") or {}).items():
+        probe.huge_pages[str(kind)] = v.get("huge_bytes", v.get("unavailable")) if isinstance(v, dict) else v
     for r in data.get("read", []):
-        probe.reads.append({"threads": int(r["threads"]), "streams": int(r["streams"]), "prefetch": bool(r["prefetch"]),
-                            "gbs": float(r["gbs"]), "passes": [float(x) for x in r.get("passes", [])]})
-    at_n = [r for r in probe.reads if r["threads"] == threads]
-    if not at_n:
-        raise ValueError(f"probe output: no read pattern at {threads} threads")
-    best = max(at_n, key=lambda r: r["gbs"])
-    probe.read_gbs = best["gbs"]
-    probe.read_pattern = pattern_name(best["streams"], best["prefetch"])
-    plain = [r for r in at_n if r["streams"] == 1 and not r["prefetch"]]
-    probe.plain_read_gbs = plain[0]["gbs"] if plain else None
+        r = _parse_read(r)
+        r["name"] = pattern_name(r, expert)
+        probe.reads.append(r)
+    usable = [r for r in probe.reads if r["threads"] <= threads]
+    plain = [r for r in probe.reads if r["role"] == "plain" and r["threads"] == threads]
+    if not usable or not plain:
+        raise ValueError(f"probe output: no {'plain ' if usable else ''}read pattern at {threads} threads")
+    best = max(usable, key=lambda r: r["gbs"])
+    probe.best_read, probe.read_gbs, probe.read_pattern = best, best["gbs"], best["name"]
+    probe.plain_read_gbs = plain[0]["gbs"]
+    one = [r for r in probe.reads if r["role"] == "plain" and r["threads"] == 1]
+    probe.plain_read_1t_gbs = one[0]["gbs"] if one else None
+    decode = [r for r in usable if r["shape"] == "experts"]
+    if decode:
+        d = max(decode, key=lambda r: r["gbs"])
+        probe.decode_read_gbs, probe.decode_pattern = d["gbs"], d["name"]
     for p in data.get("peaks", []):
         ins = INSTRUCTION_BY_NAME.get(p.get("name"))
         if ins is None:
@@ -309,9 +420,16 @@ def parse_probe_output(data: dict, threads: int, buffer_bytes: int) -> MachinePr
     return probe
 
 
-PROBE_SOURCE = Path(__file__).resolve().parents[2] / "tools" / "bw_probe.c"
+TOOLS_DIR = Path(__file__).resolve().parents[2] / "tools"
+PROBE_SOURCE = TOOLS_DIR / "bw_probe.c"  # the driver; bw_probe.h and the architecture's file sit beside it
 _PROBE_CFLAGS = ("-O2",)
 _PROBE_MAIN_FLAGS = ("-fopenmp",)
+
+
+def probe_sources(arch: ProbeArch | None, source: Path = PROBE_SOURCE) -> list[Path]:
+    """The files a probe for ``arch`` is built from: driver, header, the architecture's file."""
+    files = [source, source.with_name("bw_probe.h")]
+    return files + ([source.with_name(arch.source)] if arch is not None else [])
 
 
 def _probe_cache_dir() -> Path:
@@ -348,14 +466,20 @@ class ProbeBuild:
     failed: dict[str, str] = field(default_factory=dict)  # instruction -> why its part did not compile
 
 
-def build_probe(instructions: list[Instruction] | None = None, source: Path = PROBE_SOURCE) -> ProbeBuild:
-    """Compile tools/bw_probe.c with a part for each of ``instructions`` (default: those this CPU
-    has) that the compiler accepts; cached by hash of source, compiler and parts."""
+def build_probe(instructions: list[Instruction] | None = None, source: Path = PROBE_SOURCE, *, cc: str | None = None,
+                machine: str | None = None, static: bool = False) -> ProbeBuild:
+    """Compile the probe: the driver (``source``), the read kernels of ``machine``'s architecture
+    (default: this machine's) and a part for each of ``instructions`` (default: those this CPU
+    has) that the compiler accepts; cached by hash of sources, compiler and parts. ``cc`` and
+    ``machine`` name a cross compiler and its target (``static``: link statically, for qemu-user)."""
+    arch = probe_arch(machine)
     if instructions is None:
-        instructions = runnable_instructions(host_cpu_flags())[0]
-    if not source.is_file():
-        return ProbeBuild(None, f"probe source {source} not found (it ships with the source tree, not the wheel)")
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        instructions = runnable_instructions(host_cpu_flags(), machine)[0]
+    files = probe_sources(arch, source)
+    absent = [str(f) for f in files if not f.is_file()]
+    if absent:
+        return ProbeBuild(None, f"probe source {', '.join(absent)} not found (it ships with the source tree, not the wheel)")
+    cc = cc or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not cc:
         return ProbeBuild(None, "no C compiler (cc/gcc/clang) on PATH: set CC or install one")
     try:
@@ -363,7 +487,9 @@ def build_probe(instructions: list[Instruction] | None = None, source: Path = PR
     except (OSError, subprocess.SubprocessError) as e:
         return ProbeBuild(None, f"C compiler {cc} does not run: {e}")
     parts = [(x.name, x.flags) for x in instructions]
-    key = hashlib.sha256(source.read_bytes() + repr((cc, version, _PROBE_CFLAGS, _PROBE_MAIN_FLAGS, parts)).encode()).hexdigest()[:16]
+    link = ("-static",) if static else ()
+    blob = b"".join(f.read_bytes() for f in files)
+    key = hashlib.sha256(blob + repr((cc, version, _PROBE_CFLAGS, _PROBE_MAIN_FLAGS, link, parts, arch)).encode()).hexdigest()[:16]
     cache = _probe_cache_dir()
     binary, meta = cache / f"bw_probe-{key}", cache / f"bw_probe-{key}.json"
     if binary.is_file() and os.access(binary, os.X_OK) and meta.is_file():
@@ -372,11 +498,12 @@ def build_probe(instructions: list[Instruction] | None = None, source: Path = PR
             return ProbeBuild(binary, "", list(m["built"]), dict(m["failed"]))
         except (ValueError, KeyError, TypeError, OSError):
             pass  # rebuild
+    arch_file = files[2] if arch is not None else None
     with tempfile.TemporaryDirectory(prefix="moepack-probe-") as tmpd:
         procs = {}
         for ins in instructions:  # the parts, in parallel
             obj = os.path.join(tmpd, f"{ins.name}.o")
-            cmd = [cc, *_PROBE_CFLAGS, *ins.flags, f"-DPROBE_PART_{ins.name}", "-c", str(source), "-o", obj]
+            cmd = [cc, *_PROBE_CFLAGS, *ins.flags, f"-DPROBE_PART_{ins.name}", "-c", str(arch_file), "-o", obj]
             try:
                 procs[ins.name] = (subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), obj, ins)
             except OSError as e:
@@ -395,43 +522,87 @@ def build_probe(instructions: list[Instruction] | None = None, source: Path = PR
                 objs.append(obj)
             else:
                 failed[name] = f"{cc} {' '.join(ins.flags)} does not compile it: {_first_error(err)}"
-        main_obj = os.path.join(tmpd, "main.o")
+        main_obj, arch_obj = os.path.join(tmpd, "main.o"), os.path.join(tmpd, "arch.o")
         kernels = "".join(f"X({n})" for n in built)
+        reads = ["-DPROBE_ARCH_READS"] if arch is not None else []
         tmp_bin = binary.with_name(f"{binary.name}.{os.getpid()}.tmp")
-        for cmd in (
-            [cc, *_PROBE_CFLAGS, *_PROBE_MAIN_FLAGS, f"-DPROBE_KERNELS={kernels}", "-c", str(source), "-o", main_obj],
-            [cc, *_PROBE_MAIN_FLAGS, main_obj, *objs, "-o", str(tmp_bin)],
-        ):
+        cmds = [[cc, *_PROBE_CFLAGS, *_PROBE_MAIN_FLAGS, *reads, f"-DPROBE_KERNELS={kernels}", "-c", str(source), "-o", main_obj]]
+        if arch is not None:
+            cmds.append([cc, *_PROBE_CFLAGS, *reads, "-c", str(arch_file), "-o", arch_obj])
+            objs.insert(0, arch_obj)
+        cmds.append([cc, *_PROBE_MAIN_FLAGS, *link, main_obj, *objs, "-o", str(tmp_bin)])
+        for cmd in cmds:
             try:
                 res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
             except (OSError, subprocess.SubprocessError) as e:
                 return ProbeBuild(None, f"compiling the probe failed: {e}")
             if res.returncode != 0:
-                return ProbeBuild(None, f"compiling the probe with {cc} {' '.join(_PROBE_MAIN_FLAGS)} failed: {_first_error(res.stderr)}")
+                return ProbeBuild(None, f"compiling the probe ({' '.join(cmd[:4])} ...) failed: {_first_error(res.stderr)}")
     os.replace(tmp_bin, binary)  # atomic: concurrent runs never see a half-written binary
     _write_atomic(meta, json.dumps({"built": built, "failed": failed}))
     return ProbeBuild(binary, "", built, failed)
 
 
+def largest_cache_bytes() -> int | None:
+    """The largest CPU cache sysfs reports (the last-level cache), None where unknown."""
+    largest = 0
+    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        try:
+            text = size.read_text().strip().upper()
+            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+            largest = max(largest, int(text.rstrip("KMG")) * mult)
+        except (OSError, ValueError):
+            continue
+    return largest or None
+
+
+COLD_FACTOR = 3  # the probe's buffer is at least this many times the last-level cache
+
+
+def cold_buffer_bytes(requested: int, llc: int | None = None) -> tuple[int, str]:
+    """(the buffer the probe reads, why it differs from ``requested``): at least COLD_FACTOR x the
+    last-level cache (rounded up to 64 MiB), so that the windows and experts a pass reads rotate
+    through more than the cache holds and come from memory; at most a quarter of the memory."""
+    llc = largest_cache_bytes() if llc is None else llc
+    if not llc:
+        return requested, ""
+    want = -(-COLD_FACTOR * llc // (64 << 20)) * (64 << 20)
+    if requested >= want:
+        return requested, ""
+    mem = _mem_total_bytes()
+    cap = mem // 4 if mem else want
+    size = max(requested, min(want, cap))
+    why = f"buffer raised from {_size(requested)} to {_size(size)}: {COLD_FACTOR}x the {_size(llc)} last-level cache"
+    if size < want:
+        why += f" would be {_size(want)}, over a quarter of the memory: reads may partly come from the cache"
+    return size, why
+
+
 def probe_machine(threads: int, buffer_bytes: int = 512 << 20, passes: int = 3, peak_seconds: float = 0.2,
-                  prefetch_bytes: int = 1024) -> MachineProbe:
-    """Read bandwidth (every pattern, at 1 and ``threads`` threads) and the peak of every
-    dot-product instruction this CPU has, at ``threads`` threads; or a MachineProbe whose note
-    says why nothing was measured (no compiler, no source, ...)."""
+                  quick: bool = False, expert_bytes: int | None = None) -> MachineProbe:
+    """The read-pattern search (tools/bw_probe.c) at up to ``threads`` threads and the peak of
+    every dot-product instruction this CPU has, at ``threads`` threads; or a MachineProbe whose
+    note says why nothing was measured (no compiler, no source, ...). The buffer is raised to
+    ``cold_buffer_bytes`` unless ``quick`` (a small, fast run whose reads may hit the cache: for
+    tests and emulators, not for numbers)."""
     if threads < 1:
         raise ValueError(f"probe threads={threads}: must be >= 1")
     if buffer_bytes < threads * (1 << 20):
         raise ValueError(f"probe buffer of {buffer_bytes} bytes: must be at least 1 MiB per thread ({threads} threads)")
-    if passes < 1 or not peak_seconds > 0 or prefetch_bytes <= 0:
-        raise ValueError(f"probe passes={passes}, peak_seconds={peak_seconds}, prefetch_bytes={prefetch_bytes}: must be >= 1, > 0, > 0")
+    if passes < 1 or not peak_seconds > 0:
+        raise ValueError(f"probe passes={passes}, peak_seconds={peak_seconds}: must be >= 1 and > 0")
     t0 = time.perf_counter()
+    note = ""
+    if not quick:
+        buffer_bytes, note = cold_buffer_bytes(buffer_bytes)
     have, skipped = runnable_instructions(host_cpu_flags())
     build = build_probe(have)
     skipped.update(build.failed)
     if build.binary is None:
         return MachineProbe(threads=threads, buffer_bytes=buffer_bytes, skipped=skipped, note=build.note)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), OMP_PROC_BIND=os.environ.get("OMP_PROC_BIND", "close"))
-    cmd = [str(build.binary), str(threads), str(buffer_bytes), str(passes), str(peak_seconds), str(prefetch_bytes), *build.built]
+    opts = (["--quick"] if quick else []) + ([f"--expert={expert_bytes}"] if expert_bytes else [])
+    cmd = [str(build.binary), str(threads), str(buffer_bytes), str(passes), str(peak_seconds), *opts, *build.built]
     probe = MachineProbe(threads=threads, buffer_bytes=buffer_bytes, skipped=skipped)
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
@@ -447,45 +618,55 @@ def probe_machine(threads: int, buffer_bytes: int = 512 << 20, passes: int = 3, 
     except (ValueError, IndexError, KeyError, TypeError) as e:
         probe.note = f"probe output not understood ({e}): {res.stdout[:200]!r}"
         return probe
+    parsed.llc_bytes = largest_cache_bytes() or parsed.llc_bytes
     parsed.skipped = {**skipped, **parsed.skipped}
     parsed.seconds = round(time.perf_counter() - t0, 2)
+    over = (f"the search ran out of time and left {parsed.over_budget} patterns out (a loaded machine reads slowly)"
+            if parsed.over_budget else "")
+    parsed.note = "; ".join(x for x in (note, over, "quick: a small buffer, reads may come from the cache" if quick else "") if x)
     return parsed
 
 
 # ---------------------------------------------------------------------------------------------
 # Machine limits cached on disk (moepack info)
 
-LIMITS_FORMAT = 1  # bump when the cached record changes meaning
+# bump when the cached record changes meaning; a record of another format is measured again.
+# 2: read_gbs is the best of the pattern search (probe format 3), not of 16 stream/prefetch patterns
+LIMITS_FORMAT = 2
 
 
 def limits_cache_key(threads: int, buffer_bytes: int) -> str:
-    """Machine (CPU model, flags, CPU count) + probe (source, instruction table) + sizes."""
-    src = PROBE_SOURCE.read_bytes() if PROBE_SOURCE.is_file() else b""
+    """Machine (CPU model, flags, CPU count) + probe (sources, instruction table) + sizes."""
+    src = b"".join(f.read_bytes() for f in probe_sources(probe_arch()) if f.is_file())
     facts = (LIMITS_FORMAT, cpu_model(), sorted(host_cpu_flags()), os.cpu_count(), threads, buffer_bytes, INSTRUCTIONS)
     return hashlib.sha256(src + repr(facts).encode()).hexdigest()[:16]
 
 
 def machine_limits(threads: int, refresh: bool = False, buffer_bytes: int = 512 << 20) -> tuple[MachineProbe, dict]:
     """The machine's limits at ``threads`` threads: from the on-disk cache, or measured now (and
-    cached) when there is none or ``refresh``. Returns (probe, {"cached": bool, "measured_at":
-    iso time, "bg_cpus": CPUs other processes used while it was measured, "cache_file": path})."""
+    cached) when there is none, when it has another LIMITS_FORMAT, or ``refresh``. Returns (probe,
+    {"cached": bool, "measured_at": iso time, "bg_cpus": CPUs other processes used while it was
+    measured, "cache_file": path, "remeasured": why the cached record was not used, or None})."""
     from .timing import _CpuMeter
 
     path = _probe_cache_dir() / f"limits-{limits_cache_key(threads, buffer_bytes)}.json"
+    remeasured = None
     if not refresh and path.is_file():
         try:
             rec = json.loads(path.read_text())
             if rec.get("format") == LIMITS_FORMAT:
-                meta = {"cached": True, "measured_at": rec.get("measured_at"), "bg_cpus": rec.get("bg_cpus"), "cache_file": str(path)}
+                meta = {"cached": True, "measured_at": rec.get("measured_at"), "bg_cpus": rec.get("bg_cpus"),
+                        "cache_file": str(path), "remeasured": None}
                 return MachineProbe.from_dict(rec["probe"]), meta
-        except (ValueError, KeyError, TypeError, OSError):
-            pass  # measure again
+            remeasured = f"cached record has format {rec.get('format')!r}, this moepack writes {LIMITS_FORMAT}"
+        except (ValueError, KeyError, TypeError, OSError) as e:
+            remeasured = f"cached record unreadable ({e})"
     meter = _CpuMeter()
     meter.start()
     probe = probe_machine(threads, buffer_bytes)
     bg = meter.stop()
     when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    meta = {"cached": False, "measured_at": when, "bg_cpus": bg, "cache_file": None}
+    meta = {"cached": False, "measured_at": when, "bg_cpus": bg, "cache_file": None, "remeasured": remeasured}
     if probe.measured:
         rec = {"format": LIMITS_FORMAT, "measured_at": when, "bg_cpus": bg, "probe": dataclasses.asdict(probe)}
         try:
@@ -501,14 +682,26 @@ def describe_limits(probe: MachineProbe) -> list[tuple[str, str]]:
     if not probe.measured:
         return [("machine limits", f"not measured: {probe.note}")]
     lines = []
-    one = [r for r in probe.reads if r["threads"] == 1]
     threads = f"{probe.threads} thread" + ("s" if probe.threads != 1 else "")
-    text = f"{probe.read_gbs:.1f} GB/s best ({probe.read_pattern}), plain {probe.plain_read_gbs:.1f} GB/s, {threads}"
-    if one and probe.threads != 1:
-        b1 = max(one, key=lambda r: r["gbs"])
-        p1 = next((r["gbs"] for r in one if r["streams"] == 1 and not r["prefetch"]), None)
-        text += f"; 1 thread: {b1['gbs']:.1f} best ({pattern_name(b1['streams'], b1['prefetch'])})" + (f", plain {p1:.1f}" if p1 else "")
+    text = f"{probe.read_gbs:.1f} GB/s best ({probe.read_pattern})"
     lines.append(("read bandwidth", text))
+    plain = f"{probe.plain_read_gbs:.1f} GB/s at {threads}"
+    if probe.plain_read_1t_gbs is not None and probe.threads != 1:
+        plain += f", {probe.plain_read_1t_gbs:.1f} GB/s at 1 thread"
+    lines.append(("plain read", plain + " (the probe's only read before format 3: 16-byte loads, 1 stream, no prefetch, "
+                                        "contiguous split, 4 KiB pages, whole buffer)"))
+    if probe.decode_read_gbs is not None:
+        lines.append(("decode-like read", f"{probe.decode_read_gbs:.1f} GB/s best over 8 scattered experts of "
+                                          f"{_size(probe.expert_bytes)} ({probe.decode_pattern})"))
+    thp = probe.huge_pages.get("thp")
+    if isinstance(thp, int):
+        pages = f"huge pages backed {_size(thp)} of it" if thp >= 0 else "huge pages asked for, backing unknown (no /proc/self/smaps)"
+    else:
+        pages = f"huge pages: {thp}" if thp is not None else "huge pages not measured"
+    llc = f", last-level cache {_size(probe.llc_bytes)}" if probe.llc_bytes else ""
+    lines.append(("read search", f"{len(probe.reads)} patterns in {probe.read_seconds:.1f} s over a {_size(probe.buffer_bytes)} "
+                                 f"buffer{llc}; loads {', '.join(probe.loads) or '?'}; {pages}"
+                                 + (f"; {probe.note}" if probe.note else "")))
     for ins in INSTRUCTIONS:
         p = probe.peaks.get(ins.name)
         if p is not None:
