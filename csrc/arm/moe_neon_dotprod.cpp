@@ -1,6 +1,7 @@
 // [NOTE] Level neon_dotprod (ARMv8.2 dot product, SDOT) fused-MoE kernels: int8 (i8_n16k8_arm)
-// with SDOT, two rows at a time (neon_common.h gemm_i8_sdot), and the int4 A8 path (u4*_n16k8_arm)
-// through the grouped-decode codec with the SDOT integer core (dot_u4_sdot). Compiled with
+// with SDOT, two rows at a time (neon_common.h gemm_i8_sdot), and the int4 and mxfp4 A8 paths
+// (u4*_n16k8_arm, mx4g32_n16k8_arm) through the grouped-decode codecs with the SDOT integer cores
+// (neon_decode.h: the nibbles, or 2 * e2m1 of them by tbl). Compiled with
 // -march=armv8.2-a+dotprod (moepack/isa_levels.py); registered by dispatch.cpp after
 // cpu_features.cpp finds asimddp.
 #if defined(MOEPACK_OMIT_LEVEL)

@@ -1,6 +1,7 @@
 // [NOTE] Level neon_i8mm (int8 matrix multiply, SMMLA) fused-MoE kernels: int8 (i8_n16k8_arm)
-// with SMMLA for pairs of rows, SDOT for an odd row; int4 A8 (u4*_n16k8_arm) through the
-// grouped-decode codec with the SDOT integer core. Compiled with -march=armv8.2-a+dotprod+i8mm
+// with SMMLA for pairs of rows, SDOT for an odd row; int4 and mxfp4 A8 (u4*_n16k8_arm,
+// mx4g32_n16k8_arm) through the grouped-decode codecs with the SDOT integer cores (SMMLA there
+// would need the nibble vectors zipped into column pairs: no fewer instructions). Compiled with -march=armv8.2-a+dotprod+i8mm
 // (moepack/isa_levels.py); registered by dispatch.cpp after cpu_features.cpp finds i8mm.
 //
 // SMMLA multiplies a 2x8 s8 matrix (the rows: row r's 8 codes in 64-bit half r) by an 8x2 one
