@@ -8,7 +8,7 @@ RUNTIME_DEPS := $(TORCH) numpy "safetensors>=0.4" "typer>=0.12" "rich>=13"
 TEST_DEPS := "pytest>=8" expecttest hypothesis $(TORCH) "transformers==5.24.0" "compressed-tensors==0.20.1"
 BUILD_DEPS := "setuptools>=69" wheel
 
-.PHONY: setup setup-test build demo test test-only bench clean vllm-venv test-vllm
+.PHONY: setup setup-test build demo test test-only bench clean vllm-venv test-vllm cross-ext
 
 setup:
 	$(PIP) install -q $(RUNTIME_DEPS) $(BUILD_DEPS)
@@ -28,6 +28,10 @@ setup-test: setup
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    (apt-get update -qq && apt-get install -y -qq g++-aarch64-linux-gnu qemu-user) >/dev/null || echo "warning: could not install g++-aarch64-linux-gnu qemu-user"; \
 	  else echo "note: g++-aarch64-linux-gnu or qemu-user missing and not root: the ARM kernel tests will be skipped"; fi; \
+	fi
+	@# the aarch64 torch wheel (~430 MB, once) that tests/test_arm_cross.py cross-builds moepack._C against
+	@if command -v aarch64-linux-gnu-g++ >/dev/null; then \
+	  $(PYTHON) tools/cross_build_ext.py --download-only >/dev/null || echo "warning: no aarch64 torch wheel: the cross-built extension test will be skipped"; \
 	fi
 
 build:
@@ -69,6 +73,11 @@ $(VLLM_VENV)/.done:
 
 test-vllm: setup-test vllm-venv
 	MOEPACK_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PYTHON) -m pytest -q tests/test_vllm_plugin.py
+
+# moepack._C cross-built for aarch64 Linux against the aarch64 torch wheel (downloaded once, ~430 MB,
+# into build/cross-arm/wheel, by setup-test too; tests/test_arm_cross.py builds it in `make test`).
+cross-ext:
+	$(PYTHON) tools/cross_build_ext.py --download
 
 bench: setup
 	$(PYTHON) -m moepack bench --shapes qwen3-30b-a3b --tokens 1,8,64,512

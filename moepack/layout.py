@@ -284,10 +284,10 @@ F8_GROUP_SIZES = (128,)  # the fp8 layouts' K block sizes (and 0 = per channel)
 # them; a 16-entry table per nibble gives the value (A16: the bf16 bits of e2m1(q); A8: the
 # integer 2 * e2m1(q), -12..12). The scales stay one byte each ([E, Kp/32, Np] uint8, 1/16 of the
 # codes' bytes). Padding codes are 0 (+0) and padding scales 0 (2^-127): a padded weight is 0.
-def _mx4_layout(id_: int) -> "PackedLayout":
+def _mx4_layout(id_: int, family: str = "x86", block_n: int = 32) -> "PackedLayout":
     return PackedLayout(
-        id=id_, name="mx4g32_n32k8_x86", weight_dtype="e2m1", weight_bits=4, group_size=32, block_n=32,
-        k_pack=8, scale_dtype="e8m0", zero_kind="none", family="x86", i_align=32, scheme="mxfp4",
+        id=id_, name=f"mx4g32_n{block_n}k8_{family}", weight_dtype="e2m1", weight_bits=4, group_size=32, block_n=block_n,
+        k_pack=8, scale_dtype="e8m0", zero_kind="none", family=family, i_align=32, scheme="mxfp4",
         act_modes=("a16", "a8"), code_order=U4_CODE_ORDER,
         tensors=(
             TensorSpec("codes", "", "uint8", "packed", note="e2m1 codes, two per byte (U4_NIBBLE_ORDER)"),
@@ -380,6 +380,10 @@ LAYOUTS: tuple[PackedLayout, ...] = (
     # fp8 block: blocked like bf16_n16k4_arm, so a decoded K slice is the ARM dense block.
     _f8_layout(16, 128, "arm", 16, 4),
     _f8_layout(17, 0, "arm", 16, 4),
+    # mxfp4: e2m1 nibbles where the arm u4 layouts put their codes (a vector = 4 columns x 8 codes,
+    # `& 0x0f` K k..k+3, `>> 4` k+4..k+7), one e8m0 byte per (K group of 32, column) like
+    # mx4g32_n32k8_x86; a 16-entry `tbl` turns a nibble into its bf16 bytes (A16) or 2 * e2m1 (A8).
+    _mx4_layout(18, "arm", 16),
 )
 
 _BY_ID = {layout.id: layout for layout in LAYOUTS}

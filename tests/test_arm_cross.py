@@ -14,6 +14,7 @@ import importlib.util
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -117,4 +118,34 @@ def test_every_arm_level_equals_scalar_under_qemu(test_binary):
     assert dense and set(dense.group(1).split()) == {"neon", "neon_bf16"}, out[-3000:]
     assert int8 and set(int8.group(1).split()) == {"scalar", "neon", "neon_dotprod", "neon_i8mm"}, out[-3000:]
     assert "not run" not in r.stdout, out[-3000:]
+    # the arm mxfp4 layout: A16 where the decode feeds a dense gemm, A8 where an integer core runs
+    mx4 = re.search(r"^mx4g32_n16k8_arm kernels: a16 (.*); a8 (.*)$", r.stdout, re.M)
+    assert mx4 and mx4.group(1).split() == ["neon", "neon_bf16"], out[-3000:]
+    assert mx4.group(2).split() == ["neon", "neon_dotprod", "neon_i8mm"], out[-3000:]
     print(out[-3000:])
+
+
+# The Python extension cross-built for aarch64 (tools/cross_build_ext.py) against the aarch64 torch
+# wheel, where the wheel is here (MOEPACK_ARM_TORCH_WHEEL names it, or `make setup-test` / `make
+# cross-ext` downloaded it into build/cross-arm/wheel; ~430 MB, fetched once). About 80 s of CPU
+# (13 files at -O3), the same objects as `make cross-ext` (rebuilt only when a source changed).
+def _arm_wheel() -> str | None:
+    w = os.environ.get("MOEPACK_ARM_TORCH_WHEEL")
+    if w:
+        return w
+    cached = os.path.join(os.path.dirname(HERE), "build", "cross-arm", "wheel")
+    found = sorted(f for f in os.listdir(cached) if f.endswith("aarch64.whl")) if os.path.isdir(cached) else []
+    return os.path.join(cached, found[-1]) if found else None
+
+
+@pytest.mark.skipif(_arm_wheel() is None, reason="no aarch64 torch wheel here (MOEPACK_ARM_TORCH_WHEEL, or make cross-ext)")
+def test_the_extension_cross_builds_for_aarch64(tmp_path):
+    """tools/cross_build_ext.py: every source with setup.py's flags for arm, linked against the
+    wheel's libraries; it checks the result (an AArch64 shared object exporting PyInit__C, the op
+    library and every op schema, each level's register function and key instruction)."""
+    tool = os.path.join(os.path.dirname(HERE), "tools", "cross_build_ext.py")
+    out = tmp_path / "_C.so"
+    r = subprocess.run([sys.executable, tool, "--wheel", _arm_wheel(), "--out", str(out)], capture_output=True, text=True,
+                       timeout=1800)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-5000:] + r.stderr[-5000:]
+    assert "ELF64 AArch64 shared object" in r.stdout and out.exists(), r.stdout

@@ -1,9 +1,10 @@
 // [NOTE] Level neon (baseline Advanced SIMD, every AArch64 CPU) fused-MoE kernels for the arm
 // layouts (moepack/layout.py, family "arm"): dense bf16_n16k4_arm with fp32 FMA on widened bf16,
-// int8 i8_n16k8_arm with smull + sadalp (exact), int4 (u4*_n16k8_arm) and fp8 (f8*_n16k4_arm)
-// through the grouped-decode codecs (the portable decode into this MK's dense block, then its
-// gemm; A8: the portable integer dot). Compiled for the baseline target (no -march flags: setup.py,
-// moepack/isa_levels.py); registered by dispatch.cpp after cpu_features.cpp finds asimd.
+// int8 i8_n16k8_arm with smull + sadalp (exact), int4 (u4*_n16k8_arm), fp8 (f8*_n16k4_arm) and
+// mxfp4 (mx4g32_n16k8_arm) through the grouped-decode codecs with the NEON hooks of
+// neon_decode.h (A16: tbl decode into this MK's dense block, then its gemm; A8: the smull integer
+// cores). Compiled for the baseline target (no -march flags: setup.py, moepack/isa_levels.py);
+// registered by dispatch.cpp after cpu_features.cpp finds asimd.
 #include <arm_neon.h>
 
 #include <cmath>

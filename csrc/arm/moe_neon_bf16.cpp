@@ -1,8 +1,10 @@
 // [NOTE] Level neon_bf16 (BF16: BFMMLA, BFDOT) fused-MoE kernels: dense bf16_n16k4_arm with bf16
 // rows (an activation dtype of bf16: the rows are exact in bf16) by BFMMLA for pairs of rows and
 // BFDOT for an odd row; fp32 rows (f32 / f16 activations) keep level neon's FMA on widened bf16,
-// since rounding them to bf16 would change the product. int4 A16 (u4*_n16k8_arm) and fp8
-// (f8*_n16k4_arm) run through the grouped-decode codecs into this MK's dense block and gemm.
+// since rounding them to bf16 would change the product. int4 A16 (u4*_n16k8_arm), fp8
+// (f8*_n16k4_arm) and mxfp4 A16 (mx4g32_n16k8_arm) run through the grouped-decode codecs: the tbl
+// decode hooks (neon_decode.h) into this MK's dense block, then this gemm (mxfp4: the unscaled
+// e2m1 values, the 2^(e - 127) applied to each group's fp32 sums).
 // Compiled with -march=armv8.2-a+bf16 (moepack/isa_levels.py); registered by dispatch.cpp after
 // cpu_features.cpp finds bf16.
 //
@@ -93,6 +95,7 @@ void register_neon_bf16(KernelTable& t) {
     if (L.scheme == kScheme_dense) neon_bf16::register_scheme<neon_bf16::DenseA16<MK>>(t, L, Isa::neon_bf16);
     if (L.scheme == kScheme_int4_group) neon_bf16::register_scheme<neon_bf16::Int4A16<MK>>(t, L, Isa::neon_bf16);
     if (L.scheme == kScheme_fp8_block) neon_bf16::register_scheme<neon_bf16::Fp8A16<MK>>(t, L, Isa::neon_bf16);
+    if (L.scheme == kScheme_mxfp4) neon_bf16::register_scheme<neon_bf16::Mx4A16<MK>>(t, L, Isa::neon_bf16);
   }
 }
 

@@ -1,6 +1,7 @@
 // [NOTE] Level neon_dotprod (ARMv8.2 dot product, SDOT) fused-MoE kernels: int8 (i8_n16k8_arm)
-// with SDOT, two rows at a time (neon_common.h gemm_i8_sdot), and the int4 A8 path (u4*_n16k8_arm)
-// through the grouped-decode codec with the SDOT integer core (dot_u4_sdot). Compiled with
+// with SDOT, two rows at a time (neon_common.h gemm_i8_sdot), and the int4 and mxfp4 A8 paths
+// (u4*_n16k8_arm, mx4g32_n16k8_arm) through the grouped-decode codecs with the SDOT integer cores
+// (neon_decode.h: the nibbles, or 2 * e2m1 of them by tbl). Compiled with
 // -march=armv8.2-a+dotprod (moepack/isa_levels.py); registered by dispatch.cpp after
 // cpu_features.cpp finds asimddp.
 #if defined(MOEPACK_OMIT_LEVEL)
@@ -28,9 +29,7 @@ namespace neon_dotprod {
 namespace {
 
 struct MK : arm_neon::NeonBase {
-  static constexpr uint32_t kHooks = NeonBase::kHooks | kHook_dot_u4_s8;
-  // the int4 blocking dot_u4_s8 reads (every u4*_n16k8_arm layout has it)
-  static constexpr const LayoutDesc* kU4Blocking = &kLayout_u4g32_n16k8_arm;
+  static constexpr uint32_t kHooks = NeonBase::kHooks;  // dot_u4_s8 / dot_mx4_s8: SDOT here
 
   static void gemm_i8(const LayoutDesc&, const int8_t* const* rows, int m, const int8_t* B, int64_t kp, const int32_t*,
                       int32_t* acc) {
@@ -40,6 +39,9 @@ struct MK : arm_neon::NeonBase {
   }
   static void dot_u4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
     arm_neon::dot_u4_sdot(x, m, codes, k0, kk, acc);
+  }
+  static void dot_mx4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
+    arm_neon::dot_mx4_sdot(x, m, codes, k0, kk, acc);
   }
 };
 
@@ -54,6 +56,7 @@ void register_neon_dotprod(KernelTable& t) {
     if (L.family != kFamily_arm) continue;
     if (L.scheme == kScheme_int8_channel) neon_dotprod::register_scheme<neon_dotprod::Int8A8<MK>>(t, L, Isa::neon_dotprod);
     if (L.scheme == kScheme_int4_group) neon_dotprod::register_scheme<neon_dotprod::Int4A8<MK>>(t, L, Isa::neon_dotprod);
+    if (L.scheme == kScheme_mxfp4) neon_dotprod::register_scheme<neon_dotprod::Mx4A8<MK>>(t, L, Isa::neon_dotprod);
   }
 }
 

@@ -1,6 +1,7 @@
 // [NOTE] Level neon_i8mm (int8 matrix multiply, SMMLA) fused-MoE kernels: int8 (i8_n16k8_arm)
-// with SMMLA for pairs of rows, SDOT for an odd row; int4 A8 (u4*_n16k8_arm) through the
-// grouped-decode codec with the SDOT integer core. Compiled with -march=armv8.2-a+dotprod+i8mm
+// with SMMLA for pairs of rows, SDOT for an odd row; int4 and mxfp4 A8 (u4*_n16k8_arm,
+// mx4g32_n16k8_arm) through the grouped-decode codecs with the SDOT integer cores (SMMLA there
+// would need the nibble vectors zipped into column pairs: no fewer instructions). Compiled with -march=armv8.2-a+dotprod+i8mm
 // (moepack/isa_levels.py); registered by dispatch.cpp after cpu_features.cpp finds i8mm.
 //
 // SMMLA multiplies a 2x8 s8 matrix (the rows: row r's 8 codes in 64-bit half r) by an 8x2 one
@@ -48,8 +49,7 @@ static inline void gemm_i8_smmla2(const int8_t* x0, const int8_t* x1, const int8
 }
 
 struct MK : arm_neon::NeonBase {
-  static constexpr uint32_t kHooks = NeonBase::kHooks | kHook_dot_u4_s8;
-  static constexpr const LayoutDesc* kU4Blocking = &kLayout_u4g32_n16k8_arm;
+  static constexpr uint32_t kHooks = NeonBase::kHooks;  // dot_u4_s8 / dot_mx4_s8: SDOT here
 
   static void gemm_i8(const LayoutDesc&, const int8_t* const* rows, int m, const int8_t* B, int64_t kp, const int32_t*,
                       int32_t* acc) {
@@ -59,6 +59,9 @@ struct MK : arm_neon::NeonBase {
   }
   static void dot_u4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
     arm_neon::dot_u4_sdot(x, m, codes, k0, kk, acc);
+  }
+  static void dot_mx4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
+    arm_neon::dot_mx4_sdot(x, m, codes, k0, kk, acc);
   }
 };
 
@@ -73,6 +76,7 @@ void register_neon_i8mm(KernelTable& t) {
     if (L.family != kFamily_arm) continue;
     if (L.scheme == kScheme_int8_channel) neon_i8mm::register_scheme<neon_i8mm::Int8A8<MK>>(t, L, Isa::neon_i8mm);
     if (L.scheme == kScheme_int4_group) neon_i8mm::register_scheme<neon_i8mm::Int4A8<MK>>(t, L, Isa::neon_i8mm);
+    if (L.scheme == kScheme_mxfp4) neon_i8mm::register_scheme<neon_i8mm::Mx4A8<MK>>(t, L, Isa::neon_i8mm);
   }
 }
 

@@ -18,6 +18,7 @@
 #include "moepack/kernel.h"
 #include "moepack/numeric.h"
 #include "../kernels/mk_hooks.h"
+#include "neon_decode.h"
 
 namespace moepack {
 namespace arm_neon {
@@ -185,35 +186,28 @@ static inline void gemm_i8_sdot(const int8_t* const* x, const int8_t* B, int64_t
   }
 }
 
-// int4 A8 integer core (u4*_n16k8_arm: U4_CODE_ORDER, a column's K octet is one 32-bit word whose
-// byte j holds codes j (low nibble) and j + 4 (high)): per K octet the block is 4 vectors of 4
-// columns; `& 0x0f` gives each lane's codes k0..3 and `>> 4` its k4..7, the SDOT operands against
-// the row's x[k0..3] and x[k4..7] broadcast. acc[i * 16 + n] = sum over K [k0, k0 + kk) of
+// int4 A8 integer core with SDOT (neon_decode.h): acc[i * 16 + n] = sum over K [k0, k0 + kk) of
 // x_i[k] q[n][k], exact (k0, kk multiples of 8).
 static inline void dot_u4_sdot(const int8_t* const* rows, int m, const uint8_t* codes, int64_t k0, int64_t kk,
                                int32_t* acc) {
-  const uint8x16_t lo4 = vdupq_n_u8(0x0f);
-  for (int i = 0; i < m; ++i) {
-    int32x4_t a[4] = {vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0), vdupq_n_s32(0)};
-    const uint8_t* c = codes + k0 * (kBlockN / 2);  // 64 bytes per K octet
-    const int8_t* x = rows[i] + k0;
-    for (int64_t k = 0; k < kk; k += 8, c += 4 * kBlockN) {
-      const int8x16_t xl = bcast4(x + k), xh = bcast4(x + k + 4);
-#pragma GCC unroll 4
-      for (int v = 0; v < 4; ++v) {
-        const uint8x16_t w = vld1q_u8(c + 16 * v);
-        a[v] = vdotq_s32(a[v], vreinterpretq_s8_u8(vandq_u8(w, lo4)), xl);
-        a[v] = vdotq_s32(a[v], vreinterpretq_s8_u8(vshrq_n_u8(w, 4)), xh);
-      }
-    }
-    for (int v = 0; v < 4; ++v) vst1q_s32(acc + i * kBlockN + 4 * v, a[v]);
-  }
+  arm_neon_decode::dot_nib_sdot<false>(rows, m, codes, k0, kk, acc);
+}
+// mxfp4 A8 integer core with SDOT: the same with the weights 2 * e2m1(q) (tbl).
+static inline void dot_mx4_sdot(const int8_t* const* rows, int m, const uint8_t* codes, int64_t k0, int64_t kk,
+                                int32_t* acc) {
+  arm_neon_decode::dot_nib_sdot<true>(rows, m, codes, k0, kk, acc);
 }
 #endif  // __ARM_FEATURE_DOTPROD
 
 // The MK members every ARM level shares (a level's MK derives from it and restates kHooks).
+// The decode hooks (neon_decode.h) are every level's: tbl decodes of int4, fp8 and mxfp4 codes into
+// the dense bf16 block, and the smull integer cores of int4 / mxfp4 A8 (the +dotprod levels state
+// the same hooks and hide dot_u4_s8 / dot_mx4_s8 with their SDOT ones).
 struct NeonBase {
-  static constexpr uint32_t kHooks = kHook_quantize_row_i8;  // csrc/kernels/mk_hooks.h
+  static constexpr uint32_t kHooks = kHook_quantize_row_i8 | kHook_unpack_u4 | kHook_dot_u4_s8 | kHook_unpack_f8 |
+                                     kHook_unpack_mx4 | kHook_dot_mx4_s8;  // csrc/kernels/mk_hooks.h
+  // the 4-bit blocking the int4 and mxfp4 hooks read (every u4*_n16k8_arm layout and mx4g32_n16k8_arm)
+  static constexpr const LayoutDesc* kU4Blocking = &kLayout_u4g32_n16k8_arm;
   static constexpr int kBlockN = arm_neon::kBlockN;
   static constexpr int kDenseKPack = 4;  // bf16 quads (bf16_n16k4_arm)
   static constexpr int kInt8KPack = 8;   // int8 octets (i8_n16k8_arm)
@@ -221,6 +215,19 @@ struct NeonBase {
 
   static float quantize_row_i8(const float* v, int64_t n, int64_t np, int8_t* q, uint8_t flip) {
     return quantize_row_i8_neon(v, n, np, q, flip);
+  }
+  static void unpack_u4(const uint8_t* codes, int64_t k0, int64_t kk, const uint8_t* z, uint16_t* out) {
+    arm_neon_decode::unpack_u4(codes, k0, kk, z, out);
+  }
+  static void dot_u4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
+    arm_neon_decode::dot_nib_smull<false>(x, m, codes, k0, kk, acc);
+  }
+  static void unpack_f8(const uint8_t* codes, int64_t n, uint16_t* out) { arm_neon_decode::unpack_f8(codes, n, out); }
+  static void unpack_mx4(const uint8_t* codes, int64_t k0, int64_t kk, uint16_t* out) {
+    arm_neon_decode::unpack_mx4(codes, k0, kk, out);
+  }
+  static void dot_mx4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
+    arm_neon_decode::dot_nib_smull<true>(x, m, codes, k0, kk, acc);
   }
 
   // dense: fp32 rows, FMA on widened bf16 (the levels with bf16 instructions override for bf16 rows)

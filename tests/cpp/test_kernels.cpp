@@ -85,6 +85,7 @@ bool g_quick = false;
 #include "kt_fp8.inc"
 #include "kt_mx4.inc"
 #include "kt_mx4_simd.inc"
+#include "kt_mx4_arm.inc"
 #include "kt_seam.inc"
 
 }  // namespace
@@ -124,6 +125,7 @@ int main(int argc, char** argv) {
   test_mx4_blockings();
   test_mx4_fused(runnable_registrars());
   test_mx4_simd(runnable_registrars());
+  test_mx4_arm(runnable_registrars());
 
   const Activation acts[4] = {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::swigluoai};
   const DType dts[3] = {DType::f32, DType::bf16, DType::f16};

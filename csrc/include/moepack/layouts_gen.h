@@ -152,9 +152,14 @@ constexpr LayoutDesc kLayout_f8ch_n16k4_arm = {17, "f8ch_n16k4_arm", kWeight_f8e
 constexpr int32_t kLayoutId_f8ch_n16k4_arm = 17;
 static_assert(kLayout_f8ch_n16k4_arm.k_pack * kLayout_f8ch_n16k4_arm.weight_bits % 8 == 0, "f8ch_n16k4_arm: a column's run of k_pack codes is whole bytes");
 static_assert(kLayout_f8ch_n16k4_arm.i_align % kLayout_f8ch_n16k4_arm.block_n == 0, "f8ch_n16k4_arm: i_align");
+constexpr LayoutDesc kLayout_mx4g32_n16k8_arm = {18, "mx4g32_n16k8_arm", kWeight_e2m1 /*5*/, 4, 32, 16, 8, kScaleDtype_e8m0, kZeroKind_none, kFamily_arm, 32, kScheme_mxfp4, kAct_a16 | kAct_a8, 2, {{kRole_codes, "", kTensor_uint8, kShape_packed, "e2m1 codes, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_uint8, kShape_group, "e8m0 exponent e per (K group of 32, output channel): 2^(e - 127); 0 in padding"}}, 8, {0, 2, 4, 6, 1, 3, 5, 7}};
+constexpr int32_t kLayoutId_mx4g32_n16k8_arm = 18;
+static_assert(kLayout_mx4g32_n16k8_arm.k_pack * kLayout_mx4g32_n16k8_arm.weight_bits % 8 == 0, "mx4g32_n16k8_arm: a column's run of k_pack codes is whole bytes");
+static_assert(kLayout_mx4g32_n16k8_arm.code_order_len == kLayout_mx4g32_n16k8_arm.k_pack, "mx4g32_n16k8_arm: code_order covers k_pack");
+static_assert(kLayout_mx4g32_n16k8_arm.i_align % kLayout_mx4g32_n16k8_arm.block_n == 0, "mx4g32_n16k8_arm: i_align");
 
-constexpr int32_t kMaxLayoutId = 17;
-constexpr int32_t kNumLayouts = 17;
-constexpr LayoutDesc kLayouts[kNumLayouts] = {kLayout_bf16_n32k2_x86, kLayout_i8_n32k4_x86, kLayout_u4g32_n32k8_x86, kLayout_u4g64_n32k8_x86, kLayout_u4g128_n32k8_x86, kLayout_u4ch_n32k8_x86, kLayout_f8g128_n32k2_x86, kLayout_f8ch_n32k2_x86, kLayout_mx4g32_n32k8_x86, kLayout_bf16_n16k4_arm, kLayout_i8_n16k8_arm, kLayout_u4g128_n16k8_arm, kLayout_u4g32_n16k8_arm, kLayout_u4g64_n16k8_arm, kLayout_u4ch_n16k8_arm, kLayout_f8g128_n16k4_arm, kLayout_f8ch_n16k4_arm};
+constexpr int32_t kMaxLayoutId = 18;
+constexpr int32_t kNumLayouts = 18;
+constexpr LayoutDesc kLayouts[kNumLayouts] = {kLayout_bf16_n32k2_x86, kLayout_i8_n32k4_x86, kLayout_u4g32_n32k8_x86, kLayout_u4g64_n32k8_x86, kLayout_u4g128_n32k8_x86, kLayout_u4ch_n32k8_x86, kLayout_f8g128_n32k2_x86, kLayout_f8ch_n32k2_x86, kLayout_mx4g32_n32k8_x86, kLayout_bf16_n16k4_arm, kLayout_i8_n16k8_arm, kLayout_u4g128_n16k8_arm, kLayout_u4g32_n16k8_arm, kLayout_u4g64_n16k8_arm, kLayout_u4ch_n16k8_arm, kLayout_f8g128_n16k4_arm, kLayout_f8ch_n16k4_arm, kLayout_mx4g32_n16k8_arm};
 
 }  // namespace moepack
