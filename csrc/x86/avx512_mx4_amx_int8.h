@@ -160,9 +160,10 @@ static inline void mx4a8_group(const int8_t* const* x, int m, const uint8_t* cod
 }
 
 // C[m, 32] of s8 rows that are one matrix (row i at x[0] + i * stride, stride >= kp), 2 <= m <=
-// kMx4A8MaxRows, kp % 32 == 0: the W4A8 block GEMM (docs/SEMANTICS.md: int4_linear_a8_reference
-// with w_q = 2 * e2m1(q), zero 0, scale 2^(e - 128); the folded chunks' terms rounded once, above),
-// C *= rs at the end. False (nothing written) for other calls.
+// kMx4A8MaxRows, kp % 32 == 0, kp <= kMx4A8MaxK, some (sub-)chunk folding: the W4A8 block GEMM
+// (docs/SEMANTICS.md: int4_linear_a8_reference with w_q = 2 * e2m1(q), zero 0, scale 2^(e - 128);
+// the folded chunks' terms rounded once, above), C *= rs at the end. False (nothing written) for
+// other calls.
 static inline bool gemm_mx4a8_amx(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
                                   int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
   if (m < 2 || m > kMx4A8MaxRows || kp % kMx4Group) return false;
@@ -188,16 +189,25 @@ static inline bool gemm_mx4a8_amx(const int8_t* const* x, const float* rs, int m
   if (nc > kMaxChunks) return false;
   __m256i cmin[kMaxChunks];
   bool cfit[kMaxChunks];
+  bool any = false;
   for (int64_t c = 0; c < nc; ++c) {
     const int64_t c0 = c * kMx4A8ChunkK, kk = kp - c0 < kMx4A8ChunkK ? kp - c0 : kMx4A8ChunkK;
     cfit[c] = mx4a8_fits(scale, gstride, c0 / kMx4Group, kk / kMx4Group, cmin[c]) && kk % kMx4A8SubK == 0;
+    for (int64_t s0 = c0; !cfit[c] && !any && s0 + kMx4A8SubK <= c0 + kk; s0 += kMx4A8SubK) {
+      __m256i unused;
+      any = mx4a8_fits(scale, gstride, s0 / kMx4Group, kMx4A8SubK / kMx4Group, unused);
+    }
+    any = any || cfit[c];
   }
+  // nothing folds (scales far apart, or at the extremes): the vpdpbusd path reads the block once
+  // per 8 rows, as the per-group path here would, without its C round trips
+  if (!any) return false;
   __m256i emin;
   for (int64_t c0 = 0; c0 < kp; c0 += kMx4A8ChunkK) {
     const int64_t kk = kp - c0 < kMx4A8ChunkK ? kp - c0 : kMx4A8ChunkK;
     // the next chunk's codes into L2 while this one is decoded and multiplied (its decode
     // prefetches only kMx4PrefetchBytes ahead: too close for the tile pass's pace)
-    for (int64_t off = (c0 + kMx4A8ChunkK) * 16; off < (c0 + 2 * kMx4A8ChunkK) * 16 && off < kp * 16; off += 64)
+    for (int64_t off = (c0 + kMx4A8ChunkK) * 16; off < (c0 + 2 * kMx4A8ChunkK) * 16; off += 64)  // past the end: the next block's
       _mm_prefetch(reinterpret_cast<const char*>(codes) + off, _MM_HINT_T1);
     if (cfit[c0 / kMx4A8ChunkK]) {
       fold(c0, kk, cmin[c0 / kMx4A8ChunkK]);
