@@ -38,6 +38,7 @@ constexpr int kMx4A8MaxShift = 3;      // 12 << 3 = 96 fits s8
 // chunk's term (|acc| < 2^22) stays below 2^125.
 constexpr int kMx4A8FoldMinE = 2, kMx4A8FoldMaxE = 230;
 constexpr int kMx4A8MaxRows = 64;  // the driver's chunks (kChunkM)
+constexpr int kMx4A8PrefetchBytes = int(kMx4A8ChunkK) * 16;  // the code stream's prefetch distance: one chunk
 constexpr int64_t kMx4A8MaxK = 16384;  // longer K: the vpdpbusd path (the per-chunk plan is on the stack)
 
 // Whether groups [g0, g0 + ng) of the block fold (every column's e8m0 bytes within
@@ -86,9 +87,12 @@ static inline void unpack_mx4_s8_folded(const uint8_t* codes, const uint8_t* sca
     }
     for (int64_t j = g * (kMx4Group / 8); j < (g + 1) * (kMx4Group / 8); ++j) {
       const __m512i* src = reinterpret_cast<const __m512i*>(codes + j * 128);
-      // the code stream 1 KiB ahead, into L2 (as the int4 tile path)
-      _mm_prefetch(reinterpret_cast<const char*>(src) + kMx4PrefetchBytes, _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(src) + kMx4PrefetchBytes + 64, _MM_HINT_T1);
+      // the code stream one chunk (4 KiB) ahead, into L2, spread over the decode: past the block's
+      // end, the next block's (the one a worker usually takes next). A burst of the next chunk's
+      // 64 lines at the chunk's start instead stalled on the fill buffers (a quarter of the
+      // kernel's samples); 1 KiB ahead left the tile pass waiting for the codes.
+      _mm_prefetch(reinterpret_cast<const char*>(src) + kMx4A8PrefetchBytes, _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(src) + kMx4A8PrefetchBytes + 64, _MM_HINT_T1);
       __m512i* dst = reinterpret_cast<__m512i*>(w + (j - k1 / 8) * 256);
       for (int h = 0; h < 2; ++h) {
         const __m512i v = _mm512_loadu_si512(src + h);
@@ -205,10 +209,6 @@ static inline bool gemm_mx4a8_amx(const int8_t* const* x, const float* rs, int m
   __m256i emin;
   for (int64_t c0 = 0; c0 < kp; c0 += kMx4A8ChunkK) {
     const int64_t kk = kp - c0 < kMx4A8ChunkK ? kp - c0 : kMx4A8ChunkK;
-    // the next chunk's codes into L2 while this one is decoded and multiplied (its decode
-    // prefetches only kMx4PrefetchBytes ahead: too close for the tile pass's pace)
-    for (int64_t off = (c0 + kMx4A8ChunkK) * 16; off < (c0 + 2 * kMx4A8ChunkK) * 16; off += 64)  // past the end: the next block's
-      _mm_prefetch(reinterpret_cast<const char*>(codes) + off, _MM_HINT_T1);
     if (cfit[c0 / kMx4A8ChunkK]) {
       fold(c0, kk, cmin[c0 / kMx4A8ChunkK]);
       continue;
@@ -222,7 +222,7 @@ static inline bool gemm_mx4a8_amx(const int8_t* const* x, const float* rs, int m
       }
     }
   }
-  for (int i = 0; i < m; ++i) {
+  for (int i = 0; i < m; ++i) {  // the row scales last
     const __m512 a = _mm512_set1_ps(rs[i]);
     float* c = C + int64_t(i) * 32;
     _mm512_storeu_ps(c, _mm512_mul_ps(_mm512_loadu_ps(c), a));
