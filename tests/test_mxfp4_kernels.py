@@ -258,9 +258,10 @@ FOLD_CHUNK, FOLD_SUB, FOLD_SHIFT, FOLD_MIN_E, FOLD_MAX_E = 256, 64, 3, 2, 230  #
 
 def fold_plan(e: torch.Tensor) -> list[tuple[int, int, bool]]:
     """The amx_int8 tile kernel's plan for a block's e8m0 bytes e [ng, 32]: (k0, kk, folded) pieces
-    in K order: a chunk of 256 K folds when every column's bytes over its groups lie within 3 of
-    their minimum and in [2, 230] (and kk is a multiple of 64); else its 64-K sub-chunks, each
-    folded when it fits, and single groups for the rest."""
+    in K order. The whole K is one folded piece when every column's bytes over all its groups lie
+    within 3 of their minimum and in [2, 230] (and kp is a multiple of 64); else a chunk of 256 K
+    folds when it fits so (and kk is a multiple of 64); else its 64-K sub-chunks, each folded when
+    it fits, and single groups for the rest."""
     kp = e.shape[0] * 32
 
     def fits(k0, kk):
@@ -268,6 +269,8 @@ def fold_plan(e: torch.Tensor) -> list[tuple[int, int, bool]]:
         lo, hi = g.min(0).values, g.max(0).values
         return bool(((hi - lo) <= FOLD_SHIFT).all() and (lo >= FOLD_MIN_E).all() and (hi <= FOLD_MAX_E).all())
 
+    if kp % FOLD_SUB == 0 and fits(0, kp):
+        return [(0, kp, True)]
     out = []
     for c0 in range(0, kp, FOLD_CHUNK):
         kk = min(FOLD_CHUNK, kp - c0)
@@ -285,9 +288,9 @@ def fold_plan(e: torch.Tensor) -> list[tuple[int, int, bool]]:
 
 def folded_a8_expected(rows: torch.Tensor, rs: torch.Tensor, q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
     """C of the amx_int8 tile kernel, computed independently: per piece of fold_plan in K order, a
-    folded piece's exact integer sum x . (2 e2m1(q) << (e - e_min)) times 2^(e_min - 128) (one
-    fp32 term: the integer is below 2^24 and the scale a normal power of two), a group's
-    float(acc_g) * 2^(e - 128); the terms added to C in fp32, C times the row scale last."""
+    folded piece's exact integer sum x . (2 e2m1(q) << (e - e_min)), rounded to fp32 (exact below
+    2^24: a 256-K chunk's always is), times 2^(e_min - 128) (a normal power of two: exact); a
+    group's float(acc_g) * 2^(e - 128); the terms added to C in fp32, C times the row scale last."""
     w = E2M1_X2[q.long()]  # [32, kp]
     x = rows.long()
     C = torch.zeros(rows.shape[0], BN, dtype=torch.float32)
@@ -297,8 +300,8 @@ def folded_a8_expected(rows: torch.Tensor, rs: torch.Tensor, q: torch.Tensor, e:
             emin = g.min(0).values
             shift = (g - emin).repeat_interleave(32, dim=0).t()  # [32, kk]
             acc = x[:, k0 : k0 + kk] @ (w[:, k0 : k0 + kk] << shift).t()
-            assert acc.abs().max() < 2**24
-            C = C + acc.float() * pow2_exact(emin, 128)
+            assert acc.abs().max() < 2**31
+            C = C + acc.float() * pow2_exact(emin, 128)  # int64 -> fp32: round to nearest even, as vcvtdq2ps
         else:
             acc = x[:, k0 : k0 + kk] @ w[:, k0 : k0 + kk].t()
             C = C + acc.float() * pow2_exact(g[0], 128)
@@ -365,6 +368,29 @@ def test_a8_folded_tiles(kind, kp, m):
     assert (err <= mag[finite] * ng * 2**-23).all(), f"{kind}: {(err / mag[finite]).max().item()}"
     if folded == 0:
         assert torch.equal(got[finite], contract[finite]), kind
+
+
+@pytest.mark.skipif("amx_int8" not in available_isas(), reason="no amx_int8 on this host")
+def test_a8_folded_tiles_whole_block_sum_above_2_24():
+    """A block that folds over its whole K (gpt-oss' K 2880): one integer sum per column, here
+    above 2^24 for row 0 (127 x 6 x 2 everywhere, half the groups shifted by 3), so its float
+    rounds once, as the plan says; the other rows random."""
+    gen = torch.Generator().manual_seed(77)
+    kp, m = 2880, 16
+    e = torch.full((kp // 32, BN), 119, dtype=torch.uint8)
+    e[1::2] = 122
+    q = torch.randint(0, 16, (BN, kp), generator=gen, dtype=torch.uint8)
+    q[:4] = 7
+    q[0, 0] = 1  # one odd product: row 0's sum is odd, so its float rounds
+    rows = torch.randint(-127, 128, (m, kp), generator=gen, dtype=torch.int8)
+    rows[0] = 127
+    rs = torch.rand(m, generator=gen) + 0.5
+    assert fold_plan(e) == [(0, kp, True)]
+    big = (rows[0].long() @ (E2M1_X2[q[0].long()] << (e.long() - 119).repeat_interleave(32, 0)[:, 0])).item()
+    assert big > 2**24 and float(torch.tensor(big).float().item()) != big  # the rounding is exercised
+    want = folded_a8_expected(rows, rs, q, e)
+    got = OPS.grouped_block(rows, pack_block(q), e, None, rs, MX4.id, "amx_int8", "a8")
+    assert torch.equal(got, want)
 
 
 def test_a8_folded_tiles_tell_the_orders_apart():

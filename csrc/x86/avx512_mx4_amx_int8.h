@@ -111,11 +111,12 @@ static inline void unpack_mx4_s8_folded(const uint8_t* codes, const uint8_t* sca
   }
 }
 
-// C[i, n] += float(acc[i, n]) * 2^(emin[n] - 128) for m rows (the folded chunk's term).
+// C[i, n] += float(acc[i, n]) * 2^(emin[n] - 128) for m rows (the folded piece's term; emin in
+// [kMx4A8FoldMinE, kMx4A8FoldMaxE]: the scale is the normal fp32 with exponent field emin - 1).
 static inline void mx4a8_fold_add(const int32_t* acc, int m, __m256i emin, float* C) {
-  alignas(32) uint8_t e[32];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(e), emin);
-  const __m512 s0 = mx4_scale16<128>(e), s1 = mx4_scale16<128>(e + 16);
+  const __m512i one = _mm512_set1_epi32(1);
+  const __m512 s0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(emin)), one), 23));
+  const __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(emin, 1)), one), 23));
   for (int i = 0; i < m; ++i) {
     const int32_t* a = acc + int64_t(i) * 32;
     float* c = C + int64_t(i) * 32;
@@ -207,6 +208,18 @@ static inline bool gemm_mx4a8_amx(const int8_t* const* x, const float* rs, int m
   // per 8 rows, as the per-group path here would, without its C round trips
   if (!any) return false;
   __m256i emin;
+  if (kp % kMx4A8SubK == 0 && mx4a8_fits(scale, gstride, 0, ng, emin)) {
+    // every column folds over the whole K (real checkpoints' blocks mostly do): one e_min per
+    // column for the block, the chunks' integer sums accumulated in the C tiles (exact: |.| <=
+    // 128 * 96 * kp < 2^31), one epilogue (the sum's float rounds once where above 2^24)
+    for (int64_t c0 = 0; c0 < kp; c0 += kMx4A8ChunkK) {
+      const int64_t kk = kp - c0 < kMx4A8ChunkK ? kp - c0 : kMx4A8ChunkK;
+      unpack_mx4_s8_folded(codes, scale, gstride, c0, kk, emin, w);
+      tile_rows<Mx4DpS8>(tiles, reinterpret_cast<const char*>(x[0] + c0), stride, m, reinterpret_cast<const char*>(w), kk / 4,
+                         c0 != 0, acc);
+    }
+    mx4a8_fold_add(acc, m, emin, C);
+  } else {
   for (int64_t c0 = 0; c0 < kp; c0 += kMx4A8ChunkK) {
     const int64_t kk = kp - c0 < kMx4A8ChunkK ? kp - c0 : kMx4A8ChunkK;
     if (cfit[c0 / kMx4A8ChunkK]) {
@@ -221,6 +234,7 @@ static inline bool gemm_mx4a8_amx(const int8_t* const* x, const float* rs, int m
         for (int64_t g = s0 / kMx4Group; g < (s0 + sk) / kMx4Group; ++g) mx4a8_group(x, m, codes, scale, gstride, g, ng, xsum, C);
       }
     }
+  }
   }
   for (int i = 0; i < m; ++i) {  // the row scales last
     const __m512 a = _mm512_set1_ps(rs[i]);
