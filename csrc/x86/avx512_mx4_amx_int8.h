@@ -34,8 +34,9 @@ MOEPACK_AMX_DP(Mx4DpS8, _tile_dpbssd);
 constexpr int64_t kMx4A8ChunkK = 256;  // K per folded chunk (8 groups; the unpacked weights: 8 KiB)
 constexpr int64_t kMx4A8SubK = 64;     // K per sub-chunk of a chunk that does not fold (one tile K step)
 constexpr int kMx4A8MaxShift = 3;      // 12 << 3 = 96 fits s8
-// e_min >= 2: 2^(e_min - 128) is a normal fp32 number (the chunk's term exact); e_max <= 230: the
-// chunk's term (|acc| < 2^22) stays below 2^125.
+// e_min >= 2: 2^(e_min - 128) is a normal fp32 number (the chunk's term exact); e_max <= 230: a
+// 256-K chunk's term (|acc| < 2^22) stays below 2^125. (A piece's term is its exact sum rounded
+// once, so it overflows only where that sum does.)
 constexpr int kMx4A8FoldMinE = 2, kMx4A8FoldMaxE = 230;
 constexpr int kMx4A8MaxRows = 64;  // the driver's chunks (kChunkM)
 constexpr int kMx4A8PrefetchBytes = int(kMx4A8ChunkK) * 16;  // the code stream's prefetch distance: one chunk
