@@ -12,6 +12,9 @@
 // chunk's term exactly (a normal fp32 number: e_min >= kMx4A8FoldMinE) where the per-group path
 // adds the groups' terms one at a time. So a folded chunk is the exact sum of its groups' terms,
 // rounded once to fp32: the result differs from the per-group order only in fp32 rounding.
+// Where every column folds over the whole K (one e_min per column for the block), the 256-K
+// chunks' integer sums accumulate in the int32 C tiles and one epilogue ends the block (the sum's
+// float then rounds once where above 2^24). Otherwise each 256-K chunk that folds is one piece.
 // A chunk that does not fold is split into sub-chunks of 64 K (two groups, one tile K step),
 // each folded where it fits; a sub-chunk that does not fit (or the last group of an odd count)
 // takes the per-group path (Mx4AccVnni, the group's term added to C), as gemm_mx4a8_tile does.
