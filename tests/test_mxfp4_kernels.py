@@ -250,6 +250,169 @@ def test_a8_block_matches_the_contract_on_every_level():
         assert torch.equal(got, want), f"{isa}: {(got - want).abs().max().item()}"
 
 
+# A8 on amx_int8: tiles with the e8m0 scales folded into the integer weights
+# ---------------------------------------------------------------------------------------------
+
+FOLD_CHUNK, FOLD_SUB, FOLD_SHIFT, FOLD_MIN_E, FOLD_MAX_E = 256, 64, 3, 2, 230  # avx512_mx4_amx_int8.h
+
+
+def fold_plan(e: torch.Tensor) -> list[tuple[int, int, bool]]:
+    """The amx_int8 tile kernel's plan for a block's e8m0 bytes e [ng, 32]: (k0, kk, folded) pieces
+    in K order. The whole K is one folded piece when every column's bytes over all its groups lie
+    within 3 of their minimum and in [2, 230] (and kp is a multiple of 64); else a chunk of 256 K
+    folds when it fits so (and kk is a multiple of 64); else its 64-K sub-chunks, each folded when
+    it fits, and single groups for the rest."""
+    kp = e.shape[0] * 32
+
+    def fits(k0, kk):
+        g = e[k0 // 32 : (k0 + kk) // 32].int()
+        lo, hi = g.min(0).values, g.max(0).values
+        return bool(((hi - lo) <= FOLD_SHIFT).all() and (lo >= FOLD_MIN_E).all() and (hi <= FOLD_MAX_E).all())
+
+    if kp % FOLD_SUB == 0 and fits(0, kp):
+        return [(0, kp, True)]
+    out = []
+    for c0 in range(0, kp, FOLD_CHUNK):
+        kk = min(FOLD_CHUNK, kp - c0)
+        if kk % FOLD_SUB == 0 and fits(c0, kk):
+            out.append((c0, kk, True))
+            continue
+        for s0 in range(c0, c0 + kk, FOLD_SUB):
+            sk = min(FOLD_SUB, c0 + kk - s0)
+            if sk == FOLD_SUB and fits(s0, sk):
+                out.append((s0, sk, True))
+            else:
+                out.extend((g0, 32, False) for g0 in range(s0, s0 + sk, 32))
+    return out
+
+
+def folded_a8_expected(rows: torch.Tensor, rs: torch.Tensor, q: torch.Tensor, e: torch.Tensor) -> torch.Tensor:
+    """C of the amx_int8 tile kernel, computed independently: per piece of fold_plan in K order, a
+    folded piece's exact integer sum x . (2 e2m1(q) << (e - e_min)), rounded to fp32 (exact below
+    2^24: a 256-K chunk's always is), times 2^(e_min - 128) (a normal power of two: exact); a
+    group's float(acc_g) * 2^(e - 128); the terms added to C in fp32, C times the row scale last."""
+    w = E2M1_X2[q.long()]  # [32, kp]
+    x = rows.long()
+    C = torch.zeros(rows.shape[0], BN, dtype=torch.float32)
+    for k0, kk, folded in fold_plan(e):
+        g = e[k0 // 32 : (k0 + kk) // 32].long()  # [groups, 32]
+        if folded:
+            emin = g.min(0).values
+            shift = (g - emin).repeat_interleave(32, dim=0).t()  # [32, kk]
+            acc = x[:, k0 : k0 + kk] @ (w[:, k0 : k0 + kk] << shift).t()
+            assert acc.abs().max() < 2**31
+            C = C + acc.float() * pow2_exact(emin, 128)  # int64 -> fp32: round to nearest even, as vcvtdq2ps
+        else:
+            acc = x[:, k0 : k0 + kk] @ w[:, k0 : k0 + kk].t()
+            C = C + acc.float() * pow2_exact(g[0], 128)
+    return C * rs.reshape(-1, 1)
+
+
+def fold_case(kind: str, ng: int, gen: torch.Generator) -> torch.Tensor:
+    """e8m0 bytes [ng, 32] of one kind of block (test_a8_folded_tiles)."""
+    if kind == "fits":  # every chunk folds: spans of at most 3, chunk c's bytes 5c higher
+        e = torch.randint(119, 123, (ng, BN), generator=gen, dtype=torch.uint8)
+        return e + (torch.arange(ng) // 8 * 5).to(torch.uint8).reshape(-1, 1)
+    if kind == "bounds":  # folds at the range's edges: columns 0-15 in [2, 5], 16-31 in [227, 230]
+        e = torch.randint(2, 6, (ng, BN), generator=gen, dtype=torch.uint8)
+        e[:, 16:] += 225
+        return e
+    if kind == "mixed":  # one column 4 above in some groups: those chunks split, some sub-chunks per group
+        e = torch.randint(119, 123, (ng, BN), generator=gen, dtype=torch.uint8)
+        e[1::5, 7] = 126
+        return e
+    if kind == "extremes":  # 0, 1, 126, 127, 253, 254 (outside [2, 230]: per group) among folding groups
+        e = torch.randint(124, 128, (ng, BN), generator=gen, dtype=torch.uint8)
+        for i, v in enumerate(EXTREMES):  # in the first two groups: their sub-chunk per group
+            e[i % 2, 5 * i] = v
+        return e
+    assert kind == "none"  # nothing folds: the vpdpbusd path
+    return torch.randint(100, 150, (ng, BN), generator=gen, dtype=torch.uint8)
+
+
+@pytest.mark.skipif("amx_int8" not in available_isas(), reason="no amx_int8 on this host")
+@pytest.mark.parametrize("kind", ["fits", "bounds", "mixed", "extremes", "none"])
+@pytest.mark.parametrize("kp, m", [(352, 13), (256, 4), (1024, 64), (96, 37)])
+def test_a8_folded_tiles(kind, kp, m):
+    """amx_int8's W4A8 block GEMM (4+ rows as one matrix) equals the fold plan's sum bit for bit
+    (folded pieces rounded once, the rest per group), and the per-group contract (every other
+    level) within fp32 rounding; where some piece folds and rows are large the two orders differ,
+    so the check tells the paths apart."""
+    gen = torch.Generator().manual_seed(kp * 7 + m)
+    ng = kp // 32
+    e = fold_case(kind, ng, gen)
+    q = torch.randint(0, 16, (BN, kp), generator=gen, dtype=torch.uint8)
+    rows = torch.randint(-127, 128, (m, kp), generator=gen, dtype=torch.int8)
+    rows[0] = 127
+    q[:, :32] = 7  # +6: the largest products
+    rs = torch.rand(m, generator=gen) * 0.01 + 0.001
+    plan = fold_plan(e)
+    folded = sum(kk for _, kk, f in plan if f)
+    if kind in ("fits", "bounds"):
+        assert folded == kp or (kp % 64 and folded == kp - 32)
+    elif kind == "none":
+        assert folded == 0
+    elif kp >= 256:
+        assert 0 < folded < kp, plan
+    want = folded_a8_expected(rows, rs, q, e)
+    got = OPS.grouped_block(rows, pack_block(q), e, None, rs, MX4.id, "amx_int8", "a8")
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True, msg=lambda s: f"{kind}: {s}")
+    contract = int4_linear_a8_reference(rows.float(), rs.reshape(-1, 1), E2M1_X2[q.long()].float(),
+                                        pow2_exact(e.t(), 128), torch.zeros(BN, ng), 32, None)  # fmt: skip
+    finite = contract.isfinite() & got.isfinite()
+    assert torch.equal(finite, contract.isfinite()), kind
+    # fp32 summation order only: within a few ulp of the sum of |terms|
+    mag = int4_linear_a8_reference(rows.float().abs(), rs.reshape(-1, 1), E2M1_X2[q.long()].float().abs(),
+                                   pow2_exact(e.t(), 128), torch.zeros(BN, ng), 32, None)  # fmt: skip
+    err = (got - contract).abs()[finite]
+    assert (err <= mag[finite] * ng * 2**-23).all(), f"{kind}: {(err / mag[finite]).max().item()}"
+    if folded == 0:
+        assert torch.equal(got[finite], contract[finite]), kind
+
+
+@pytest.mark.skipif("amx_int8" not in available_isas(), reason="no amx_int8 on this host")
+def test_a8_folded_tiles_whole_block_sum_above_2_24():
+    """A block that folds over its whole K (gpt-oss' K 2880): one integer sum per column, here
+    above 2^24 for row 0 (127 x 6 x 2 everywhere, half the groups shifted by 3), so its float
+    rounds once, as the plan says; the other rows random."""
+    gen = torch.Generator().manual_seed(77)
+    kp, m = 2880, 16
+    e = torch.full((kp // 32, BN), 119, dtype=torch.uint8)
+    e[1::2] = 122
+    q = torch.randint(0, 16, (BN, kp), generator=gen, dtype=torch.uint8)
+    q[:4] = 7
+    q[0, 0] = 1  # one odd product: row 0's sum is odd, so its float rounds
+    rows = torch.randint(-127, 128, (m, kp), generator=gen, dtype=torch.int8)
+    rows[0] = 127
+    rs = torch.rand(m, generator=gen) + 0.5
+    assert fold_plan(e) == [(0, kp, True)]
+    big = (rows[0].long() @ (E2M1_X2[q[0].long()] << (e.long() - 119).repeat_interleave(32, 0)[:, 0])).item()
+    assert big > 2**24 and float(torch.tensor(big).float().item()) != big  # the rounding is exercised
+    want = folded_a8_expected(rows, rs, q, e)
+    got = OPS.grouped_block(rows, pack_block(q), e, None, rs, MX4.id, "amx_int8", "a8")
+    assert torch.equal(got, want)
+
+
+def test_a8_folded_tiles_tell_the_orders_apart():
+    """The fold plan's sum is not the per-group sum bit for bit on such data, and amx_int8 gives
+    the fold plan's (so test_a8_folded_tiles checks the tile path, not a per-group fallback)."""
+    gen = torch.Generator().manual_seed(5)
+    kp, m = 1024, 16
+    # chunk c's bytes in [100 + 6c, 103 + 6c]: each chunk folds, the partial sums mix magnitudes
+    e = torch.randint(100, 104, (kp // 32, BN), generator=gen, dtype=torch.uint8)
+    e += (torch.arange(kp // 32) // 8 * 6).to(torch.uint8).reshape(-1, 1)
+    q = torch.randint(0, 16, (BN, kp), generator=gen, dtype=torch.uint8)
+    rows = torch.randint(-127, 128, (m, kp), generator=gen, dtype=torch.int8)
+    rs = torch.ones(m)
+    contract = int4_linear_a8_reference(rows.float(), rs.reshape(-1, 1), E2M1_X2[q.long()].float(),
+                                        pow2_exact(e.t(), 128), torch.zeros(BN, kp // 32), 32, None)  # fmt: skip
+    assert all(f for _, _, f in fold_plan(e))
+    want = folded_a8_expected(rows, rs, q, e)
+    assert not torch.equal(want, contract)
+    if "amx_int8" in available_isas():
+        assert torch.equal(OPS.grouped_block(rows, pack_block(q), e, None, rs, MX4.id, "amx_int8", "a8"), want)
+
+
 def test_grouped_block_refusals():
     q = torch.zeros(BN, 32, dtype=torch.uint8)
     e = torch.zeros(1, BN, dtype=torch.uint8)

@@ -25,6 +25,7 @@ void register_amx_int8(KernelTable&) {}
 #include "avx512_i8_common.h"
 #include "avx512_vnni_common.h"
 #include "avx512_mx4_vnni.h"
+#include "avx512_mx4_amx_int8.h"
 
 namespace moepack {
 namespace amx_int8 {
@@ -157,9 +158,12 @@ struct MK : Avx512Base {
     x86_avx512_u4::dot_u4_rows<AccVnniU4>(x, m, codes, k0, kk, acc);
   }
 
-  // mxfp4 layout (W4A8): the fused block GEMM and its exact integer core (avx512_mx4{_common,_vnni}.h).
+  // mxfp4 layout (W4A8): the fused block GEMM (tiles with the scales folded into the integer weights
+  // where exact, for chunks of kAmxMinRows+ rows as one matrix: avx512_mx4_amx_int8.h; else
+  // vpdpbusd) and its exact integer core (avx512_mx4{_common,_vnni}.h).
   static void gemm_mx4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
                          int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
+    if (m >= kAmxMinRows && x86_avx512_mx4_amx8::gemm_mx4a8_amx(x, rs, m, codes, scale, gstride, kp, xsum, C)) return;
     x86_avx512_mx4::gemm_mx4a8_vnni(x, rs, m, codes, scale, gstride, kp, xsum, C);
   }
   static void dot_mx4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
