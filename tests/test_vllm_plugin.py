@@ -202,10 +202,12 @@ def packs(tmp_path_factory):
     src64 = _tiny_qwen3_moe(base / "q64", 64, 32)
     src72 = _tiny_qwen3_moe(base / "q72", 72, 40)
     srcmx = _tiny_mixtral(base / "mx")
+    srci64 = _tiny_qwen3_moe(base / "q64i64", 64, 64, seed=3)  # I/2 = 32: one x86 block per rank
     out = {"src64": src64, "src72": src72, "base": base}
-    for name, src, q in (("bf16", src64, None), ("int8", src64, "int8"), ("int4", src64, "int4:g32"), ("h72", src72, None),
-                         ("mixtral", srcmx, None)):  # fmt: skip
-        moepack.convert(src, base / name, quantize=q)
+    for name, src, q, tp in (("bf16", src64, None, 1), ("int8", src64, "int8", 1), ("int4", src64, "int4:g32", 1),
+                             ("h72", src72, None, 1), ("mixtral", srcmx, None, 1), ("i64", srci64, None, 1),
+                             ("tp2_bf16", srci64, None, 2), ("tp2_int4", srci64, "int4:g32", 2)):  # fmt: skip
+        moepack.convert(src, base / name, quantize=q, tp=tp)
         out[name] = base / name
     return out
 
@@ -273,6 +275,28 @@ def test_tensor_parallel_2_equals_1(packs, tmp_path):
     all-reduced sum gives the same greedy tokens as TP=1 and as load_model."""
     ref = _greedy(packs["bf16"])
     assert _vllm(tmp_path, packs["bf16"], tp=2)["tokens"] == ref
+
+
+@needs_vllm
+@pytest.mark.parametrize("scheme", ["bf16", "int4"])
+def test_tp_pack_tensor_parallel_2_equals_1(packs, tmp_path, scheme):
+    """A `convert --tp 2` pack under tensor_parallel_size=2: each rank maps only its slice of
+    every expert; the greedy tokens equal moepack.load_model's on the same pack (one process
+    running both slices, TP=1), and for bf16 also load_model's on the whole (tp 1) pack."""
+    pack = packs[f"tp2_{scheme}"]
+    ref = _greedy(pack)
+    if scheme == "bf16":
+        assert ref == _greedy(packs["i64"])
+    assert _vllm(tmp_path, pack, tp=2)["tokens"] == ref
+
+
+@needs_vllm
+def test_tp_pack_refuses_another_tp_degree(packs, tmp_path):
+    """A --tp 2 pack under tensor_parallel_size=1 is refused in one line naming both degrees."""
+    r = _vllm(tmp_path, packs["tp2_bf16"], expect_ok=False)
+    want = (f"{packs['tp2_bf16']}: the pack was converted with --tp 2 (each rank's slice of every expert); vLLM runs "
+            "tensor_parallel_size=1: serve it with tensor_parallel_size=2")  # fmt: skip
+    assert want in r["log"], r["log"][-3000:]
 
 
 @needs_vllm
