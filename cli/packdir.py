@@ -277,7 +277,8 @@ def inspect(
                 "experts": p.num_experts,
                 "hidden": p.hidden,
                 "intermediate": p.intermediate,
-                "padded_intermediate": p.padded_intermediate,
+                "padded_intermediate": p.padded_intermediate,  # a --tp pack: one slice's
+                "tp": p.tp,  # convert --tp: the experts are stored as tp slices of I/tp channels
                 "activation": layer.activation,
                 "layout": p.layout.name,
                 "act_mode": layer.act_mode,
@@ -311,6 +312,9 @@ def inspect(
         f"source reader {m['source'].get('reader')}",
         highlight=False,
     )
+    if m.get("tp", 1) > 1:
+        console.print(f"tensor parallel: --tp {m['tp']}: each expert stored as {m['tp']} slices of I/{m['tp']} channels, "
+                      f"one contiguous run per rank (I (padded) shows one slice's padding)", highlight=False)  # fmt: skip
     r = out["routing"]
     console.print(f"routing: {json.dumps(r) if r else 'none (' + str(out['routing_note']) + ')'}", highlight=False)
     t = Table()
