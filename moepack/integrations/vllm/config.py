@@ -36,6 +36,12 @@ from ...manifest import MANIFEST
 SUPPORTED_FAMILIES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
+# families vLLM runs with the plugin but whose tokens the tests could not match: why, in one line
+NOT_YET = {
+    "deepseek_v3": "under vLLM 0.32's CPU path (MLA attention) its greedy tokens differ from moepack.load_model's, and "
+                   "vLLM's own experts differ from both; refused until that is explained (docs/VLLM.md \"Families\")",
 }
 
 _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh", "swigluoai": "swigluoai"}
@@ -154,6 +160,8 @@ def check_family(manifest: dict, where: str) -> None:
     need that format's own method for them)."""
     cfg = (manifest.get("model") or {}).get("config") or {}
     mt = cfg.get("model_type")
+    if mt in NOT_YET:
+        raise UnsupportedError(f"{where}: model_type={mt!r} is not supported by the moepack vLLM plugin yet: {NOT_YET[mt]}")
     if mt not in SUPPORTED_FAMILIES:
         raise UnsupportedError(f"{where}: model_type={mt!r}: the moepack vLLM plugin supports "
                                f"{', '.join(sorted(SUPPORTED_FAMILIES))}")  # fmt: skip
