@@ -241,6 +241,32 @@ def _greedy(packed: Path) -> list[list[int]]:
     return res
 
 
+def _assert_same_up_to_near_tie(packed: Path, got: list, ref: list, tol: float = 0.25) -> None:
+    """``got`` (vLLM's greedy tokens) equals ``ref`` (load_model's), or first differs at a step
+    where load_model's own logits rank the two tokens within ``tol`` of each other (a near-tie,
+    which any change of summation order may flip; after it the sequences go their own ways).
+    For tensor parallel, whose all-reduces (attention's and the experts') add bf16 partial sums
+    in another order than one process does: on these 256-token random models a step 3.5 bf16
+    steps (0.11) from a tie was seen to flip. A TP bug (a slice missing or counted twice, a bias
+    added per rank) changes logits by far more than ``tol``."""
+    import torch
+
+    import moepack
+
+    m = None
+    for p, g, r in zip(PROMPTS, got, ref):
+        if g == r:
+            continue
+        i = next(j for j in range(len(r)) if g[j] != r[j])
+        if m is None:
+            m = moepack.load_model(packed)
+        with torch.no_grad():
+            logits = m(torch.tensor([p + r[:i]])).logits[0, -1].float()
+        gap = float(logits[r[i]] - logits[g[i]])
+        assert gap <= tol, (f"prompt {p}: vLLM {g} vs load_model {r}: at step {i} load_model ranks its token "
+                            f"{r[i]} {gap:.4f} above vLLM's {g[i]} (more than a near-tie, tol {tol})")  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory):
     """Sources and packs: q64 (hidden 64, moe_intermediate 32: 32-aligned) in bf16, int8 and
@@ -283,12 +309,12 @@ def family_packs(tmp_path_factory):
 def test_gpt_oss_bf16_equals_vllm_own_experts(family_packs, tmp_path):
     """gpt-oss (swigluoai with alpha/limit, interleaved rows, expert and router biases, attention
     sinks): vLLM + moepack on the bf16 pack == vLLM's own CPU experts on the source, token for
-    token. (Both differ from transformers / load_model on the first prompt from its second new
-    token on, identically: the difference is in vLLM's non-expert path, docs/VLLM.md "Families".)"""
+    token. (Both differ from transformers / load_model, identically: on the first prompt from its
+    second new token, on the second at its last; the difference is in vLLM's non-expert path,
+    docs/VLLM.md "Families".)"""
     got = _vllm(tmp_path, family_packs["gpt_oss_bf16"])["tokens"]
     own = _vllm(tmp_path, family_packs["gpt_oss_src"], quant=None)["tokens"]
     assert got == own
-    assert got[1] == _greedy(family_packs["gpt_oss_bf16"])[1]
 
 
 @needs_vllm
@@ -370,12 +396,13 @@ def test_tensor_parallel_2_equals_1(packs, tmp_path):
 def test_tp_pack_tensor_parallel_2_equals_1(packs, tmp_path, scheme):
     """A `convert --tp 2` pack under tensor_parallel_size=2: each rank maps only its slice of
     every expert; the greedy tokens equal moepack.load_model's on the same pack (one process
-    running both slices, TP=1), and for bf16 also load_model's on the whole (tp 1) pack."""
+    running both slices, TP=1) up to a near-tie (``_assert_same_up_to_near_tie``), and for bf16
+    load_model's tokens on the --tp 2 pack equal those on the whole (tp 1) pack."""
     pack = packs[f"tp2_{scheme}"]
     ref = _greedy(pack)
     if scheme == "bf16":
         assert ref == _greedy(packs["i64"])
-    assert _vllm(tmp_path, pack, tp=2)["tokens"] == ref
+    _assert_same_up_to_near_tie(pack, _vllm(tmp_path, pack, tp=2)["tokens"], ref)
 
 
 @needs_vllm
