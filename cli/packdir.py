@@ -52,6 +52,9 @@ def convert(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it exists (atomically)."),
     shard_gib: float = typer.Option(2.0, "--shard-gib", help="Largest shard file, in GiB."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary instead of tables."),
+    tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: pack each of N ranks' slice of every expert "
+                           "contiguously (w13's gate/up rows, w2's input channels), for vLLM's tensor_parallel_size=N "
+                           "(docs/VLLM.md). I/N must be a multiple of the layout's block (32) and group size."),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue a hard-killed convert to DST with the same plan from its last complete shard (default); --no-resume deletes its temporary directory and starts over."),
 ) -> None:
     from moepack.convert_dir import convert as do_convert
@@ -108,6 +111,7 @@ def convert(
         report = do_convert(
             src, dst, layout=layout, quantize=quantize, overwrite=overwrite, threads=threads,
             shard_bytes=int(shard_gib * 2**30), progress=progress, act_mode=act_mode, resume=resume,
+            **({"tp": tp} if tp != 1 else {}),
         )  # fmt: skip
     layout = moepack_layout_get(report.layout or layout.name)
 
@@ -273,7 +277,8 @@ def inspect(
                 "experts": p.num_experts,
                 "hidden": p.hidden,
                 "intermediate": p.intermediate,
-                "padded_intermediate": p.padded_intermediate,
+                "padded_intermediate": p.padded_intermediate,  # a --tp pack: one slice's
+                "tp": p.tp,  # convert --tp: the experts are stored as tp slices of I/tp channels
                 "activation": layer.activation,
                 "layout": p.layout.name,
                 "act_mode": layer.act_mode,
@@ -307,6 +312,9 @@ def inspect(
         f"source reader {m['source'].get('reader')}",
         highlight=False,
     )
+    if m.get("tp", 1) > 1:
+        console.print(f"tensor parallel: --tp {m['tp']}: each expert stored as {m['tp']} slices of I/{m['tp']} channels, "
+                      f"one contiguous run per rank (I (padded) shows one slice's padding)", highlight=False)  # fmt: skip
     r = out["routing"]
     console.print(f"routing: {json.dumps(r) if r else 'none (' + str(out['routing_note']) + ')'}", highlight=False)
     t = Table()

@@ -84,6 +84,7 @@ def convert(
     act_mode: str | None = None,
     resume: bool = True,
     pipeline: bool = True,
+    tp: int = 1,
 ) -> ConvertReport:
     """Convert the checkpoint at ``src`` into a packed directory at ``dst``.
 
@@ -101,7 +102,10 @@ def convert(
     same plan (source fingerprint, layout, options, moepack version) is continued from its last
     complete, re-checked shard; False (or a plan that differs) deletes it and starts over.
     ``pipeline``: pack, hash and write on three threads (False: one after the other on the
-    calling thread, the reference path; the bytes are the same). SIGTERM and SIGHUP delete the
+    calling thread, the reference path; the bytes are the same). ``tp`` > 1: a tensor-parallel
+    pack (moepack/tp.py, docs/PACKED_FORMAT.md): the layers are packed whole into a temporary
+    sibling directory first, then each rank's slice of every expert is written contiguously
+    (so the disk briefly holds both). SIGTERM and SIGHUP delete the
     temporary directory like Ctrl-C does (docs/ARCHITECTURE.md, "convert")."""
     t0 = time.perf_counter()
     lay = layout_get(layout)
@@ -115,9 +119,42 @@ def convert(
     if act_mode is not None and act_mode not in ("a16", "a8"):
         raise ConvertError(f"act_mode={act_mode!r}: must be 'a16' or 'a8' (or None: each layer's default)")
     parse_quantize(quantize)  # refused before anything is opened
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ConvertError(f"tp={tp!r}: the tensor-parallel degree must be an integer >= 1")
     opts = _Options(quantize, act_mode, shard_bytes, resume, pipeline)
     with torch_threads(threads), _signals_interrupt():
-        return _convert(src, dst, lay, overwrite, progress, t0, opts)
+        if tp == 1:
+            return _convert(src, dst, lay, overwrite, progress, t0, opts)
+        return _convert_tp(src, dst, lay, overwrite, progress, t0, opts, tp)
+
+
+def _convert_tp(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress, t0: float, opts, tp: int):
+    """``convert(..., tp=N)``: the whole pack into a sibling temporary directory, then its
+    ``--tp N`` form at ``dst`` (moepack.tp.reshard_dir), then the whole one deleted."""
+    import dataclasses
+    import shutil
+
+    from .tp import reshard_dir
+
+    whole = dst.parent / f".{dst.name}.tp-whole"
+    if whole.exists():
+        shutil.rmtree(whole)
+    try:
+        report = _convert(src, whole, lay, False, progress, t0, opts)
+        out = dst
+        if dst.exists():  # overwrite: write next to it, then swap
+            out = dst.parent / f".{dst.name}.tp-new"
+            shutil.rmtree(out, ignore_errors=True)
+        reshard_dir(whole, out, tp)
+        if out != dst:
+            old = dst.parent / f".{dst.name}.tp-old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(dst, old)
+            os.replace(out, dst)
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(whole, ignore_errors=True)
+    return dataclasses.replace(report, dst=dst, seconds=time.perf_counter() - t0)
 
 
 class Terminated(KeyboardInterrupt):

@@ -48,7 +48,11 @@ MANIFEST = "moepack.json"
 # wrongly), every other directory is still written as version 2.
 FORMAT_VERSION = 2
 PERM_FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# 4: version 3 plus tensor-parallel slices (``convert --tp N``): the top-level ``tp`` and each
+# layer's ``tp``, whose tensors hold tp*E slice experts of intermediate I/tp (moepack/tp.py);
+# written only by --tp packs (a version-3 reader would run the slices as E experts, wrongly).
+TP_FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 SOURCE_KINDS = ("per_expert", "fused_out", "fused_in", "granite")
@@ -232,6 +236,9 @@ def check_manifest(path: str | os.PathLike, m: Any) -> None:
         if not _SHA256.fullmatch(sha):
             c.fail(f"{f}.sha256", sha, "must be 64 lowercase hex digits (docs/PACKED_FORMAT.md §3)")
 
+    top_tp = c.val(m, "tp", "tp", "int", required=False, lo=1, why=" (the tensor-parallel degree of a --tp pack)")
+    if top_tp is not None and top_tp > 1 and version < TP_FORMAT_VERSION:
+        c.fail("tp", top_tp, f"needs format_version {TP_FORMAT_VERSION} (the file says {version})")
     routing = _check_routing(c, m)
     n_layers = None
     if config is not None:
@@ -372,8 +379,19 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
             if version < PERM_FORMAT_VERSION:
                 c.fail(f"{at}.{what}w13_perm", group["w13_perm"], f"needs format_version {PERM_FORMAT_VERSION} "
                                                                   f"(the file says {version})")  # fmt: skip
-    sets = [("", names, layout_tensor_plan(lay, e, h, i, bias=True, perm="w13_perm" in names),
-             layout_padded_i(lay, i), entry)]  # fmt: skip
+    tp = c.val(entry, "tp", f"{at}.tp", "int", required=False, lo=1) or 1
+    if tp != (m.get("tp") or 1):
+        c.fail(f"{at}.tp", tp, f"must equal the top-level tp={m.get('tp') or 1}: every layer is sliced alike")
+    if tp > 1:
+        from .errors import LayoutError
+        from .tp import tp_slice_size
+
+        try:
+            tp_slice_size(lay, i, tp)
+        except LayoutError as ex:
+            c.fail(f"{at}.tp", tp, str(ex))
+    sets = [("", names, layout_tensor_plan(lay, e * tp, h, i // tp, bias=True, perm="w13_perm" in names),
+             layout_padded_i(lay, i // tp), entry)]  # fmt: skip
     if sh:  # a one-expert set of the same layout
         si = c.val(sh, "intermediate", f"{at}.shared.intermediate", "int", lo=1)
         c.val(sh, "padded_intermediate", f"{at}.shared.padded_intermediate", "int", lo=1)
@@ -456,5 +474,5 @@ def _no_constant(name: str):
     raise _Constant(f"{name} is not JSON: numbers must be finite")
 
 
-__all__ = ["MANIFEST", "FORMAT_VERSION", "PERM_FORMAT_VERSION", "READABLE_VERSIONS", "ManifestError", "check_manifest",
+__all__ = ["MANIFEST", "FORMAT_VERSION", "PERM_FORMAT_VERSION", "TP_FORMAT_VERSION", "READABLE_VERSIONS", "ManifestError", "check_manifest",
            "load_manifest", "MoepackError"]  # fmt: skip

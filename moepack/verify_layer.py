@@ -228,6 +228,15 @@ def _read_rows(model: PackedModel, name: str, e0: int, e1: int) -> torch.Tensor:
 def _packed_block(model: PackedModel, layer, e0: int, e1: int) -> PackedExperts:
     p = layer.packed
     names = layer.entry["tensors"]
+    if p.tp > 1:  # a --tp pack: the block's rows of every rank, reassembled into whole experts (moepack/tp.py)
+        from .tp import tp_unslice
+
+        e = p.num_experts
+        tensors = {role: torch.cat([_read_rows(model, names[role], r * e + e0, r * e + e1) for r in range(p.tp)])
+                   for role in p.tensors}  # fmt: skip
+        return tp_unslice(PackedExperts(layout=p.layout, num_experts=e1 - e0, hidden=p.hidden, intermediate=p.intermediate,
+                                        padded_intermediate=p.padded_intermediate, interleaved=p.interleaved,
+                                        tensors=tensors, act_mode=p.act_mode, tp=p.tp))  # fmt: skip
     tensors = {role: _read_rows(model, names[role], e0, e1) for role in p.tensors}
     return PackedExperts(layout=p.layout, num_experts=e1 - e0, hidden=p.hidden, intermediate=p.intermediate,
                          padded_intermediate=p.padded_intermediate, interleaved=p.interleaved, tensors=tensors,

@@ -54,10 +54,16 @@ class PackedExperts:
     interleaved: bool  # w13's row order: (gate, up) pairs (swigluoai checkpoints) or gate then up
     tensors: dict[str, torch.Tensor]
     act_mode: str | None = None  # the default activation mode of calls (None: the layout's first)
+    # tensor-parallel slices (moepack/tp.py): > 1, the tensors hold tp*E slice experts of
+    # intermediate I/tp, rank-major; num_experts and intermediate stay the model's E and I, and
+    # padded_intermediate is one slice's
+    tp: int = 1
 
     def __post_init__(self) -> None:
-        want = layout_tensor_plan(self.layout, self.num_experts, self.hidden, self.intermediate, bias=True,
-                                  perm="w13_perm" in self.tensors)  # fmt: skip
+        if self.tp < 1 or self.intermediate % self.tp:
+            raise LayoutError(f"tp={self.tp}: must be >= 1 and divide the intermediate size I={self.intermediate}")
+        want = layout_tensor_plan(self.layout, self.num_experts * self.tp, self.hidden, self.intermediate // self.tp,
+                                  bias=True, perm="w13_perm" in self.tensors)  # fmt: skip
         if self.act_mode is not None and self.act_mode not in self.layout.act_modes:
             raise LayoutError(f"act_mode={self.act_mode!r}: layout {self.layout.name} runs with "
                               f"{' or '.join(self.layout.act_modes)} activations")  # fmt: skip

@@ -37,6 +37,10 @@ def run_experts(
             f"hidden_states has shape {list(hidden_states.shape)}: must be [tokens, H] with H = {packed.hidden}, "
             "the hidden size the experts were packed for"
         )
+    if packed.tp > 1:  # a --tp pack run whole: each route goes to its expert's tp slices (moepack/tp.py)
+        from ..tp import expand_routes
+
+        topk_weights, topk_ids, expert_map = expand_routes(topk_weights, topk_ids, packed.num_experts, packed.tp, expert_map)
     return fused_experts(
         hidden_states,
         packed.weight("w13"),

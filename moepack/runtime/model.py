@@ -232,6 +232,7 @@ class PackedModel:
             interleaved=bool(entry["interleaved"]),
             tensors=self.declared_tensors(t, lay, bias=True),
             act_mode=entry.get("act_mode"),
+            tp=int(entry.get("tp", 1)),
         )
 
     def declared_tensors(self, names: dict, lay, *, bias: bool) -> dict[str, torch.Tensor]:

@@ -11,9 +11,11 @@ biased top-k, its routed scaling) and hands ``apply`` fp32 weights and int32 ids
 ``torch.ops.moepack.fused_experts`` on them and returns the layer's partial sum, which vLLM
 all-reduces across tensor-parallel ranks and adds to its shared experts' output.
 
-Tensor parallel: rank r of N runs the experts ``[r*E/N, (r+1)*E/N)`` whole (an ``expert_map``
-sends every other id to -1), so the same directory serves any N, no expert is sliced or copied,
-and a rank touches only its experts' pages; the sum over ranks is the layer output."""
+Tensor parallel: a ``convert --tp N`` pack holds each rank's slice of every expert contiguously
+(moepack/tp.py); rank r of an engine with ``tensor_parallel_size=N`` maps only its rows, and the
+sum over ranks is the layer output. Such a pack refuses any other N. A pack without ``--tp``
+serves any N: rank r runs the experts ``[r*E/N, (r+1)*E/N)`` whole (an ``expert_map`` sends every
+other id to -1), no expert sliced or copied, a rank touching only its experts' pages."""
 
 from __future__ import annotations
 
@@ -34,6 +36,12 @@ from ...manifest import MANIFEST
 SUPPORTED_FAMILIES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
+}
+# families vLLM runs with the plugin but whose tokens the tests could not match: why, in one line
+NOT_YET = {
+    "deepseek_v3": "under vLLM 0.32's CPU path (MLA attention) its greedy tokens differ from moepack.load_model's, and "
+                   "vLLM's own experts differ from both; refused until that is explained (docs/VLLM.md \"Families\")",
 }
 
 _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh", "swigluoai": "swigluoai"}
@@ -152,6 +160,8 @@ def check_family(manifest: dict, where: str) -> None:
     need that format's own method for them)."""
     cfg = (manifest.get("model") or {}).get("config") or {}
     mt = cfg.get("model_type")
+    if mt in NOT_YET:
+        raise UnsupportedError(f"{where}: model_type={mt!r} is not supported by the moepack vLLM plugin yet: {NOT_YET[mt]}")
     if mt not in SUPPORTED_FAMILIES:
         raise UnsupportedError(f"{where}: model_type={mt!r}: the moepack vLLM plugin supports "
                                f"{', '.join(sorted(SUPPORTED_FAMILIES))}")  # fmt: skip
@@ -193,6 +203,11 @@ class MoepackMoEMethod(FusedMoEMethodBase):
         if moe.use_ep:
             raise UnsupportedError(f"{where}: expert parallel (enable_expert_parallel) is not supported by the moepack "
                                    "vLLM plugin; tensor parallel is (each rank runs whole experts)")  # fmt: skip
+        pack_tp = int(e.get("tp", 1))
+        if pack_tp > 1 and int(moe.tp_size) != pack_tp:
+            raise UnsupportedError(f"{self.qcfg.path}: the pack was converted with --tp {pack_tp} (each rank's slice of "
+                                   f"every expert); vLLM runs tensor_parallel_size={int(moe.tp_size)}: serve it with "
+                                   f"tensor_parallel_size={pack_tp}, or convert without --tp (serves any size)")  # fmt: skip
         total = int(layer.global_num_experts)
         got = {"num_experts": total, "hidden": int(hidden_size), "intermediate": int(moe.intermediate_size)}
         for k, v in got.items():
@@ -218,6 +233,12 @@ class MoepackMoEMethod(FusedMoEMethodBase):
         pl = self.qcfg.packed().layers[self.index]
         pl.check_strict()
         packed = pl.packed
+        tp, rank = int(self.moe.tp_size), int(self.moe.tp_rank)
+        sliced = packed.tp > 1
+        if sliced:  # a --tp pack: this rank's slice of every expert, views of its own rows only
+            from ...tp import rank_experts
+
+            packed = rank_experts(packed, rank)
         lay = packed.layout
         self.roles13 = list(lay.tensor_names("w13"))
         self.roles2 = list(lay.tensor_names("w2"))
@@ -226,9 +247,8 @@ class MoepackMoEMethod(FusedMoEMethodBase):
         self.has_bias = ("w13_bias" in packed.tensors, "w2_bias" in packed.tensors)
         self.has_perm = "w13_perm" in packed.tensors
         self.act_mode = resolve_act_mode(lay, None, packed.act_mode)
-        tp, rank = int(self.moe.tp_size), int(self.moe.tp_rank)
-        self.has_map = tp > 1
-        if self.has_map:
+        self.has_map = tp > 1 and not sliced
+        if self.has_map:  # a pack without --tp: rank r runs experts [r*E/tp, (r+1)*E/tp) whole
             n = packed.num_experts
             lo, hi = rank * n // tp, (rank + 1) * n // tp
             emap = torch.full((n,), -1, dtype=torch.int32)

@@ -1,0 +1,205 @@
+"""Tensor-parallel packs (moepack/tp.py, ``convert --tp N``), without vLLM.
+
+* every layout kind (bf16, int8 with its column sums, int4 per group and per channel, fp8,
+  mxfp4, an ARM layout): rank r's slice, read back through ``unpack_codes`` (not the byte-run
+  arithmetic the slicer uses), is exactly the slice of the whole pack's codes, and each scale,
+  zero point, column sum and bias is the one its rows / K groups have in the whole pack, so the
+  slice's dequantized weights are the slice of the whole pack's;
+* ``tp_unslice(tp_slice(p))`` gives back the whole pack's bytes;
+* running every slice (``run_experts`` on the sliced pack, and the sum of the ranks' partial
+  outputs) gives the whole pack's output;
+* ``convert --tp 2`` on a tiny seeded Qwen3-MoE: format version 4, rank r's bytes contiguous and
+  mapped (no copy), ``load_model`` greedy tokens equal to the whole pack's, ``verify --source``
+  passes; the refusals (I/N off the block or group size, a hand-edited tp) name value and rule.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import moepack
+from moepack.errors import ConvertError, LayoutError, PackedDirError
+from moepack.layout import layout_get
+from moepack.manifest import MANIFEST, TP_FORMAT_VERSION
+from moepack.pack import pack_experts, unpack_codes
+from moepack.runtime.experts import run_experts
+from moepack.tp import expand_routes, rank_experts, tp_slice, tp_slice_size, tp_unslice
+
+# (layout, I): I/2 a multiple of the layout's i_align and group size
+CASES = [("bf16_n32k2_x86", 64), ("i8_n32k4_x86", 64), ("u4g32_n32k8_x86", 64), ("u4ch_n32k8_x86", 64),
+         ("f8g128_n32k2_x86", 256), ("mx4g32_n32k8_x86", 64), ("bf16_n16k4_arm", 64)]  # fmt: skip
+E, H = 3, 40  # H off every block size: w2's padded output rows stay whole
+
+
+def _whole(name: str, i: int, tp: int = 2, *, interleaved: bool = False, bias: bool = True, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * i, H, generator=g) * 0.2
+    w2 = torch.randn(E, H, i, generator=g) * 0.2
+    b13 = torch.randn(E, 2 * i, generator=g) * 0.1 if bias else None
+    b2 = torch.randn(E, H, generator=g) * 0.1 if bias else None
+    return pack_experts(w13, w2, b13, b2, interleaved=interleaved, layout=name)
+
+
+def _rows(t: torch.Tensor, dim: int, ip: int, s: int, r: int, interleaved: bool) -> torch.Tensor:
+    if interleaved:
+        return t.narrow(dim, 2 * r * s, 2 * s)
+    return torch.cat([t.narrow(dim, r * s, s), t.narrow(dim, ip + r * s, s)], dim)
+
+
+@pytest.mark.parametrize("name,i", CASES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_each_rank_is_the_slice_of_the_whole_pack(name, i, interleaved):
+    lay = layout_get(name)
+    whole = _whole(name, i, interleaved=interleaved)
+    tp = 2
+    s = i // tp
+    sliced = tp_slice(whole, tp)
+    assert sliced.tp == tp and sliced.padded_intermediate == s
+    w13 = unpack_codes(lay, whole.tensors["w13"])  # [E, 2I, Kp]
+    w2 = unpack_codes(lay, whole.tensors["w2"])  # [E, Np, I]
+    for r in range(tp):
+        part = rank_experts(sliced, r)
+        assert part.num_experts == E and part.intermediate == s
+        assert torch.equal(unpack_codes(lay, part.tensors["w13"]), _rows(w13, 1, i, s, r, interleaved))
+        got2 = unpack_codes(lay, part.tensors["w2"])
+        assert torch.equal(got2, w2[:, :, r * s:(r + 1) * s])
+        for spec in lay.tensors:
+            if spec.role == "codes":
+                continue
+            t13, t2 = whole.tensors["w13" + spec.suffix], whole.tensors["w2" + spec.suffix]
+            p13, p2 = part.tensors["w13" + spec.suffix], part.tensors["w2" + spec.suffix]
+            assert torch.equal(p13, _rows(t13, 2 if spec.shape == "group" else 1, i, s, r, interleaved)), spec
+            if spec.role == "sum":  # int8: the sums of the slice's own codes
+                assert torch.equal(p2, got2.to(torch.int32).sum(-1, dtype=torch.int32))
+            elif spec.shape == "group":
+                g = s // lay.group_size
+                assert torch.equal(p2, t2[:, r * g:(r + 1) * g]), spec
+            else:
+                assert torch.equal(p2, t2), spec
+        assert torch.equal(part.tensors["w13_bias"], _rows(whole.tensors["w13_bias"], 1, i, s, r, interleaved))
+        want_b2 = whole.tensors["w2_bias"] if r == 0 else torch.zeros_like(whole.tensors["w2_bias"])
+        assert torch.equal(part.tensors["w2_bias"], want_b2)  # added once, by rank 0
+
+
+@pytest.mark.parametrize("name,i", CASES)
+def test_unslice_gives_back_the_whole_bytes(name, i):
+    whole = _whole(name, i, interleaved=name.startswith("mx4"))
+    back = tp_unslice(tp_slice(whole, 2))
+    assert set(back.tensors) == set(whole.tensors)
+    for k, v in whole.tensors.items():
+        assert torch.equal(back.tensors[k].view(torch.uint8), v.contiguous().view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("name,i", [c for c in CASES if not c[0].endswith("_arm")])
+@pytest.mark.parametrize("act", ["silu", "swigluoai"])
+def test_running_every_slice_equals_the_whole_pack(name, i, act):
+    interleaved = act == "swigluoai"
+    whole = _whole(name, i, interleaved=interleaved, seed=1)
+    sliced = tp_slice(whole, 2)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(7, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(7)]).to(torch.int32)
+    w = torch.rand(7, 2, generator=g)
+    kw = dict(activation=act)
+    ref = run_experts(whole, x, w, ids, **kw).float()
+    got = run_experts(sliced, x, w, ids, **kw).float()
+    parts = sum(run_experts(rank_experts(sliced, r), x, w, ids, **kw).float() for r in range(2))
+    # a8 layouts quantize the activation per token and slice (as each vLLM rank does): not bitwise
+    tol = 0.05 if "a8" == whole.layout.act_modes[0] else 0.02
+    scale = ref.abs().max().item()
+    assert (got - ref).abs().max().item() <= tol * scale
+    assert (parts - ref).abs().max().item() <= tol * scale
+
+
+def test_expand_routes_and_expert_map():
+    w = torch.tensor([[0.7, 0.3]])
+    ids = torch.tensor([[2, 0]], dtype=torch.int32)
+    w2, ids2, m = expand_routes(w, ids, 4, 2, torch.tensor([-1, -1, 0, 1], dtype=torch.int32))
+    assert ids2.tolist() == [[2, 0, 6, 4]] and torch.equal(w2, torch.tensor([[0.7, 0.3, 0.7, 0.3]])) and ids2.dtype == torch.int32
+    assert m.tolist() == [-1, -1, 0, 1, -1, -1, 2, 3]
+
+
+@pytest.mark.parametrize("name,i,tp,msg", [
+    ("bf16_n32k2_x86", 64, 4, r"tp=4: I/tp = 64/4 = 16 is not a multiple of 32, layout bf16_n32k2_x86's i_align"),
+    ("u4g128_n32k8_x86", 256, 4, r"tp=4: I/tp = 64 is not a multiple of layout u4g128_n32k8_x86's group size 128"),
+    ("bf16_n32k2_x86", 96, 2, r"intermediate size I=96 is not divisible|I/tp = 96/2 = 48 is not a multiple of 32"),
+    ("bf16_n32k2_x86", 64, 0, r"tp=0: the tensor-parallel degree must be an integer >= 1"),
+])  # fmt: skip
+def test_slice_sizes_off_the_blocks_are_refused(name, i, tp, msg):
+    with pytest.raises(LayoutError, match=msg):
+        tp_slice_size(layout_get(name), i, tp)
+
+
+# ---- convert --tp, on a tiny seeded checkpoint ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=40, intermediate_size=64, moe_intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                      num_experts=4, num_experts_per_tok=2, max_position_embeddings=64, norm_topk_prob=True,
+                                      decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False,
+                                      initializer_range=0.2, dtype="bfloat16")  # fmt: skip
+    d = tmp_path_factory.mktemp("tp") / "src"
+    transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(d)
+    return d
+
+
+def _greedy(d) -> list[int]:
+    m = moepack.load_model(d)
+    out = m.generate(torch.tensor([[1, 2, 3, 4]]), max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    return out[0, 4:].tolist()
+
+
+@pytest.mark.parametrize("quantize", [None, "int4:g32"])
+def test_convert_tp2(src, tmp_path, quantize):
+    whole, tp2 = tmp_path / "whole", tmp_path / "tp2"
+    moepack.convert(src, whole, quantize=quantize)
+    moepack.convert(src, tp2, quantize=quantize, tp=2)
+    m = json.loads((tp2 / MANIFEST).read_text())
+    assert m["format_version"] == TP_FORMAT_VERSION and m["tp"] == 2
+    assert all(x["tp"] == 2 and x["padded_intermediate"] == 32 for x in m["layers"])
+    assert not list(tmp_path.glob(".*")), "convert left a temporary directory"
+    a, b = moepack.open(whole), moepack.open(tp2)
+    for idx, la in a.layers.items():
+        pb = b.layers[idx].packed
+        assert pb.tp == 2 and pb.num_experts == 4 and pb.intermediate == 64
+        back = tp_unslice(pb)
+        for k, v in la.packed.tensors.items():
+            assert torch.equal(back.tensors[k].view(torch.uint8), v.view(torch.uint8)), (idx, k)
+        for r in range(2):  # rank r's rows: views of the mapping, one contiguous run of bytes each
+            part = rank_experts(pb, r)
+            for k, v in part.tensors.items():
+                full = pb.tensors[k]
+                assert v.is_contiguous() and v.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+                assert v.data_ptr() == full.data_ptr() + r * full[:4].numel() * full.element_size()
+    assert _greedy(tp2) == _greedy(whole)
+    rep = moepack.verify(tp2, source=src)
+    assert rep.ok, rep
+
+
+def test_convert_tp_refuses_a_slice_off_the_block(src, tmp_path):
+    with pytest.raises(ConvertError, match=r"^--tp 4: layer 0 \(model.layers.0.mlp\): tp=4: I/tp = 64/4 = 16 is not a "
+                                           r"multiple of 32, layout bf16_n32k2_x86's i_align"):  # fmt: skip
+        moepack.convert(src, tmp_path / "tp4", tp=4)
+    assert not (tmp_path / "tp4").exists() and not list(tmp_path.glob(".*"))
+
+
+def test_a_hand_edited_tp_is_refused(src, tmp_path):
+    d = tmp_path / "tp2"
+    moepack.convert(src, d, tp=2)
+    m = json.loads((d / MANIFEST).read_text())
+    m["layers"][1]["tp"] = 1
+    (d / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(PackedDirError, match=r"layers\[1\]\.tp=1 \(layer 1\): must equal the top-level tp=2"):
+        moepack.open(d)
+    m["layers"][1]["tp"] = 2
+    m["format_version"] = 3
+    (d / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(PackedDirError, match=r"tp=2: needs format_version 4 \(the file says 3\)"):
+        moepack.open(d)

@@ -1,0 +1,246 @@
+#!/usr/bin/env python3
+"""Load and speed of vLLM + moepack against vLLM's own CPU experts (docs/VLLM.md "Measure").
+
+One command (the lead runs it on a quiet machine)::
+
+    MOEPACK_VLLM_PYTHON=build/vllm-venv/bin/python PYTHONPATH=$PWD \\
+        python3 tools/vllm_load_speed.py --layers 4 --out build/vllm-bench
+
+What it does:
+
+1. writes a synthetic Qwen3-MoE checkpoint (seeded random bf16 weights) with qwen3-30b-a3b's
+   expert shapes (hidden 2048, moe_intermediate 768, 128 experts, top-8, 32 query / 4 KV heads
+   of 128) and ``--layers`` layers, a vocabulary of ``--vocab``; converts it with moepack into a
+   bf16, an int8 (``--quantize int8``) and an int4 (``--quantize int4``, group 128) pack;
+2. runs each configuration in its own vLLM engine (``MOEPACK_VLLM_PYTHON``), in-process
+   (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the model lives in the measured process):
+   ``own-bf16`` is vLLM loading the source checkpoint with its own CPU experts (it repacks them
+   at load), ``moepack-<scheme>`` is vLLM + moepack on the pack. vLLM has no CPU path for a
+   bf16 source quantized at load to int8/int4 (its int8/int4 CPU experts need a quantized
+   checkpoint: compressed-tensors W8A8 / W4A16), so int8 and int4 run with moepack only and
+   the table says so;
+3. per run: load (``LLM(...)`` wall time, vLLM's "Loading weights took" line, the process's RSS
+   before / after the engine is built and its peak, next to the size of the experts' bytes),
+   decode tokens/s at batch 1 (one prompt of 16 tokens, ``--decode`` new tokens, the time of a
+   1-token run subtracted) and prefill tokens/s (``--prefill-prompts`` prompts of
+   ``--prefill-len`` tokens, 1 new token each, one batch). Greedy, ``ignore_eos``, token-id
+   prompts, best of ``--repeat`` timings.
+
+Prints one table and writes ``results.json`` under ``--out``. Timings on a machine shared with
+other work are indicative only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DRIVER = r'''
+import json, os, re, resource, sys, time
+
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        d = dict(l.split(":", 1) for l in f if ":" in l)
+    return int(d["VmRSS"].split()[0]) / 1024, int(d["VmHWM"].split()[0]) / 1024
+
+
+def main(a):
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    r0, _ = rss_mb()
+    kw = dict(skip_tokenizer_init=True, max_model_len=a["max_len"], dtype="bfloat16", max_num_seqs=max(4, a["prefill_prompts"]),
+              max_num_batched_tokens=max(a["max_len"], a["prefill_len"] * a["prefill_prompts"]), seed=0)
+    if a["quant"]:
+        kw["quantization"] = a["quant"]
+    t0 = time.time()
+    llm = LLM(a["model"], **kw)
+    load_s = time.time() - t0
+    r1, hwm = rss_mb()
+    g = torch.Generator().manual_seed(0)
+    V = a["vocab"]
+
+    def run(prompts, n):
+        sp = SamplingParams(temperature=0.0, max_tokens=n, detokenize=False, ignore_eos=True)
+        t = time.time()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        return time.time() - t, [list(o.outputs[0].token_ids) for o in outs]
+
+    short = [torch.randint(0, V, (16,), generator=g).tolist()]
+    long = [torch.randint(0, V, (a["prefill_len"],), generator=g).tolist() for _ in range(a["prefill_prompts"])]
+    run(short, 4)  # warm-up
+    run(long, 1)
+    dec, pre, toks = [], [], None
+    for _ in range(a["repeat"]):
+        t1, _ = run(short, 1)
+        tn, toks = run(short, a["decode"] + 1)
+        dec.append(a["decode"] / max(tn - t1, 1e-9))
+        tp, _ = run(long, 1)
+        pre.append(a["prefill_len"] * a["prefill_prompts"] / tp)
+    r2, hwm2 = rss_mb()
+    print("RESULT " + json.dumps({"load_s": load_s, "rss0_mb": r0, "rss_loaded_mb": r1, "peak_loaded_mb": hwm,
+                                  "rss_end_mb": r2, "peak_end_mb": hwm2, "decode_tok_s": max(dec), "prefill_tok_s": max(pre),
+                                  "decode_all": dec, "prefill_all": pre, "tokens": toks}), flush=True)
+
+
+main(json.loads(sys.argv[1]))
+'''
+
+
+def write_source(d: Path, layers: int, vocab: int, hidden: int, inter: int, experts: int, topk: int, seed: int) -> None:
+    """A Qwen3-MoE checkpoint written tensor by tensor (no model in memory): seeded N(0, 0.02)
+    bf16 weights, ones for the norms, one safetensors file per layer plus an index."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3MoeConfig
+
+    if (d / "config.json").exists():
+        return
+    d.mkdir(parents=True, exist_ok=True)
+    nh, nkv, hd = 32, 4, 128
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=6144, moe_intermediate_size=inter,
+                         num_hidden_layers=layers, num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd,
+                         num_experts=experts, num_experts_per_tok=topk, max_position_embeddings=4096, norm_topk_prob=True,
+                         decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False, dtype="bfloat16")  # fmt: skip
+    cfg.architectures = ["Qwen3MoeForCausalLM"]  # what model.save_pretrained writes; vLLM picks its runner by it
+    cfg.save_pretrained(d)
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+
+    index = {}
+
+    def save(name: str, tensors: dict) -> None:
+        save_file(tensors, str(d / name), metadata={"format": "pt"})
+        index.update({k: name for k in tensors})
+
+    save("model-embed.safetensors", {"model.embed_tokens.weight": w(vocab, hidden), "lm_head.weight": w(vocab, hidden),
+                                     "model.norm.weight": torch.ones(hidden, dtype=torch.bfloat16)})  # fmt: skip
+    for L in range(layers):
+        p = f"model.layers.{L}."
+        t = {p + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+             p + "post_attention_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+             p + "self_attn.q_proj.weight": w(nh * hd, hidden), p + "self_attn.k_proj.weight": w(nkv * hd, hidden),
+             p + "self_attn.v_proj.weight": w(nkv * hd, hidden), p + "self_attn.o_proj.weight": w(hidden, nh * hd),
+             p + "self_attn.q_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+             p + "self_attn.k_norm.weight": torch.ones(hd, dtype=torch.bfloat16),
+             p + "mlp.gate.weight": w(experts, hidden)}  # fmt: skip
+        for e in range(experts):
+            q = f"{p}mlp.experts.{e}."
+            t[q + "gate_proj.weight"] = w(inter, hidden)
+            t[q + "up_proj.weight"] = w(inter, hidden)
+            t[q + "down_proj.weight"] = w(hidden, inter)
+        save(f"model-layer{L:03d}.safetensors", t)
+    total = sum(os.path.getsize(d / f) for f in set(index.values()))
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": index}))
+
+
+def experts_bytes(pack: Path) -> int:
+    m = json.loads((pack / "moepack.json").read_text())
+    return sum(int(_nbytes(m["tensors"][n])) for x in m["layers"] for n in x["tensors"].values())
+
+
+def _nbytes(e: dict) -> int:
+    import math
+
+    size = {"bfloat16": 2, "float16": 2, "float32": 4, "int32": 4, "int8": 1, "uint8": 1}[e["dtype"]]
+    return math.prod(e["shape"]) * size
+
+
+def run_vllm(py: str, model: Path, quant: str | None, a, log: Path) -> dict:
+    drv = log.parent / "vllm_bench_driver.py"
+    drv.write_text(DRIVER)
+    env = dict(os.environ)
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(a.kv_gib), TOKENIZERS_PARALLELISM="false")
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_vllm_plugin import _env  # the entry point / sitecustomize shims the tests use
+
+    env.update({k: v for k, v in _env(log.parent).items() if k == "PYTHONPATH"})
+    args = {"model": str(model), "quant": quant, "max_len": a.prefill_len + 64, "prefill_len": a.prefill_len,
+            "prefill_prompts": a.prefill_prompts, "decode": a.decode, "repeat": a.repeat, "vocab": a.vocab}  # fmt: skip
+    p = subprocess.run([py, str(drv), json.dumps(args)], capture_output=True, text=True, env=env)
+    log.write_text(p.stdout + p.stderr)  # vLLM logs to stdout in-process
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            r = json.loads(line[7:])
+            for ln in log.read_text().splitlines():
+                if "Loading weights took" in ln:
+                    r["weights_line"] = ln.split("Loading weights took", 1)[1].strip()
+            return r
+    return {"error": f"rc {p.returncode}, see {log}: " + " | ".join(log.read_text().splitlines()[-3:])}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "build" / "vllm-bench")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=768)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--schemes", default="bf16,int8,int4")
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--prefill-len", type=int, default=512)
+    ap.add_argument("--prefill-prompts", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--kv-gib", type=int, default=2)
+    ap.add_argument("--skip-own", action="store_true", help="do not run vLLM's own experts")
+    a = ap.parse_args()
+    py = os.environ.get("MOEPACK_VLLM_PYTHON") or str(ROOT / "build" / "vllm-venv" / "bin" / "python")
+    if not Path(py).exists():
+        print(f"no vLLM python at {py}: set MOEPACK_VLLM_PYTHON or run `make vllm-venv`", file=sys.stderr)
+        return 2
+    import moepack
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    src = a.out / f"src-L{a.layers}"
+    t = time.time()
+    write_source(src, a.layers, a.vocab, a.hidden, a.inter, a.experts, a.topk, seed=0)
+    print(f"source {src} ({time.time() - t:.0f} s)", flush=True)
+    runs = []
+    if not a.skip_own and "bf16" in a.schemes.split(","):
+        runs.append(("own-bf16", src, None, None))
+    for s in a.schemes.split(","):
+        pack = a.out / f"pack-L{a.layers}-{s}"
+        if not (pack / "moepack.json").exists():
+            t = time.time()
+            moepack.convert(src, pack, quantize=None if s == "bf16" else s)
+            print(f"convert {s}: {time.time() - t:.0f} s", flush=True)
+        runs.append((f"moepack-{s}", pack, "moepack", pack))
+    results = {}
+    for name, model, quant, pack in runs:
+        print(f"running {name} ...", flush=True)
+        r = run_vllm(py, model, quant, a, a.out / f"{name}.log")
+        if pack is not None:
+            r["experts_mb"] = experts_bytes(pack) / 2**20
+        results[name] = r
+        print(json.dumps({name: r}), flush=True)
+    (a.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "results": results}, indent=1))
+    hdr = f"{'run':<16}{'load s':>8}{'weights':>12}{'RSS +MB':>9}{'peak +MB':>9}{'experts MB':>11}{'decode t/s':>11}{'prefill t/s':>12}"
+    print(hdr)
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<16} {r['error']}")
+            continue
+        print(f"{name:<16}{r['load_s']:>8.1f}{r.get('weights_line', '?')[:11]:>12}{r['rss_loaded_mb'] - r['rss0_mb']:>9.0f}"
+              f"{r['peak_loaded_mb'] - r['rss0_mb']:>9.0f}{r.get('experts_mb', float('nan')):>11.0f}{r['decode_tok_s']:>11.2f}"
+              f"{r['prefill_tok_s']:>12.1f}")  # fmt: skip
+    for s in ("int8", "int4"):
+        if s in a.schemes.split(","):
+            print(f"own-{s}: not run (vLLM's CPU int8/int4 experts need a quantized checkpoint, not a bf16 source)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
