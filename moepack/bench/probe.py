@@ -180,7 +180,9 @@ KERNEL_INSTRUCTIONS: dict[tuple[str, str], str] = {
     ("e2m1:a8", "avx512"): "vpmaddubsw_zmm",
     ("e2m1:a8", "avx_vnni"): "vpdpbusd_ymm",
     ("e2m1:a8", "avx512_vnni"): "vpdpbusd_zmm",
-    ("e2m1:a8", "amx_int8"): "vpdpbusd_zmm",  # no tile path: groups of 32 K leave tiles a per-group epilogue
+    # amx_int8: tdpbssd tiles from 4 rows, the e8m0 scales folded into the int8 weights where exact
+    # (csrc/x86/avx512_mx4_amx_int8.h); fewer rows, and blocks where nothing folds, take vpdpbusd
+    ("e2m1:a8", "amx_int8"): "tdpbssd",
 }
 
 
