@@ -7,10 +7,17 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import torch
+
+
+def median(values: list[float]) -> float:
+    """The median (the mean of the two middle values for an even count)."""
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
 
 if TYPE_CHECKING:
     from .run import BenchConfig
@@ -113,9 +120,7 @@ class Timing:
 
     @property
     def median_ms(self) -> float:
-        s = sorted(self.times_s)
-        n = len(s)
-        return (s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])) * 1e3
+        return median(self.times_s) * 1e3
 
     @property
     def min_ms(self) -> float:
@@ -156,14 +161,9 @@ def _time_calls(fn: Callable[[torch.Tensor, torch.Tensor], object], routings, by
 
 def _eviction_bytes() -> int:
     """Twice the largest CPU cache sysfs reports (at least 16 MiB, at most 512 MiB; 64 MiB when unknown)."""
-    largest = 0
-    for size in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        try:
-            text = size.read_text().strip().upper()
-            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-            largest = max(largest, int(text.rstrip("KMG")) * mult)
-        except (OSError, ValueError):
-            continue
+    from .probe import largest_cache_bytes
+
+    largest = largest_cache_bytes()
     return min(max(2 * largest, 16 * 2**20), 512 * 2**20) if largest else 64 * 2**20
 
 

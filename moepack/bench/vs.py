@@ -52,7 +52,7 @@ from .peers import (
 from .probe import MachineProbe, _loadavg, describe_limits, kernel_instruction, machine_info, probe_machine
 from .report import BenchResult, Row, _f, _pct, machine_line
 from .shapes import DTYPES
-from .timing import BUSY_CPUS, RoutingStream, _CpuMeter, wait_quiet
+from .timing import BUSY_CPUS, RoutingStream, _CpuMeter, median, wait_quiet
 
 SETS = 8
 CHECK_MAX_TOKENS = 8  # output errors are measured at T <= this
@@ -102,9 +102,7 @@ class ArmTimes:
 
     @property
     def median_ms(self) -> float:
-        s = sorted(self.times_s)
-        n = len(s)
-        return (s[n // 2] if n % 2 else 0.5 * (s[n // 2 - 1] + s[n // 2])) * 1e3
+        return median(self.times_s) * 1e3
 
     @property
     def p25_ms(self) -> float:
