@@ -223,14 +223,16 @@ def rank_experts(packed, r: int):
 def expand_routes(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, tp: int,
                   expert_map: torch.Tensor | None = None):  # fmt: skip
     """Routes to experts -> routes to their ``tp`` slice experts (one process running every
-    slice): ``[T, k]`` -> ``[T, k*tp]``, id ``e`` -> ``e + r*E`` for each rank r, the weight
-    repeated; an ``expert_map`` ``[E]`` -> ``[tp*E]`` (slice ids of a local expert ``m``: ``m +
-    r*L``, L the local count)."""
-    ids = torch.cat([topk_ids + r * num_experts for r in range(tp)], dim=1).to(topk_ids.dtype).contiguous()
+    slice): ``[T, k]`` -> ``[T, k*tp]``, the weight repeated. ``num_experts`` is the pack's
+    expert count L (slice r of pack expert m is slice expert ``m + r*L``). Without an
+    ``expert_map`` ids are pack experts: ``e`` -> ``e + r*L``. With one (``[G]``, global id ->
+    pack expert or -1), ids are global: ``g`` -> ``g + r*G``, and the map becomes ``[tp*G]`` with
+    entry ``r*G + g`` = ``map[g] + r*L`` (-1 stays -1), whatever share of the pack it covers."""
+    span = num_experts if expert_map is None else int(expert_map.numel())
+    ids = torch.cat([topk_ids + r * span for r in range(tp)], dim=1).to(topk_ids.dtype).contiguous()
     w = topk_weights.repeat(1, tp).contiguous()
     if expert_map is not None:
-        local = int((expert_map >= 0).sum())
-        expert_map = torch.cat([torch.where(expert_map >= 0, expert_map + r * local, expert_map) for r in range(tp)]
+        expert_map = torch.cat([torch.where(expert_map >= 0, expert_map + r * num_experts, expert_map) for r in range(tp)]
                                ).to(expert_map.dtype).contiguous()  # fmt: skip
     return w, ids, expert_map
 
@@ -320,7 +322,8 @@ def _slice_shape(packed, role: str, tp: int) -> list[int]:
 
 def _slice_parts(packed, role: str, tp: int):
     """The slice experts' rows of one tensor, rank-major, one expert at a time."""
-    need = [role] + (["w2"] if role == "w2_colsum" else [])
+    w, spec = _spec_of(packed.layout, role)
+    need = [role] + ([w] if spec is not None and spec.role == "sum" else [])  # a column sum is re-summed from the slice's codes
     for r in range(tp):
         for e in range(packed.num_experts):
             one = {k: packed.tensors[k][e:e + 1] for k in need}

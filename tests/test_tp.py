@@ -117,9 +117,32 @@ def test_running_every_slice_equals_the_whole_pack(name, i, act):
 def test_expand_routes_and_expert_map():
     w = torch.tensor([[0.7, 0.3]])
     ids = torch.tensor([[2, 0]], dtype=torch.int32)
-    w2, ids2, m = expand_routes(w, ids, 4, 2, torch.tensor([-1, -1, 0, 1], dtype=torch.int32))
+    # a pack of 4 experts run whole: ids are pack experts
+    w2, ids2, m = expand_routes(w, ids, 4, 2)
     assert ids2.tolist() == [[2, 0, 6, 4]] and torch.equal(w2, torch.tensor([[0.7, 0.3, 0.7, 0.3]])) and ids2.dtype == torch.int32
-    assert m.tolist() == [-1, -1, 0, 1, -1, -1, 2, 3]
+    assert m is None
+    # a pack of 2 experts (global ids 2, 3 of 5): ids offset by the global count, the map by the pack's
+    w2, ids2, m = expand_routes(w, ids, 2, 2, torch.tensor([-1, -1, 0, 1, -1], dtype=torch.int32))
+    assert ids2.tolist() == [[2, 0, 7, 5]]
+    assert m.tolist() == [-1, -1, 0, 1, -1, -1, -1, 2, 3, -1]
+
+
+@pytest.mark.parametrize("name,i", [("bf16_n32k2_x86", 64), ("u4g32_n32k8_x86", 64)])
+@pytest.mark.parametrize("emap", [[-1, 0, 1, 2], [2, -1, 0, -1, 1], [-1, -1, 1, -1]])
+def test_an_expert_map_runs_the_slices_like_the_whole_pack(name, i, emap):
+    """A global expert map (more global experts than the pack holds, or covering part of it) on a
+    --tp pack run whole: the same layer as the whole pack under the same map."""
+    whole = _whole(name, i, seed=3)
+    sliced = tp_slice(whole, 2)
+    m = torch.tensor(emap, dtype=torch.int32)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(len(emap), generator=g)[:2] for _ in range(6)]).to(torch.int32)
+    w = torch.rand(6, 2, generator=g)
+    ref = run_experts(whole, x, w, ids, expert_map=m).float()
+    got = run_experts(sliced, x, w, ids, expert_map=m).float()
+    assert ref.abs().max().item() > 0
+    assert (got - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
 
 
 @pytest.mark.parametrize("name,i,tp,msg", [

@@ -471,7 +471,7 @@ def omp_note(engines: list[str], threads: int) -> str | None:
 def vllm_python() -> str | None:
     """The interpreter ``--vs vllm`` re-runs in: ``MOEPACK_VLLM_PYTHON``, else
     ``build/vllm-venv/bin/python`` (``make vllm-venv``) of this checkout or of the current
-    directory, when it exists; None otherwise."""
+    directory, when that venv was built to the end (its ``.done`` marker); None otherwise."""
     from pathlib import Path
 
     p = os.environ.get("MOEPACK_VLLM_PYTHON")
@@ -481,7 +481,7 @@ def vllm_python() -> str | None:
 
     for root in (Path(moepack.__file__).resolve().parent.parent, Path.cwd()):
         cand = root / "build" / "vllm-venv" / "bin" / "python"
-        if cand.exists():
+        if cand.exists() and (root / "build" / "vllm-venv" / ".done").exists():
             return str(cand)
     return None
 

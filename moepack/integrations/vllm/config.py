@@ -202,7 +202,7 @@ class MoepackMoEMethod(FusedMoEMethodBase):
         where = f"{self.qcfg.path}: layer {self.index} ({e['prefix']})"
         if moe.use_ep:
             raise UnsupportedError(f"{where}: expert parallel (enable_expert_parallel) is not supported by the moepack "
-                                   "vLLM plugin; tensor parallel is (each rank runs whole experts)")  # fmt: skip
+                                   "vLLM plugin; tensor parallel is (a --tp pack: each rank its slice of every expert; else whole experts per rank)")  # fmt: skip
         pack_tp = int(e.get("tp", 1))
         if pack_tp > 1 and int(moe.tp_size) != pack_tp:
             raise UnsupportedError(f"{self.qcfg.path}: the pack was converted with --tp {pack_tp} (each rank's slice of "
