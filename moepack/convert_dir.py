@@ -40,7 +40,7 @@ from .container.writer import ShardWriter
 from .convert_plan import _check_carried_values, _nbytes, _Options, _plan, expert_tensor_name, parse_quantize
 from .convert_resume import _Resume, _resume_key
 from .convert_stages import _manifest, _write_layer, _write_other
-from .errors import ConvertError
+from .errors import ConvertError, LayoutError
 from .layout import DEFAULT_LAYOUT, PackedLayout, layout_get
 from .runtime.model import FORMAT_VERSION, MANIFEST
 from .schemes import QuantError
@@ -134,8 +134,15 @@ def _convert_tp(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progre
     import dataclasses
     import shutil
 
-    from .tp import reshard_dir
+    from .tp import reshard_dir, tp_slice_size
 
+    # every layer's slice checked from the plan (the source's headers), before anything is packed
+    pl = _plan(src, lay, opts.quantize, opts.shard_bytes, opts.act_mode)
+    for spec in pl.specs:
+        try:
+            tp_slice_size(pl.layout, int(spec.intermediate), tp, f"layer {spec.index} ({spec.prefix})")
+        except LayoutError as ex:
+            raise ConvertError(f"--tp {tp}: {ex}") from None
     whole = dst.parent / f".{dst.name}.tp-whole"
     if whole.exists():
         shutil.rmtree(whole)

@@ -206,7 +206,13 @@ def test_convert_tp2(src, tmp_path, quantize):
     assert rep.ok, rep
 
 
-def test_convert_tp_refuses_a_slice_off_the_block(src, tmp_path):
+def test_convert_tp_refuses_a_slice_off_the_block(src, tmp_path, monkeypatch):
+    import moepack.convert_dir as cd
+
+    def no_packing(*a, **k):  # the refusal comes from the plan, before any expert is packed
+        raise AssertionError("convert packed the model before refusing --tp")
+
+    monkeypatch.setattr(cd, "_convert", no_packing)
     with pytest.raises(ConvertError, match=r"^--tp 4: layer 0 \(model.layers.0.mlp\): tp=4: I/tp = 64/4 = 16 is not a "
                                            r"multiple of 32, layout bf16_n32k2_x86's i_align"):  # fmt: skip
         moepack.convert(src, tmp_path / "tp4", tp=4)
