@@ -78,15 +78,17 @@ def download_wheel() -> str:
     py = f"{sys.version_info.major}{sys.version_info.minor}"
     dest = os.path.join(BUILD, "wheel")
     os.makedirs(dest, exist_ok=True)
-    want = f"torch-{ver}-cp{py}-cp{py}-{PLATFORM}.whl"
-    if not os.path.exists(os.path.join(dest, want)):
+    def found() -> list[str]:  # the wheel pip names it (a local version such as +cpu, another manylinux tag)
+        return sorted(glob.glob(os.path.join(dest, f"torch-{ver}*-cp{py}-cp{py}-*aarch64.whl")))
+
+    if not found():
         cmd = [sys.executable, "-m", "pip", "download", f"torch=={ver}", "--platform", PLATFORM, "--python-version", py,
                "--only-binary=:all:", "--no-deps", "-d", dest]  # fmt: skip
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
-    if not os.path.exists(os.path.join(dest, want)):
-        raise SystemExit(f"cross_build_ext: pip download left no {want} in {dest}")
-    return os.path.join(dest, want)
+    if not found():
+        raise SystemExit(f"cross_build_ext: pip download left no torch-{ver}*-cp{py}-cp{py}-*aarch64.whl in {dest}")
+    return found()[-1]
 
 
 def extract(wheel: str) -> str:
