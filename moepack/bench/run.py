@@ -20,7 +20,7 @@ from ..layout import layout_flops
 from .probe import MachineProbe, _loadavg, describe_limits, kernel_instruction, machine_info, probe_machine
 from .report import PLAIN_SCHEME, BenchResult, Row
 from .shapes import DEFAULT_SHAPES, DEFAULT_TOKENS, DTYPES, SHAPES, MoeShape
-from .timing import BUSY_CPUS, RoutingStream, _call_count, _eviction_bytes, _measure, _time_calls
+from .timing import BUSY_CPUS, RoutingStream, _call_count, _CpuMeter, _eviction_bytes, _measure, _time_calls
 
 
 
@@ -104,6 +104,46 @@ def make_weights(shape: MoeShape, seed: int) -> tuple[torch.Tensor, torch.Tensor
     return w13, w2
 
 
+def start_run(cfg) -> tuple[float, str, dict]:
+    """A bench run's start (plain or ``--vs``): its clock, its UTC start time, and the machine
+    facts with the thread count set and the load average at the start."""
+    t_start = time.perf_counter()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    torch.set_num_threads(cfg.threads)
+    machine = machine_info(cfg.threads)
+    machine["torch_num_threads"] = torch.get_num_threads()
+    machine["loadavg_start"] = _loadavg()
+    return t_start, started, machine
+
+
+def probe_limits(cfg, machine: dict, notes: list[str], log, *, retried: bool) -> MachineProbe:
+    """The machine probe of a bench run (a stub saying why when ``--no-probe``), with the CPUs
+    other processes used meanwhile in ``machine`` and a note when they were busy. ``retried``:
+    through ``_measure`` (``--wait-quiet`` / ``--retries``, the plain bench), else timed once
+    (``--vs``, which takes neither)."""
+    if not cfg.probe:
+        return MachineProbe(threads=cfg.threads, note="disabled (--no-probe)")
+    log(f"probing the machine: read bandwidth over {cfg.probe_bytes / 2**30:.2f} GiB and dot-product peaks, {cfg.threads} threads")
+
+    def run() -> MachineProbe:
+        return probe_machine(cfg.threads, cfg.probe_bytes, cfg.probe_passes, cfg.probe_peak_seconds)
+
+    if retried:
+        probe, bg, waited, attempts = _measure(cfg, run)
+        machine["probe_waited_s"], machine["probe_attempts"] = waited, attempts
+    else:
+        meter = _CpuMeter()
+        meter.start()
+        probe = run()
+        bg = meter.stop()
+    for label, text in describe_limits(probe):
+        log(f"  {label}: {text}")
+    machine["probe_bg_cpus"] = bg
+    if bg is not None and bg > BUSY_CPUS:
+        notes.append(f"other processes used {bg:.2f} CPUs during the machine probe: its numbers are low")
+    return probe
+
+
 def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> BenchResult:
     """Run every (shape, T) of ``cfg``; ``log`` gets one line per step (progress)."""
     import moepack
@@ -111,29 +151,12 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
     from ..reference import torch_loop_moe
 
     cfg.validate()
-    t_start = time.perf_counter()
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    torch.set_num_threads(cfg.threads)
-    machine = machine_info(cfg.threads)
-    machine["torch_num_threads"] = torch.get_num_threads()
-    machine["loadavg_start"] = _loadavg()
+    t_start, started, machine = start_run(cfg)
     notes: list[str] = []
     if cfg.threads > (os.cpu_count() or cfg.threads):
         notes.append(f"--threads {cfg.threads} is more than the {os.cpu_count()} logical CPUs")
 
-    if cfg.probe:
-        log(f"probing the machine: read bandwidth over {cfg.probe_bytes / 2**30:.2f} GiB and dot-product peaks, {cfg.threads} threads")
-        probe, bg, waited, attempts = _measure(
-            cfg, lambda: probe_machine(cfg.threads, cfg.probe_bytes, cfg.probe_passes, cfg.probe_peak_seconds)
-        )
-        machine["probe_waited_s"], machine["probe_attempts"] = waited, attempts
-        for label, text in describe_limits(probe):
-            log(f"  {label}: {text}")
-        machine["probe_bg_cpus"] = bg
-        if bg is not None and bg > BUSY_CPUS:
-            notes.append(f"other processes used {bg:.2f} CPUs during the machine probe: its numbers are low")
-    else:
-        probe = MachineProbe(threads=cfg.threads, note="disabled (--no-probe)")
+    probe = probe_limits(cfg, machine, notes, log, retried=True)
 
     act_dtype = DTYPES[cfg.dtype]
     # read before each plain read of the experts (untimed): evicts what the call left in the cache

@@ -27,7 +27,6 @@ The method, per (shape, T):
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import gc
 import math
 import os
@@ -49,7 +48,7 @@ from .peers import (
     prepare_canonical,
     supports,
 )
-from .probe import MachineProbe, _loadavg, describe_limits, kernel_instruction, machine_info, probe_machine
+from .probe import _loadavg, kernel_instruction
 from .report import BenchResult, Row, _f, _pct, machine_line
 from .shapes import DTYPES
 from .timing import BUSY_CPUS, RoutingStream, _CpuMeter, median, wait_quiet
@@ -173,43 +172,22 @@ def canonical_from_float(scheme_obj, w13: torch.Tensor, w2: torch.Tensor, layout
     return {**{k: torch.cat(v) for k, v in parts.items()}, **rest}
 
 
-def _probe(cfg, machine: dict, notes: list[str], log) -> MachineProbe:
-    if not cfg.probe:
-        return MachineProbe(threads=cfg.threads, note="disabled (--no-probe)")
-    log(f"probing the machine: read bandwidth over {cfg.probe_bytes / 2**30:.2f} GiB and dot-product peaks, {cfg.threads} threads")
-    meter = _CpuMeter()
-    meter.start()
-    probe = probe_machine(cfg.threads, cfg.probe_bytes, cfg.probe_passes, cfg.probe_peak_seconds)
-    bg = meter.stop()
-    for label, text in describe_limits(probe):
-        log(f"  {label}: {text}")
-    machine["probe_bg_cpus"] = bg
-    if bg is not None and bg > BUSY_CPUS:
-        notes.append(f"other processes used {bg:.2f} CPUs during the machine probe: its numbers are low")
-    return probe
-
-
 def run_vs(cfg, log: Callable[[str], None] = lambda s: None) -> BenchResult:
     """Every (shape, T) of ``cfg`` with moepack against the engines ``cfg.vs`` (see the module)."""
     import moepack
     from ..pack import in_huge_pages
     from ..schemes import get_scheme
-    from .run import make_weights
+    from .run import make_weights, probe_limits, start_run
 
     cfg.validate()
     if not cfg.vs:
         raise ValueError("run_vs: no engine to compare with (--vs)")
     for eng in cfg.vs:
         check_engine(eng)  # PeerUnavailable: one line naming what is missing and the fix
-    t_start = time.perf_counter()
-    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    torch.set_num_threads(cfg.threads)
-    machine = machine_info(cfg.threads)
-    machine["torch_num_threads"] = torch.get_num_threads()
-    machine["loadavg_start"] = _loadavg()
+    t_start, started, machine = start_run(cfg)
     machine["python"] = sys.executable
     notes: list[str] = [n for n in [omp_note(cfg.vs, cfg.threads)] if n]
-    probe = _probe(cfg, machine, notes, log)
+    probe = probe_limits(cfg, machine, notes, log, retried=False)
     act_dtype = DTYPES[cfg.dtype]
     scheme = get_scheme(cfg.scheme)
     layout = scheme.layout_for(host_family())
