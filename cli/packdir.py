@@ -105,6 +105,10 @@ def convert(
                 bar.update(task, description=f"copied {info['tensors']} other tensors")
             elif event == "resume":
                 err_console.print(f"note: resuming the interrupted convert in {info['path']} (same plan; its finished shards are re-checked)", highlight=False)
+            elif event == "tp_whole_reused":
+                err_console.print(f"note: reslicing the whole pack an interrupted --tp convert left in {info['path']} (same plan; its bytes re-checked)", highlight=False)
+            elif event == "tp_reshard":
+                bar.update(task, description=f"writing each rank's slices (--tp {info['tp']})", total=None)
             elif event == "stale_removed":
                 err_console.print(f"note: removed {info['path']}, left by an interrupted convert: {info['reason']}", highlight=False)
 

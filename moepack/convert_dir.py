@@ -40,7 +40,7 @@ from .container.writer import ShardWriter
 from .convert_plan import _check_carried_values, _nbytes, _Options, _plan, expert_tensor_name, parse_quantize
 from .convert_resume import _Resume, _resume_key
 from .convert_stages import _manifest, _write_layer, _write_other
-from .errors import ConvertError, LayoutError
+from .errors import ConvertError, LayoutError, MoepackError
 from .layout import DEFAULT_LAYOUT, PackedLayout, layout_get
 from .runtime.model import FORMAT_VERSION, MANIFEST
 from .schemes import QuantError
@@ -129,13 +129,25 @@ def convert(
 
 
 def _convert_tp(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress, t0: float, opts, tp: int):
-    """``convert(..., tp=N)``: the whole pack into a sibling temporary directory, then its
-    ``--tp N`` form at ``dst`` (moepack.tp.reshard_dir), then the whole one deleted."""
+    """``convert(..., tp=N)``: the whole pack into the sibling ``.<dst>.tp-whole`` first, then its
+    ``--tp N`` form written at ``dst`` (moepack.tp.reshard_dir, itself an atomic directory), then
+    the whole one deleted.
+
+    The run holds ``.<dst>.tp-lock`` throughout, so a second ``--tp`` convert to the same ``dst``
+    is refused naming the owner and never deletes this run's files. A finished whole pack carries
+    its plan's resume key (``TP_WHOLE_KEY``, with its ConvertReport): after a hard kill in the
+    reshard phase the next run with the same plan (and ``resume``) re-checks its bytes against
+    its manifest and reslices it instead of packing again; any other whole pack is deleted. A
+    kill during the packing phase is resumed by the whole pack's own journal (``_convert``).
+    Exceptions (Ctrl-C, SIGTERM, a refusal) delete the whole pack, as they delete a temporary
+    directory."""
     import dataclasses
     import shutil
 
+    from .container.atomic import _FileLock
     from .tp import reshard_dir, tp_slice_size
 
+    notify = progress or (lambda *a, **k: None)
     # every layer's slice checked from the plan (the source's headers), before anything is packed
     pl = _plan(src, lay, opts.quantize, opts.shard_bytes, opts.act_mode)
     for spec in pl.specs:
@@ -143,25 +155,66 @@ def _convert_tp(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progre
             tp_slice_size(pl.layout, int(spec.intermediate), tp, f"layer {spec.index} ({spec.prefix})")
         except LayoutError as ex:
             raise ConvertError(f"--tp {tp}: {ex}") from None
-    whole = dst.parent / f".{dst.name}.tp-whole"
-    if whole.exists():
-        shutil.rmtree(whole)
+    run_lock = _FileLock(dst.parent / f".{dst.name}.tp-lock")
     try:
-        report = _convert(src, whole, lay, False, progress, t0, opts)
-        out = dst
-        if dst.exists():  # overwrite: write next to it, then swap
-            out = dst.parent / f".{dst.name}.tp-new"
-            shutil.rmtree(out, ignore_errors=True)
-        reshard_dir(whole, out, tp)
-        if out != dst:
-            old = dst.parent / f".{dst.name}.tp-old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(dst, old)
-            os.replace(out, dst)
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
+        taken = run_lock.acquire()
+    except OSError as e:
+        raise ConvertError(f"{dst}: cannot create the output directory in {str(dst.parent)!r}: {os_reason(e)}") from None
+    if not taken:
+        raise ConvertError(f"{dst}: {run_lock.owner()} is writing it right now ({run_lock.path.name} is locked): "
+                           "wait for that run to finish or choose another destination")  # fmt: skip
+    whole = dst.parent / f".{dst.name}.tp-whole"
+    try:
+        key = _resume_key(pl, opts)
+        report = _reusable_whole(whole, key, notify) if opts.resume else None
+        if report is None:
+            if whole.exists():
+                shutil.rmtree(whole)
+            report = _convert(src, whole, lay, False, progress, t0, opts)
+            record = {"key": key, "report": {k: v for k, v in dataclasses.asdict(report).items() if k not in ("dst", "seconds")}}
+            part = whole / (TP_WHOLE_KEY + ".part")
+            part.write_text(json.dumps(record))
+            os.replace(part, whole / TP_WHOLE_KEY)
+        notify("tp_reshard", tp=tp)
+        reshard_dir(whole, dst, tp, overwrite=overwrite)
         shutil.rmtree(whole, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(whole, ignore_errors=True)
+        raise
+    finally:
+        run_lock.release(unlink=True)
     return dataclasses.replace(report, dst=dst, seconds=time.perf_counter() - t0)
+
+
+TP_WHOLE_KEY = ".moepack-tp-whole.json"  # in a finished ``.<dst>.tp-whole``: its plan's resume key and ConvertReport
+
+
+def _reusable_whole(whole: Path, key: dict, notify) -> ConvertReport | None:
+    """The ConvertReport of the whole pack a hard-killed ``--tp`` run left at ``whole`` when its
+    plan is ``key`` and every byte still matches its manifest (verify's integrity steps), else
+    None (the caller deletes it). ``notify``: "tp_whole_reused" or "stale_removed"."""
+    from .verify_dir import verify
+
+    rec_path = whole / TP_WHOLE_KEY
+    if not rec_path.is_file():
+        return None  # no whole pack, or one killed before its key was written
+    why = None
+    try:
+        rec = json.loads(rec_path.read_text())
+        if rec.get("key") != json.loads(json.dumps(key)):
+            why = "a different plan (source, layout, options or moepack version)"
+        else:
+            rep = verify(whole)
+            if not rep.ok:
+                why = "its bytes no longer match its manifest"
+    except (OSError, ValueError, MoepackError) as e:
+        why = f"unreadable ({e})"
+    if why is not None:
+        notify("stale_removed", path=str(whole), reason=why)
+        return None
+    notify("tp_whole_reused", path=str(whole))
+    r = rec["report"]
+    return ConvertReport(dst=whole, **{**r, "quant_error_worst": tuple(r["quant_error_worst"]) if r.get("quant_error_worst") else None})
 
 
 class Terminated(KeyboardInterrupt):

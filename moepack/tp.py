@@ -240,11 +240,14 @@ def expand_routes(topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_expert
 # ---- a --tp N directory from a whole one -------------------------------------------------------
 
 
-def reshard_dir(whole: str | os.PathLike, dst: str | os.PathLike, tp: int) -> dict:
+def reshard_dir(whole: str | os.PathLike, dst: str | os.PathLike, tp: int, *, overwrite: bool = False) -> dict:
     """Write the ``--tp tp`` form of the packed directory ``whole`` (written with tp 1) at
-    ``dst`` (which must not exist): the experts' shards rewritten with every layer's slice
-    experts, the other files copied unchanged; returns the new manifest. Reads one expert at a
-    time (mapped), so memory stays one expert's slices."""
+    ``dst``: the experts' shards rewritten with every layer's slice experts, the other files
+    linked (or copied) unchanged; returns the new manifest. Reads one expert at a time (mapped),
+    so memory stays one expert's slices. ``dst`` is an atomic directory (container/atomic.py):
+    built under a temporary sibling, renamed into place only when complete, refused while another
+    run writes it, an existing one replaced only with ``overwrite``."""
+    from .container.atomic import atomic_directory
     from .container.plan import ShardPlan
     from .container.writer import ShardWriter
     from .manifest import MANIFEST, TP_FORMAT_VERSION
@@ -267,11 +270,7 @@ def reshard_dir(whole: str | os.PathLike, dst: str | os.PathLike, tp: int) -> di
     for x in m["layers"]:
         for role, name in x["tensors"].items():
             owner[name] = (int(x["index"]), role)
-    tmp = dst.parent / f".{dst.name}.tp-tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_directory(dst, overwrite=overwrite) as tmp:
         tensors = m["tensors"]
         for fname in m["files"]:
             names = [n for n, e in tensors.items() if e["file"] == fname]
@@ -306,11 +305,7 @@ def reshard_dir(whole: str | os.PathLike, dst: str | os.PathLike, tp: int) -> di
         m["format_version"] = TP_FORMAT_VERSION
         m["files"] = {f: {"size": (tmp / f).stat().st_size} for f in m["files"]}
         (tmp / MANIFEST).write_text(json.dumps(m, indent=1))
-        del pm
-        os.replace(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        del pm, lay_of
     return m
 
 

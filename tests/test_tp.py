@@ -232,3 +232,143 @@ def test_a_hand_edited_tp_is_refused(src, tmp_path):
     (d / MANIFEST).write_text(json.dumps(m))
     with pytest.raises(PackedDirError, match=r"tp=2: needs format_version 4 \(the file says 3\)"):
         moepack.open(d)
+
+
+# ---- convert --tp: interruption, resume of the reshard phase, a second writer -----------------
+
+_TP_CHILD = """
+import os, signal, sys, time
+import moepack.tp as tp
+from moepack.convert_dir import convert
+src, dst, event, how = sys.argv[1:5]
+def stop():
+    if how == "pause":
+        print("paused", flush=True)
+        for _ in range(600):  # short sleeps: a signal lands between them
+            time.sleep(0.1)
+    os.kill(os.getpid(), signal.SIGKILL)
+if event == "mid_reshard":  # killed after the first slice expert of the reshard is written
+    parts = tp._slice_parts
+    def killing(*a, **k):
+        for i, x in enumerate(parts(*a, **k)):
+            if i == 1:
+                stop()
+            yield x
+    tp._slice_parts = killing
+def progress(ev, **kw):
+    if ev == event:
+        stop()
+convert(src, dst, tp=2, progress=progress)
+"""
+
+
+def _tp_child(src, dst, event: str, how: str = "kill"):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-c", _TP_CHILD, str(src), str(dst), event, how], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, text=True)  # fmt: skip
+
+
+def _tp_files(d) -> dict:
+    import hashlib
+
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.iterdir()) if f.name != MANIFEST}
+
+
+def _tp_manifest(d) -> dict:
+    m = json.loads((d / MANIFEST).read_text())
+    m.pop("created_at")
+    return m
+
+
+def _tp_leftovers(d) -> list[str]:
+    return sorted(p.name for p in d.parent.iterdir() if p.name.startswith(f".{d.name}."))
+
+
+@pytest.fixture(scope="module")
+def tp_reference(src, tmp_path_factory):
+    d = tmp_path_factory.mktemp("tpref") / "tp2"
+    moepack.convert(src, d, tp=2)
+    return d
+
+
+@pytest.mark.parametrize("event", ["tp_reshard", "mid_reshard"])
+def test_a_kill_in_the_reshard_phase_reuses_the_whole_pack(src, tp_reference, tmp_path, event):
+    """A hard kill after the whole pack is finished (before or in the middle of the reshard):
+    the next run re-checks that pack and reslices it (no packing), byte-identical to an
+    uninterrupted run, and leaves nothing behind."""
+    dst = tmp_path / "tp2"
+    p = _tp_child(src, dst, event)
+    assert p.wait(120) == -9, p.stderr.read()
+    assert not dst.exists() and f".{dst.name}.tp-whole" in _tp_leftovers(dst)
+    events = []
+    moepack.convert(src, dst, tp=2, progress=lambda ev, **kw: events.append(ev))
+    assert "tp_whole_reused" in events and "layer_start" not in events, events
+    assert _tp_files(dst) == _tp_files(tp_reference) and _tp_manifest(dst) == _tp_manifest(tp_reference)
+    assert _tp_leftovers(dst) == []
+
+
+def test_a_left_whole_pack_is_not_reused_when_stale(src, tmp_path):
+    """The whole pack a killed run left is packed again when its bytes changed, when the plan
+    differs (another quantizer), or with resume=False; each time the output is the new plan's."""
+    dst = tmp_path / "tp2"
+    p = _tp_child(src, dst, "tp_reshard")
+    assert p.wait(120) == -9, p.stderr.read()
+    whole = dst.parent / f".{dst.name}.tp-whole"
+    shard = next(f for f in sorted(whole.iterdir()) if f.suffix == ".safetensors")
+    b = bytearray(shard.read_bytes())
+    b[-3] ^= 0xFF  # a flipped byte in the last tensor's data
+    shard.write_bytes(bytes(b))
+    events = []
+    moepack.convert(src, dst, tp=2, progress=lambda ev, **kw: events.append((ev, kw)))
+    reasons = [kw["reason"] for ev, kw in events if ev == "stale_removed"]
+    assert reasons == ["its bytes no longer match its manifest"], events
+    assert "layer_start" in [ev for ev, _ in events] and _tp_leftovers(dst) == []
+    assert moepack.verify(dst).ok
+
+    dst2 = tmp_path / "tp2b"
+    p = _tp_child(src, dst2, "tp_reshard")
+    assert p.wait(120) == -9, p.stderr.read()
+    events = []
+    moepack.convert(src, dst2, tp=2, quantize="int4:g32", progress=lambda ev, **kw: events.append((ev, kw)))
+    assert [kw["reason"] for ev, kw in events if ev == "stale_removed"] == [
+        "a different plan (source, layout, options or moepack version)"]
+    assert json.loads((dst2 / MANIFEST).read_text())["layers"][0]["scheme"] == "int4_group"
+    dst3 = tmp_path / "tp2c"
+    p = _tp_child(src, dst3, "tp_reshard")
+    assert p.wait(120) == -9, p.stderr.read()
+    events = []
+    moepack.convert(src, dst3, tp=2, resume=False, progress=lambda ev, **kw: events.append(ev))
+    assert "tp_whole_reused" not in events and "layer_start" in events and _tp_leftovers(dst3) == []
+
+
+def test_a_second_tp_writer_is_refused_and_an_interrupt_leaves_nothing(src, tmp_path):
+    import signal
+
+    dst = tmp_path / "tp2"
+    p = _tp_child(src, dst, "layer_done", "pause")
+    try:
+        assert p.stdout.readline().strip() == "paused", p.stderr.read()
+        before = _tp_leftovers(dst)
+        with pytest.raises(ConvertError, match=rf"^{dst}: pid {p.pid} is writing it right now \(\.tp2\.tp-lock is locked\)"):
+            moepack.convert(src, dst, tp=2)
+        assert _tp_leftovers(dst) == before  # the live run's files untouched
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == -signal.SIGTERM
+        assert not dst.exists() and _tp_leftovers(dst) == []
+    finally:
+        p.kill()
+        p.wait()
+
+    def stop(ev, **kw):
+        if ev == "tp_reshard":
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        moepack.convert(src, dst, tp=2, progress=stop)
+    assert not dst.exists() and _tp_leftovers(dst) == []
