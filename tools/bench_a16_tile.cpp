@@ -314,6 +314,65 @@ __attribute__((noinline)) void arm_u4_pf(const Problem& p, int64_t b, void* memo
   _mm512_storeu_ps(g_C, c0);
   _mm512_storeu_ps(g_C + 16, c1);
 }
+namespace mx4exp {
+using namespace x86_avx512_mx4;
+using namespace x86_amx;
+using namespace x86_amx_a16_decode;
+// Experiment (dropped from the extension: no gain end to end, docs/KERNELS.md "W4A16 decode
+// through tiles"): mxfp4 (W4A16) decoded into B tiles with amx_a16_decode.h's pieces, the e8m0
+// scale folded into the decoded weights. m bf16 rows (row i at x + i * xstride words, xstride >=
+// kp), kp % 32 == 0, the block's scales within mx4_scales_fold's range; C[m, 32] = rows .
+// (e2m1(q) * 2^(e - 127)) up to the fp32 summation order. False (nothing written) otherwise.
+static bool gemm_mx4a16_amxdec(const uint16_t* x, int64_t xstride, int m, const uint8_t* codes, const uint8_t* scale,
+                               int64_t gstride, int64_t kp, float* C) {
+  if (m < 1 || m > 16 || kp % kMx4Group || kp <= 0) return false;
+  if (!mx4_scales_fold(scale, gstride, kp / kMx4Group)) return false;
+  DecB buf;
+  TileState local;
+  TileState& tiles = tile_state(local);
+  dec_tiles(tiles, m);
+  const __m512i table = mx4_bf16_table(), i01 = mx4_idx01(), i23 = mx4_idx23();
+  const __m512i mag = _mm512_set1_epi16(0x7FFF), bias = _mm512_set1_epi32(127), lo16 = _mm512_set1_epi32(0xFFFF);
+  const __m512i* blk = reinterpret_cast<const __m512i*>(codes);
+  _tile_zero(0);
+  _tile_zero(1);
+  int par = 0;
+  for (int64_t g = 0; g < kp / kMx4Group; ++g) {  // one group of 32 = one tile step
+    if (g + 1 < kp / kMx4Group) _mm_prefetch(reinterpret_cast<const char*>(scale + (g + 1) * gstride), _MM_HINT_T0);
+    __m512i d[2];  // per column half: (e - 127) << 7 in both words of each column's lane
+    for (int h = 0; h < 2; ++h) {
+      const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + g * gstride + 16 * h)));
+      const __m512i t = _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(e, bias), 7), lo16);
+      d[h] = _mm512_or_si512(t, _mm512_slli_epi32(t, 16));
+    }
+    uint16_t(*b)[16 * 32] = buf.w[par];
+    par ^= 1;
+    for (int s = 0; s < 4; ++s) {
+      const int64_t j = g * 4 + s;
+      prefetch_segment(codes, j * 128, kp * 16, 0, 2);
+      __m512i q[2][4];
+      for (int h = 0; h < 2; ++h) {
+        mx4_pairs(_mm512_loadu_si512(blk + 2 * j + h), table, i01, i23, q[h]);
+        for (int i = 0; i < 4; ++i) {
+          const __mmask32 nz = _mm512_test_epi16_mask(q[h][i], mag);  // ±0 stays ±0
+          q[h][i] = _mm512_mask_add_epi16(q[h][i], nz, q[h][i], d[h]);
+        }
+      }
+      dec_store_step(b, s, q);
+    }
+    dec_tile_dp(x + g * kMx4Group, xstride * 2, b);
+  }
+  alignas(64) float acc[16 * 32];
+  _tile_stored(0, acc, 128);
+  _tile_stored(1, acc + 16, 128);
+  for (int r = 0; r < m; ++r) {
+    _mm512_storeu_ps(C + r * 32, _mm512_load_ps(acc + r * 32));
+    _mm512_storeu_ps(C + r * 32 + 16, _mm512_load_ps(acc + r * 32 + 16));
+  }
+  return true;
+}
+
+}  // namespace mx4exp
 template <int M>
 __attribute__((noinline)) void arm_u4_amxdec(const Problem& p, int64_t b, void* memo) {
   const void* rows[4] = {g_x[0], g_x[1], g_x[2], g_x[3]};
@@ -323,7 +382,7 @@ __attribute__((noinline)) void arm_u4_amxdec(const Problem& p, int64_t b, void* 
 }
 template <int M>
 __attribute__((noinline)) void arm_mx4_amxdec(const Problem& p, int64_t b, void*) {
-  x86_amx_a16_decode::gemm_mx4a16_amxdec(g_x[0], 16384, M, p.mem + b * p.blk_bytes, p.e8m0.data() + b * 32, p.gstride, p.kp,
+  mx4exp::gemm_mx4a16_amxdec(g_x[0], 16384, M, p.mem + b * p.blk_bytes, p.e8m0.data() + b * 32, p.gstride, p.kp,
                                          g_C);
 }
 // Experiment: one row with tile steps shared between the tiles (stores, tile loads, tdpbf16ps)
@@ -514,7 +573,7 @@ int main(int argc, char** argv) {
         delete mm;
         if (kp % 32) continue;
         x86_avx512_mx4_bf16::gemm_mx4a16_bf16(RowFormat::bf16, rows, m, mem, e.data(), 32, kp, c1);
-        const bool ok2 = x86_amx_a16_decode::gemm_mx4a16_amxdec(g_x[0], 16384, m, mem, e.data(), 32, kp, c2);
+        const bool ok2 = mx4exp::gemm_mx4a16_amxdec(g_x[0], 16384, m, mem, e.data(), 32, kp, c2);
         md = 0, mx = 0;
         for (int i = 0; i < m * 32; ++i) md = std::max(md, double(std::fabs(c1[i] - c2[i]))), mx = std::max(mx, double(std::fabs(c1[i])));
         std::printf("check mx4 kp=%ld m=%d: %s max|diff| %.3g of max %.3g\n", long(kp), m, ok2 ? "tiles" : "declined", md, mx);

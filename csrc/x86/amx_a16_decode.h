@@ -1,32 +1,33 @@
 // W4A16 decode through AMX tiles for the amx_bf16 level (moe_amx_bf16.cpp): a few bf16 rows
-// (decode, 1..kAmxDecMaxRows) against one int4_group or mxfp4 block, the codes decoded in
+// (decode, 1..kAmxDecMaxRows) against one int4_group block, the codes decoded in
 // registers and stored as B tiles into a 2 KiB buffer in L1, the dot products taken by
 // tdpbf16ps. Include only from a file compiled with the amx_bf16 level's flags, inside that
 // level's namespace (internal linkage). docs/KERNELS.md "W4A16 decode through tiles".
 //
 // Why: the vdpbf16ps decode kernels (avx512_u4_bf16.h, avx512_mx4_bf16.h) issue 8 vdpbf16ps per
-// 128 bytes of codes and row, and vdpbf16ps zmm takes about as long here as 8 vpaddd do (measured:
-// tools/bench_a16_tile.cpp), so one row's decode ran at the rate of the dot products (8-12 GB/s a
-// core with the block in L1), not of the reads. A tile dot product does a 16-pair x 32-column
-// step (1 KiB of bf16 weights per B tile) for all rows at once, off the vector ports, which are
-// left to the decode and the stores.
+// 128 bytes of codes and row, and a vdpbf16ps zmm issues one per ~2 cycles here, 4 times slower
+// than vpaddd or vfmadd231ps (measured: tools/bench_a16_tile.cpp), so one row's decode runs at
+// the rate of its dot products (~29 cycles per 128 code bytes, ~16 GB/s a core with the block in
+// L2), not of the reads, and each further row adds ~17 cycles. A tile dot product does a
+// 16-pair x 16-column step for all rows at once, off the vector ports, which are left to the
+// decode and the stores (which cost about what the dot products did: one row stays on
+// vdpbf16ps, docs/KERNELS.md "W4A16 decode through tiles").
 //
 // B tile layout: a B row is one K pair of 16 columns, one 32-bit lane per column, which is what
 // the decode registers hold already: u4a16_step_codes' register (h, i) of K step j is the pair
 // (8j + p_i, 8j + p_i + 2) (p = 0, 1, 4, 5) of columns 16h..16h+15, so with the rows reordered as
 // u4_prepare_row does (pair i of step j = reordered words 8j + 2i, 8j + 2i + 1), K step j's pair i
-// is B row 4 (j % 4) + i and A column pair 4 (j % 4) + i; mx4_pairs' register i is the pair
-// (8j + 2i, 8j + 2i + 1) in the rows' own order. Four K steps (32 K) fill a B tile pair (columns
+// is B row 4 (j % 4) + i and A column pair 4 (j % 4) + i. Four K steps (32 K) fill a B tile pair (columns
 // 0-15 and 16-31), the buffer alternates between two such pairs so that the stores of the next
 // step need not wait for the tile loads of the last.
 //
 // int4: C tiles per K group (G a multiple of 32), stored after the group and scaled into C with
 // the group-sum epilogue of the vdpbf16ps kernel: C += s * (16 * acc - (16 + z) * gsum).
-// mxfp4: the e8m0 scale folded into the decoded bf16 weights (the blocks mx4_scales_fold admits,
-// as avx512_mx4_amx.h), so the C tiles run over the whole K and are stored once.
+// mxfp4 (two rows, scales folded into the decoded weights) was built the same way and dropped: no
+// gain end to end (docs/KERNELS.md "W4A16 decode through tiles"); it lives on as an experiment
+// arm of tools/bench_a16_tile.cpp, which uses this file's pieces.
 #pragma once
 #include "amx_common.h"
-#include "avx512_mx4_common.h"
 #include "avx512_u4_bf16.h"
 
 namespace moepack {
@@ -37,7 +38,6 @@ using namespace x86_avx512;
 using namespace x86_avx512_bf16;
 using namespace x86_avx512_u4;
 using namespace x86_avx512_u4_bf16;
-using namespace x86_avx512_mx4;
 using namespace x86_amx;
 
 constexpr int kAmxDecMaxRows = 4;  // the row memo's rows (U4A16Rows); more rows: gemm_u4a16_amx (one unpack)
@@ -50,9 +50,10 @@ struct alignas(64) DecB {
 // TileState::group for this file's calls (rows 1..16): loads the configuration of `rows` unless
 // it is the one loaded. Not through _tile_loadconfig: GCC 12's amxtileintrin.h gives that asm
 // only the configuration's first 8 bytes as its memory operand, so where GCC did not inline
-// TileState::group (the mxfp4 call below, -O3) it dropped the stores of the row counts and
-// column widths before ldtilecfg, loaded a configuration of no tiles, and the first tilezero
-// raised #UD (SIGILL; tests/test_mxfp4.py, two bf16 rows). Here the asm reads all 64 bytes.
+// TileState::group (the dropped mxfp4 two-row call, -O3) it dropped the stores of the row
+// counts and column widths before ldtilecfg, loaded a configuration of no tiles, and the first
+// tilezero raised #UD (SIGILL; tests/test_mxfp4.py, two bf16 rows). Here the asm reads all 64
+// bytes.
 static inline void dec_tiles(TileState& t, int rows) {
   if (t.loaded == rows) return;
   const TileConfig c = tile_config(rows, 0);
@@ -160,59 +161,6 @@ static inline bool gemm_u4a16_amxdec(RowFormat fmt, const void* const* rows, int
     gss[i] = memo->gs[i];
   }
   return gemm_u4a16_amxdec_rows(memo->xp[0], kU4A16MaxK, gss, m, codes, scale, zero, gstride, kp, G, C);
-}
-
-// mxfp4 (W4A16): m bf16 rows (row i at x + i * xstride words, xstride >= kp), kp % 32 == 0, the
-// block's scales within mx4_scales_fold's range; C[m, 32] = rows . (e2m1(q) * 2^(e - 127)) up to
-// the fp32 summation order. False (nothing written) otherwise: the grouped vdpbf16ps kernel,
-// exact for every scale, takes those.
-static inline bool gemm_mx4a16_amxdec(const uint16_t* x, int64_t xstride, int m, const uint8_t* codes, const uint8_t* scale,
-                                      int64_t gstride, int64_t kp, float* C) {
-  if (m < 1 || m > 16 || kp % kMx4Group || kp <= 0) return false;
-  if (!mx4_scales_fold(scale, gstride, kp / kMx4Group)) return false;
-  DecB buf;
-  TileState local;
-  TileState& tiles = tile_state(local);
-  dec_tiles(tiles, m);
-  const __m512i table = mx4_bf16_table(), i01 = mx4_idx01(), i23 = mx4_idx23();
-  const __m512i mag = _mm512_set1_epi16(0x7FFF), bias = _mm512_set1_epi32(127), lo16 = _mm512_set1_epi32(0xFFFF);
-  const __m512i* blk = reinterpret_cast<const __m512i*>(codes);
-  _tile_zero(0);
-  _tile_zero(1);
-  int par = 0;
-  for (int64_t g = 0; g < kp / kMx4Group; ++g) {  // one group of 32 = one tile step
-    if (g + 1 < kp / kMx4Group) _mm_prefetch(reinterpret_cast<const char*>(scale + (g + 1) * gstride), _MM_HINT_T0);
-    __m512i d[2];  // per column half: (e - 127) << 7 in both words of each column's lane
-    for (int h = 0; h < 2; ++h) {
-      const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(scale + g * gstride + 16 * h)));
-      const __m512i t = _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(e, bias), 7), lo16);
-      d[h] = _mm512_or_si512(t, _mm512_slli_epi32(t, 16));
-    }
-    uint16_t(*b)[16 * 32] = buf.w[par];
-    par ^= 1;
-    for (int s = 0; s < 4; ++s) {
-      const int64_t j = g * 4 + s;
-      prefetch_segment(codes, j * 128, kp * 16, 0, 2);
-      __m512i q[2][4];
-      for (int h = 0; h < 2; ++h) {
-        mx4_pairs(_mm512_loadu_si512(blk + 2 * j + h), table, i01, i23, q[h]);
-        for (int i = 0; i < 4; ++i) {
-          const __mmask32 nz = _mm512_test_epi16_mask(q[h][i], mag);  // ±0 stays ±0
-          q[h][i] = _mm512_mask_add_epi16(q[h][i], nz, q[h][i], d[h]);
-        }
-      }
-      dec_store_step(b, s, q);
-    }
-    dec_tile_dp(x + g * kMx4Group, xstride * 2, b);
-  }
-  alignas(64) float acc[16 * 32];
-  _tile_stored(0, acc, 128);
-  _tile_stored(1, acc + 16, 128);
-  for (int r = 0; r < m; ++r) {
-    _mm512_storeu_ps(C + r * 32, _mm512_load_ps(acc + r * 32));
-    _mm512_storeu_ps(C + r * 32 + 16, _mm512_load_ps(acc + r * 32 + 16));
-  }
-  return true;
 }
 
 }  // namespace

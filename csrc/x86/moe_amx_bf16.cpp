@@ -122,10 +122,11 @@ static bool gemm_f8a16_amx(const uint16_t* const* x, int m, const uint8_t* codes
 }
 constexpr int kF8AmxMinRows = 3;
 constexpr int kMx4AmxMinRows = 3;  // as int4 W4A16: from 3 rows one decode for all rows beats one per row pair
-// Two rows (mxfp4) and 2..4 rows (int4, the row memo's): the decode into B tiles in registers
+// int4 W4A16, 2..4 rows (the row memo's): the decode into B tiles in registers
 // (amx_a16_decode.h). One row: vdpbf16ps (tools/bench_a16_tile.cpp, docs/BENCH.md "What bounds
-// W4A16 decode").
-constexpr int kMx4AmxDecMinRows = 2, kU4AmxDecMinRows = 2;
+// W4A16 decode"). mxfp4's two rows stay on vdpbf16ps: the same decode into tiles gave nothing end
+// to end (docs/KERNELS.md "W4A16 decode through tiles").
+constexpr int kU4AmxDecMinRows = 2;
 
 struct MK : Avx512Base {
   static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_unpack_u4 | kHook_gemm_u4a16 | kHook_unpack_f8 |
@@ -196,13 +197,6 @@ struct MK : Avx512Base {
   }
   static bool gemm_mx4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const uint8_t* scale,
                           int64_t gstride, int64_t kp, float* C, void*) {
-    if (fmt == RowFormat::bf16 && m >= kMx4AmxDecMinRows && m < kMx4AmxMinRows) {
-      // two rows: decoded (scales folded) into B tiles in registers (amx_a16_decode.h); the rows
-      // must be one matrix, as for gemm_mx4a16_amx
-      const uint16_t* const* x = reinterpret_cast<const uint16_t* const*>(rows);
-      const int64_t stride = x[1] - x[0];
-      if (stride >= kp && x86_amx_a16_decode::gemm_mx4a16_amxdec(x[0], stride, m, codes, scale, gstride, kp, C)) return true;
-    }
     if (fmt == RowFormat::bf16 && m >= kMx4AmxMinRows &&
         x86_avx512_mx4_amx::gemm_mx4a16_amx(reinterpret_cast<const uint16_t* const*>(rows), m, codes, scale, gstride, kp, C)) {
       return true;
