@@ -330,7 +330,7 @@ static bool gemm_mx4a16_amxdec(const uint16_t* x, int64_t xstride, int m, const 
   DecB buf;
   TileState local;
   TileState& tiles = tile_state(local);
-  dec_tiles(tiles, m);
+  tiles.group(m);
   const __m512i table = mx4_bf16_table(), i01 = mx4_idx01(), i23 = mx4_idx23();
   const __m512i mag = _mm512_set1_epi16(0x7FFF), bias = _mm512_set1_epi32(127), lo16 = _mm512_set1_epi32(0xFFFF);
   const __m512i* blk = reinterpret_cast<const __m512i*>(codes);

@@ -47,19 +47,6 @@ struct alignas(64) DecB {
   uint16_t w[2][2][16 * 32];
 };
 
-// TileState::group for this file's calls (rows 1..16): loads the configuration of `rows` unless
-// it is the one loaded. Not through _tile_loadconfig: GCC 12's amxtileintrin.h gives that asm
-// only the configuration's first 8 bytes as its memory operand, so where GCC did not inline
-// TileState::group (the dropped mxfp4 two-row call, -O3) it dropped the stores of the row
-// counts and column widths before ldtilecfg, loaded a configuration of no tiles, and the first
-// tilezero raised #UD (SIGILL; tests/test_mxfp4.py, two bf16 rows). Here the asm reads all 64
-// bytes.
-static inline void dec_tiles(TileState& t, int rows) {
-  if (t.loaded == rows) return;
-  const TileConfig c = tile_config(rows, 0);
-  asm volatile("ldtilecfg %0" : : "m"(c));
-  t.loaded = rows;
-}
 
 // Stores the 8 pair registers of one K step (s = step % 4) into tile pair b: B rows 4s + i.
 static inline void dec_store_step(uint16_t (*b)[16 * 32], int s, const __m512i q[2][4]) {
@@ -94,7 +81,7 @@ static inline bool gemm_u4a16_amxdec_rows(const uint16_t* xp, int64_t xstride, c
   alignas(64) float acc[kAmxDecMaxRows * 32];
   TileState local;
   TileState& tiles = tile_state(local);
-  dec_tiles(tiles, m);
+  tiles.group(m);  // 1..16 rows: one A tile of m rows
   const int64_t row_bytes = xstride * 2;
   __m512 c[kAmxDecMaxRows][2];
   for (int r = 0; r < kAmxDecMaxRows; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
