@@ -47,7 +47,12 @@ struct TileState {
   void group(int rows) {
     if (rows == loaded) return;
     const TileConfig c = tile_config(rows < 16 ? rows : 16, rows > 16 ? rows - 16 : 0);
-    _tile_loadconfig(&c);
+    // Not _tile_loadconfig: GCC 12's amxtileintrin.h gives that asm only the configuration's
+    // first 8 bytes as its memory operand, so where GCC emits this function out of line it may
+    // drop the stores of the row counts and column widths, load a configuration of no tiles, and
+    // the first tile instruction raises #UD (seen as SIGILL with two bf16 mxfp4 rows at -O3).
+    // This asm reads all 64 bytes.
+    asm volatile("ldtilecfg %0" : : "m"(c));
     loaded = rows;
   }
   ~TileState() {

@@ -23,7 +23,9 @@ using namespace x86_avx512_bf16;
 using namespace x86_avx512_u4;
 
 // A row's bf16 K values reordered inside each K group of 8 as (0, 2), (1, 3), (4, 6), (5, 7): the
-// pairs the code registers below come in. And the row's sum over each group (fp32).
+// pairs the code registers below come in, followed by zeros up to the next multiple of 32 (xp
+// holds that many: the tile decode, amx_a16_decode.h, reads whole 32-K steps). And the row's sum
+// over each group (fp32).
 static inline void u4_prepare_row(const uint16_t* x, int64_t kp, int64_t G, uint16_t* xp, float* gsum) {
   alignas(64) static const uint16_t perm[32] = {0,  2,  1,  3,  4,  6,  5,  7,  8,  10, 9,  11, 12, 14, 13, 15,
                                                 16, 18, 17, 19, 20, 22, 21, 23, 24, 26, 25, 27, 28, 30, 29, 31};
@@ -36,6 +38,7 @@ static inline void u4_prepare_row(const uint16_t* x, int64_t kp, int64_t G, uint
     static const int p8[8] = {0, 2, 1, 3, 4, 6, 5, 7};
     for (int i = 0; i < 8; ++i) xp[k + i] = x[k + p8[i]];
   }
+  for (; k % 32; ++k) xp[k] = 0;
   const __m512bh ones = as_bh(_mm512_set1_epi16(0x3F80));  // bf16 1.0
   for (int64_t g = 0, k0 = 0; k0 < kp; ++g, k0 += G) {
     const int64_t kend = k0 + G < kp ? k0 + G : kp;
@@ -215,8 +218,11 @@ static inline bool gemm_u4a16_bf16_streams(const uint16_t* const* xp, const floa
 
 constexpr int kU4A16MaxRows = 4;  // more rows: unpack once per block and run the dense kernel
 
-// kp <= 8192: the reordered rows live in the memo (longer K takes the general path).
-constexpr int64_t kU4A16MaxK = 8192;
+// kp <= 16384: the reordered rows live in the memo (longer K takes the general path). 16384, not
+// 8192: mixtral's w2 (K = 14336) took the general path (unpack to a dense block per group, then
+// the bf16 kernel) at one row. The memo lives on the stage worker's stack: 4 x 32 KiB of rows and
+// 4 x 8 KiB of group sums.
+constexpr int64_t kU4A16MaxK = 16384;
 
 // The rows of the last call, reordered and summed per K group (u4_prepare_row), kept by the
 // driver per stage worker (RowMemo) so that they are prepared once per row, not once per block

@@ -28,6 +28,7 @@ void register_amx_bf16(KernelTable&) {}
 #include "avx512_f8_bf16.h"
 #include "avx512_mx4_amx.h"
 #include "avx512_mx4_bf16.h"
+#include "amx_a16_decode.h"
 
 namespace moepack {
 namespace amx_bf16 {
@@ -121,6 +122,11 @@ static bool gemm_f8a16_amx(const uint16_t* const* x, int m, const uint8_t* codes
 }
 constexpr int kF8AmxMinRows = 3;
 constexpr int kMx4AmxMinRows = 3;  // as int4 W4A16: from 3 rows one decode for all rows beats one per row pair
+// int4 W4A16, 2..4 rows (the row memo's): the decode into B tiles in registers
+// (amx_a16_decode.h). One row: vdpbf16ps (tools/bench_a16_tile.cpp, docs/BENCH.md "What bounds
+// W4A16 decode"). mxfp4's two rows stay on vdpbf16ps: the same decode into tiles gave nothing end
+// to end (docs/KERNELS.md "W4A16 decode through tiles").
+constexpr int kU4AmxDecMinRows = 2;
 
 struct MK : Avx512Base {
   static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_unpack_u4 | kHook_gemm_u4a16 | kHook_unpack_f8 |
@@ -162,6 +168,16 @@ struct MK : Avx512Base {
   using U4A16Memo = x86_avx512_u4_bf16::U4A16Rows;
   static bool gemm_u4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const float* scale,
                          const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G, float* C, void* memo) {
+    // 2..kAmxDecMaxRows rows: the codes decoded in registers into B tiles (amx_a16_decode.h);
+    // tools/bench_a16_tile.cpp, one thread, cycles per 128 code bytes in L2 / from DRAM: 2 rows
+    // 34 / 57 against 47 / 65 (vdpbf16ps); 4 rows 36 / 58 against 42 / 72 (unpack + tiles).
+    // One row stays with vdpbf16ps (29 against 32: the tile steps' stores cost what its dot
+    // products do). docs/KERNELS.md "W4A16 decode through tiles".
+    if (m >= kU4AmxDecMinRows &&
+        x86_amx_a16_decode::gemm_u4a16_amxdec(fmt, rows, m, codes, scale, zero, gstride, kp, G, C,
+                                              static_cast<U4A16Memo*>(memo))) {
+      return true;
+    }
     // From kU4AmxMinRows rows the tiles win: the unpack decodes each code once for all rows (the
     // decode kernel decodes it once per row pair), and the tiles' products cost next to nothing.
     if (fmt == RowFormat::bf16 && m >= kU4AmxMinRows &&
