@@ -48,6 +48,7 @@ constexpr int kMx4A8FoldMinE = 2, kMx4A8FoldMaxE = 230;
 constexpr int kMx4A8MaxRows = 64;  // the driver's chunks (kChunkM)
 constexpr int kMx4A8PrefetchBytes = int(kMx4A8ChunkK) * 16;  // the code stream's prefetch distance: one chunk
 constexpr int64_t kMx4A8Ring = 4, kMx4A8Ahead = 2;  // the one-row-group pass: 64-K steps in the ring, decoded ahead
+static_assert(kMx4A8Ring > kMx4A8Ahead, "the ring must hold the step being read and the steps decoded ahead");
 constexpr int64_t kMx4A8MaxK = 16384;  // longer K: the vpdpbusd path (the per-chunk plan is on the stack)
 
 // Whether groups [g0, g0 + ng) of the block fold (every column's e8m0 bytes within
@@ -215,9 +216,9 @@ static inline int8_t* mx4a8_block_buffer(int64_t kp) {
 // acc[m, 32] = the exact integer sums x . ((2 * e2m1(q)) << (e[g, n] - emin[n])) over the whole
 // K of a block that folds over its whole K (kp % 64 == 0, kp <= kMx4A8MaxK, m <= kMx4A8MaxRows):
 // one pass of tdpbssd per row group (32 rows) with its C tiles held across the whole K. The first
-// row group decodes the block into w (one 64-K tile step ahead of the tile loads, so that the
-// decode of the next step overlaps the tile unit's work on this one); further row groups read the
-// decoded block back. The row groups run in the order that starts with the tile configuration
+// row group decodes the block into w (kMx4A8Ahead 64-K tile steps ahead of the tile loads with one
+// row group, one step with two, so that the decode of a later step overlaps the tile unit's work on
+// this one); further row groups read the decoded block back. The row groups run in the order that starts with the tile configuration
 // already loaded (a configuration load costs about a microsecond in a KVM guest).
 static inline void mx4a8_whole_block(TileState& tiles, const int8_t* x0, int64_t stride, int m, const uint8_t* codes,
                                      const uint8_t* scale, int64_t gstride, int64_t kp, __m256i emin, int8_t* w,
@@ -247,10 +248,14 @@ static inline void mx4a8_whole_block(TileState& tiles, const int8_t* x0, int64_t
     if (decode) {
       for (int64_t st = 0; st < ahead && st < nsteps; ++st)
         unpack_mx4_s8_folded(codes, scale, gstride, st * kMx4A8SubK, kMx4A8SubK, emin, slot(st));
+      // GCC's _tile_loadd is an asm without a memory clobber: tell the compiler the tile loads
+      // below read what was just stored
+      asm volatile("" ::: "memory");
     }
     for (int64_t s = 0; s < nsteps; ++s) {
       if (decode && s + ahead < nsteps)
         unpack_mx4_s8_folded(codes, scale, gstride, (s + ahead) * kMx4A8SubK, kMx4A8SubK, emin, slot(s + ahead));
+      asm volatile("" ::: "memory");  // the stores above before the tile loads (see the prologue)
       const char* b = reinterpret_cast<const char*>(slot(s));
       _tile_loadd(6, b, 128);
       _tile_loadd(7, b + 64, 128);
@@ -289,7 +294,8 @@ static inline bool gemm_mx4a8_amx(const int8_t* const* x, const float* rs, int m
   TileState local;
   TileState& tiles = tile_state(local);
   __m256i emin;
-  if (kp % kMx4A8SubK == 0 && mx4a8_fits(scale, gstride, 0, ng, emin)) {
+  const bool whole = kp % kMx4A8SubK == 0 && mx4a8_fits(scale, gstride, 0, ng, emin);
+  if (whole) {
     alignas(64) int8_t wring[kMx4A8Ring * kMx4A8SubK * 32];
     if (int8_t* wb = m <= 32 ? wring : mx4a8_block_buffer(kp)) {
       // every column folds over the whole K (real checkpoints' blocks mostly do): one e_min per
@@ -329,7 +335,7 @@ static inline bool gemm_mx4a8_amx(const int8_t* const* x, const float* rs, int m
   // nothing folds (scales far apart, or at the extremes): the vpdpbusd path reads the block once
   // per 8 rows, as the per-group path here would, without its C round trips
   if (!any) return false;
-  if (kp % kMx4A8SubK == 0 && mx4a8_fits(scale, gstride, 0, ng, emin)) {  // no buffer for the block
+  if (whole) {  // no buffer for the block
     // every column folds over the whole K (real checkpoints' blocks mostly do): one e_min per
     // column for the block, the chunks' integer sums accumulated in the C tiles (exact: |.| <=
     // 128 * 96 * kp < 2^31), one epilogue (the sum's float rounds once where above 2^24)
