@@ -201,9 +201,12 @@ LEVELS = (
         "amx_int8",  # tile matrix multiply (tdpbssd) for int8 rows; AVX-512 BW for the rest
         arch="x86",
         base="avx512_vnni",
-        flags=("-mamx-tile", "-mamx-int8"),
+        # AVX512_VBMI: the mxfp4 A8 decode's (shift, code) byte-table lookup (docs/KERNELS.md);
+        # every CPU with AMX has it
+        flags=("-mamx-tile", "-mamx-int8", "-mavx512vbmi"),
         needs=(
             cpu("AMX-TILE/AMX-INT8", "amx_tile", "amx_int8"),
+            cpu("AVX512_VBMI", "avx512vbmi"),
             os_state("AMX tile data (XCR0 and the kernel's permission, arch_prctl)", "os_amx"),
         ),
         serves=("i8", "u4:a8", "e2m1:a8"),

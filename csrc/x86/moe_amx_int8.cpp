@@ -1,5 +1,5 @@
 // [NOTE] AMX-INT8 fused-MoE kernel for layout i8_n32k4_x86 (W8A8), ISA level `amx_int8`
-// (docs/KERNELS.md). Compiled with the avx512_vnni level's flags plus -mamx-tile -mamx-int8;
+// (docs/KERNELS.md). Compiled with the avx512_vnni level's flags plus -mamx-tile -mamx-int8 -mavx512vbmi;
 // registered by dispatch.cpp only where cpuid, XCR0 and the kernel's permission
 // (csrc/x86/cpu_features.cpp) say tiles can be used.
 //
