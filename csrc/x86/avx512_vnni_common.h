@@ -31,7 +31,7 @@ using namespace x86_avx512;
 // the signed codes (nothing for signed rows).
 // `nl`: the next block's lines this tile prefetches (NextLines).
 //
-// u8 rows (kRowXor = 0) with 5 or more rows take gemm_i8_tile_u8 instead: the rows are the
+// u8 rows (kRowXor = 0) with 8 or more rows take gemm_i8_tile_u8 instead: the rows are the
 // unsigned operand as stored and the weights the signed operand as packed,
 //   acc = sum (q + 128) w = sum q w + 128 colsum(w),
 // and colsum(w) of the block's 32 columns is computed from the codes once per call (i8_col_sums,
@@ -99,9 +99,14 @@ static inline void gemm_i8_tile_u8(const int8_t* const* x, const int8_t* B, int6
   }
 }
 
-// m >= 5 u8 rows: tiles of at most kU8TileRows rows, split evenly (13 rows: 7 + 6), so every
-// tile has 5..12 rows (24 accumulators + 2 weight vectors + 1 broadcast of the 32 registers).
+// m >= kU8MinRows u8 rows: tiles of at most kU8TileRows rows, split evenly (13 rows: 7 + 6), so
+// every tile has 5..12 rows (24 accumulators + 2 weight vectors + 1 broadcast of the 32 registers).
+// The column sums cost kp / 2 vpdpbusd per call, 1/m of the rows' own: with 5..7 rows that made
+// the call slower than gemm_i8_tile (bare tile, kp 2048: 5 rows 333-355 GOP/s against 380-403),
+// with 8 about even, from 12 well ahead (docs/BENCH.md "Prefill without AMX"), so fewer than 8
+// u8 rows keep gemm_i8_tile.
 constexpr int kU8TileRows = 12;
+constexpr int kU8MinRows = 8;
 static inline void gemm_i8_u8_rows(const int8_t* const* x, int m, const int8_t* B, int64_t kp, int32_t* C,
                                    NextLines next) {
   __m512i c0, c1;
@@ -120,7 +125,7 @@ static inline void gemm_i8_u8_rows(const int8_t* const* x, int m, const int8_t* 
       case 8: gemm_i8_tile_u8<8>(xt, B, kp, Ct, c0, c1, nl); break;
       case 7: gemm_i8_tile_u8<7>(xt, B, kp, Ct, c0, c1, nl); break;
       case 6: gemm_i8_tile_u8<6>(xt, B, kp, Ct, c0, c1, nl); break;
-      default: gemm_i8_tile_u8<5>(xt, B, kp, Ct, c0, c1, nl); break;  // mr == 5 (m >= 5)
+      default: gemm_i8_tile_u8<5>(xt, B, kp, Ct, c0, c1, nl); break;  // mr == 5 (13 rows: 7 + 6; 8 rows: one tile)
     }
     i += mr;
   }
@@ -226,22 +231,21 @@ static inline void gemm_i8_vnni_rows(const int8_t* const* x, int m, const int8_t
     }
   }
   if constexpr (kRowXor == 0) {
-    if (m > 0) gemm_i8_u8_rows(x, m, B, kp, C, next);  // m >= 5 u8 rows
-  } else {
-    const int tiles = (m + 7) / 8;
-    int i = 0;
-    for (; i + 8 <= m; i += 8) gemm_i8_tile<8, kRowXor>(x + i, B, kp, C + i * 32, next.share(i / 8, tiles));
-    const NextLines nl = next.share(i / 8, tiles);
-    switch (m - i) {
-      case 7: gemm_i8_tile<7, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
-      case 6: gemm_i8_tile<6, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
-      case 5: gemm_i8_tile<5, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
-      case 4: gemm_i8_tile<4, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
-      case 3: gemm_i8_tile<3, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
-      case 2: gemm_i8_tile<2, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
-      case 1: gemm_i8_row<kRowXor>(x[i], B, kp, C + i * 32); break;
-      default: break;
-    }
+    if (m >= kU8MinRows) return gemm_i8_u8_rows(x, m, B, kp, C, next);
+  }
+  const int tiles = (m + 7) / 8;
+  int i = 0;
+  for (; i + 8 <= m; i += 8) gemm_i8_tile<8, kRowXor>(x + i, B, kp, C + i * 32, next.share(i / 8, tiles));
+  const NextLines nl = next.share(i / 8, tiles);
+  switch (m - i) {
+    case 7: gemm_i8_tile<7, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
+    case 6: gemm_i8_tile<6, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
+    case 5: gemm_i8_tile<5, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
+    case 4: gemm_i8_tile<4, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
+    case 3: gemm_i8_tile<3, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
+    case 2: gemm_i8_tile<2, kRowXor>(x + i, B, kp, C + i * 32, nl); break;
+    case 1: gemm_i8_row<kRowXor>(x[i], B, kp, C + i * 32); break;
+    default: break;
   }
 }
 
