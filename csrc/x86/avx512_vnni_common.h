@@ -39,8 +39,9 @@ using namespace x86_avx512;
 // vpbroadcastd loads (load ports only) beside the 2 MR dot products, where gemm_i8_tile also
 // needs 2 weight XORs and, per row, a scalar XOR and a broadcast from a general register (both
 // on the vector ports the dot products use). Bare-tile bench (tools/bench_tile_i8.cpp, kp =
-// 2048, 32 rows, one thread, L2-resident blocks, under load): 360-395 -> 560-630 GOP/s
-// against a vpdpbusd peak of ~850 (docs/BENCH.md "Prefill without AMX").
+// 2048, 32 rows, one thread, L2-resident blocks, under load): 421-448 -> 624-646 GOP/s
+// against a vpdpbusd peak of 945-971, 0.81-0.83 core cycles per vpdpbusd against 0.54
+// (docs/BENCH.md "Prefill without AMX").
 
 // vpdpbusd with its accumulator tied to one register. GCC 12 compiled the intrinsic in the MR = 8
 // tile into a register copy before and after each dot product, and spilled accumulators to the
