@@ -153,10 +153,11 @@ def bench(
     )
     cfg.validate()  # before minutes of work
     if cfg.vs:
-        python = B.reexec_python(cfg.vs)  # vLLM in its own venv: the same command there
+        python = B.reexec_python(cfg.vs)  # vLLM / zentorch in their own venv: the same command there
         if python is not None:
             if not quiet:
-                err_console.print(f"[dim]--vs vllm: vllm is not importable here; running this bench in {python}[/]", highlight=False, soft_wrap=True)
+                gone = ",".join(e for e in ("vllm", "zentorch") if e in cfg.vs and not B.peers.importable(e))
+                err_console.print(f"[dim]--vs {gone}: not importable here; running this bench in {python}[/]", highlight=False, soft_wrap=True)
             raise typer.Exit(B.reexec(python, (["--debug"] if state.debug else []) + ["bench"] + _given_args(ctx), cfg.threads))
     if json_path is not None and json_path.parent and not json_path.parent.exists():
         raise ValueError(f"--json {json_path}: folder {json_path.parent} does not exist")

@@ -30,6 +30,107 @@ using namespace x86_avx512;
 // 0x80808080 for signed codes (amx_int8); each code word is XORed with kRowXor ^ 0x80808080 to give
 // the signed codes (nothing for signed rows).
 // `nl`: the next block's lines this tile prefetches (NextLines).
+//
+// u8 rows (kRowXor = 0) with 8 or more rows take gemm_i8_tile_u8 instead: the rows are the
+// unsigned operand as stored and the weights the signed operand as packed,
+//   acc = sum (q + 128) w = sum q w + 128 colsum(w),
+// and colsum(w) of the block's 32 columns is computed from the codes once per call (i8_col_sums,
+// 2 vpdpbusd per K quad, shared by all the call's rows). Per K quad and MR rows that leaves MR
+// vpbroadcastd loads (load ports only) beside the 2 MR dot products, where gemm_i8_tile also
+// needs 2 weight XORs and, per row, a scalar XOR and a broadcast from a general register (both
+// on the vector ports the dot products use). Bare-tile bench (tools/bench_tile_i8.cpp, kp =
+// 2048, 32 rows, one thread, L2-resident blocks, under load): 421-448 -> 624-646 GOP/s
+// against a vpdpbusd peak of 945-971, 0.81-0.83 core cycles per vpdpbusd against 0.54
+// (docs/BENCH.md "Prefill without AMX").
+
+// vpdpbusd with its accumulator tied to one register. GCC 12 compiled the intrinsic in the MR = 8
+// tile into a register copy before and after each dot product, and spilled accumulators to the
+// stack; the asm keeps each accumulator in place. (The emulated build keeps the intrinsic.)
+static inline __m512i dpbusd(__m512i acc, __m512i u8v, __m512i s8v) {
+#if defined(MOEPACK_EMULATE_AVX512)
+  return _mm512_dpbusd_epi32(acc, u8v, s8v);
+#else
+  __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(u8v), "v"(s8v));
+  return acc;
+#endif
+}
+
+// 128 colsum(w) of one block's 32 columns (two halves), from its codes: vpdpbusd of ones (u8)
+// against the signed weights, four chains.
+static inline void i8_col_sums128(const int8_t* B, int64_t kp, __m512i& c0, __m512i& c1) {
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
+  const __m512i* b = reinterpret_cast<const __m512i*>(B);
+  const int64_t nq = kp / 4;
+  int64_t kq = 0;
+  for (; kq + 2 <= nq; kq += 2, b += 4) {
+    a0 = dpbusd(a0, ones, _mm512_loadu_si512(b));
+    a1 = dpbusd(a1, ones, _mm512_loadu_si512(b + 1));
+    a2 = dpbusd(a2, ones, _mm512_loadu_si512(b + 2));
+    a3 = dpbusd(a3, ones, _mm512_loadu_si512(b + 3));
+  }
+  if (kq < nq) {
+    a0 = dpbusd(a0, ones, _mm512_loadu_si512(b));
+    a1 = dpbusd(a1, ones, _mm512_loadu_si512(b + 1));
+  }
+  c0 = _mm512_slli_epi32(_mm512_add_epi32(a0, a2), 7);
+  c1 = _mm512_slli_epi32(_mm512_add_epi32(a1, a3), 7);
+}
+
+// MR u8 rows (u8 = q + 128) against one block: C = acc - 128 colsum (c0, c1 from i8_col_sums128).
+template <int MR>
+static inline void gemm_i8_tile_u8(const int8_t* const* x, const int8_t* B, int64_t kp, int32_t* C, __m512i c0,
+                                   __m512i c1, NextLines nl = {}) {
+  __m512i acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  const __m512i* b = reinterpret_cast<const __m512i*>(B);
+  const bool two = nl.lines > kp / 4;
+  for (int64_t kq = 0; kq < kp / 4; ++kq, b += 2) {
+    next_lines_step(nl, two);
+    const __m512i w0 = _mm512_loadu_si512(b), w1 = _mm512_loadu_si512(b + 1);
+    for (int r = 0; r < MR; ++r) {
+      const __m512i xr = _mm512_set1_epi32(int(load_u32(x[r] + 4 * kq)));  // the row's 4 u8 codes
+      acc[r][0] = dpbusd(acc[r][0], xr, w0);
+      acc[r][1] = dpbusd(acc[r][1], xr, w1);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm512_storeu_si512(C + r * 32, _mm512_sub_epi32(acc[r][0], c0));
+    _mm512_storeu_si512(C + r * 32 + 16, _mm512_sub_epi32(acc[r][1], c1));
+  }
+}
+
+// m >= kU8MinRows u8 rows: tiles of at most kU8TileRows rows, split evenly (13 rows: 7 + 6), so
+// every tile has 5..12 rows (24 accumulators + 2 weight vectors + 1 broadcast of the 32 registers).
+// The column sums cost kp / 2 vpdpbusd per call, 1/m of the rows' own: with 5..7 rows that made
+// the call slower than gemm_i8_tile (bare tile, kp 2048: 5 rows 333-355 GOP/s against 380-403),
+// with 8 about even, from 12 well ahead (docs/BENCH.md "Prefill without AMX"), so fewer than 8
+// u8 rows keep gemm_i8_tile.
+constexpr int kU8TileRows = 12;
+constexpr int kU8MinRows = 8;
+static inline void gemm_i8_u8_rows(const int8_t* const* x, int m, const int8_t* B, int64_t kp, int32_t* C,
+                                   NextLines next) {
+  __m512i c0, c1;
+  i8_col_sums128(B, kp, c0, c1);
+  const int tiles = (m + kU8TileRows - 1) / kU8TileRows;
+  for (int t = 0, i = 0; t < tiles; ++t) {
+    const int mr = (m - i) / (tiles - t);  // the later tiles take the remainder's extra rows
+    const NextLines nl = next.share(t, tiles);
+    const int8_t* const* xt = x + i;
+    int32_t* Ct = C + i * 32;
+    switch (mr) {
+      case 12: gemm_i8_tile_u8<12>(xt, B, kp, Ct, c0, c1, nl); break;
+      case 11: gemm_i8_tile_u8<11>(xt, B, kp, Ct, c0, c1, nl); break;
+      case 10: gemm_i8_tile_u8<10>(xt, B, kp, Ct, c0, c1, nl); break;
+      case 9: gemm_i8_tile_u8<9>(xt, B, kp, Ct, c0, c1, nl); break;
+      case 8: gemm_i8_tile_u8<8>(xt, B, kp, Ct, c0, c1, nl); break;
+      case 7: gemm_i8_tile_u8<7>(xt, B, kp, Ct, c0, c1, nl); break;
+      case 6: gemm_i8_tile_u8<6>(xt, B, kp, Ct, c0, c1, nl); break;
+      default: gemm_i8_tile_u8<5>(xt, B, kp, Ct, c0, c1, nl); break;  // mr == 5 (13 rows: 7 + 6; 8 rows: one tile)
+    }
+    i += mr;
+  }
+}
 
 // sum_k q[k] of a row of kp codes (zero codes up to kp, stored like the others): vpdpbusd of the
 // bytes against ones, 64 at a time, the tail one byte at a time (u8 rows: their u8 sum - 128 kp).
@@ -73,8 +174,8 @@ static inline void gemm_i8_tile(const int8_t* const* x, const int8_t* B, int64_t
       uint32_t v;
       std::memcpy(&v, x[r] + 4 * kq, 4);
       const __m512i xr = _mm512_set1_epi32(int(v ^ kRowXor ^ 0x80808080u));  // the signed codes
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, xr);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, xr);
+      acc[r][0] = dpbusd(acc[r][0], w0, xr);
+      acc[r][1] = dpbusd(acc[r][1], w1, xr);
     }
   }
   for (int r = 0; r < MR; ++r) i8_store_row<kRowXor>(C + r * 32, acc[r][0], acc[r][1], x[r], kp);
@@ -96,8 +197,8 @@ static inline void gemm_i8_streams(const int8_t* const* x, const int8_t* B, int6
       uint32_t v;
       std::memcpy(&v, x[r] + 4 * k, 4);
       const __m512i xr = _mm512_set1_epi32(int(v ^ kRowXor ^ 0x80808080u));
-      a[r][u][0] = _mm512_dpbusd_epi32(a[r][u][0], w0, xr);
-      a[r][u][1] = _mm512_dpbusd_epi32(a[r][u][1], w1, xr);
+      a[r][u][0] = dpbusd(a[r][u][0], w0, xr);
+      a[r][u][1] = dpbusd(a[r][u][1], w1, xr);
     }
   });
   for (int r = 0; r < MR; ++r) {
@@ -129,6 +230,9 @@ static inline void gemm_i8_vnni_rows(const int8_t* const* x, int m, const int8_t
       case 4: return one ? gemm_i8_streams<4, 1, kRowXor>(x, B, kp, C) : gemm_i8_streams<4, 2, kRowXor>(x, B, kp, C);
       default: break;
     }
+  }
+  if constexpr (kRowXor == 0) {
+    if (m >= kU8MinRows) return gemm_i8_u8_rows(x, m, B, kp, C, next);
   }
   const int tiles = (m + 7) / 8;
   int i = 0;

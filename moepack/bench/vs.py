@@ -403,7 +403,8 @@ def render_vs_markdown(result: BenchResult) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# vLLM lives in its own python (it pins its own packages): re-running the bench there
+# vLLM lives in its own python (it pins its own packages), zentorch may (MOEPACK_ZENTORCH_PYTHON):
+# re-running the bench there
 
 CHILD_ENV = "MOEPACK_BENCH_VS_CHILD"  # set in the re-run: it must not re-run again
 TORCH_ENV = "MOEPACK_BENCH_VS_TORCH"  # the torch version moepack was built against (checked there first)
@@ -464,25 +465,45 @@ def vllm_python() -> str | None:
     return None
 
 
+def zentorch_python() -> str | None:
+    """The interpreter ``--vs zentorch`` re-runs in when zentorch is not importable here:
+    ``MOEPACK_ZENTORCH_PYTHON`` (a python with zentorch 2.13.0.2 and torch 2.13.0, e.g. a venv
+    made with --system-site-packages); None when unset."""
+    return os.environ.get("MOEPACK_ZENTORCH_PYTHON") or None
+
+
+# the engines that may live in another python: the variable (or default) naming it
+ENGINE_PYTHONS = {"vllm": "the vLLM python named by MOEPACK_VLLM_PYTHON or build/vllm-venv",
+                  "zentorch": "the zentorch python named by MOEPACK_ZENTORCH_PYTHON"}  # fmt: skip
+
+
 def reexec_python(engines: list[str]) -> str | None:
     """None when every engine of ``engines`` can be looked for in this interpreter; the python to
-    re-run the bench in when vLLM is not importable here but a vLLM python is known. Raises
-    PeerUnavailable (one line: what is missing, the fix) when there is none, or when this is
+    re-run the bench in when vLLM or zentorch is not importable here but a python for it is known
+    (``vllm_python``, ``zentorch_python``). Raises PeerUnavailable (one line: what is missing, the
+    fix) when there is none, when the missing engines name two different pythons, or when this is
     already the re-run."""
     from .peers import PeerUnavailable, importable, missing_message
 
-    if "vllm" not in engines or importable("vllm"):
+    missing = [e for e in ENGINE_PYTHONS if e in engines and not importable(e)]
+    if not missing:
         return None
     if os.environ.get(CHILD_ENV):
-        raise PeerUnavailable(missing_message("vllm", f"is not importable in {sys.executable} either (the vLLM python named by "
-                                                      "MOEPACK_VLLM_PYTHON or build/vllm-venv)"))  # fmt: skip
-    py = vllm_python()
-    if py is None:
-        raise PeerUnavailable(missing_message("vllm"))
-    if not (os.path.isfile(py) and os.access(py, os.X_OK)):
-        raise PeerUnavailable(missing_message("vllm", f"is not importable in {sys.executable}, and the vLLM python {py} "
-                                                      "is not an executable file"))  # fmt: skip
-    return py
+        e = missing[0]
+        raise PeerUnavailable(missing_message(e, f"is not importable in {sys.executable} either ({ENGINE_PYTHONS[e]})"))
+    found: dict[str, str] = {}
+    for e in missing:
+        py = vllm_python() if e == "vllm" else zentorch_python()
+        if py is None:
+            raise PeerUnavailable(missing_message(e))
+        if not (os.path.isfile(py) and os.access(py, os.X_OK)):
+            raise PeerUnavailable(missing_message(e, f"is not importable in {sys.executable}, and {ENGINE_PYTHONS[e].split(' named')[0]} "
+                                                     f"{py} is not an executable file"))  # fmt: skip
+        found[e] = py
+    if len(set(found.values())) > 1:
+        raise PeerUnavailable(f"--vs {','.join(missing)}: they are in two pythons ({', '.join(f'{e}: {p}' for e, p in found.items())}): "
+                              "run one --vs at a time, or install both in one python")  # fmt: skip
+    return next(iter(found.values()))
 
 
 def reexec(python: str, args: list[str], threads: int | None = None) -> int:
@@ -518,5 +539,5 @@ def reexec(python: str, args: list[str], threads: int | None = None) -> int:
 __all__ = [
     "CHECK_MAX_TOKENS", "ERR_NOTE", "SETS", "VS_COLUMNS", "ArmTimes", "arm_names", "calls_per_arm", "canonical_from_float",
     "fp32_reference", "omp_note", "reexec", "reexec_python", "rel_err", "render_vs_markdown", "render_vs_table", "run_vs", "schedule",
-    "time_arms", "vllm_python", "vs_cells",
+    "time_arms", "vllm_python", "vs_cells", "zentorch_python",
 ]

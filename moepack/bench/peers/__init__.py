@@ -113,7 +113,7 @@ def missing_message(engine: str, detail: str | None = None) -> str:
     if engine == "zentorch":
         why = detail or f"not importable in {sys.executable}"
         return (f"--vs zentorch: zentorch {why}: pip install {ZENTORCH_PIP} (it needs torch 2.13.0, the torch moepack "
-                "was built against)")  # fmt: skip
+                "was built against), or set MOEPACK_ZENTORCH_PYTHON to a python that has it")  # fmt: skip
     if engine == "vllm":
         why = detail or f"not importable in {sys.executable}, and no vLLM python was found"
         return (f"--vs vllm: vllm {why}: run `make vllm-venv` (builds build/vllm-venv with {VLLM_PIP}) or set "
