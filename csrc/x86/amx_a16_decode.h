@@ -41,6 +41,7 @@ using namespace x86_avx512_u4_bf16;
 using namespace x86_amx;
 
 constexpr int kAmxDecMaxRows = 4;  // the row memo's rows (U4A16Rows); more rows: gemm_u4a16_amx (one unpack)
+static_assert(kAmxDecMaxRows <= kU4A16MaxRows, "the tile decode reads its rows from the row memo");
 
 // Two B tile pairs (columns 0-15 and 16-31 of 16 K pairs each, 64 bytes a row), alternating.
 struct alignas(64) DecB {
@@ -62,6 +63,9 @@ static inline void dec_zero_rows(uint16_t (*b)[16 * 32], int s) {
 // One tile step: C0 += A . B(columns 0-15), C1 += A . B(16-31), A = the rows' 16 K pairs at a
 // (row_bytes apart), B = tile pair b.
 static inline void dec_tile_dp(const uint16_t* a, int64_t row_bytes, uint16_t (*b)[16 * 32]) {
+  // GCC's _tile_loadd is an asm without a memory clobber: tell the compiler that the tile loads
+  // read the B rows just stored (no instruction)
+  asm volatile("" ::: "memory");
   _tile_loadd(6, b[0], 64);
   _tile_loadd(7, b[1], 64);
   _tile_loadd(4, a, row_bytes);

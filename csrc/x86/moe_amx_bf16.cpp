@@ -149,8 +149,9 @@ struct MK : Avx512Base {
     gemm_amx(x[0], stride, m, B, kp, C);
   }
 
-  // int4_group layouts (W4A16): the unpack to dense bf16 blocks; few bf16 rows straight from the
-  // codes (avx512_u4_bf16.h), more through tiles, one K group at a time (gemm_u4a16_amx).
+  // int4_group layouts (W4A16): the unpack to dense bf16 blocks; one bf16 row straight from the
+  // codes (avx512_u4_bf16.h), 2-4 through tiles fed by that decode (amx_a16_decode.h), more
+  // through tiles over the unpacked block, one K group at a time (gemm_u4a16_amx).
   static void unpack_u4(const uint8_t* codes, int64_t k0, int64_t kk, const uint8_t* z, uint16_t* out) {
     x86_avx512_u4::unpack_u4_avx512(codes, k0, kk, z, out);
   }
