@@ -110,6 +110,17 @@ for key, cfg in (("FAMILY", {"model_type": "olmoe"}), ("QUANT", {"model_type": "
         check_family({"model": {"config": cfg}}, "DIR")
     except Exception as e:
         print(key + " " + str(e))
+# a quantized source that quantized its experts only: the carried tensors are float, served
+ct = {"model_type": "qwen3_moe", "quantization_config": {"quant_method": "compressed-tensors"}}
+flt = {"moepack.layers.0.w13": {"dtype": "int8"}, "model.layers.0.self_attn.q_proj.weight": {"dtype": "bfloat16"}}
+check_family({"model": {"config": ct}, "tensors": flt}, "DIR")
+print("EXPERTSONLY served")
+for key, extra in (("CARRIEDINT", {"model.layers.0.self_attn.q_proj.weight_packed": {"dtype": "int32"}}),
+                   ("CARRIEDSCALE", {"model.layers.0.self_attn.q_proj.weight_scale": {"dtype": "bfloat16"}})):
+    try:
+        check_family({"model": {"config": ct}, "tensors": {**flt, **extra}}, "DIR")
+    except Exception as e:
+        print(key + " " + str(e))
 '''
 
 
@@ -141,10 +152,12 @@ def _env(tmp: Path) -> dict:
     return env
 
 
-def _vllm(tmp: Path, model: Path, *, quant: str | None = "moepack", tp: int = 1, expect_ok: bool = True) -> dict:
+def _vllm(tmp: Path, model: Path, *, quant: str | None = "moepack", tp: int = 1, expect_ok: bool = True,
+          extra_env: dict | None = None) -> dict:  # fmt: skip
     drv = tmp / "vllm_driver.py"
     drv.write_text(DRIVER)
     env = _env(tmp)
+    env.update(extra_env or {})
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
     args = {"model": str(model), "prompts": PROMPTS, "n": NEW, "tp": tp, "quant": quant}
@@ -306,6 +319,35 @@ def family_packs(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def ct_int8(tmp_path_factory):
+    """A compressed-tensors W8A8 int8 checkpoint of q64 that quantized its experts only (the
+    recipe's targets are the experts, attention / router / lm_head in its ignore list: what vLLM's
+    own int8 CPU experts load), and moepack's pack of it (the checkpoint's codes and scales)."""
+    import moepack
+    from tests.ct_writer import write_ct_checkpoint
+
+    base = tmp_path_factory.mktemp("vllm_ct")
+    src = _tiny_qwen3_moe(base / "q64", 64, 32)
+    write_ct_checkpoint(src, base / "ct", "W8A8", lambda mod: mod.weight.float().abs().amax(1, keepdim=True),
+                        keep=re.compile(r"^(?!.*[.]mlp[.]experts[.])"), targets=[r"re:.*mlp[.]experts[.].*"],
+                        ignore=["lm_head", r"re:.*self_attn[.].*", r"re:.*mlp[.]gate$"])  # fmt: skip
+    moepack.convert(base / "ct", base / "pack")
+    return {"ct": base / "ct", "pack": base / "pack"}
+
+
+@needs_vllm
+def test_ct_int8_experts_only_source(ct_int8, tmp_path):
+    """A quantized source whose non-expert linears are float is served: vLLM + moepack on the pack
+    of a compressed-tensors int8 checkpoint == load_model on it, and == vLLM's own int8 CPU experts
+    on the checkpoint up to a near-tie (the same codes and scales; both quantize activations per
+    token). Run with MOEPACK_VLLM_PAGES=populate: the reload-and-prefault path inside the engine."""
+    ref = _greedy(ct_int8["pack"])
+    assert _vllm(tmp_path, ct_int8["pack"], extra_env={"MOEPACK_VLLM_PAGES": "populate"})["tokens"] == ref
+    own = _vllm(tmp_path, ct_int8["ct"], quant=None)["tokens"]
+    _assert_same_up_to_near_tie(ct_int8["pack"], own, ref)
+
+
 @needs_vllm
 def test_gpt_oss_bf16_equals_vllm_own_experts(family_packs, tmp_path):
     """gpt-oss (swigluoai with alpha/limit, interleaved rows, expert and router biases, attention
@@ -354,6 +396,50 @@ def test_registration_idempotent_and_version_range(tmp_path):
                                       "under vLLM 0.32's CPU path (MLA attention) its greedy tokens differ")  # fmt: skip
     assert lines["QUANT"].startswith("DIR: the source's quantization_config (quant_method='gptq') means its non-expert "
                                      "linears are stored quantized")  # fmt: skip
+    assert lines["EXPERTSONLY"] == "served"
+    assert lines["CARRIEDINT"].startswith("DIR: the source's quantization_config (quant_method='compressed-tensors') means")
+    assert lines["CARRIEDINT"].endswith("(carried: model.layers.0.self_attn.q_proj.weight_packed (int32))")
+    assert lines["CARRIEDSCALE"].endswith("(carried: model.layers.0.self_attn.q_proj.weight_scale (bfloat16))")
+
+
+def test_pages_modes_here(tmp_path, monkeypatch):
+    """MOEPACK_VLLM_PAGES (no vLLM needed): each mode advises the page-aligned range of every
+    packed tensor (drop_cached and the hints leave the bytes as they were: the experts' output
+    is bit-identical), and a value outside the four modes is refused naming them."""
+    import torch
+
+    import moepack
+    from moepack.errors import UnsupportedError
+    from moepack.integrations.vllm import pages
+
+    src = _tiny_qwen3_moe(tmp_path / "src", 64, 32)
+    moepack.convert(src, tmp_path / "pack")
+    monkeypatch.delenv(pages.ENV, raising=False)
+    assert pages.mode() == "advise"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    tw = torch.full((5, 2), 0.5)
+    ti = torch.tensor([[0, 7], [1, 2], [3, 3], [6, 5], [4, 0]], dtype=torch.int32)
+    ref = None
+    for how in pages.MODES:
+        monkeypatch.setenv(pages.ENV, how)
+        assert pages.mode() == how
+        if how in ("reload", "populate"):
+            pages.drop_cached(sorted((tmp_path / "pack").glob("experts-*.safetensors")))
+        pk = moepack.open(tmp_path / "pack").layers[0].packed
+        n = pages.advise(pk.tensors.values(), how)
+        want = 0
+        for t in pk.tensors.values():
+            a = t.data_ptr()
+            want += max(0, ((a + t.numel() * t.element_size()) & ~4095) - ((a + 4095) & ~4095))
+        assert n == (0 if how == "off" else want) and (how == "off" or n > 0)
+        out = moepack.run_experts(pk, x, tw, ti)
+        if ref is None:
+            ref = out
+        assert torch.equal(out, ref), how
+    monkeypatch.setenv(pages.ENV, "huge")
+    with pytest.raises(UnsupportedError, match=r"^MOEPACK_VLLM_PAGES='huge' is not one of advise, reload, populate, off$"):
+        pages.mode()
 
 
 @needs_vllm
