@@ -328,7 +328,10 @@ def ct_int8(tmp_path_factory):
     from tests.ct_writer import write_ct_checkpoint
 
     base = tmp_path_factory.mktemp("vllm_ct")
-    src = _tiny_qwen3_moe(base / "q64", 64, 32)
+    # seed 1 for margin: screening seeds 0..7 of this checkpoint, load_model's greedy steps on the
+    # pack have top-2 logit gaps down to 0.0 (seeds 0, 6), 0.03 (3, 7), 0.06 (4, 5) and 0.11 (1, 2);
+    # seed 0's step 8, 0.047 (1.5 bf16 steps), went the other way in vLLM (its attention's order)
+    src = _tiny_qwen3_moe(base / "q64", 64, 32, seed=1)
     write_ct_checkpoint(src, base / "ct", "W8A8", lambda mod: mod.weight.float().abs().amax(1, keepdim=True),
                         keep=re.compile(r"^(?!.*[.]mlp[.]experts[.])"), targets=[r"re:.*mlp[.]experts[.].*"],
                         ignore=["lm_head", r"re:.*self_attn[.].*", r"re:.*mlp[.]gate$"])  # fmt: skip
