@@ -97,7 +97,7 @@ def main(a):
         experts_ms = {k: {"ms": e.self_cpu_time_total / 1e3, "calls": e.count} for k, e in ev.items()
                       if re.search(r"fused_experts|fused_moe|moepack_vllm", k) and e.self_cpu_time_total > 0}
         experts_ms["prefill_ms"] = t_prof * 1e3
-    print("RESULT " + json.dumps({"load_s": load_s, "rss0_mb": r0, "rss_loaded_mb": r1, "peak_loaded_mb": hwm,
+    print("RESULT " + json.dumps({"load_s": load_s, "threads": torch.get_num_threads(), "rss0_mb": r0, "rss_loaded_mb": r1, "peak_loaded_mb": hwm,
                                   "rss_end_mb": r2, "peak_end_mb": hwm2, "decode_tok_s": max(dec), "prefill_tok_s": max(pre),
                                   "prefill_first_tok_s": a["prefill_len"] * a["prefill_prompts"] / first_s,
                                   "decode_all": dec, "prefill_all": pre, "experts_ops": experts_ms, "tokens": toks}), flush=True)
@@ -217,7 +217,7 @@ def write_source(d: Path, layers: int, vocab: int, hidden: int, inter: int, expe
     from safetensors.torch import save_file
     from transformers import Qwen3MoeConfig
 
-    if (d / "config.json").exists():
+    if (d / "model.safetensors.index.json").exists():  # written last: a source cut off midway is rewritten
         return
     d.mkdir(parents=True, exist_ok=True)
     nh, nkv, hd = 32, 4, 128
@@ -297,6 +297,11 @@ def _nbytes(e: dict) -> int:
     return math.prod(e["shape"]) * size
 
 
+# (vLLM's own run, the moepack run on the same weights) whose ratios the summary prints
+PAIRS = [("own-bf16", "moepack-bf16"), ("own-ct-int8", "moepack-ct-int8"), ("own-ct-int4", "moepack-ct-int4"),
+         ("own-ct-int4", "moepack-ct-int4-a8")]
+
+
 def run_vllm(py: str, model: Path, quant: str | None, a, log: Path, extra_env: dict | None = None) -> dict:
     drv = log.parent / "vllm_bench_driver.py"
     drv.write_text(DRIVER)
@@ -345,6 +350,8 @@ def main() -> int:
                     "moepack's on the mapped pack, on 4 KiB and on 2 MiB anonymous copies), no engine")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="one more prefill under torch.profiler: the experts' op "
                     "time inside the engine (results.json experts_ops)")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=1, help="run the arms this many times, back to back, every second "
+                    "round in the reverse order (the ratios are reported per round: fair on a shared machine)")  # fmt: skip
     a = ap.parse_args()
     py = os.environ.get("MOEPACK_VLLM_PYTHON") or str(ROOT / "build" / "vllm-venv" / "bin" / "python")
     if not Path(py).exists():
@@ -389,27 +396,39 @@ def main() -> int:
         if s == "int4":  # vLLM's int4 kernel quantizes activations to int8: moepack's a8 mode is its like
             runs.append((f"moepack-ct-{s}-a8", pack, "moepack", pack,
                          {"MOEPACK_VLLM_PAGES": pages[0] if pages else "advise", "MOEPACK_ACT_MODE": "a8"}))
-    results = {}
-    for name, model, quant, pack, extra in runs:
-        print(f"running {name} ...", flush=True)
-        r = run_vllm(py, model, quant, a, a.out / f"{name}.log", extra)
-        if pack is not None:
-            r["experts_mb"] = experts_bytes(pack) / 2**20
-        results[name] = r
-        print(json.dumps({name: r}), flush=True)
-    (a.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "results": results}, indent=1))
-    hdr = (f"{'run':<22}{'load s':>8}{'weights':>12}{'RSS +MB':>9}{'peak +MB':>9}{'experts MB':>11}{'decode t/s':>11}"
-           f"{'prefill t/s':>12}{'1st prefill':>12}{'experts ms':>11}")  # fmt: skip
+    results: dict[str, list[dict]] = {}
+    for rnd in range(a.rounds):
+        for name, model, quant, pack, extra in (runs if rnd % 2 == 0 else runs[::-1]):
+            print(f"round {rnd + 1}: running {name} ...", flush=True)
+            r = run_vllm(py, model, quant, a, a.out / f"{name}.r{rnd + 1}.log", extra)
+            r["round"] = rnd + 1
+            if pack is not None:
+                r["experts_mb"] = experts_bytes(pack) / 2**20
+            results.setdefault(name, []).append(r)
+            print(json.dumps({name: r}), flush=True)
+            (a.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
+                                                            "order": [x[0] for x in runs], "results": results}, indent=1))  # fmt: skip
+    hdr = (f"{'run':<22}{'rnd':>4}{'load s':>8}{'weights':>12}{'RSS +MB':>9}{'peak +MB':>9}{'experts MB':>11}"
+           f"{'decode t/s':>11}{'prefill t/s':>12}{'1st prefill':>12}{'experts ms':>11}")  # fmt: skip
     print(hdr)
-    for name, r in results.items():
-        if "error" in r:
-            print(f"{name:<22} {r['error']}")
-            continue
-        ops = r.get("experts_ops") or {}
-        kern = [v["ms"] for k, v in ops.items() if k != "prefill_ms" and not k.startswith("moepack_vllm")]
-        print(f"{name:<22}{r['load_s']:>8.1f}{r.get('weights_line', '?')[:11]:>12}{r['rss_loaded_mb'] - r['rss0_mb']:>9.0f}"
-              f"{r['peak_loaded_mb'] - r['rss0_mb']:>9.0f}{r.get('experts_mb', float('nan')):>11.0f}{r['decode_tok_s']:>11.2f}"
-              f"{r['prefill_tok_s']:>12.1f}{r['prefill_first_tok_s']:>12.1f}{(sum(kern) if kern else float('nan')):>11.1f}")  # fmt: skip
+    for name, rs in results.items():
+        for r in rs:
+            if "error" in r:
+                print(f"{name:<22}{r['round']:>4} {r['error']}")
+                continue
+            ops = r.get("experts_ops") or {}
+            kern = [v["ms"] for k, v in ops.items() if k != "prefill_ms" and not k.startswith("moepack_vllm")]
+            print(f"{name:<22}{r['round']:>4}{r['load_s']:>8.1f}{r.get('weights_line', '?')[:11]:>12}"
+                  f"{r['rss_loaded_mb'] - r['rss0_mb']:>9.0f}{r['peak_loaded_mb'] - r['rss0_mb']:>9.0f}"
+                  f"{r.get('experts_mb', float('nan')):>11.0f}{r['decode_tok_s']:>11.2f}{r['prefill_tok_s']:>12.1f}"
+                  f"{r['prefill_first_tok_s']:>12.1f}{(sum(kern) if kern else float('nan')):>11.1f}")  # fmt: skip
+    print("moepack / vLLM's own, per round (decode, prefill):")
+    for own, ours in PAIRS:
+        for i, (o, m) in enumerate(zip(results.get(own, []), results.get(ours, []))):
+            if "error" in o or "error" in m:
+                continue
+            print(f"  {ours:<22} / {own:<12} round {i + 1}: decode {m['decode_tok_s'] / o['decode_tok_s']:.2f}x, "
+                  f"prefill {m['prefill_tok_s'] / o['prefill_tok_s']:.2f}x")  # fmt: skip
     for s in ("int8", "int4"):
         if s in a.schemes.split(",") and s not in a.ct.split(","):
             print(f"own-{s}: not run (vLLM's CPU int8/int4 experts need a quantized checkpoint: --ct {s})")
