@@ -87,6 +87,14 @@ def main(a):
         tp, _ = run(long, 1)
         pre.append(a["prefill_len"] * a["prefill_prompts"] / tp)
     r2, hwm2 = rss_mb()
+    pmd = mrss = 0  # how the pack's mapped expert pages are backed by now: 2 MiB (FilePmdMapped) of all (Rss)
+    cur = None
+    for line in open("/proc/self/smaps").read().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            cur = line
+        elif cur and "experts-" in cur and line.startswith(("FilePmdMapped:", "Rss:")):
+            n = int(line.split()[1]) // 1024
+            pmd, mrss = (pmd + n, mrss) if line.startswith("FilePmdMapped") else (pmd, mrss + n)
     experts_ms = None
     if a["profile"]:  # one more prefill under torch.profiler: the experts' op time inside the engine
         from torch.profiler import ProfilerActivity, profile
@@ -100,6 +108,7 @@ def main(a):
     print("RESULT " + json.dumps({"load_s": load_s, "threads": torch.get_num_threads(), "rss0_mb": r0, "rss_loaded_mb": r1, "peak_loaded_mb": hwm,
                                   "rss_end_mb": r2, "peak_end_mb": hwm2, "decode_tok_s": max(dec), "prefill_tok_s": max(pre),
                                   "prefill_first_tok_s": a["prefill_len"] * a["prefill_prompts"] / first_s,
+                                  "mapped_experts_mb": mrss, "mapped_experts_2m_mb": pmd,
                                   "decode_all": dec, "prefill_all": pre, "experts_ops": experts_ms, "tokens": toks}), flush=True)
 
 
@@ -169,7 +178,9 @@ print("RESULT " + json.dumps({"threads": torch.get_num_threads(), "mapped_rss_kb
 g = torch.Generator().manual_seed(0)
 for T in a["tokens"]:
     x = (torch.randn(T, H, generator=g) * 0.5).to(torch.bfloat16)
-    tw, ti = torch.topk(torch.softmax(torch.randn(T, E, generator=g), -1), a["topk"], -1)
+    logits = torch.randn(T, E, generator=g)
+    logits[:, a["route_experts"]:] = float("-inf")  # routing over the first route_experts experts only (skew)
+    tw, ti = torch.topk(torch.softmax(logits, -1), a["topk"], -1)
     tw, ti = (tw / tw.sum(-1, keepdim=True)).float().contiguous(), ti.to(torch.int32).contiguous()
     ref = own(x, tw, ti).float()
     diff = {n: float((fn(x, tw, ti).float() - ref).abs().max()) for n, fn in fns.items()}
@@ -196,7 +207,7 @@ def kernel_ab(py: str, src: Path, pack: Path, a) -> None:
     env.update({k: v for k, v in _env(a.out).items() if k == "PYTHONPATH"})
     src_file = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]["model.layers.0.mlp.experts.0.gate_proj.weight"]
     args = {"pack": str(pack), "src_file": str(src / src_file), "tokens": [1, 16, 512, 1024], "reps": a.repeat * 4,
-            "topk": a.topk}  # fmt: skip
+            "topk": a.topk, "route_experts": a.route_experts or a.experts}  # fmt: skip
     p = subprocess.run([py, str(drv), json.dumps(args)], capture_output=True, text=True, env=env)
     rows = [json.loads(ln[7:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
     (a.out / "kernel_ab.json").write_text(json.dumps(rows, indent=1))
@@ -204,7 +215,7 @@ def kernel_ab(py: str, src: Path, pack: Path, a) -> None:
         print(f"kernel A/B failed (rc {p.returncode}): {(p.stdout + p.stderr)[-2000:]}")
         return
     head = rows[0]
-    print(f"kernel A/B, layer 0, {head['threads']} threads; the mapped pack: {head['mapped_pmd_kb'] / 1024:.0f} of "
+    print(f"kernel A/B, layer 0, routing over {args['route_experts']} experts, {head['threads']} threads; the mapped pack: {head['mapped_pmd_kb'] / 1024:.0f} of "
           f"{head['mapped_rss_kb'] / 1024:.0f} MiB mapped with 2 MiB pages")  # fmt: skip
     for r in rows[1:]:
         print(f"  T={r['T']:<5}" + "  ".join(f"{n}: {v:.2f} ms" for n, v in r["median_ms"].items()))
@@ -348,6 +359,8 @@ def main() -> int:
                     "first is the plain moepack-bf16 run, others run as moepack-bf16@MODE)")  # fmt: skip
     ap.add_argument("--kernel-ab", action="store_true", help="only the one-layer kernel A/B (vLLM's bf16 kernel, "
                     "moepack's on the mapped pack, on 4 KiB and on 2 MiB anonymous copies), no engine")  # fmt: skip
+    ap.add_argument("--route-experts", type=int, default=0, help="--kernel-ab: route every token among the first N "
+                    "experts only (skewed routing: more tokens per expert); default all")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="one more prefill under torch.profiler: the experts' op "
                     "time inside the engine (results.json experts_ops)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=1, help="run the arms this many times, back to back, every second "
