@@ -37,6 +37,7 @@ SUPPORTED_FAMILIES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 # families vLLM runs with the plugin but whose tokens the tests could not match: why, in one line
 NOT_YET = {
