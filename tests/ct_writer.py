@@ -18,11 +18,15 @@ CT_KEEP = re.compile(r"(embed_tokens|lm_head|norm|\.mlp\.gate\.weight$|shared_ex
 
 
 def write_ct_checkpoint(src: Path, dst: Path, preset: str, amax: Callable, *, keep: re.Pattern = CT_KEEP,
-                        dtype=torch.bfloat16) -> list[str]:  # fmt: skip
+                        dtype=torch.bfloat16, targets: list[str] | None = None,
+                        ignore: list[str] | None = None) -> list[str]:  # fmt: skip
     """A compressed-tensors checkpoint of ``src``'s Linear weights (every 2-D weight that ``keep``
     does not match), quantized with ``preset`` (e.g. FP8_BLOCK, MXFP4A16) by compressed-tensors
     0.20.1 itself. ``amax(module)`` gives the absolute maxima the module's ``weight_scale`` is
-    computed from (its shape); a static ``input_scale`` is set to 1. Returns the quantized modules."""
+    computed from (its shape); a static ``input_scale`` is set to 1. ``targets`` / ``ignore`` go into
+    the written config as they are (default ``["Linear"]`` / none): a checkpoint whose recipe
+    quantized the experts only says so with e.g. ``targets=["re:.*mlp[.]experts[.].*"]`` and the
+    float linears in ``ignore``, as an engine loading it needs. Returns the quantized modules."""
     ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors==0.20.1 is a test dependency (Makefile)")
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
@@ -46,7 +50,8 @@ def write_ct_checkpoint(src: Path, dst: Path, preset: str, amax: Callable, *, ke
                 cur.add_module(p, torch.nn.Module())
             cur = getattr(cur, p)
         cur.add_module(m.split(".")[-1], lin)
-    apply_quantization_config(root, QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, ["Linear"])}))
+    apply_quantization_config(root, QuantizationConfig(config_groups={"group_0": preset_name_to_scheme(preset, targets or ["Linear"])},
+                                                       ignore=list(ignore or [])))  # fmt: skip
     for m in mods:
         mod = root.get_submodule(m)
         a = amax(mod)
@@ -63,4 +68,10 @@ def write_ct_checkpoint(src: Path, dst: Path, preset: str, amax: Callable, *, ke
     save_file({k: out[k] for k in sorted(out)}, str(dst / "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(src / "config.json", dst / "config.json")
     comp.update_config(str(dst))
+    if ignore:  # the compressor derives `ignore` from the modules it saw (the quantized ones only)
+        import json
+
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["quantization_config"]["ignore"] = list(ignore)
+        (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return mods

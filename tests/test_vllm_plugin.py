@@ -104,10 +104,21 @@ try:
 except Exception as e:
     print("REFUSE " + str(e))
 from moepack.integrations.vllm.config import check_family
-for key, cfg in (("FAMILY", {"model_type": "olmoe"}), ("QUANT", {"model_type": "qwen3_moe", "quantization_config": {"quant_method": "gptq"}}),
+for key, cfg in (("FAMILY", {"model_type": "qwen2_moe"}), ("QUANT", {"model_type": "qwen3_moe", "quantization_config": {"quant_method": "gptq"}}),
                  ("NOTYET", {"model_type": "deepseek_v3"})):
     try:
         check_family({"model": {"config": cfg}}, "DIR")
+    except Exception as e:
+        print(key + " " + str(e))
+# a quantized source that quantized its experts only: the carried tensors are float, served
+ct = {"model_type": "qwen3_moe", "quantization_config": {"quant_method": "compressed-tensors"}}
+flt = {"moepack.layers.0.w13": {"dtype": "int8"}, "model.layers.0.self_attn.q_proj.weight": {"dtype": "bfloat16"}}
+check_family({"model": {"config": ct}, "tensors": flt}, "DIR")
+print("EXPERTSONLY served")
+for key, extra in (("CARRIEDINT", {"model.layers.0.self_attn.q_proj.weight_packed": {"dtype": "int32"}}),
+                   ("CARRIEDSCALE", {"model.layers.0.self_attn.q_proj.weight_scale": {"dtype": "bfloat16"}})):
+    try:
+        check_family({"model": {"config": ct}, "tensors": {**flt, **extra}}, "DIR")
     except Exception as e:
         print(key + " " + str(e))
 '''
@@ -141,10 +152,12 @@ def _env(tmp: Path) -> dict:
     return env
 
 
-def _vllm(tmp: Path, model: Path, *, quant: str | None = "moepack", tp: int = 1, expect_ok: bool = True) -> dict:
+def _vllm(tmp: Path, model: Path, *, quant: str | None = "moepack", tp: int = 1, expect_ok: bool = True,
+          extra_env: dict | None = None) -> dict:  # fmt: skip
     drv = tmp / "vllm_driver.py"
     drv.write_text(DRIVER)
     env = _env(tmp)
+    env.update(extra_env or {})
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
     args = {"model": str(model), "prompts": PROMPTS, "n": NEW, "tp": tp, "quant": quant}
@@ -182,6 +195,22 @@ def _tiny_mixtral(path: Path, seed: int = 2) -> Path:
     cfg = MixtralConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
                         num_key_value_heads=1, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
                         max_position_embeddings=128, tie_word_embeddings=False, initializer_range=0.2, dtype="bfloat16")  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def _tiny_olmoe(path: Path, seed: int = 4) -> Path:
+    """OLMoE: no shared experts, softmax top-2 without renormalising (norm_topk_prob False), q/k
+    norms over the whole projection; one head of 64 (vLLM's CPU attention takes 64). Seed 4: the
+    smallest top-2 logit gap of load_model's greedy steps is 0.23 (seeds 0..7 screened: 0.0 to 0.11
+    for the others)."""
+    import torch
+    from transformers import AutoModelForCausalLM, OlmoeConfig
+
+    torch.manual_seed(seed)
+    cfg = OlmoeConfig(vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=1,
+                      num_key_value_heads=1, num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
+                      norm_topk_prob=False, tie_word_embeddings=False, initializer_range=0.2, dtype="bfloat16")  # fmt: skip
     AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).save_pretrained(path)
     return path
 
@@ -294,16 +323,63 @@ def packs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def family_packs(tmp_path_factory):
-    """gpt-oss: the source, its bf16 and mxfp4 packs (made only when a family test runs)."""
+    """gpt-oss: the source, its bf16 and mxfp4 packs; OLMoE: the source and its bf16 pack (made
+    only when a family test runs)."""
     import moepack
 
     base = tmp_path_factory.mktemp("vllm_families")
     oss = _tiny_gpt_oss(base / "oss")
-    out = {"gpt_oss_src": oss}
+    out = {"gpt_oss_src": oss, "olmoe_src": _tiny_olmoe(base / "olmoe")}
+    moepack.convert(out["olmoe_src"], base / "olmoe_bf16")
+    out["olmoe_bf16"] = base / "olmoe_bf16"
     for name, q in (("gpt_oss_bf16", None), ("gpt_oss_mxfp4", "mxfp4")):
         moepack.convert(oss, base / name, quantize=q)
         out[name] = base / name
     return out
+
+
+@pytest.fixture(scope="module")
+def ct_int8(tmp_path_factory):
+    """A compressed-tensors W8A8 int8 checkpoint of q64 that quantized its experts only (the
+    recipe's targets are the experts, attention / router / lm_head in its ignore list: what vLLM's
+    own int8 CPU experts load), and moepack's pack of it (the checkpoint's codes and scales)."""
+    import moepack
+    from tests.ct_writer import write_ct_checkpoint
+
+    base = tmp_path_factory.mktemp("vllm_ct")
+    # seed 1 for margin: screening seeds 0..7 of this checkpoint, load_model's greedy steps on the
+    # pack have top-2 logit gaps down to 0.0 (seeds 0, 6), 0.03 (3, 7), 0.06 (4, 5) and 0.11 (1, 2);
+    # seed 0's step 8, 0.047 (1.5 bf16 steps), went the other way in vLLM (its attention's order)
+    src = _tiny_qwen3_moe(base / "q64", 64, 32, seed=1)
+    write_ct_checkpoint(src, base / "ct", "W8A8", lambda mod: mod.weight.float().abs().amax(1, keepdim=True),
+                        keep=re.compile(r"^(?!.*[.]mlp[.]experts[.])"), targets=[r"re:.*mlp[.]experts[.].*"],
+                        ignore=["lm_head", r"re:.*self_attn[.].*", r"re:.*mlp[.]gate$"])  # fmt: skip
+    moepack.convert(base / "ct", base / "pack")
+    return {"ct": base / "ct", "pack": base / "pack"}
+
+
+@needs_vllm
+def test_ct_int8_experts_only_source(ct_int8, tmp_path):
+    """A quantized source whose non-expert linears are float is served: vLLM + moepack on the pack
+    of a compressed-tensors int8 checkpoint == load_model on it, and == vLLM's own int8 CPU experts
+    on the checkpoint up to a near-tie (the same codes and scales; both quantize activations per
+    token). Run with MOEPACK_VLLM_PAGES=populate: the reload-and-prefault path inside the engine."""
+    ref = _greedy(ct_int8["pack"])
+    assert _vllm(tmp_path, ct_int8["pack"], extra_env={"MOEPACK_VLLM_PAGES": "populate"})["tokens"] == ref
+    own = _vllm(tmp_path, ct_int8["ct"], quant=None)["tokens"]
+    _assert_same_up_to_near_tie(ct_int8["pack"], own, ref)
+
+
+@needs_vllm
+def test_olmoe_bf16_equals_vllm_own_experts(family_packs, tmp_path):
+    """OLMoE: vLLM + moepack on the bf16 pack == vLLM's own CPU experts on the source, both
+    prompts. (load_model differs from both on the first prompt from its first token, where its
+    logits rank 184 0.25 above the next: vLLM's non-expert path, not the experts, since vLLM's own
+    experts make the same choice; docs/VLLM.md "Families".)"""
+    got = _vllm(tmp_path, family_packs["olmoe_bf16"])["tokens"]
+    own = _vllm(tmp_path, family_packs["olmoe_src"], quant=None)["tokens"]
+    assert got == own
+    assert got[1] == _greedy(family_packs["olmoe_bf16"])[1]
 
 
 @needs_vllm
@@ -349,11 +425,55 @@ def test_registration_idempotent_and_version_range(tmp_path):
                             "(install the pinned one: pip install 'moepack[vllm]')")  # fmt: skip
     assert lines["NEW"].startswith("vllm 0.33.0: the moepack vLLM plugin supports vllm>=0.32.0,<0.33.0")
     assert lines["REFUSE"] == "vllm 0.31.2: unsupported"
-    assert lines["FAMILY"] == "DIR: model_type='olmoe': the moepack vLLM plugin supports gpt_oss, mixtral, qwen3_moe"
+    assert lines["FAMILY"] == "DIR: model_type='qwen2_moe': the moepack vLLM plugin supports gpt_oss, mixtral, olmoe, qwen3_moe"
     assert lines["NOTYET"].startswith("DIR: model_type='deepseek_v3' is not supported by the moepack vLLM plugin yet: "
                                       "under vLLM 0.32's CPU path (MLA attention) its greedy tokens differ")  # fmt: skip
     assert lines["QUANT"].startswith("DIR: the source's quantization_config (quant_method='gptq') means its non-expert "
                                      "linears are stored quantized")  # fmt: skip
+    assert lines["EXPERTSONLY"] == "served"
+    assert lines["CARRIEDINT"].startswith("DIR: the source's quantization_config (quant_method='compressed-tensors') means")
+    assert lines["CARRIEDINT"].endswith("(carried: model.layers.0.self_attn.q_proj.weight_packed (int32))")
+    assert lines["CARRIEDSCALE"].endswith("(carried: model.layers.0.self_attn.q_proj.weight_scale (bfloat16))")
+
+
+def test_pages_modes_here(tmp_path, monkeypatch):
+    """MOEPACK_VLLM_PAGES (no vLLM needed): each mode advises the page-aligned range of every
+    packed tensor (drop_cached and the hints leave the bytes as they were: the experts' output
+    is bit-identical), and a value outside the four modes is refused naming them."""
+    import torch
+
+    import moepack
+    from moepack.errors import UnsupportedError
+    from moepack.integrations.vllm import pages
+
+    src = _tiny_qwen3_moe(tmp_path / "src", 64, 32)
+    moepack.convert(src, tmp_path / "pack")
+    monkeypatch.delenv(pages.ENV, raising=False)
+    assert pages.mode() == "advise"
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 64, generator=g).to(torch.bfloat16)
+    tw = torch.full((5, 2), 0.5)
+    ti = torch.tensor([[0, 7], [1, 2], [3, 3], [6, 5], [4, 0]], dtype=torch.int32)
+    ref = None
+    for how in pages.MODES:
+        monkeypatch.setenv(pages.ENV, how)
+        assert pages.mode() == how
+        if how in ("reload", "populate"):
+            pages.drop_cached(sorted((tmp_path / "pack").glob("experts-*.safetensors")))
+        pk = moepack.open(tmp_path / "pack").layers[0].packed
+        n = pages.advise(pk.tensors.values(), how)
+        want = 0
+        for t in pk.tensors.values():
+            a = t.data_ptr()
+            want += max(0, ((a + t.numel() * t.element_size()) & ~4095) - ((a + 4095) & ~4095))
+        assert n == (0 if how == "off" else want) and (how == "off" or n > 0)
+        out = moepack.run_experts(pk, x, tw, ti)
+        if ref is None:
+            ref = out
+        assert torch.equal(out, ref), how
+    monkeypatch.setenv(pages.ENV, "huge")
+    with pytest.raises(UnsupportedError, match=r"^MOEPACK_VLLM_PAGES='huge' is not one of advise, reload, populate, off$"):
+        pages.mode()
 
 
 @needs_vllm

@@ -78,7 +78,7 @@ def main(a):
     short = [torch.randint(0, V, (16,), generator=g).tolist()]
     long = [torch.randint(0, V, (a["prefill_len"],), generator=g).tolist() for _ in range(a["prefill_prompts"])]
     run(short, 4)  # warm-up
-    run(long, 1)
+    first_s, _ = run(long, 1)  # the first prefill: every expert's first touch (page faults) included
     dec, pre, toks = [], [], None
     for _ in range(a["repeat"]):
         t1, _ = run(short, 1)
@@ -87,13 +87,138 @@ def main(a):
         tp, _ = run(long, 1)
         pre.append(a["prefill_len"] * a["prefill_prompts"] / tp)
     r2, hwm2 = rss_mb()
-    print("RESULT " + json.dumps({"load_s": load_s, "rss0_mb": r0, "rss_loaded_mb": r1, "peak_loaded_mb": hwm,
+    pmd = mrss = 0  # how the pack's mapped expert pages are backed by now: 2 MiB (FilePmdMapped) of all (Rss)
+    cur = None
+    for line in open("/proc/self/smaps").read().splitlines():
+        if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+            cur = line
+        elif cur and "experts-" in cur and line.startswith(("FilePmdMapped:", "Rss:")):
+            n = int(line.split()[1]) // 1024
+            pmd, mrss = (pmd + n, mrss) if line.startswith("FilePmdMapped") else (pmd, mrss + n)
+    experts_ms = None
+    if a["profile"]:  # one more prefill under torch.profiler: the experts' op time inside the engine
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t_prof, _ = run(long, 1)
+        ev = {e.key: e for e in prof.key_averages()}
+        experts_ms = {k: {"ms": e.self_cpu_time_total / 1e3, "calls": e.count} for k, e in ev.items()
+                      if re.search(r"fused_experts|fused_moe|moepack_vllm", k) and e.self_cpu_time_total > 0}
+        experts_ms["prefill_ms"] = t_prof * 1e3
+    print("RESULT " + json.dumps({"load_s": load_s, "threads": torch.get_num_threads(), "rss0_mb": r0, "rss_loaded_mb": r1, "peak_loaded_mb": hwm,
                                   "rss_end_mb": r2, "peak_end_mb": hwm2, "decode_tok_s": max(dec), "prefill_tok_s": max(pre),
-                                  "decode_all": dec, "prefill_all": pre, "tokens": toks}), flush=True)
+                                  "prefill_first_tok_s": a["prefill_len"] * a["prefill_prompts"] / first_s,
+                                  "mapped_experts_mb": mrss, "mapped_experts_2m_mb": pmd,
+                                  "decode_all": dec, "prefill_all": pre, "experts_ops": experts_ms, "tokens": toks}), flush=True)
 
 
 main(json.loads(sys.argv[1]))
 '''
+
+
+# --kernel-ab: one MoE layer, the kernels alone, calls alternating in one process (fair under load)
+KERNEL_AB = r'''
+import ctypes, dataclasses, json, re, statistics, sys, time
+import torch
+
+torch._C._cpu._init_amx()  # vLLM's worker asks for AMX state before its kernels run; so does this
+import moepack
+import vllm._custom_ops as vops
+from moepack._ops import load_extension
+from moepack.runtime.experts import run_experts
+from safetensors import safe_open
+
+a = json.loads(sys.argv[1])
+load_extension()
+libc = ctypes.CDLL(None, use_errno=True)
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def small_pages(t):  # an anonymous copy kept on 4 KiB pages (MADV_NOHUGEPAGE before the first touch)
+    out = torch.empty(t.numel() * t.element_size() + 8192, dtype=torch.uint8)
+    lo = (out.data_ptr() + 4095) & ~4095
+    libc.madvise(lo, (out.numel() - (lo - out.data_ptr())) & ~4095, 15)
+    off = lo - out.data_ptr()
+    v = out[off : off + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    v.copy_(t)
+    return v
+
+
+packed = moepack.open(a["pack"]).layers[0].packed
+E, H = packed.num_experts, packed.hidden
+pmd = rss = 0
+cur = None
+for k, t in packed.tensors.items():
+    t.view(torch.uint8).reshape(-1)[::4096].sum()  # fault the mapping in before reading smaps
+for line in open("/proc/self/smaps").read().splitlines():
+    if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
+        cur = line
+    elif cur and "experts-" in cur and line.startswith(("FilePmdMapped", "Rss")):
+        n = int(line.split()[1])
+        pmd, rss = (pmd + n, rss) if line.startswith("FilePmdMapped") else (pmd, rss + n)
+variants = {"moepack mapped": packed,
+            "moepack 4K anon": dataclasses.replace(packed, tensors={k: small_pages(v) for k, v in packed.tensors.items()}),
+            "moepack 2M anon": dataclasses.replace(packed, tensors={k: torch.ops.moepack.huge_page_copy(v) for k, v in packed.tensors.items()})}
+f = safe_open(a["src_file"], "pt")
+p = "model.layers.0.mlp.experts."
+w13 = torch.stack([torch.cat([f.get_tensor(f"{p}{e}.gate_proj.weight"), f.get_tensor(f"{p}{e}.up_proj.weight")]) for e in range(E)])
+w2 = torch.stack([f.get_tensor(f"{p}{e}.down_proj.weight") for e in range(E)])
+w13p, w2p = vops.cpu_prepack_moe_weight(w13, "amx"), vops.cpu_prepack_moe_weight(w2, "amx")
+del w13, w2
+
+
+def own(x, tw, ti):  # what vLLM 0.32's engine runs for bf16 experts on AMX hosts (CPUUnquantizedExperts, isa amx)
+    out = torch.empty_like(x)
+    vops.cpu_fused_moe(out, x, w13p, w2p, None, None, tw, ti, "silu", "amx")
+    return out
+
+
+fns = {"vLLM cpu_fused_moe amx": own, **{n: (lambda pk: lambda x, w, i: run_experts(pk, x, w, i))(pk) for n, pk in variants.items()}}
+print("RESULT " + json.dumps({"threads": torch.get_num_threads(), "mapped_rss_kb": rss, "mapped_pmd_kb": pmd}), flush=True)
+g = torch.Generator().manual_seed(0)
+for T in a["tokens"]:
+    x = (torch.randn(T, H, generator=g) * 0.5).to(torch.bfloat16)
+    logits = torch.randn(T, E, generator=g)
+    logits[:, a["route_experts"]:] = float("-inf")  # routing over the first route_experts experts only (skew)
+    tw, ti = torch.topk(torch.softmax(logits, -1), a["topk"], -1)
+    tw, ti = (tw / tw.sum(-1, keepdim=True)).float().contiguous(), ti.to(torch.int32).contiguous()
+    ref = own(x, tw, ti).float()
+    diff = {n: float((fn(x, tw, ti).float() - ref).abs().max()) for n, fn in fns.items()}
+    ts = {n: [] for n in fns}
+    for _ in range(a["reps"]):
+        for n, fn in fns.items():
+            t = time.perf_counter()
+            fn(x, tw, ti)
+            ts[n].append(time.perf_counter() - t)
+    print("RESULT " + json.dumps({"T": T, "median_ms": {n: statistics.median(v) * 1e3 for n, v in ts.items()},
+                                  "min_ms": {n: min(v) * 1e3 for n, v in ts.items()}, "maxdiff": diff}), flush=True)
+'''
+
+
+def kernel_ab(py: str, src: Path, pack: Path, a) -> None:
+    """``--kernel-ab``: layer 0's experts, vLLM's bf16 kernel against moepack's on the mapped pack
+    and on anonymous copies kept on 4 KiB and on 2 MiB pages (calls alternating, medians)."""
+    drv = a.out / "vllm_kernel_ab.py"
+    drv.write_text(KERNEL_AB)
+    env = dict(os.environ)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_vllm_plugin import _env
+
+    env.update({k: v for k, v in _env(a.out).items() if k == "PYTHONPATH"})
+    src_file = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]["model.layers.0.mlp.experts.0.gate_proj.weight"]
+    args = {"pack": str(pack), "src_file": str(src / src_file), "tokens": [1, 16, 512, 1024], "reps": a.repeat * 4,
+            "topk": a.topk, "route_experts": a.route_experts or a.experts}  # fmt: skip
+    p = subprocess.run([py, str(drv), json.dumps(args)], capture_output=True, text=True, env=env)
+    rows = [json.loads(ln[7:]) for ln in p.stdout.splitlines() if ln.startswith("RESULT ")]
+    (a.out / "kernel_ab.json").write_text(json.dumps(rows, indent=1))
+    if not rows:
+        print(f"kernel A/B failed (rc {p.returncode}): {(p.stdout + p.stderr)[-2000:]}")
+        return
+    head = rows[0]
+    print(f"kernel A/B, layer 0, routing over {args['route_experts']} experts, {head['threads']} threads; the mapped pack: {head['mapped_pmd_kb'] / 1024:.0f} of "
+          f"{head['mapped_rss_kb'] / 1024:.0f} MiB mapped with 2 MiB pages")  # fmt: skip
+    for r in rows[1:]:
+        print(f"  T={r['T']:<5}" + "  ".join(f"{n}: {v:.2f} ms" for n, v in r["median_ms"].items()))
 
 
 def write_source(d: Path, layers: int, vocab: int, hidden: int, inter: int, experts: int, topk: int, seed: int) -> None:
@@ -103,7 +228,7 @@ def write_source(d: Path, layers: int, vocab: int, hidden: int, inter: int, expe
     from safetensors.torch import save_file
     from transformers import Qwen3MoeConfig
 
-    if (d / "config.json").exists():
+    if (d / "model.safetensors.index.json").exists():  # written last: a source cut off midway is rewritten
         return
     d.mkdir(parents=True, exist_ok=True)
     nh, nkv, hd = 32, 4, 128
@@ -145,6 +270,32 @@ def write_source(d: Path, layers: int, vocab: int, hidden: int, inter: int, expe
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": index}))
 
 
+# compressed-tensors checkpoints of the synthetic source, experts only (attention, router, lm_head
+# stay bf16 and are listed in `ignore`), in the two schemes vLLM 0.32 runs on x86 CPU with its own
+# MoE kernels: W8A8 int8 (per-channel weights, dynamic per-token activations: CPUExpertsInt8) and
+# W4A16 int4, group 128, symmetric (CPUExpertsInt4: fused_experts_cpu INT4_W4A8, int8 activations)
+CT_SCHEMES = {
+    "int8": ("W8A8", lambda mod: mod.weight.float().abs().amax(1, keepdim=True)),
+    "int4": ("W4A16", lambda mod: mod.weight.float().unflatten(1, (-1, 128)).abs().amax(-1)),
+}
+CT_TARGETS = [r"re:.*mlp[.]experts[.].*"]
+CT_IGNORE = ["lm_head", r"re:.*self_attn[.].*", r"re:.*mlp[.]gate$"]
+
+
+def write_ct_source(src: Path, dst: Path, scheme: str) -> None:
+    """``src`` with its experts quantized by compressed-tensors itself (tests/ct_writer.py)."""
+    import re
+
+    if (dst / "config.json").exists():
+        return
+    sys.path.insert(0, str(ROOT / "tests"))
+    from ct_writer import write_ct_checkpoint
+
+    preset, amax = CT_SCHEMES[scheme]
+    write_ct_checkpoint(src, dst, preset, amax, keep=re.compile(r"^(?!.*[.]mlp[.]experts[.])"), targets=CT_TARGETS,
+                        ignore=CT_IGNORE)  # fmt: skip
+
+
 def experts_bytes(pack: Path) -> int:
     m = json.loads((pack / "moepack.json").read_text())
     return sum(int(_nbytes(m["tensors"][n])) for x in m["layers"] for n in x["tensors"].values())
@@ -157,7 +308,12 @@ def _nbytes(e: dict) -> int:
     return math.prod(e["shape"]) * size
 
 
-def run_vllm(py: str, model: Path, quant: str | None, a, log: Path) -> dict:
+# (vLLM's own run, the moepack run on the same weights) whose ratios the summary prints
+PAIRS = [("own-bf16", "moepack-bf16"), ("own-ct-int8", "moepack-ct-int8"), ("own-ct-int4", "moepack-ct-int4"),
+         ("own-ct-int4", "moepack-ct-int4-a8")]
+
+
+def run_vllm(py: str, model: Path, quant: str | None, a, log: Path, extra_env: dict | None = None) -> dict:
     drv = log.parent / "vllm_bench_driver.py"
     drv.write_text(DRIVER)
     env = dict(os.environ)
@@ -166,8 +322,9 @@ def run_vllm(py: str, model: Path, quant: str | None, a, log: Path) -> dict:
     from test_vllm_plugin import _env  # the entry point / sitecustomize shims the tests use
 
     env.update({k: v for k, v in _env(log.parent).items() if k == "PYTHONPATH"})
+    env.update(extra_env or {})
     args = {"model": str(model), "quant": quant, "max_len": a.prefill_len + 64, "prefill_len": a.prefill_len,
-            "prefill_prompts": a.prefill_prompts, "decode": a.decode, "repeat": a.repeat, "vocab": a.vocab}  # fmt: skip
+            "prefill_prompts": a.prefill_prompts, "decode": a.decode, "repeat": a.repeat, "vocab": a.vocab, "profile": a.profile}  # fmt: skip
     p = subprocess.run([py, str(drv), json.dumps(args)], capture_output=True, text=True, env=env)
     log.write_text(p.stdout + p.stderr)  # vLLM logs to stdout in-process
     for line in p.stdout.splitlines():
@@ -196,6 +353,18 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--kv-gib", type=int, default=2)
     ap.add_argument("--skip-own", action="store_true", help="do not run vLLM's own experts")
+    ap.add_argument("--ct", default="int8,int4", help="compressed-tensors schemes to run with vLLM's own int8/int4 "
+                    "experts and moepack's pack of the same checkpoint ('' for none)")  # fmt: skip
+    ap.add_argument("--pages", default="advise", help="MOEPACK_VLLM_PAGES modes for the bf16 pack (comma list; the "
+                    "first is the plain moepack-bf16 run, others run as moepack-bf16@MODE)")  # fmt: skip
+    ap.add_argument("--kernel-ab", action="store_true", help="only the one-layer kernel A/B (vLLM's bf16 kernel, "
+                    "moepack's on the mapped pack, on 4 KiB and on 2 MiB anonymous copies), no engine")  # fmt: skip
+    ap.add_argument("--route-experts", type=int, default=0, help="--kernel-ab: route every token among the first N "
+                    "experts only (skewed routing: more tokens per expert); default all")  # fmt: skip
+    ap.add_argument("--profile", action="store_true", help="one more prefill under torch.profiler: the experts' op "
+                    "time inside the engine (results.json experts_ops)")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=1, help="run the arms this many times, back to back, every second "
+                    "round in the reverse order (the ratios are reported per round: fair on a shared machine)")  # fmt: skip
     a = ap.parse_args()
     py = os.environ.get("MOEPACK_VLLM_PYTHON") or str(ROOT / "build" / "vllm-venv" / "bin" / "python")
     if not Path(py).exists():
@@ -208,37 +377,74 @@ def main() -> int:
     t = time.time()
     write_source(src, a.layers, a.vocab, a.hidden, a.inter, a.experts, a.topk, seed=0)
     print(f"source {src} ({time.time() - t:.0f} s)", flush=True)
-    runs = []
+    if a.kernel_ab:
+        pack = a.out / f"pack-L{a.layers}-bf16"
+        if not (pack / "moepack.json").exists():
+            moepack.convert(src, pack)
+        kernel_ab(py, src, pack, a)
+        return 0
+    runs = []  # (name, model dir, quantization, pack, extra environment)
+    pages = [m for m in a.pages.split(",") if m]
     if not a.skip_own and "bf16" in a.schemes.split(","):
-        runs.append(("own-bf16", src, None, None))
-    for s in a.schemes.split(","):
+        runs.append(("own-bf16", src, None, None, {}))
+    for s in [x for x in a.schemes.split(",") if x]:
         pack = a.out / f"pack-L{a.layers}-{s}"
         if not (pack / "moepack.json").exists():
             t = time.time()
             moepack.convert(src, pack, quantize=None if s == "bf16" else s)
             print(f"convert {s}: {time.time() - t:.0f} s", flush=True)
-        runs.append((f"moepack-{s}", pack, "moepack", pack))
-    results = {}
-    for name, model, quant, pack in runs:
-        print(f"running {name} ...", flush=True)
-        r = run_vllm(py, model, quant, a, a.out / f"{name}.log")
-        if pack is not None:
-            r["experts_mb"] = experts_bytes(pack) / 2**20
-        results[name] = r
-        print(json.dumps({name: r}), flush=True)
-    (a.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "results": results}, indent=1))
-    hdr = f"{'run':<16}{'load s':>8}{'weights':>12}{'RSS +MB':>9}{'peak +MB':>9}{'experts MB':>11}{'decode t/s':>11}{'prefill t/s':>12}"
+        for i, m in enumerate(pages if s == "bf16" else pages[:1]):
+            runs.append((f"moepack-{s}" + (f"@{m}" if i else ""), pack, "moepack", pack, {"MOEPACK_VLLM_PAGES": m}))
+    for s in [x for x in a.ct.split(",") if x]:
+        ct = a.out / f"src-L{a.layers}-ct-{s}"
+        pack = a.out / f"pack-L{a.layers}-ct-{s}"
+        t = time.time()
+        write_ct_source(src, ct, s)
+        if not (pack / "moepack.json").exists():
+            moepack.convert(ct, pack)  # the checkpoint's own codes and scales, packed as they are
+        print(f"compressed-tensors {s} source and its pack: {time.time() - t:.0f} s", flush=True)
+        if not a.skip_own:
+            runs.append((f"own-ct-{s}", ct, None, None, {}))
+        runs.append((f"moepack-ct-{s}", pack, "moepack", pack, {"MOEPACK_VLLM_PAGES": pages[0] if pages else "advise"}))
+        if s == "int4":  # vLLM's int4 kernel quantizes activations to int8: moepack's a8 mode is its like
+            runs.append((f"moepack-ct-{s}-a8", pack, "moepack", pack,
+                         {"MOEPACK_VLLM_PAGES": pages[0] if pages else "advise", "MOEPACK_ACT_MODE": "a8"}))
+    results: dict[str, list[dict]] = {}
+    for rnd in range(a.rounds):
+        for name, model, quant, pack, extra in (runs if rnd % 2 == 0 else runs[::-1]):
+            print(f"round {rnd + 1}: running {name} ...", flush=True)
+            r = run_vllm(py, model, quant, a, a.out / f"{name}.r{rnd + 1}.log", extra)
+            r["round"] = rnd + 1
+            if pack is not None:
+                r["experts_mb"] = experts_bytes(pack) / 2**20
+            results.setdefault(name, []).append(r)
+            print(json.dumps({name: r}), flush=True)
+            (a.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
+                                                            "order": [x[0] for x in runs], "results": results}, indent=1))  # fmt: skip
+    hdr = (f"{'run':<22}{'rnd':>4}{'load s':>8}{'weights':>12}{'RSS +MB':>9}{'peak +MB':>9}{'experts MB':>11}"
+           f"{'decode t/s':>11}{'prefill t/s':>12}{'1st prefill':>12}{'experts ms':>11}")  # fmt: skip
     print(hdr)
-    for name, r in results.items():
-        if "error" in r:
-            print(f"{name:<16} {r['error']}")
-            continue
-        print(f"{name:<16}{r['load_s']:>8.1f}{r.get('weights_line', '?')[:11]:>12}{r['rss_loaded_mb'] - r['rss0_mb']:>9.0f}"
-              f"{r['peak_loaded_mb'] - r['rss0_mb']:>9.0f}{r.get('experts_mb', float('nan')):>11.0f}{r['decode_tok_s']:>11.2f}"
-              f"{r['prefill_tok_s']:>12.1f}")  # fmt: skip
+    for name, rs in results.items():
+        for r in rs:
+            if "error" in r:
+                print(f"{name:<22}{r['round']:>4} {r['error']}")
+                continue
+            ops = r.get("experts_ops") or {}
+            kern = [v["ms"] for k, v in ops.items() if k != "prefill_ms" and not k.startswith("moepack_vllm")]
+            print(f"{name:<22}{r['round']:>4}{r['load_s']:>8.1f}{r.get('weights_line', '?')[:11]:>12}"
+                  f"{r['rss_loaded_mb'] - r['rss0_mb']:>9.0f}{r['peak_loaded_mb'] - r['rss0_mb']:>9.0f}"
+                  f"{r.get('experts_mb', float('nan')):>11.0f}{r['decode_tok_s']:>11.2f}{r['prefill_tok_s']:>12.1f}"
+                  f"{r['prefill_first_tok_s']:>12.1f}{(sum(kern) if kern else float('nan')):>11.1f}")  # fmt: skip
+    print("moepack / vLLM's own, per round (decode, prefill):")
+    for own, ours in PAIRS:
+        for i, (o, m) in enumerate(zip(results.get(own, []), results.get(ours, []))):
+            if "error" in o or "error" in m:
+                continue
+            print(f"  {ours:<22} / {own:<12} round {i + 1}: decode {m['decode_tok_s'] / o['decode_tok_s']:.2f}x, "
+                  f"prefill {m['prefill_tok_s'] / o['prefill_tok_s']:.2f}x")  # fmt: skip
     for s in ("int8", "int4"):
-        if s in a.schemes.split(","):
-            print(f"own-{s}: not run (vLLM's CPU int8/int4 experts need a quantized checkpoint, not a bf16 source)")
+        if s in a.schemes.split(",") and s not in a.ct.split(","):
+            print(f"own-{s}: not run (vLLM's CPU int8/int4 experts need a quantized checkpoint: --ct {s})")
     return 0
 
 

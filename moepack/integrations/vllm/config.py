@@ -37,6 +37,7 @@ SUPPORTED_FAMILIES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 # families vLLM runs with the plugin but whose tokens the tests could not match: why, in one line
 NOT_YET = {
@@ -102,7 +103,9 @@ class MoepackConfig(QuantizationConfig):
             raise PackedDirError(f"{model_name}: quantization='moepack' needs a moepack packed directory "
                                  f"(a local directory with {MANIFEST}; make one with `moepack convert SRC DST`)")  # fmt: skip
         from ...runtime import open_packed
+        from . import pages
 
+        pages.mode()  # a bad MOEPACK_VLLM_PAGES is refused here, before any worker starts
         pm = open_packed(self.path)  # validates the manifest, every header and layout (mmap, no read)
         self.manifest = pm.manifest
         check_family(pm.manifest, str(self.path))
@@ -115,7 +118,10 @@ class MoepackConfig(QuantizationConfig):
                 raise UnsupportedError("quantization='moepack': vLLM did not say which directory it loads "
                                        "(maybe_update_config was not called)")  # fmt: skip
             from ...runtime import open_packed
+            from . import pages
 
+            if pages.mode() in ("reload", "populate"):  # cached small folios out, read back as 2 MiB ones
+                pages.drop_cached(sorted(self.path.glob("experts-*.safetensors")))
             self._packed = open_packed(self.path)
         return self._packed
 
@@ -166,11 +172,33 @@ def check_family(manifest: dict, where: str) -> None:
         raise UnsupportedError(f"{where}: model_type={mt!r}: the moepack vLLM plugin supports "
                                f"{', '.join(sorted(SUPPORTED_FAMILIES))}")  # fmt: skip
     qc = cfg.get("quantization_config")
-    if qc:
+    quantized = quantized_carried(manifest)
+    if qc and (quantized or not manifest.get("tensors")):
         qm = qc.get("quant_method") if isinstance(qc, dict) else qc
         raise UnsupportedError(f"{where}: the source's quantization_config (quant_method={qm!r}) means its non-expert "
                                "linears are stored quantized; the moepack vLLM plugin serves packs whose carried "
-                               "weights are float (bf16/fp16/fp32) only")  # fmt: skip
+                               "weights are float (bf16/fp16/fp32) only"
+                               + (f" (carried: {quantized[0]})" if quantized else ""))  # fmt: skip
+
+
+_FLOAT = {"bfloat16", "float16", "float32"}
+# tensor names quantized formats store next to (or instead of) a Linear's float weight
+_QUANT_SUFFIX = re.compile(r"\.(weight_packed|weight_scale|weight_zero_point|weight_shape|weight_g_idx|input_scale|"
+                           r"qweight|qzeros|scales|g_idx|weight_scale_inv|weight_global_scale)$")
+
+
+def quantized_carried(manifest: dict) -> list[str]:
+    """The carried (non-expert) tensors a quantized format stored: a non-float dtype or a
+    quantization tensor's name, as ``name (dtype)``. Empty where a quantized source quantized
+    its experts only (e.g. a compressed-tensors checkpoint whose recipe ignored attention): the
+    plugin serves that pack (its experts are moepack's, the rest float)."""
+    out = []
+    for name, e in (manifest.get("tensors") or {}).items():
+        if name.startswith("moepack.") or name.startswith("__pad__."):
+            continue
+        if e.get("dtype") not in _FLOAT or _QUANT_SUFFIX.search(name):
+            out.append(f"{name} ({e.get('dtype')})")
+    return out
 
 
 class MoepackMoEMethod(FusedMoEMethodBase):
@@ -244,6 +272,9 @@ class MoepackMoEMethod(FusedMoEMethodBase):
         self.roles2 = list(lay.tensor_names("w2"))
         for role, t in packed.tensors.items():
             layer.register_buffer(f"moepack_{role}", t, persistent=False)
+        from . import pages
+
+        pages.advise(packed.tensors.values(), pages.mode())  # 2 MiB mappings of this rank's rows
         self.has_bias = ("w13_bias" in packed.tensors, "w2_bias" in packed.tensors)
         self.has_perm = "w13_perm" in packed.tensors
         self.act_mode = resolve_act_mode(lay, None, packed.act_mode)
