@@ -207,7 +207,7 @@ def test_pack_experts_quantizes_for_an_int8_layout():
 
 
 @pytest.mark.parametrize("kp", [4, 200, 2052])
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 12, 13, 25, 64, 67])  # every u8 tile size (5..12)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 8, 12, 13, 25, 64, 67])  # every u8 tile size (6..12: 8 rows one tile, 13 = 6 + 7)
 def test_block_accumulators_are_identical(m, kp):
     g = torch.Generator().manual_seed(m * 10007 + kp)
     rows = torch.randint(-127, 128, (m, kp), generator=g, dtype=torch.int32).to(torch.int8)

@@ -3,7 +3,7 @@
 // (row quantization, the epilogue, threading, DRAM), against the dot-product instruction's limit.
 // Per shape, two paths:
 //   u8 rows     gemm_i8_vnni_rows<0>: the avx512_vnni level's path (from 8 rows: rows u8 = q + 128
-//               as stored, signed weights, 128 colsum(w) subtracted, tiles of 5..12 rows; 5..7
+//               as stored, signed weights, 128 colsum(w) subtracted, tiles of 6..12 rows; 5..7
 //               rows: the XOR tile; 1..4 rows: the decode streams)
 //   signed rows gemm_i8_vnni_rows<0x80808080>: the tiles amx_int8 runs on its short chunks (weights
 //               XORed to u8, signed rows, 8-row tiles), the avx512_vnni level's algorithm before

@@ -100,8 +100,8 @@ static inline void gemm_i8_tile_u8(const int8_t* const* x, const int8_t* B, int6
   }
 }
 
-// m >= kU8MinRows u8 rows: tiles of at most kU8TileRows rows, split evenly (13 rows: 7 + 6), so
-// every tile has 5..12 rows (24 accumulators + 2 weight vectors + 1 broadcast of the 32 registers).
+// m >= kU8MinRows u8 rows: tiles of at most kU8TileRows rows, split evenly (13 rows: 6 + 7), so
+// every tile has 6..12 rows (24 accumulators + 2 weight vectors + 1 broadcast of the 32 registers).
 // The column sums cost kp / 2 vpdpbusd per call, 1/m of the rows' own: with 5..7 rows that made
 // the call slower than gemm_i8_tile (bare tile, kp 2048: 5 rows 333-355 GOP/s against 380-403),
 // with 8 about even, from 12 well ahead (docs/BENCH.md "Prefill without AMX"), so fewer than 8
@@ -126,7 +126,7 @@ static inline void gemm_i8_u8_rows(const int8_t* const* x, int m, const int8_t* 
       case 8: gemm_i8_tile_u8<8>(xt, B, kp, Ct, c0, c1, nl); break;
       case 7: gemm_i8_tile_u8<7>(xt, B, kp, Ct, c0, c1, nl); break;
       case 6: gemm_i8_tile_u8<6>(xt, B, kp, Ct, c0, c1, nl); break;
-      default: gemm_i8_tile_u8<5>(xt, B, kp, Ct, c0, c1, nl); break;  // mr == 5 (13 rows: 7 + 6; 8 rows: one tile)
+      default: gemm_i8_tile_u8<6>(xt, B, kp, Ct, c0, c1, nl); break;  // mr == 6 (m >= 8 gives 6..12)
     }
     i += mr;
   }

@@ -181,7 +181,29 @@ def check_family(manifest: dict, where: str) -> None:
                                + (f" (carried: {quantized[0]})" if quantized else ""))  # fmt: skip
 
 
-_FLOAT = {"bfloat16", "float16", "float32"}
+def check_routing(layer, model: dict, where: str) -> None:
+    """vLLM routes; the pack's model config says how its family routes. For plain softmax top-k
+    families (mixtral, qwen3_moe, olmoe) the two must agree on top_k and on renormalizing the
+    chosen weights (``norm_topk_prob``): vLLM builds OLMoE's layer with renormalize=False
+    whatever the config says, so an OLMoE checkpoint with norm_topk_prob=true would be served
+    with other weights than moepack.load_model and transformers give it. Refused, naming both."""
+    from ...routing import RoutingConfig
+
+    try:
+        rc = RoutingConfig.from_hf_config(model.get("config") or {})
+    except Exception:  # a family whose routing moepack does not model: nothing to hold vLLM's against
+        return
+    if rc.method != "softmax":
+        return
+    for k, want in (("top_k", int(rc.top_k)), ("renormalize", bool(rc.renormalize))):
+        got = getattr(layer, k, None)
+        if got is not None and (int(got) if k == "top_k" else bool(got)) != want:
+            raise UnsupportedError(f"{where}: the pack's routing has {k}={want} (model config: num_experts_per_tok, "
+                                   f"norm_topk_prob), vLLM built the layer with {k}={got}: its tokens would not be "
+                                   "this model's")  # fmt: skip
+
+
+_FLOAT = {"bfloat16", "float16", "float32", "float64"}
 # tensor names quantized formats store next to (or instead of) a Linear's float weight
 _QUANT_SUFFIX = re.compile(r"\.(weight_packed|weight_scale|weight_zero_point|weight_shape|weight_g_idx|input_scale|"
                            r"qweight|qzeros|scales|g_idx|weight_scale_inv|weight_global_scale)$")
@@ -245,6 +267,7 @@ class MoepackMoEMethod(FusedMoEMethodBase):
         act = getattr(layer.activation, "value", str(layer.activation))
         if act != self.activation:
             raise UnsupportedError(f"{where}: activation {self.activation!r} in {MANIFEST}, vLLM's layer has {act!r}")
+        check_routing(layer, (self.qcfg.manifest or {}).get("model") or {}, where)
 
     def get_fused_moe_quant_config(self, layer):
         return FUSED_MOE_UNQUANTIZED_CONFIG
@@ -272,9 +295,6 @@ class MoepackMoEMethod(FusedMoEMethodBase):
         self.roles2 = list(lay.tensor_names("w2"))
         for role, t in packed.tensors.items():
             layer.register_buffer(f"moepack_{role}", t, persistent=False)
-        from . import pages
-
-        pages.advise(packed.tensors.values(), pages.mode())  # 2 MiB mappings of this rank's rows
         self.has_bias = ("w13_bias" in packed.tensors, "w2_bias" in packed.tensors)
         self.has_perm = "w13_perm" in packed.tensors
         self.act_mode = resolve_act_mode(lay, None, packed.act_mode)
@@ -285,6 +305,14 @@ class MoepackMoEMethod(FusedMoEMethodBase):
             emap = torch.full((n,), -1, dtype=torch.int32)
             emap[lo:hi] = torch.arange(lo, hi, dtype=torch.int32)
             layer.register_buffer("moepack_expert_map", emap, persistent=False)
+        from . import pages
+
+        # 2 MiB mappings of this rank's bytes only: a --tp pack's views are its slice already; a
+        # whole pack under expert_map advises (and under `populate` reads) experts [lo, hi) alone
+        mine = packed.tensors.values()
+        if self.has_map:
+            mine = [t[lo:hi] if t.dim() and t.shape[0] == n else t for t in mine]
+        pages.advise(mine, pages.mode())
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         """The routed experts' part of the layer output (this rank's partial sum under tensor

@@ -6,7 +6,7 @@ page-cache pages with 2 MiB page-table entries only where the page cache holds t
 folios, which needs a filesystem whose page cache takes large folios (ext4 on Linux 6.18 does:
 the machine this was measured on); otherwise every 4 KiB page is its own TLB entry, and the
 kernel, which streams every weight of a layer per call, pays page walks: one qwen3-30b-a3b
-layer at 1024 tokens ran about 10% slower on 4 KiB-mapped pages than on the same bytes copied to
+layer at 512-1024 tokens took 1.18-1.33x its time on 4 KiB-mapped pages against the same bytes copied to
 huge pages, and as fast as that copy once the pack's pages were 2 MiB folios (docs/VLLM.md).
 
 ``MOEPACK_VLLM_PAGES`` picks what the plugin does with each layer's mapped range, at load:
@@ -79,7 +79,11 @@ def drop_cached(shards: list[Path]) -> None:
     if not sys.platform.startswith("linux"):
         return
     for p in shards:
-        fd = os.open(p, os.O_RDONLY)
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError as e:  # a hint: the pages stay as they are
+            _warn_once(f"open({p}) for posix_fadvise(DONTNEED)", e.errno or 0)
+            continue
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         except OSError as e:
