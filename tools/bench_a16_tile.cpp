@@ -250,10 +250,8 @@ template <int S>
 __attribute__((noinline)) void arm_u4_split(const Problem& p, int64_t b, void* memo_) {
   using namespace x86_avx512_u4_bf16;
   auto* memo = static_cast<U4A16Rows*>(memo_);
-  if (memo->key[0] != g_x[0] || memo->kp[0] != p.kp || memo->G[0] != p.G) {
-    u4_prepare_row(g_x[0], p.kp, p.G, memo->xp[0], memo->gs[0]);
-    memo->key[0] = g_x[0], memo->kp[0] = p.kp, memo->G[0] = p.G;
-  }
+  const void* rows[1] = {g_x[0]};
+  memo->prepare(rows, 1, p.kp, p.G);
   if (!gemm_u4a16_bf16_split<S>(memo->xp[0], memo->gs[0], p.mem + b * p.blk_bytes, p.scale.data() + b * 32,
                                 p.zero.data() + b * 32, p.gstride, p.kp, p.G, g_C))
     arm_u4_hook<1>(p, b, memo_);
@@ -266,10 +264,8 @@ __attribute__((noinline)) void arm_u4_pf(const Problem& p, int64_t b, void* memo
   auto* memo = static_cast<U4A16Rows*>(memo_);
   const int64_t kp = p.kp, G = p.G, gstride = p.gstride, ng = kp / G;
   if (kp % G || ng % S) return arm_u4_hook<1>(p, b, memo_);
-  if (memo->key[0] != g_x[0] || memo->kp[0] != kp || memo->G[0] != G) {
-    u4_prepare_row(g_x[0], kp, G, memo->xp[0], memo->gs[0]);
-    memo->key[0] = g_x[0], memo->kp[0] = kp, memo->G[0] = G;
-  }
+  const void* rows[1] = {g_x[0]};
+  memo->prepare(rows, 1, kp, G);
   const uint16_t* xp = memo->xp[0];
   const uint8_t* codes = p.mem + b * p.blk_bytes;
   const float* scale = p.scale.data() + b * 32;
@@ -395,10 +391,7 @@ __attribute__((noinline)) void arm_u4_mix(const Problem& p, int64_t b, void* mem
   auto* memo = static_cast<U4A16Rows*>(memo_);
   const void* rows[1] = {g_x[0]};
   const int64_t kp = p.kp, G = p.G, gstride = p.gstride;
-  if (memo->key[0] != rows[0] || memo->kp[0] != kp || memo->G[0] != G) {
-    u4_prepare_row(g_x[0], kp, G, memo->xp[0], memo->gs[0]);
-    memo->key[0] = rows[0], memo->kp[0] = kp, memo->G[0] = G;
-  }
+  memo->prepare(rows, 1, kp, G);
   const uint16_t* xp = memo->xp[0];
   const uint8_t* codes = p.mem + b * p.blk_bytes;
   const float* scale = p.scale.data() + b * 32;

@@ -48,7 +48,6 @@ struct alignas(64) DecB {
   uint16_t w[2][2][16 * 32];
 };
 
-
 // Stores the 8 pair registers of one K step (s = step % 4) into tile pair b: B rows 4s + i.
 static inline void dec_store_step(uint16_t (*b)[16 * 32], int s, const __m512i q[2][4]) {
   for (int h = 0; h < 2; ++h)
@@ -141,16 +140,9 @@ static inline bool gemm_u4a16_amxdec(RowFormat fmt, const void* const* rows, int
     own.reset(new U4A16Rows);
     memo = own.get();
   }
+  memo->prepare(rows, m, kp, G);
   const float* gss[kAmxDecMaxRows];
-  for (int i = 0; i < m; ++i) {
-    if (memo->key[i] != rows[i] || memo->kp[i] != kp || memo->G[i] != G) {
-      u4_prepare_row(static_cast<const uint16_t*>(rows[i]), kp, G, memo->xp[i], memo->gs[i]);
-      memo->key[i] = rows[i];
-      memo->kp[i] = kp;
-      memo->G[i] = G;
-    }
-    gss[i] = memo->gs[i];
-  }
+  for (int i = 0; i < m; ++i) gss[i] = memo->gs[i];
   return gemm_u4a16_amxdec_rows(memo->xp[0], kU4A16MaxK, gss, m, codes, scale, zero, gstride, kp, G, C);
 }
 

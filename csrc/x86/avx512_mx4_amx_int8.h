@@ -125,12 +125,18 @@ static inline void unpack_mx4_s8_folded(const uint8_t* codes, const uint8_t* sca
   }
 }
 
-// C[i, n] += float(acc[i, n]) * 2^(emin[n] - 128) for m rows (the folded piece's term; emin in
-// [kMx4A8FoldMinE, kMx4A8FoldMaxE]: the scale is the normal fp32 with exponent field emin - 1).
-static inline void mx4a8_fold_add(const int32_t* acc, int m, __m256i emin, float* C) {
+// 2^(emin[n] - 128) for columns 0-15 (s0) and 16-31 (s1); emin in [kMx4A8FoldMinE,
+// kMx4A8FoldMaxE]: the scale is the normal fp32 with exponent field emin - 1.
+static inline void mx4a8_fold_scales(__m256i emin, __m512& s0, __m512& s1) {
   const __m512i one = _mm512_set1_epi32(1);
-  const __m512 s0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(emin)), one), 23));
-  const __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(emin, 1)), one), 23));
+  s0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(emin)), one), 23));
+  s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(emin, 1)), one), 23));
+}
+
+// C[i, n] += float(acc[i, n]) * 2^(emin[n] - 128) for m rows (the folded piece's term).
+static inline void mx4a8_fold_add(const int32_t* acc, int m, __m256i emin, float* C) {
+  __m512 s0, s1;
+  mx4a8_fold_scales(emin, s0, s1);
   for (int i = 0; i < m; ++i) {
     const int32_t* a = acc + int64_t(i) * 32;
     float* c = C + int64_t(i) * 32;
@@ -143,9 +149,8 @@ static inline void mx4a8_fold_add(const int32_t* acc, int m, __m256i emin, float
 // C[i, n] = (0 + float(acc[i, n]) * 2^(emin[n] - 128)) * rs[i]: the whole block's one folded
 // term added to the zero C, then the row scale (mx4a8_fold_add and the row scales in one pass).
 static inline void mx4a8_scale_rows(const int32_t* acc, int m, __m256i emin, const float* rs, float* C) {
-  const __m512i one = _mm512_set1_epi32(1);
-  const __m512 s0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(emin)), one), 23));
-  const __m512 s1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(emin, 1)), one), 23));
+  __m512 s0, s1;
+  mx4a8_fold_scales(emin, s0, s1);
   const __m512 zero = _mm512_setzero_ps();
   for (int i = 0; i < m; ++i) {
     const int32_t* a = acc + int64_t(i) * 32;

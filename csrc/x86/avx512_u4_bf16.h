@@ -232,6 +232,16 @@ struct U4A16Rows {
   int64_t kp[kU4A16MaxRows] = {}, G[kU4A16MaxRows] = {};
   alignas(64) uint16_t xp[kU4A16MaxRows][kU4A16MaxK];
   alignas(64) float gs[kU4A16MaxRows][kU4A16MaxK / 8];
+  // Slots 0..m-1 hold rows[0..m) at this kp and G: each prepared unless its slot holds it already.
+  void prepare(const void* const* rows, int m, int64_t kp_, int64_t G_) {
+    for (int i = 0; i < m; ++i) {
+      if (key[i] == rows[i] && kp[i] == kp_ && G[i] == G_) continue;
+      u4_prepare_row(static_cast<const uint16_t*>(rows[i]), kp_, G_, xp[i], gs[i]);
+      key[i] = rows[i];
+      kp[i] = kp_;
+      G[i] = G_;
+    }
+  }
 };
 
 // C[m, 32] for bf16 rows, m <= kU4A16MaxRows; false (nothing written) otherwise. `memo`: the
@@ -240,21 +250,15 @@ static inline bool gemm_u4a16_bf16(RowFormat fmt, const void* const* rows, int m
                                    const float* scale, const uint8_t* zero, int64_t gstride, int64_t kp, int64_t G,
                                    float* C, U4A16Rows* memo) {
   if (fmt != RowFormat::bf16 || m > kU4A16MaxRows || kp > kU4A16MaxK) return false;
-  const uint16_t* const* x = reinterpret_cast<const uint16_t* const*>(rows);
   std::unique_ptr<U4A16Rows> own;
   if (!memo) {
     own.reset(new U4A16Rows);
     memo = own.get();
   }
+  memo->prepare(rows, m, kp, G);
   const uint16_t* xps[kU4A16MaxRows];
   const float* gss[kU4A16MaxRows];
   for (int i = 0; i < m; ++i) {
-    if (memo->key[i] != rows[i] || memo->kp[i] != kp || memo->G[i] != G) {
-      u4_prepare_row(x[i], kp, G, memo->xp[i], memo->gs[i]);
-      memo->key[i] = rows[i];
-      memo->kp[i] = kp;
-      memo->G[i] = G;
-    }
     xps[i] = memo->xp[i];
     gss[i] = memo->gs[i];
   }

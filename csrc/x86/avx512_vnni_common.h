@@ -125,7 +125,6 @@ static inline void gemm_i8_u8_rows(const int8_t* const* x, int m, const int8_t* 
       case 9: gemm_i8_tile_u8<9>(xt, B, kp, Ct, c0, c1, nl); break;
       case 8: gemm_i8_tile_u8<8>(xt, B, kp, Ct, c0, c1, nl); break;
       case 7: gemm_i8_tile_u8<7>(xt, B, kp, Ct, c0, c1, nl); break;
-      case 6: gemm_i8_tile_u8<6>(xt, B, kp, Ct, c0, c1, nl); break;
       default: gemm_i8_tile_u8<6>(xt, B, kp, Ct, c0, c1, nl); break;  // mr == 6 (m >= 8 gives 6..12)
     }
     i += mr;
