@@ -472,9 +472,13 @@ def zentorch_python() -> str | None:
     return os.environ.get("MOEPACK_ZENTORCH_PYTHON") or None
 
 
-# the engines that may live in another python: the variable (or default) naming it
-ENGINE_PYTHONS = {"vllm": "the vLLM python named by MOEPACK_VLLM_PYTHON or build/vllm-venv",
-                  "zentorch": "the zentorch python named by MOEPACK_ZENTORCH_PYTHON"}  # fmt: skip
+# the engines that may live in another python: what that python is called, where it is named
+ENGINE_PYTHONS = {"vllm": ("the vLLM python", "MOEPACK_VLLM_PYTHON or build/vllm-venv"),
+                  "zentorch": ("the zentorch python", "MOEPACK_ZENTORCH_PYTHON")}  # fmt: skip
+
+
+def _engine_python(engine: str) -> str | None:
+    return vllm_python() if engine == "vllm" else zentorch_python()
 
 
 def reexec_python(engines: list[str]) -> str | None:
@@ -490,14 +494,15 @@ def reexec_python(engines: list[str]) -> str | None:
         return None
     if os.environ.get(CHILD_ENV):
         e = missing[0]
-        raise PeerUnavailable(missing_message(e, f"is not importable in {sys.executable} either ({ENGINE_PYTHONS[e]})"))
+        label, named_by = ENGINE_PYTHONS[e]
+        raise PeerUnavailable(missing_message(e, f"is not importable in {sys.executable} either ({label} named by {named_by})"))
     found: dict[str, str] = {}
     for e in missing:
-        py = vllm_python() if e == "vllm" else zentorch_python()
+        py = _engine_python(e)
         if py is None:
             raise PeerUnavailable(missing_message(e))
         if not (os.path.isfile(py) and os.access(py, os.X_OK)):
-            raise PeerUnavailable(missing_message(e, f"is not importable in {sys.executable}, and {ENGINE_PYTHONS[e].split(' named')[0]} "
+            raise PeerUnavailable(missing_message(e, f"is not importable in {sys.executable}, and {ENGINE_PYTHONS[e][0]} "
                                                      f"{py} is not an executable file"))  # fmt: skip
         found[e] = py
     if len(set(found.values())) > 1:
