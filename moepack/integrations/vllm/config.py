@@ -7,9 +7,12 @@ usual. The packed expert tensors (``moepack.layers.<L>.<role>`` in ``experts-*.s
 are dropped from vLLM's weight stream by name; each MoE layer instead takes its experts from
 ``moepack.open(DIR)``: views of the memory-mapped shards, never copied, never repacked
 (``process_weights_after_loading`` only attaches them). vLLM routes (its router, its grouped /
-biased top-k, its routed scaling) and hands ``apply`` fp32 weights and int32 ids; ``apply`` runs
+biased top-k) and hands ``apply`` fp32 weights and int32 ids; ``apply`` runs
 ``torch.ops.moepack.fused_experts`` on them and returns the layer's partial sum, which vLLM
-all-reduces across tensor-parallel ranks and adds to its shared experts' output.
+all-reduces across tensor-parallel ranks and adds to its shared experts' output (vLLM runs
+those before ``apply``; ``apply`` never sees them run). Routed scaling is vLLM's too: folded
+into the weights, or (DeepSeek on CPU, ``apply_routed_scale_to_output``) applied by vLLM's MoE
+runner to what ``apply`` returns.
 
 Tensor parallel: a ``convert --tp N`` pack holds each rank's slice of every expert contiguously
 (moepack/tp.py); rank r of an engine with ``tensor_parallel_size=N`` maps only its rows, and the
@@ -38,11 +41,7 @@ SUPPORTED_FAMILIES = {
     "mixtral": "MixtralForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "olmoe": "OlmoeForCausalLM",
-}
-# families vLLM runs with the plugin but whose tokens the tests could not match: why, in one line
-NOT_YET = {
-    "deepseek_v3": "under vLLM 0.32's CPU path (MLA attention) its greedy tokens differ from moepack.load_model's, and "
-                   "vLLM's own experts differ from both; refused until that is explained (docs/VLLM.md \"Families\")",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 _ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_tanh", "swigluoai": "swigluoai"}
@@ -166,8 +165,6 @@ def check_family(manifest: dict, where: str) -> None:
     need that format's own method for them)."""
     cfg = (manifest.get("model") or {}).get("config") or {}
     mt = cfg.get("model_type")
-    if mt in NOT_YET:
-        raise UnsupportedError(f"{where}: model_type={mt!r} is not supported by the moepack vLLM plugin yet: {NOT_YET[mt]}")
     if mt not in SUPPORTED_FAMILIES:
         raise UnsupportedError(f"{where}: model_type={mt!r}: the moepack vLLM plugin supports "
                                f"{', '.join(sorted(SUPPORTED_FAMILIES))}")  # fmt: skip
@@ -201,6 +198,44 @@ def check_routing(layer, model: dict, where: str) -> None:
             raise UnsupportedError(f"{where}: the pack's routing has {k}={want} (model config: num_experts_per_tok, "
                                    f"norm_topk_prob), vLLM built the layer with {k}={got}: its tokens would not be "
                                    "this model's")  # fmt: skip
+
+
+def check_engine(model: dict, compiled: bool, rope_op: bool, where: str) -> None:
+    """vLLM 0.32's CPU path computes DeepSeek-V3 (MLA attention) wrongly in two settings, with
+    its own experts as with the plugin's (docs/VLLM.md "DeepSeek-V3"); refused there, naming
+    the setting and the one that gives the model's tokens:
+
+    - its C++ ``rotary_embedding`` op (custom op on, the eager default) rotates the MLA query's
+      rope part wrongly when there is more than one head (a 3-D ``[tokens, heads, 64]`` view)
+      and the key's (a view into the latent projection), so every position after the first
+      attends with wrong scores. Plain RoPE (rope_type "default") only: vLLM builds YaRN-scaled
+      DeepSeek RoPE with its own class, which runs torch code on CPU.
+    - its compiled graph (enforce_eager False, the default) gives different tokens from run to
+      run on the same engine settings (NaN logits among them)."""
+    cfg = model.get("config") or {}
+    if cfg.get("model_type") != "deepseek_v3":
+        return
+    if compiled:
+        raise UnsupportedError(f"{where}: model_type='deepseek_v3' under vLLM's compiled CPU graph (enforce_eager=False): "
+                               "vLLM 0.32 gives run-to-run different tokens there, with its own experts too; serve it "
+                               "with enforce_eager=True (--enforce-eager)")  # fmt: skip
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if rope_op and rp.get("rope_type", rp.get("type")) in (None, "default"):
+        raise UnsupportedError(f"{where}: model_type='deepseek_v3' with plain RoPE and vLLM's C++ rotary_embedding op "
+                               "(custom op on): vLLM 0.32's CPU kernel rotates the MLA query of more than one head "
+                               "wrongly; serve it with compilation_config={'custom_ops': ['all', '-rotary_embedding']} "
+                               "(torch RoPE)")  # fmt: skip
+
+
+def engine_settings() -> tuple[bool, bool]:
+    """(compiled, rope_op) of the vLLM engine being built: whether it compiles the model graph
+    and whether its RotaryEmbedding runs vLLM's C++ op. Read while vLLM builds the model (its
+    config is current then)."""
+    from vllm.config import CompilationMode, get_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+
+    mode = get_current_vllm_config().compilation_config.mode
+    return mode != CompilationMode.NONE, bool(RotaryEmbedding.enabled())
 
 
 _FLOAT = {"bfloat16", "float16", "float32", "float64"}
@@ -267,7 +302,9 @@ class MoepackMoEMethod(FusedMoEMethodBase):
         act = getattr(layer.activation, "value", str(layer.activation))
         if act != self.activation:
             raise UnsupportedError(f"{where}: activation {self.activation!r} in {MANIFEST}, vLLM's layer has {act!r}")
-        check_routing(layer, (self.qcfg.manifest or {}).get("model") or {}, where)
+        model = (self.qcfg.manifest or {}).get("model") or {}
+        check_routing(layer, model, where)
+        check_engine(model, *engine_settings(), str(self.qcfg.path))
 
     def get_fused_moe_quant_config(self, layer):
         return FUSED_MOE_UNQUANTIZED_CONFIG
