@@ -139,14 +139,16 @@ for key, layer in (("RENORM", SimpleNamespace(top_k=2, renormalize=False)), ("TO
 from moepack.integrations.vllm.config import check_engine
 ds = {"config": {"model_type": "deepseek_v3", "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}}
 yarn = {"config": {"model_type": "deepseek_v3", "rope_scaling": {"type": "yarn", "factor": 40}}}
-check_engine(ds, False, False, "DIR")
-check_engine(yarn, False, True, "DIR")  # vLLM's DeepSeek YaRN RoPE is torch code on CPU
-check_engine({"config": {"model_type": "qwen3_moe"}}, True, True, "DIR")
+check_engine(ds, lambda: (False, False), "DIR")
+check_engine(yarn, lambda: (False, True), "DIR")  # vLLM's DeepSeek YaRN RoPE is torch code on CPU
+def not_asked():
+    raise AssertionError("the engine's settings asked for a family that does not need them")
+check_engine({"config": {"model_type": "qwen3_moe"}}, not_asked, "DIR")
 print("ENGINEOK served")
 for key, m, compiled, rope_op in (("DSCOMPILED", ds, True, False), ("DSROPE", ds, False, True),
                                   ("DSROPENOPARAMS", {"config": {"model_type": "deepseek_v3"}}, False, True)):
     try:
-        check_engine(m, compiled, rope_op, "DIR")
+        check_engine(m, lambda: (compiled, rope_op), "DIR")
     except Exception as e:
         print(key + " " + str(e))
 '''

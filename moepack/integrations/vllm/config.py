@@ -200,7 +200,7 @@ def check_routing(layer, model: dict, where: str) -> None:
                                    "this model's")  # fmt: skip
 
 
-def check_engine(model: dict, compiled: bool, rope_op: bool, where: str) -> None:
+def check_engine(model: dict, settings, where: str) -> None:
     """vLLM 0.32's CPU path computes DeepSeek-V3 (MLA attention) wrongly in two settings, with
     its own experts as with the plugin's (docs/VLLM.md "DeepSeek-V3"); refused there, naming
     the setting and the one that gives the model's tokens:
@@ -211,10 +211,14 @@ def check_engine(model: dict, compiled: bool, rope_op: bool, where: str) -> None
       attends with wrong scores. Plain RoPE (rope_type "default") only: vLLM builds YaRN-scaled
       DeepSeek RoPE with its own class, which runs torch code on CPU.
     - its compiled graph (enforce_eager False, the default) gives different tokens from run to
-      run on the same engine settings (NaN logits among them)."""
+      run on the same engine settings (NaN logits among them).
+
+    ``settings()`` gives (compiled, rope_op) of the engine (``engine_settings``); asked only for
+    this family."""
     cfg = model.get("config") or {}
     if cfg.get("model_type") != "deepseek_v3":
         return
+    compiled, rope_op = settings()
     if compiled:
         raise UnsupportedError(f"{where}: model_type='deepseek_v3' under vLLM's compiled CPU graph (enforce_eager=False): "
                                "vLLM 0.32 gives run-to-run different tokens there, with its own experts too; serve it "
@@ -304,7 +308,7 @@ class MoepackMoEMethod(FusedMoEMethodBase):
             raise UnsupportedError(f"{where}: activation {self.activation!r} in {MANIFEST}, vLLM's layer has {act!r}")
         model = (self.qcfg.manifest or {}).get("model") or {}
         check_routing(layer, model, where)
-        check_engine(model, *engine_settings(), str(self.qcfg.path))
+        check_engine(model, engine_settings, str(self.qcfg.path))
 
     def get_fused_moe_quant_config(self, layer):
         return FUSED_MOE_UNQUANTIZED_CONFIG
