@@ -274,6 +274,12 @@ struct NeonBase {
     }
   }
 
+  // dst[0, n) = c + bias (bias may be null); `stream` is not used here (plain stores).
+  static void out_row(float* dst, const float* c, const float* bias, int n, bool) {
+    for (int j = 0; j < n; ++j) dst[j] = bias ? c[j] + bias[j] : c[j];
+  }
+  static void out_fence() {}
+
   static void axpy(float w, const float* y, float* acc, int64_t n) {
     const float32x4_t wv = vdupq_n_f32(w);
     int64_t i = 0;

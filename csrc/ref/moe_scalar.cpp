@@ -71,6 +71,12 @@ struct MK {
     }
   }
 
+  // dst[0, n) = c + bias (bias may be null); `stream` is not used here (plain stores).
+  static void out_row(float* dst, const float* c, const float* bias, int n, bool) {
+    for (int j = 0; j < n; ++j) dst[j] = bias ? c[j] + bias[j] : c[j];
+  }
+  static void out_fence() {}
+
   static void axpy(float w, const float* y, float* acc, int64_t n) {
     for (int64_t i = 0; i < n; ++i) acc[i] += w * y[i];
   }

@@ -91,6 +91,21 @@ struct Avx2Elementwise {
     }
   }
 
+  // dst[0, n) = c + bias (bias may be null). `stream`: with non-temporal stores where dst is
+  // 32-byte aligned and n a multiple of 8 (the caller ends its stores with out_fence()).
+  static void out_row(float* dst, const float* c, const float* bias, int n, bool stream) {
+    int j = 0;
+    if (stream && (reinterpret_cast<uintptr_t>(dst) & 31) == 0) {
+      for (; j + 8 <= n; j += 8) {
+        __m256 v = _mm256_loadu_ps(c + j);
+        if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + j));
+        _mm256_stream_ps(dst + j, v);
+      }
+    }
+    for (; j < n; ++j) dst[j] = bias ? c[j] + bias[j] : c[j];
+  }
+  static void out_fence() { _mm_sfence(); }
+
   static void axpy(float w, const float* y, float* acc, int64_t n) {
     const __m256 wv = _mm256_set1_ps(w);
     int64_t i = 0;

@@ -301,6 +301,25 @@ struct Avx512Base {
     }
   }
 
+  // dst[0, n) = c + bias (bias may be null). `stream`: with non-temporal stores where dst is
+  // 64-byte aligned and n a multiple of 16 (the caller ends its stores with out_fence()).
+  static void out_row(float* dst, const float* c, const float* bias, int n, bool stream) {
+    int j = 0;
+    if (stream && (reinterpret_cast<uintptr_t>(dst) & 63) == 0) {
+      for (; j + 16 <= n; j += 16) {
+        __m512 v = _mm512_loadu_ps(c + j);
+        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + j));
+#if defined(MOEPACK_EMULATE_AVX512)
+        _mm512_storeu_ps(dst + j, v);  // SIMDe 0.7 has no 512-bit streaming store: the emulated build checks the logic
+#else
+        _mm512_stream_ps(dst + j, v);
+#endif
+      }
+    }
+    for (; j < n; ++j) dst[j] = bias ? c[j] + bias[j] : c[j];
+  }
+  static void out_fence() { _mm_sfence(); }
+
   static void axpy(float w, const float* y, float* acc, int64_t n) {
     const __m512 wv = _mm512_set1_ps(w);
     int64_t i = 0;
