@@ -130,9 +130,10 @@ def test_many_rows_per_expert(isa, dtype):
 @pytest.mark.parametrize("bias", [False, True])
 def test_large_output_is_streamed(isa, bias):
     """Past 2 MiB of expert outputs (fused_moe_driver.inc kStreamYBytes) stage 2 stores them
-    with non-temporal stores: 300 tokens x top-4 x H 520 (padded to 544) = 2.6 MB of them, the
-    last column block part padding, some tokens with no local expert (expert_map)."""
-    inp = make_moe_inputs(tokens=300, hidden=520, intermediate=40, topk=4, dtype=BF16, bias=bias, seed=11)
+    with non-temporal stores: 500 tokens x top-4 x H 520 (padded to 544) = 4.4 MB of them, the
+    last column block part padding; under an expert_map 3 of the 5 experts are local, ~2.6 MB
+    of rows written, and some tokens have no local expert."""
+    inp = make_moe_inputs(tokens=500, hidden=520, intermediate=40, topk=4, dtype=BF16, bias=bias, seed=11)
     check_every_path(isa, inp, "streamed output")
     local, expert_map = local_inputs(inp, [0, 2, 3])
     check_every_path(isa, local, "streamed output, expert map", expert_map=expert_map)

@@ -139,16 +139,19 @@ for key, layer in (("RENORM", SimpleNamespace(top_k=2, renormalize=False)), ("TO
 from moepack.integrations.vllm.config import check_engine
 ds = {"config": {"model_type": "deepseek_v3", "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"}}}
 yarn = {"config": {"model_type": "deepseek_v3", "rope_scaling": {"type": "yarn", "factor": 40}}}
-check_engine(ds, lambda: (False, False), "DIR")
-check_engine(yarn, lambda: (False, True), "DIR")  # vLLM's DeepSeek YaRN RoPE is torch code on CPU
+check_engine(ds, lambda: (False, False, None), "DIR")
+check_engine(yarn, lambda: (False, True, None), "DIR")  # vLLM's DeepSeek YaRN RoPE is torch code on CPU
+check_engine(ds, lambda: (False, True, "deepseek_yarn"), "DIR")  # vLLM's own config decides (hf_overrides)
 def not_asked():
     raise AssertionError("the engine's settings asked for a family that does not need them")
 check_engine({"config": {"model_type": "qwen3_moe"}}, not_asked, "DIR")
 print("ENGINEOK served")
-for key, m, compiled, rope_op in (("DSCOMPILED", ds, True, False), ("DSROPE", ds, False, True),
-                                  ("DSROPENOPARAMS", {"config": {"model_type": "deepseek_v3"}}, False, True)):
+for key, m, compiled, rope_op, rt in (("DSCOMPILED", ds, True, False, None), ("DSROPE", ds, False, True, None),
+                                      ("DSROPENOPARAMS", {"config": {"model_type": "deepseek_v3"}}, False, True, None),
+                                      ("DSROPEOVERRIDE", yarn, False, True, "default"),
+                                      ("DSCOMPILEDYARN", yarn, True, False, None)):
     try:
-        check_engine(m, lambda: (compiled, rope_op), "DIR")
+        check_engine(m, lambda: (compiled, rope_op, rt), "DIR")
     except Exception as e:
         print(key + " " + str(e))
 '''
@@ -465,8 +468,13 @@ def test_gpt_oss_mxfp4_equals_load_model(family_packs, tmp_path):
 
 # vLLM 0.32 computes DeepSeek-V3 right on CPU only eagerly and with torch RoPE (docs/VLLM.md "DeepSeek-V3")
 DS_ENGINE = {"eager": True, "cc": {"custom_ops": ["all", "-rotary_embedding"]}}
-DS_COMPILED = ("{d}: model_type='deepseek_v3' under vLLM's compiled CPU graph (enforce_eager=False): vLLM 0.32 gives "
-               "run-to-run different tokens there, with its own experts too; serve it with enforce_eager=True (--enforce-eager)")
+DS_COMPILED_YARN = ("{d}: model_type='deepseek_v3' under vLLM's compiled CPU graph (enforce_eager=False): vLLM 0.32 "
+                    "gives run-to-run different tokens there, with its own experts too; serve it with enforce_eager=True "
+                    "(--enforce-eager)")
+# plain RoPE (the fixture's): the compiled refusal names the RoPE setting too, so one change serves it
+DS_COMPILED = DS_COMPILED_YARN + (" and with torch RoPE, compilation_config={{'custom_ops': ['all', '-rotary_embedding']}} "
+                                  "(plain RoPE: vLLM's C++ rotary_embedding op, on in eager mode, rotates the MLA query "
+                                  "wrongly)")
 DS_ROPE = ("{d}: model_type='deepseek_v3' with plain RoPE and vLLM's C++ rotary_embedding op (custom op on): vLLM 0.32's "
            "CPU kernel rotates the MLA query of more than one head wrongly; serve it with "
            "compilation_config={{'custom_ops': ['all', '-rotary_embedding']}} (torch RoPE)")
@@ -541,7 +549,8 @@ def test_registration_idempotent_and_version_range(tmp_path):
     assert lines["TOPK"].startswith("DIR: the pack's routing has top_k=2 (model config")
     assert lines["ENGINEOK"] == "served"
     assert lines["DSCOMPILED"] == (DS_COMPILED.format(d="DIR"))
-    assert lines["DSROPE"] == lines["DSROPENOPARAMS"] == DS_ROPE.format(d="DIR")
+    assert lines["DSROPE"] == lines["DSROPENOPARAMS"] == lines["DSROPEOVERRIDE"] == DS_ROPE.format(d="DIR")
+    assert lines["DSCOMPILEDYARN"] == DS_COMPILED_YARN.format(d="DIR")
 
 
 def test_pages_modes_here(tmp_path, monkeypatch):

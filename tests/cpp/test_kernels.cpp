@@ -192,6 +192,15 @@ int main(int argc, char** argv) {
       run_case(c);
     }
   }
+  // Past 2 MiB of stage 2 outputs (fused_moe_driver.inc kStreamYBytes): y written with
+  // non-temporal stores (MK::out_row's streamed branch; SIMDe's stores under emulation). 500 x 4
+  // slots x Np 544 x 4 bytes = 4.4 MB; with the expert_map 5 of 8 experts are local (~2.7 MB).
+  for (int emap = 0; emap < 2; ++emap) {
+    ++variant;
+    Case c{500, 520, 40, 5, 4, Activation::silu, DType::bf16, true, emap != 0, 1, 0};
+    c.seed = seed++;
+    run_case(c);
+  }
   // Row-count coverage of the GEMM tiles: bf16 rows run MR=8 tiles (remainders 1..7, m==1 has
   // its own path), fp32 rows MR=4 (remainders 1..3).
   {

@@ -213,33 +213,46 @@ def check_engine(model: dict, settings, where: str) -> None:
     - its compiled graph (enforce_eager False, the default) gives different tokens from run to
       run on the same engine settings (NaN logits among them).
 
-    ``settings()`` gives (compiled, rope_op) of the engine (``engine_settings``); asked only for
-    this family."""
+    ``settings()`` gives (compiled, rope_op, rope_type) of the engine (``engine_settings``;
+    rope_type: the one vLLM builds the model with, None when it cannot be read, and then the
+    pack's model config decides); asked only for this family."""
     cfg = model.get("config") or {}
     if cfg.get("model_type") != "deepseek_v3":
         return
-    compiled, rope_op = settings()
+    compiled, rope_op, rope_type = settings()
+    if rope_type is None:  # the source's config.json as recorded in the pack
+        for key in ("rope_parameters", "rope_scaling"):
+            rp = cfg.get(key) or {}
+            if rope_type is None and (rp.get("rope_type") or rp.get("type")):
+                rope_type = rp.get("rope_type") or rp.get("type")
+    plain = rope_type in (None, "default")
     if compiled:
+        also = (" and with torch RoPE, compilation_config={'custom_ops': ['all', '-rotary_embedding']} (plain RoPE: "
+                "vLLM's C++ rotary_embedding op, on in eager mode, rotates the MLA query wrongly)") if plain else ""
         raise UnsupportedError(f"{where}: model_type='deepseek_v3' under vLLM's compiled CPU graph (enforce_eager=False): "
                                "vLLM 0.32 gives run-to-run different tokens there, with its own experts too; serve it "
-                               "with enforce_eager=True (--enforce-eager)")  # fmt: skip
-    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if rope_op and rp.get("rope_type", rp.get("type")) in (None, "default"):
+                               f"with enforce_eager=True (--enforce-eager){also}")  # fmt: skip
+    if rope_op and plain:
         raise UnsupportedError(f"{where}: model_type='deepseek_v3' with plain RoPE and vLLM's C++ rotary_embedding op "
                                "(custom op on): vLLM 0.32's CPU kernel rotates the MLA query of more than one head "
                                "wrongly; serve it with compilation_config={'custom_ops': ['all', '-rotary_embedding']} "
                                "(torch RoPE)")  # fmt: skip
 
 
-def engine_settings() -> tuple[bool, bool]:
-    """(compiled, rope_op) of the vLLM engine being built: whether it compiles the model graph
-    and whether its RotaryEmbedding runs vLLM's C++ op. Read while vLLM builds the model (its
-    config is current then)."""
+def engine_settings() -> tuple[bool, bool, str | None]:
+    """(compiled, rope_op, rope_type) of the vLLM engine being built: whether it compiles the
+    model graph, whether its RotaryEmbedding runs vLLM's C++ op, and the RoPE type of the model
+    config vLLM builds from (after its ``hf_overrides``; DeepSeek's attention, built before the
+    MoE layer, has renamed a non-default type "deepseek_yarn" by then). Read while vLLM builds
+    the model (its config is current then)."""
     from vllm.config import CompilationMode, get_current_vllm_config
     from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
 
-    mode = get_current_vllm_config().compilation_config.mode
-    return mode != CompilationMode.NONE, bool(RotaryEmbedding.enabled())
+    vcfg = get_current_vllm_config()
+    hf = getattr(getattr(vcfg, "model_config", None), "hf_config", None)
+    rp = getattr(hf, "rope_parameters", None) or {}
+    rope_type = rp.get("rope_type") if isinstance(rp, dict) else None
+    return vcfg.compilation_config.mode != CompilationMode.NONE, bool(RotaryEmbedding.enabled()), rope_type
 
 
 _FLOAT = {"bfloat16", "float16", "float32", "float64"}
