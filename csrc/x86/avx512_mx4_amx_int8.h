@@ -287,9 +287,10 @@ static inline void mx4a8_whole_block(TileState& tiles, const int8_t* x0, int64_t
 // kMx4A8MaxRows, kp % 32 == 0, kp <= kMx4A8MaxK, some (sub-)chunk folding: the W4A8 block GEMM
 // (docs/SEMANTICS.md: int4_linear_a8_reference with w_q = 2 * e2m1(q), zero 0, scale 2^(e - 128);
 // the folded chunks' terms rounded once, above), C *= rs at the end. False (nothing written) for
-// other calls.
+// other calls. xsum: the rows' group sums, asked for only by the per-group path (the folded tile
+// passes multiply signed weights and do not read them).
 static inline bool gemm_mx4a8_amx(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
-                                  int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
+                                  int64_t gstride, int64_t kp, const A8Sums& xsum, float* C) {
   if (m < 2 || m > kMx4A8MaxRows || kp % kMx4Group) return false;
   const int64_t stride = x[1] - x[0];
   if (stride < kp || x[m - 1] != x[0] + int64_t(m - 1) * stride) return false;
@@ -363,7 +364,9 @@ static inline bool gemm_mx4a8_amx(const int8_t* const* x, const float* rs, int m
       if (sk == kMx4A8SubK && mx4a8_fits(scale, gstride, s0 / kMx4Group, sk / kMx4Group, emin)) {
         fold(s0, sk, emin);
       } else {
-        for (int64_t g = s0 / kMx4Group; g < (s0 + sk) / kMx4Group; ++g) mx4a8_group(x, m, codes, scale, gstride, g, ng, xsum, C);
+        // the per-group path reads the rows' group sums (u8 weights): made here, at its first group
+        for (int64_t g = s0 / kMx4Group; g < (s0 + sk) / kMx4Group; ++g)
+          mx4a8_group(x, m, codes, scale, gstride, g, ng, xsum.get(), C);
       }
     }
   }
