@@ -98,6 +98,10 @@ static inline void unpack_mx4_s8_folded(const uint8_t* codes, const uint8_t* sca
   const __m512i m4 = _mm512_set1_epi8(0x0F), t = mx4_s8_shift_table();
   const __m512i sp0 = mx4a8_spread(0), sp1 = mx4a8_spread(1);
   for (int64_t g = k1 / kMx4Group; g < (k1 + kk) / kMx4Group; ++g) {
+    // the next column block's scale bytes of this group (32 bytes on: the block a worker usually
+    // takes next), into L1 while this block decodes: the block's first look at its scale rows
+    // (mx4a8_fits: one line per group, gstride apart) otherwise waits on their misses
+    _mm_prefetch(reinterpret_cast<const char*>(scale + g * gstride + 32), _MM_HINT_T0);
     const __m256i sh = _mm256_sub_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * gstride)), emin);
     const __m512i shz = _mm512_castsi256_si512(sh);  // the upper half is never indexed (indices < 32)
     // per column half: the column's shift * 16 in every byte of its lane (shift <= 3: no carry
