@@ -99,12 +99,30 @@ using HookGemmMx4A16 = bool(RowFormat, const void* const*, int, const uint8_t*, 
 // dot_mx4_s8(rows, m, codes, k0, kk, acc): acc[i * block_n + n] = sum over K [k0, k0 + kk) of
 // rows[i][k] * 2 * e2m1(q[n][k]) (an integer -12..12), exact.
 using HookDotMx4S8 = void(const int8_t* const*, int, const uint8_t*, int64_t, int64_t, int32_t*);
+// The s8 row sums per K group of an A8 block call, made when a kernel first asks for them:
+// get()[i * ng + g] = row i's s8 sum over group g (ng = ceil(kp / G)). The grouped-decode driver
+// (GroupedA8, its per-worker memo A8RowSums) hands a mxfp4 kernel this instead of the sums: the
+// kernels that offset the weights to unsigned bytes read them, amx_int8's folded tile pass
+// (signed weights) does not, and summing every row there cost ~10% of a W4A8 T=512 call.
+struct A8Sums {
+  using MakeFn = const int32_t*(void* memo, const int8_t* const* x, int m, int64_t kp, int64_t G);
+  MakeFn* make = nullptr;
+  void* memo = nullptr;
+  const int8_t* const* x = nullptr;
+  int m = 0;
+  int64_t kp = 0, G = 0;
+  mutable const int32_t* sums = nullptr;  // made by the first get()
+  const int32_t* get() const {
+    if (!sums) sums = make(memo, x, m, kp, G);
+    return sums;
+  }
+};
 // gemm_mx4a8(rows, row_scales, m, codes, scale, group_stride, kp, xsum, C): fp32 C[m, block_n] of
 // one block, C = row_scale * sum over groups g (in order) of float(acc_g) * 2^(e[g, n] - 128),
-// acc_g = dot_mx4_s8 over the group; xsum[i * ng + g]: row i's s8 sum over group g (for kernels
-// that offset the weights to unsigned bytes).
+// acc_g = dot_mx4_s8 over the group; xsum: the rows' s8 sums per group of 32 (A8Sums: for kernels
+// that offset the weights to unsigned bytes; asked for only where read).
 using HookGemmMx4A8 = void(const int8_t* const*, const float*, int, const uint8_t*, const uint8_t*, int64_t, int64_t,
-                           const int32_t*, float*);
+                           const A8Sums&, float*);
 
 // ---- one concept per hook: M's member converts to the exact signature -------------------------
 template <class M>

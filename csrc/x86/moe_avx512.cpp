@@ -64,8 +64,8 @@ struct MK : Avx512Base {
 
   // mxfp4 layout (W4A8): the fused block GEMM and its exact integer core (avx512_mx4{_common,_vnni}.h).
   static void gemm_mx4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
-                         int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
-    x86_avx512_mx4::gemm_mx4a8_rows<x86_avx512_mx4::Mx4AccBw>(x, rs, m, codes, scale, gstride, kp, xsum, C);
+                         int64_t gstride, int64_t kp, const A8Sums& xsum, float* C) {
+    x86_avx512_mx4::gemm_mx4a8_rows<x86_avx512_mx4::Mx4AccBw>(x, rs, m, codes, scale, gstride, kp, xsum.get(), C);
   }
   static void dot_mx4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
     x86_avx512_mx4::dot_mx4_rows<x86_avx512_mx4::Mx4AccBw>(x, m, codes, k0, kk, acc);
