@@ -220,11 +220,12 @@ def check_engine(model: dict, settings, where: str) -> None:
     if cfg.get("model_type") != "deepseek_v3":
         return
     compiled, rope_op, rope_type = settings()
-    if rope_type is None:  # the source's config.json as recorded in the pack
+    if rope_type is None:  # the source's config.json as the pack recorded it: the first key naming one
         for key in ("rope_parameters", "rope_scaling"):
             rp = cfg.get(key) or {}
-            if rope_type is None and (rp.get("rope_type") or rp.get("type")):
-                rope_type = rp.get("rope_type") or rp.get("type")
+            rope_type = rp.get("rope_type") or rp.get("type")
+            if rope_type:
+                break
     plain = rope_type in (None, "default")
     if compiled:
         also = (" and with torch RoPE, compilation_config={'custom_ops': ['all', '-rotary_embedding']} (plain RoPE: "
