@@ -31,7 +31,7 @@ def info(
 
     from moepack.bench import describe_limits, kernel_instruction, machine_info, machine_limits
     from moepack import kernel_choice
-    from moepack._ops import decode_streams
+    from moepack._ops import decode_streams, mx4_a16_dot
     from moepack.isa import available_isas
     from moepack.layout import DEFAULT_LAYOUT, LAYOUTS
 
@@ -39,6 +39,7 @@ def info(
     info["available_isas"] = available_isas()
     info["max_isa_env"] = os.environ.get("MOEPACK_MAX_ISA") or None
     info["decode_streams"] = decode_streams()
+    info["mx4_a16_dot"] = mx4_a16_dot()
     info["default_layout"] = DEFAULT_LAYOUT.name
     info["layouts"] = [f"{x.name} (id {x.id})" for x in LAYOUTS]
     info["kernels"] = {}  # per layout: the ISA level its kernel runs at here, why, and whether that is a fallback
@@ -70,6 +71,7 @@ def info(
         ("ISAs usable", ", ".join(info["available_isas"])),
         ("MOEPACK_MAX_ISA", info["max_isa_env"] or "(unset)"),
         ("decode streams", info["decode_streams"]),
+        ("mxfp4 W4A16 dot", info["mx4_a16_dot"]),
     ]
     for name, k in info["kernels"].items():
         rows.append((f"kernel {name}", k["reason"]))

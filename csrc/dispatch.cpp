@@ -51,6 +51,37 @@ const DecodeStreams& decode_streams() {
   return d;
 }
 int g_decode_override = -1;  // set by tests only, between kernel calls
+
+struct Mx4A16Dot {
+  bool fp32 = true;
+  std::string reason, error;
+};
+Mx4A16Dot choose_mx4_a16_dot() {
+  static constexpr const char* kF32 = "fp32 FMAs on a vpermps table";
+  static constexpr const char* kBf16 = "vdpbf16ps";
+  Mx4A16Dot d;
+  const char* vendor = cpu_vendor();
+  d.fp32 = std::strcmp(vendor, "AuthenticAMD") != 0;
+  d.reason = d.fp32 ? std::string(kF32) + " (" + (*vendor ? vendor : "this CPU") + "; MOEPACK_MX4_A16_DOT=bf16 for vdpbf16ps)"
+                    : std::string(kBf16) + " (AMD CPU; MOEPACK_MX4_A16_DOT=fp32 for fp32 FMAs)";
+  const char* v = std::getenv("MOEPACK_MX4_A16_DOT");
+  if (v != nullptr && *v != '\0') {
+    if (std::strcmp(v, "fp32") == 0 || std::strcmp(v, "bf16") == 0) {
+      d.fp32 = v[0] == 'f';
+      d.reason = std::string(d.fp32 ? kF32 : kBf16) + " (MOEPACK_MX4_A16_DOT=" + v + ")";
+    } else {
+      d.error = std::string("MOEPACK_MX4_A16_DOT='") + v +
+                "' is not fp32 or bf16 (the dot product of the mxfp4 W4A16 decode kernels: fp32 FMAs or vdpbf16ps; "
+                "unset: chosen by CPU)";
+    }
+  }
+  return d;
+}
+const Mx4A16Dot& mx4_a16_dot() {
+  static const Mx4A16Dot d = choose_mx4_a16_dot();
+  return d;
+}
+int g_mx4_dot_override = -1;  // set by tests only, between kernel calls
 }  // namespace
 
 bool decode_one_stream() {
@@ -60,6 +91,14 @@ bool decode_one_stream() {
 const char* decode_streams_reason() { return decode_streams().reason.c_str(); }
 const char* decode_streams_error() { return decode_streams().error.empty() ? nullptr : decode_streams().error.c_str(); }
 void set_decode_one_stream(int one) { __atomic_store_n(&g_decode_override, one < 0 ? -1 : one != 0, __ATOMIC_RELAXED); }
+
+bool mx4_a16_fp32() {
+  const int o = __atomic_load_n(&g_mx4_dot_override, __ATOMIC_RELAXED);
+  return o >= 0 ? o != 0 : mx4_a16_dot().fp32;
+}
+const char* mx4_a16_dot_reason() { return mx4_a16_dot().reason.c_str(); }
+const char* mx4_a16_dot_error() { return mx4_a16_dot().error.empty() ? nullptr : mx4_a16_dot().error.c_str(); }
+void set_mx4_a16_fp32(int fp32) { __atomic_store_n(&g_mx4_dot_override, fp32 < 0 ? -1 : fp32 != 0, __ATOMIC_RELAXED); }
 
 const CpuFeatures& cpu_features() {
   static const CpuFeatures f = detect_cpu_features();

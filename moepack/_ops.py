@@ -140,3 +140,11 @@ def decode_streams() -> str:
     at once) and why: the CPU's vendor or MOEPACK_DECODE_STREAMS (docs/KERNELS.md, "Decode
     streams"). Raises ValueError naming the variable when MOEPACK_DECODE_STREAMS is not 1 or 4."""
     return str(ops().decode_streams())
+
+
+def mx4_a16_dot() -> str:
+    """The dot product of the mxfp4 W4A16 decode kernels (a few bf16 rows, AVX-512 levels) on this
+    CPU, fp32 FMAs or vdpbf16ps, and why: the CPU's vendor or MOEPACK_MX4_A16_DOT (docs/KERNELS.md,
+    "mxfp4 W4A16 decode: fp32 FMAs or vdpbf16ps"). Raises ValueError naming the variable when
+    MOEPACK_MX4_A16_DOT is not fp32 or bf16."""
+    return str(ops().mx4_a16_dot())

@@ -299,3 +299,66 @@ def test_decode_streams_choice_override_and_refusal(tmp_path):
     msg = "MOEPACK_DECODE_STREAMS='2' is not 1 or 4"
     assert bad["reason"].startswith("error: " + msg), bad["reason"]
     assert all(isinstance(v, str) and msg in v for v in bad["outs"].values()), bad["outs"]
+
+
+# ---- the mxfp4 W4A16 decode's dot product (csrc/dispatch.cpp mx4_a16_fp32; read once per process) ----
+_MX4_DOT_CHILD = r"""
+import sys, torch, moepack
+from moepack._ops import mx4_a16_dot
+g = torch.Generator().manual_seed(4)
+E, H, I = 5, 224, 96  # K multiples of 32 (the layout's group), neither of 64
+w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.05).to(torch.bfloat16)
+w2 = (torch.randn(E, H, I, generator=g) * 0.05).to(torch.bfloat16)
+try:
+    reason = mx4_a16_dot()
+except ValueError as e:
+    reason = "error: " + str(e)
+outs = {}
+p = moepack.pack_experts(w13, w2, layout="mx4g32_n32k8_x86")
+for T in (1, 2):
+    for dt in (torch.bfloat16, torch.float32):
+        x = torch.randn(T, H, generator=g).to(dt)
+        ids = torch.tensor([[0, 3], [3, 4]][:T], dtype=torch.int32)
+        w = torch.tensor([[0.7, 0.3], [0.5, 0.5]][:T])
+        try:
+            outs[(T, str(dt))] = moepack.run_experts(p, x, w, ids, act_mode="a16").float()
+        except ValueError as e:
+            outs[(T, str(dt))] = str(e)
+torch.save({"reason": reason, "outs": outs}, sys.argv[1])
+"""
+
+
+def _mx4_dot_child(tmp_path, value):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "MOEPACK_MX4_A16_DOT"}
+    if value is not None:
+        env["MOEPACK_MX4_A16_DOT"] = value
+    out = tmp_path / f"mx4dot_{value}.pt"
+    r = subprocess.run([sys.executable, "-c", _MX4_DOT_CHILD, str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return torch.load(out)
+
+
+def test_mx4_a16_dot_choice_override_and_refusal(tmp_path):
+    auto = _mx4_dot_child(tmp_path, None)
+    vendor_amd = "AuthenticAMD" in pathlib.Path("/proc/cpuinfo").read_text() if pathlib.Path("/proc/cpuinfo").exists() else False
+    assert auto["reason"].startswith("vdpbf16ps (AMD" if vendor_amd else "fp32 FMAs on a vpermps table ("), auto["reason"]
+    f32, bf = _mx4_dot_child(tmp_path, "fp32"), _mx4_dot_child(tmp_path, "bf16")
+    assert f32["reason"] == "fp32 FMAs on a vpermps table (MOEPACK_MX4_A16_DOT=fp32)"
+    assert bf["reason"] == "vdpbf16ps (MOEPACK_MX4_A16_DOT=bf16)"
+    for key, a in f32["outs"].items():
+        b = bf["outs"][key]
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), (key, a, b)
+        # the same exact products summed in another fp32 order: at most an ulp of the output here and there
+        assert torch.allclose(a, b, rtol=1e-2, atol=1e-3), key
+        # the unset variable reaches the kernels as the vendor's choice (bitwise: same code, same sums)
+        assert torch.equal(auto["outs"][key], b if vendor_amd else a), key
+        if key[1] == "torch.float32":  # fp32 rows take the fp32 kernel whatever the choice (where a level has it)
+            assert torch.equal(a, b), key
+    bad = _mx4_dot_child(tmp_path, "fp16")
+    msg = "MOEPACK_MX4_A16_DOT='fp16' is not fp32 or bf16"
+    assert bad["reason"].startswith("error: " + msg), bad["reason"]
+    assert all(isinstance(v, str) and msg in v for v in bad["outs"].values()), bad["outs"]

@@ -96,13 +96,14 @@ def all_pairs_block() -> tuple[torch.Tensor, torch.Tensor]:
     return q, e
 
 
-def one_hot_run(isa: str, mode: str, q: torch.Tensor, e: torch.Tensor, dtype=F32) -> torch.Tensor:
-    """C [kp, 32] of one block through ``isa``'s path, row k one-hot at K k: C[k, n] = w(n, k)."""
+def one_hot_run(isa: str, mode: str, q: torch.Tensor, e: torch.Tensor, dtype=F32, rows_per_call: int = 64) -> torch.Tensor:
+    """C [kp, 32] of one block through ``isa``'s path, row k one-hot at K k: C[k, n] = w(n, k).
+    ``rows_per_call`` rows a block call (1 to 4: the few-row A16 decode kernels)."""
     kp = q.shape[1]
     codes = pack_block(q)
     out = []
-    for k0 in range(0, kp, 64):
-        m = min(64, kp - k0)
+    for k0 in range(0, kp, rows_per_call):
+        m = min(rows_per_call, kp - k0)
         if mode == "a16":
             rows = torch.zeros(m, kp, dtype=dtype)
             rows[torch.arange(m), k0 + torch.arange(m)] = 1
@@ -144,14 +145,16 @@ def test_every_code_and_exponent_exact_on_every_level(mode):
     isas = level_isas(mode)
     assert isas[0] == "scalar"
     for isa in isas:
-        dtypes = (F32, BF16) if mode == "a16" else (F32,)
-        for dt in dtypes:
-            got = one_hot_run(isa, mode, q, e, dt)
-            assert torch.equal(got[finite], want[finite]), f"{isa} {mode} {dt}: a finite weight differs"
-            assert torch.equal(got[~finite], want[~finite]), f"{isa} {mode} {dt}: an overflowing weight is not that inf"
+        # A16: fp32 and bf16 rows 64 a call, and bf16 rows 1 and 2 a call (the decode kernels)
+        runs = ((F32, 64), (BF16, 64), (F32, 1), (BF16, 1), (BF16, 2)) if mode == "a16" else ((F32, 64),)
+        for dt, rpc in runs:
+            got = one_hot_run(isa, mode, q, e, dt, rpc)
+            what = f"{isa} {mode} {dt} {rpc} rows a call"
+            assert torch.equal(got[finite], want[finite]), f"{what}: a finite weight differs"
+            assert torch.equal(got[~finite], want[~finite]), f"{what}: an overflowing weight is not that inf"
             # the signs and the subnormals bit for bit (torch.equal takes -0 == +0 and compares values)
             sub = finite & (want != 0)
-            assert torch.equal(got[sub].view(torch.int32), want[sub].view(torch.int32)), f"{isa} {mode}: bits differ"
+            assert torch.equal(got[sub].view(torch.int32), want[sub].view(torch.int32)), f"{what}: bits differ"
 
 
 @pytest.mark.parametrize("mode", ["a16", "a8"])
@@ -163,12 +166,15 @@ def test_extreme_exponents_every_code(mode, ex):
     q = ((k * 3 + n) % 16).to(torch.uint8)
     e = torch.full((2, BN), ex, dtype=torch.uint8)
     want = expected_weights(q, e, mode)
+    runs = ((F32, 64), (F32, 2), (BF16, 1), (BF16, 2)) if mode == "a16" else ((F32, 64),)
     for isa in level_isas(mode):
-        got = one_hot_run(isa, mode, q, e)
-        same = got == want  # the overflowing products: inf == inf
-        assert bool(same.all()), f"{isa} {mode} e={ex}: {got[~same][:4].tolist()} != {want[~same][:4].tolist()}"
-        nz = want != 0
-        assert torch.equal(got[nz].view(torch.int32), want[nz].view(torch.int32)), f"{isa} {mode} e={ex}: bits"
+        for dt, rpc in runs:
+            got = one_hot_run(isa, mode, q, e, dt, rpc)
+            what = f"{isa} {mode} e={ex} {dt} {rpc} rows a call"
+            same = got == want  # the overflowing products: inf == inf
+            assert bool(same.all()), f"{what}: {got[~same][:4].tolist()} != {want[~same][:4].tolist()}"
+            nz = want != 0
+            assert torch.equal(got[nz].view(torch.int32), want[nz].view(torch.int32)), f"{what}: bits"
 
 
 @pytest.mark.parametrize("mode", ["a16", "a8"])
@@ -204,11 +210,16 @@ def test_a16_random_rows_on_every_level():
         ref = (rows.double() @ w.t()).float()
         scalar = OPS.grouped_block(rows, pack_block(q), e, None, None, MX4.id, "scalar", "a16")
         for isa in level_isas("a16"):
+            # 7 rows a call, and 1, 2 and 4 (the few-row decode kernels)
             got = OPS.grouped_block(rows, pack_block(q), e, None, None, MX4.id, isa, "a16")
-            rel = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
-            assert rel < 1e-6, f"{isa} {dt}: rel {rel}"
-            rel_s = ((got.double() - scalar.double()).norm() / scalar.double().norm()).item()
-            assert rel_s < 1e-6, f"{isa} {dt} vs scalar: rel {rel_s}"
+            for m in (1, 2, 4):
+                few = torch.cat([OPS.grouped_block(rows[i : i + m].contiguous(), pack_block(q), e, None, None, MX4.id, isa, "a16")
+                                 for i in range(0, 7, m)])
+                for g, what in ((got, "7 rows"), (few, f"{m} rows a call")):
+                    rel = ((g.double() - ref.double()).norm() / ref.double().norm()).item()
+                    assert rel < 1e-6, f"{isa} {dt} {what}: rel {rel}"
+                    rel_s = ((g.double() - scalar.double()).norm() / scalar.double().norm()).item()
+                    assert rel_s < 1e-6, f"{isa} {dt} {what} vs scalar: rel {rel_s}"
 
 
 def test_a8_integer_core_identical_on_every_level():
@@ -626,3 +637,26 @@ def test_packed_codes_positions():
     for n, k in ((0, 0), (32, 39), (5, 4), (31, 8), (7, 3)):
         byte, shift = layout_code_position(MX4, n, k, 40)  # U4_CODE_ORDER: codes j, j + 4 share byte j
         assert (int(flat[byte]) >> shift) & 15 == int(q[0, n, k])
+
+
+def test_exactness_with_the_other_a16_dot():
+    """The few-row A16 decode kernels have two dot products (fp32 FMAs on a vpermps table, or
+    vdpbf16ps; csrc/dispatch.cpp mx4_a16_fp32, chosen once per process by CPU): the exactness
+    tests above ran the process's choice; here they run again in a process that takes the other
+    (MOEPACK_MX4_A16_DOT), so both kernels are held to every (code, exponent) pair on any host."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    from moepack._ops import mx4_a16_dot
+
+    other = "bf16" if mx4_a16_dot().startswith("fp32") else "fp32"
+    env = {**os.environ, "MOEPACK_MX4_A16_DOT": other}
+    probe = subprocess.run([sys.executable, "-c", "from moepack._ops import mx4_a16_dot; print(mx4_a16_dot())"], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert probe.returncode == 0 and probe.stdout.startswith("fp32" if other == "fp32" else "vdpbf16ps"), probe
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+                        "every_code or extreme_exponents or nan_exponent or random_rows"],
+                       env=env, capture_output=True, text=True, timeout=600, cwd=str(pathlib.Path(__file__).resolve().parents[1]))
+    assert r.returncode == 0 and " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]

@@ -33,7 +33,7 @@ import subprocess
 import sys
 
 
-def worker(shape_name: str, arms_spec: str, tokens: list[int], huge: bool) -> None:
+def worker(shape_name: str, arms_spec: str, tokens: list[int], huge: bool, dtype: str = "bf16") -> None:
     import torch
 
     from moepack.bench import vs as V
@@ -60,7 +60,8 @@ def worker(shape_name: str, arms_spec: str, tokens: list[int], huge: bool) -> No
     for t in tokens:
         rs = RoutingStream(t, shape.num_experts, shape.topk, seed=t)
         g = torch.Generator().manual_seed(1000 + t)
-        sets[t] = [(torch.randn(t, shape.hidden, generator=g).bfloat16(), *rs.next()[:2]) for _ in range(4)]
+        dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
+        sets[t] = [(torch.randn(t, shape.hidden, generator=g).to(dt), *rs.next()[:2]) for _ in range(4)]
     info = {a: list(torch.ops.moepack.kernel_choice(int(p.layout.id), m or ""))[:2] for a, (p, m) in arms.items()}
     with open("/proc/self/smaps") as f:  # Linux; the huge pages this worker got
         info["anon_huge_mib"] = sum(int(x.split()[1]) for x in f if x.startswith("AnonHugePages:")) // 1024
@@ -91,11 +92,12 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=21, help="rounds, the first a warm-up (at least 2)")
     ap.add_argument("--env", action="append", default=[], metavar="VAR=VALUE", help="set in every worker (e.g. MOEPACK_MAX_ISA=avx512_vnni)")
     ap.add_argument("--no-huge", action="store_true", help="leave the packs in 4 KiB pages")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"), help="the activations' dtype")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     tokens = [int(t) for t in a.tokens.split(",")]
     if a.worker:
-        worker(a.shape, a.arms, tokens, not a.no_huge)
+        worker(a.shape, a.arms, tokens, not a.no_huge, a.dtype)
         return 0
     if not a.builds:
         ap.error("name at least one build: NAME=CHECKOUT")
@@ -113,7 +115,8 @@ def main() -> int:
         if not sep or not name or not os.path.isdir(os.path.join(path, "moepack")):
             ap.error(f"build {b!r}: NAME=CHECKOUT, a folder holding the moepack package")
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.abspath(path), **env_extra}
-        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--shape", a.shape, "--tokens", a.tokens, "--arms", a.arms]
+        cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--shape", a.shape, "--tokens", a.tokens, "--arms", a.arms,
+               "--dtype", a.dtype]
         p = subprocess.Popen(cmd + (["--no-huge"] if a.no_huge else []), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         procs.append((name, p))
         arms += [(name, arm, p) for arm in a.arms.split(",")]

@@ -3,8 +3,8 @@
 // settings: the same block again and again (resident in L1 or L2), and a walk over many blocks
 // (far more bytes than the last-level cache: every block comes from DRAM). It prints ns and
 // core cycles per 128 bytes of packed weights read, and GB/s, for the bf16, int8, int4 (W4A16)
-// and mxfp4 (W4A16) kernels on the same harness, plus the latency and throughput of vdpbf16ps
-// and the core clock (a dependent add chain). Arms alternate, best of the repetitions.
+// and mxfp4 (W4A16: vdpbf16ps, and fp32 FMAs as `mx4f32`) kernels on the same harness, plus the
+// latency and throughput of vdpbf16ps and the core clock (a dependent add chain). Arms alternate, best of the repetitions.
 //
 // Build and run (x86 with AMX-BF16; no torch, no moepack build needed):
 //   g++ -O3 -std=c++20 -fno-math-errno -mavx2 -mfma -mf16c -mavx512f -mavx512bw -mavx512vl -mavx512dq
@@ -15,6 +15,7 @@
 //   /tmp/bench_a16_tile [stream_mib=768] [reps=3] [arms: comma-separated name prefixes, default all]
 // The inner loops of the kernels as compiled here: objdump -d --no-show-raw-insn /tmp/bench_a16_tile
 // (each arm is a noinline function named arm_<kernel>).
+#include <sys/mman.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -32,6 +33,7 @@
 #include "../csrc/x86/avx512_vnni_common.h"
 #include "../csrc/x86/avx512_u4_bf16.h"
 #include "../csrc/x86/avx512_mx4_bf16.h"
+#include "../csrc/x86/avx512_mx4_f32.h"
 #include "../csrc/x86/amx_a16_decode.h"
 
 namespace moepack {
@@ -499,6 +501,16 @@ __attribute__((noinline)) void arm_mx4_hook(const Problem& p, int64_t b, void*) 
                                         p.kp, g_C);
 }
 
+
+// ---- mxfp4 W4A16 with fp32 FMAs on a vpermps table (avx512_mx4_f32.h), fp32 rows ------------
+alignas(64) float g_xf[4][16384];  // g_x widened
+template <int M, int S>
+__attribute__((noinline)) void arm_mx4_f32(const Problem& p, int64_t b, void*) {
+  const float* rows[4] = {g_xf[0], g_xf[1], g_xf[2], g_xf[3]};
+  x86_avx512_mx4_f32::gemm_mx4a16_f32_streams<M, S>(rows, p.mem + b * p.blk_bytes, p.e8m0.data() + b * 32, p.gstride, p.kp,
+                                                   g_C);
+}
+
 struct ArmDef {
   const char* name;
   Arm fn;
@@ -538,9 +550,17 @@ int main(int argc, char** argv) {
     for (int k = 0; k < 16384; ++k) {
       g_x[r][k] = uint16_t(0x3C00 + ((k * 7 + r * 13) & 0x3FF));
       g_x8[r][k] = int8_t((k * 5 + r) % 31 - 15);
+      uint32_t u = uint32_t(g_x[r][k]) << 16;
+      std::memcpy(&g_xf[r][k], &u, 4);
     }
   const int64_t total = stream_mib << 20;
-  uint8_t* mem = static_cast<uint8_t*>(std::aligned_alloc(4096, size_t(total)));
+  // 2 MiB aligned and advised for transparent huge pages, as pack_experts places packed experts
+  // (MOEPACK_HUGE_PAGES=0 here: 4 KiB pages)
+  uint8_t* mem = static_cast<uint8_t*>(std::aligned_alloc(size_t(2) << 20, size_t(total)));
+  {
+    const char* hp = std::getenv("MOEPACK_HUGE_PAGES");
+    if (!hp || std::string(hp) != "0") madvise(mem, size_t(total), MADV_HUGEPAGE);
+  }
   {
     uint64_t s = 0x9E3779B97F4A7C15ull;
     uint64_t* w = reinterpret_cast<uint64_t*>(mem);
@@ -570,6 +590,17 @@ int main(int argc, char** argv) {
         md = 0, mx = 0;
         for (int i = 0; i < m * 32; ++i) md = std::max(md, double(std::fabs(c1[i] - c2[i]))), mx = std::max(mx, double(std::fabs(c1[i])));
         std::printf("check mx4 kp=%ld m=%d: %s max|diff| %.3g of max %.3g\n", long(kp), m, ok2 ? "tiles" : "declined", md, mx);
+        if (m <= 2) {
+          const float* fr[4] = {g_xf[0], g_xf[1], g_xf[2], g_xf[3]};
+          if (m == 1) {
+            x86_avx512_mx4_f32::gemm_mx4a16_f32_streams<1, 4>(fr, mem, e.data(), 32, kp, c2);
+          } else {
+            x86_avx512_mx4_f32::gemm_mx4a16_f32_streams<2, 2>(fr, mem, e.data(), 32, kp, c2);
+          }
+          md = 0;
+          for (int i = 0; i < m * 32; ++i) md = std::max(md, double(std::fabs(c1[i] - c2[i])));
+          std::printf("check mx4 f32 kp=%ld m=%d: max|diff| %.3g of max %.3g\n", long(kp), m, md, mx);
+        }
       }
     }
   }
@@ -589,6 +620,8 @@ int main(int argc, char** argv) {
       {"mx4a16 T=1 S=1", arm_mx4_hook<1>, 16, true}, {"mx4a16 T=1 S=4", arm_mx4_hook<1>, 16, false},
       {"mx4a16 T=2", arm_mx4_hook<2>, 16, false},
       {"mx4amx T=1", arm_mx4_amxdec<1>, 16, false}, {"mx4amx T=2", arm_mx4_amxdec<2>, 16, false},
+      {"mx4f32 T=1 S=4", arm_mx4_f32<1, 4>, 16, false}, {"mx4f32 T=1 S=1", arm_mx4_f32<1, 1>, 16, false},
+      {"mx4f32 T=1 S=2", arm_mx4_f32<1, 2>, 16, false}, {"mx4f32 T=2 S=2", arm_mx4_f32<2, 2>, 16, false},
   };
   int narms = sizeof(arms) / sizeof(arms[0]);
   if (argc > 3) {  // keep the arms whose name starts with one of the given prefixes

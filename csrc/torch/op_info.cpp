@@ -210,6 +210,13 @@ std::string decode_streams_info() {
   return decode_streams_reason();
 }
 
+// The dot product of the mxfp4 W4A16 decode kernels here (mx4_a16_fp32) and why; refused when
+// MOEPACK_MX4_A16_DOT is not understood.
+std::string mx4_a16_dot_info() {
+  TORCH_CHECK_VALUE(mx4_a16_dot_error() == nullptr, mx4_a16_dot_error());
+  return mx4_a16_dot_reason();
+}
+
 }  // namespace
 }  // namespace moepack
 
@@ -224,6 +231,7 @@ TORCH_LIBRARY_FRAGMENT(moepack, m) {
       "str act_mode) -> Tensor");
   m.def("cpu_flags() -> str[]", &moepack::cpu_flags);
   m.def("decode_streams() -> str", &moepack::decode_streams_info);
+  m.def("mx4_a16_dot() -> str", &moepack::mx4_a16_dot_info);
 }
 
 TORCH_LIBRARY_IMPL(moepack, CPU, m) {

@@ -28,6 +28,7 @@ void register_amx_bf16(KernelTable&) {}
 #include "avx512_f8_bf16.h"
 #include "avx512_mx4_amx.h"
 #include "avx512_mx4_bf16.h"
+#include "avx512_mx4_f32.h"
 #include "amx_a16_decode.h"
 
 namespace moepack {
@@ -190,16 +191,23 @@ struct MK : Avx512Base {
   }
 
   // mxfp4 layout (W4A16): the exact table decode to the dense bf16 block (avx512_mx4_common.h), few
-  // bf16 rows straight from the codes (avx512_mx4_bf16.h), more through tiles over the whole K
+  // rows straight from the codes (avx512_mx4_f32.h's fp32 FMAs for fp32 rows, and for bf16 rows
+  // where mx4_a16_fp32(); else avx512_mx4_bf16.h's vdpbf16ps), more through tiles over the whole K
   // with the scales folded into the decoded weights where that is exact (avx512_mx4_amx.h; blocks
   // with extreme scales take the grouped path: unpack_mx4, tiles per group, the scale after).
   static void unpack_mx4(const uint8_t* codes, int64_t k0, int64_t kk, uint16_t* out) {
     x86_avx512_mx4::unpack_mx4_avx512(codes, k0, kk, out);
   }
+  using Mx4A16Memo = x86_avx512_mx4_f32::Mx4A16Rows;
   static bool gemm_mx4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const uint8_t* scale,
-                          int64_t gstride, int64_t kp, float* C, void*) {
+                          int64_t gstride, int64_t kp, float* C, void* memo) {
     if (fmt == RowFormat::bf16 && m >= kMx4AmxMinRows &&
         x86_avx512_mx4_amx::gemm_mx4a16_amx(reinterpret_cast<const uint16_t* const*>(rows), m, codes, scale, gstride, kp, C)) {
+      return true;
+    }
+    // fp32 rows: always fp32 FMAs (no vdpbf16ps for them); bf16 rows: the process's choice
+    if ((fmt == RowFormat::f32 || mx4_a16_fp32()) &&
+        x86_avx512_mx4_f32::gemm_mx4a16_f32(fmt, rows, m, codes, scale, gstride, kp, C, static_cast<Mx4A16Memo*>(memo))) {
       return true;
     }
     return x86_avx512_mx4_bf16::gemm_mx4a16_bf16(fmt, rows, m, codes, scale, gstride, kp, C);

@@ -23,6 +23,7 @@ void register_avx512(KernelTable&) {}
 #include "avx512_u4_common.h"
 #include "avx512_f8.h"
 #include "avx512_mx4_common.h"
+#include "avx512_mx4_f32.h"
 
 namespace moepack {
 namespace avx512 {
@@ -33,7 +34,7 @@ using namespace x86_avx512_i8;
 
 struct MK : Avx512Base {
   static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_unpack_u4 | kHook_unpack_f8 |
-                                     kHook_unpack_mx4 | kHook_dot_mx4_s8 | kHook_gemm_mx4a8;
+                                     kHook_unpack_mx4 | kHook_gemm_mx4a16 | kHook_dot_mx4_s8 | kHook_gemm_mx4a8;
   // acc[m, 32] = exact int32 dot products of one 32-column int8 block (signed rows; colsum unused).
   static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t*,
                       int32_t* C) {
@@ -57,9 +58,16 @@ struct MK : Avx512Base {
   // fp8_block layouts (W8A16): the exact table decode to the dense bf16 block (avx512_f8.h).
   static void unpack_f8(const uint8_t* codes, int64_t n, uint16_t* out) { x86_avx512_f8::unpack_f8_avx512(codes, n, out); }
 
-  // mxfp4 layout (W4A16): the exact table decode of the e2m1 codes to the dense bf16 block.
+  // mxfp4 layout (W4A16): the exact table decode of the e2m1 codes to the dense bf16 block, and a
+  // few rows (this level's rows are fp32) straight from the codes with fp32 FMAs (avx512_mx4_f32.h;
+  // no vdpbf16ps here, so mx4_a16_fp32() does not apply).
   static void unpack_mx4(const uint8_t* codes, int64_t k0, int64_t kk, uint16_t* out) {
     x86_avx512_mx4::unpack_mx4_avx512(codes, k0, kk, out);
+  }
+  using Mx4A16Memo = x86_avx512_mx4_f32::Mx4A16Rows;
+  static bool gemm_mx4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const uint8_t* scale,
+                          int64_t gstride, int64_t kp, float* C, void* memo) {
+    return x86_avx512_mx4_f32::gemm_mx4a16_f32(fmt, rows, m, codes, scale, gstride, kp, C, static_cast<Mx4A16Memo*>(memo));
   }
 
   // mxfp4 layout (W4A8): the fused block GEMM and its exact integer core (avx512_mx4{_common,_vnni}.h).
