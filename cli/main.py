@@ -71,7 +71,7 @@ def info(
         ("ISAs usable", ", ".join(info["available_isas"])),
         ("MOEPACK_MAX_ISA", info["max_isa_env"] or "(unset)"),
         ("decode streams", info["decode_streams"]),
-        ("mxfp4 W4A16 dot", info["mx4_a16_dot"]),
+        ("mxfp4 W4A16 dot (AVX-512)", info["mx4_a16_dot"]),
     ]
     for name, k in info["kernels"].items():
         rows.append((f"kernel {name}", k["reason"]))

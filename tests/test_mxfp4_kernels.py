@@ -222,6 +222,36 @@ def test_a16_random_rows_on_every_level():
                     assert rel_s < 1e-6, f"{isa} {dt} {what} vs scalar: rel {rel_s}"
 
 
+def test_a16_few_rows_subnormal_activations():
+    """Which few-row A16 kernel ran, told apart by what they do with subnormal bf16 activations:
+    the fp32 FMA kernel (``avx512_mx4_f32.h``) takes them as they are, so 1 or 2 rows of 2^-127
+    against code 1.0 at e = 200 give the exact 64 * 2^-127 * 2^73 per column; ``vdpbf16ps`` treats
+    subnormal inputs as 0 (docs/KERNELS.md "mxfp4 W4A16 decode"), so where it runs the columns are
+    0. fp32 FMAs run for bf16 rows on the BF16 levels where the process's choice is fp32
+    (``MOEPACK_MX4_A16_DOT``; the other choice runs this in a subprocess below), and on the
+    avx512 level (fp32 rows) and scalar always."""
+    from moepack._ops import mx4_a16_dot
+
+    fp32_dot = mx4_a16_dot().startswith("fp32")
+    kp = 64
+    q = torch.full((BN, kp), 2, dtype=torch.uint8)  # e2m1 code 2 = 1.0
+    e = torch.full((2, BN), 200, dtype=torch.uint8)
+    exact = torch.tensor(kp * 2.0**-127 * 2.0**73, dtype=torch.float32)
+    assert exact.item() == 2.0**-48
+    for m in (1, 2):
+        rows = torch.full((m, kp), 2.0**-127).to(BF16)
+        assert rows.view(torch.int16)[0, 0].item() == 0x0040  # a bf16 subnormal, exactly 2^-127
+        for isa in level_isas("a16"):
+            got = OPS.grouped_block(rows, pack_block(q), e, None, None, MX4.id, isa, "a16")
+            if isa in ("avx512_bf16", "amx_bf16") and not fp32_dot:
+                want = torch.zeros(m, BN)
+            elif isa in ("scalar", "avx512", "avx512_bf16", "amx_bf16"):
+                want = exact.expand(m, BN)
+            else:
+                continue  # the other levels' dense paths: not what this test tells apart
+            assert torch.equal(got, want), f"{isa} m={m} ({mx4_a16_dot()}): {got[0, :4].tolist()}"
+
+
 def test_a8_integer_core_identical_on_every_level():
     """dot_u4_block on the mxfp4 layout: acc = x_s8 . 2 e2m1(q) exactly, on every level, over every
     K sub-range of whole runs (one group, several, a run inside a group)."""
@@ -657,6 +687,6 @@ def test_exactness_with_the_other_a16_dot():
                            capture_output=True, text=True, timeout=120)
     assert probe.returncode == 0 and probe.stdout.startswith("fp32" if other == "fp32" else "vdpbf16ps"), probe
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                        "every_code or extreme_exponents or nan_exponent or random_rows"],
+                        "every_code or extreme_exponents or nan_exponent or random_rows or subnormal_activations"],
                        env=env, capture_output=True, text=True, timeout=600, cwd=str(pathlib.Path(__file__).resolve().parents[1]))
     assert r.returncode == 0 and " passed" in r.stdout and "failed" not in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]

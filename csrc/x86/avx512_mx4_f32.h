@@ -1,8 +1,8 @@
-// The W4A16 decode kernel of the mxfp4 layout with fp32 FMAs (AVX-512 F only), for a few bf16
-// rows: the one the x86 levels with the gemm_mx4a16 hook take where mx4_a16_fp32() (csrc/
-// dispatch.cpp; docs/KERNELS.md "mxfp4 W4A16 decode: fp32 FMAs or vdpbf16ps"). Include only from
-// a file compiled with at least the avx512 level's flags, inside that level's namespace
-// (internal linkage).
+// The W4A16 decode kernel of the mxfp4 layout with fp32 FMAs (AVX-512 F only), for a few rows: the
+// one the x86 levels with the gemm_mx4a16 hook take for fp32 rows, and for bf16 rows where
+// mx4_a16_fp32() (csrc/dispatch.cpp; docs/KERNELS.md "mxfp4 W4A16 decode: fp32 FMAs or
+// vdpbf16ps"). Include only from a file compiled with at least the avx512 level's flags, inside
+// that level's namespace (internal linkage).
 //
 // Each 32-bit lane of a K step's zmm is one column's 8 codes (byte b: code b in the low nibble,
 // code b + 4 in the high one; avx512_mx4_common.h). vpermps reads only the low 4 bits of its index
@@ -11,10 +11,11 @@
 // the row, bf16 rows widened to fp32 once per stage: Mx4A16Rows) adds the 16 columns' products. Per 64
 // bytes of codes: 7 vpsrld, 8 vpermps, 8 FMAs (23 operations on the two 512-bit ports), where the
 // vdpbf16ps kernel (avx512_mx4_bf16.h) takes 12 but 4 of them are vdpbf16ps, which issue one per
-// ~2 cycles on Sapphire Rapids (an FMA: two per cycle). The products x * e2m1(q) are exact in
-// fp32; per K group of 32 the fp32 sum is scaled into C exactly as the vdpbf16ps kernel does
-// (C += sum * 2^(e - 127), the scale never folded into a weight), so the two kernels differ only
-// in the fp32 summation order.
+// ~2 cycles on Sapphire Rapids (an FMA: two per cycle). Each product x * e2m1(q) enters the FMA
+// unrounded; per K group of 32 the fp32 sum is scaled into C exactly as the vdpbf16ps kernel does
+// (C += sum * 2^(e - 127), the scale never folded into a weight). So the two kernels differ in the
+// fp32 summation order and in one more way: vdpbf16ps treats subnormal bf16 inputs as 0, the FMAs
+// take them as they are.
 #pragma once
 #include <cstdlib>
 #include <cstring>
@@ -32,8 +33,9 @@ using namespace x86_avx512_mx4;
 constexpr int kMx4F32MaxRows = 4;
 
 // The worker's rows widened to fp32 once per stage (the driver's RowMemo: while a stage runs its
-// rows never change, so a row's address names its content). The buffer (kMx4F32MaxRows rows of
-// the stage's K: 46 KiB at K = 2880) is allocated at first use, and again for a longer K.
+// rows never change, so a row's address names its content). The buffer (as many row slots of the
+// stage's K as a call has needed: 11 KiB a row at K = 2880) is allocated at first use, and again
+// for a longer K or more rows.
 struct Mx4A16Rows {
   const void* key[kMx4F32MaxRows] = {};
   int64_t kp[kMx4F32MaxRows] = {};
@@ -42,13 +44,16 @@ struct Mx4A16Rows {
   };
   std::unique_ptr<float, Free> buf;
   int64_t cap = 0;  // floats per row slot
+  int slots = 0;    // row slots in buf
   // Slots 0..m-1 hold rows[0..m) at this kp (each widened unless its slot holds it already);
   // false where the buffer cannot be allocated.
   bool prepare(const uint16_t* const* rows, int m, int64_t kp_) {
-    if (kp_ > cap) {
-      const int64_t c = (kp_ + 15) / 16 * 16;  // rows 64-byte aligned
-      buf.reset(static_cast<float*>(std::aligned_alloc(64, sizeof(float) * size_t(kMx4F32MaxRows * c))));
+    if (kp_ > cap || m > slots) {
+      const int64_t c = kp_ > cap ? (kp_ + 15) / 16 * 16 : cap;  // rows 64-byte aligned
+      const int n = m > slots ? m : slots;
+      buf.reset(static_cast<float*>(std::aligned_alloc(64, sizeof(float) * size_t(n * c))));
       cap = buf ? c : 0;
+      slots = buf ? n : 0;
       for (int i = 0; i < kMx4F32MaxRows; ++i) key[i] = nullptr;
       if (!buf) return false;
     }
@@ -75,14 +80,15 @@ static inline __m512 mx4_f32_table() {
   return _mm512_load_ps(t);
 }
 
-// C[MR, 32] for fp32 rows x[r] against one mx4 block (kp a multiple of 32; e8m0 scale rows scale +
+// C[MR, 32] for fp32 rows x[r] against one mx4 block (kp a multiple of 8; e8m0 scale rows scale +
 // g * gstride), read as S K segments of whole groups at once (decode streams, as the vdpbf16ps
-// kernel), the groups that do not deal out evenly after them in one stream.
+// kernel), the groups that do not deal out evenly (and a partial last one) after them in one
+// stream.
 template <int MR, int S>
 static inline void gemm_mx4a16_f32_streams(const float* const* x, const uint8_t* codes, const uint8_t* scale, int64_t gstride,
                                            int64_t kp, float* C) {
-  const int64_t ng = kp / kMx4Group;
-  const int64_t rounds = ng / S, head = rounds * S;  // groups [0, head): S segments of `rounds`
+  const int64_t ng = (kp + kMx4Group - 1) / kMx4Group;
+  const int64_t rounds = kp / kMx4Group / S, head = rounds * S;  // groups [0, head): S segments of `rounds`
   const int64_t seg_bytes = rounds * kMx4Group * 16, blk_bytes = kp * 16;
   constexpr int P = 2;  // chains per (segment, row, half): the 8 nibbles alternate between them
   static constexpr int kCode[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // nibble i of a lane holds code kCode[i]
@@ -136,7 +142,8 @@ static inline void gemm_mx4a16_f32_streams(const float* const* x, const uint8_t*
   }
   for (int64_t g = head; g < ng; ++g) {  // the rest, in one stream
     clear(0);
-    for (int64_t j = g * (kMx4Group / 8); j < (g + 1) * (kMx4Group / 8); ++j) {
+    const int64_t jend = (g + 1) * kMx4Group < kp ? (g + 1) * (kMx4Group / 8) : kp / 8;
+    for (int64_t j = g * (kMx4Group / 8); j < jend; ++j) {
       prefetch_segment(codes, j * 128, blk_bytes, 0, 2);
       step(0, j);
     }
@@ -150,12 +157,11 @@ static inline void gemm_mx4a16_f32_streams(const float* const* x, const uint8_t*
 
 // C[m, 32] for m <= kMx4F32MaxRows rows, fp32 (used as they are) or bf16 (widened into `memo`, the
 // worker's Mx4A16Rows; null: a local one, each call); false (nothing written) for other calls (kp
-// not a multiple of 32, no memory for the rows). One row: 4 segments (or one
-// stream where decode_one_stream()); rows two at a time with 2 segments (one stream), an odd last
-// row as one row.
+// not a multiple of 8, no memory for the rows). One row: 4 segments, rows two at a time: 2 (one
+// stream each where decode_one_stream()); an odd last row as one row.
 static inline bool gemm_mx4a16_f32(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const uint8_t* scale,
                                    int64_t gstride, int64_t kp, float* C, Mx4A16Rows* memo) {
-  if ((fmt != RowFormat::bf16 && fmt != RowFormat::f32) || m > kMx4F32MaxRows || kp % kMx4Group) return false;
+  if ((fmt != RowFormat::bf16 && fmt != RowFormat::f32) || m > kMx4F32MaxRows || kp % 8) return false;
   const float* x[kMx4F32MaxRows];
   std::unique_ptr<Mx4A16Rows> own;
   if (fmt == RowFormat::f32) {

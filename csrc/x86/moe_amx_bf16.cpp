@@ -125,8 +125,8 @@ constexpr int kF8AmxMinRows = 3;
 constexpr int kMx4AmxMinRows = 3;  // as int4 W4A16: from 3 rows one decode for all rows beats one per row pair
 // int4 W4A16, 2..4 rows (the row memo's): the decode into B tiles in registers
 // (amx_a16_decode.h). One row: vdpbf16ps (tools/bench_a16_tile.cpp, docs/BENCH.md "What bounds
-// W4A16 decode"). mxfp4's two rows stay on vdpbf16ps: the same decode into tiles gave nothing end
-// to end (docs/KERNELS.md "W4A16 decode through tiles").
+// W4A16 decode"). mxfp4's two rows stay on the few-row kernels (fp32 FMAs or vdpbf16ps: the
+// same decode into tiles gave nothing end to end; docs/KERNELS.md "W4A16 decode through tiles").
 constexpr int kU4AmxDecMinRows = 2;
 
 struct MK : Avx512Base {
