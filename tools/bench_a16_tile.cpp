@@ -556,7 +556,7 @@ int main(int argc, char** argv) {
   const int64_t total = stream_mib << 20;
   // 2 MiB aligned and advised for transparent huge pages, as pack_experts places packed experts
   // (MOEPACK_HUGE_PAGES=0 here: 4 KiB pages)
-  uint8_t* mem = static_cast<uint8_t*>(std::aligned_alloc(size_t(2) << 20, size_t(total)));
+  uint8_t* mem = static_cast<uint8_t*>(std::aligned_alloc(size_t(2) << 20, (size_t(total) + (size_t(2) << 20) - 1) >> 21 << 21));
   {
     const char* hp = std::getenv("MOEPACK_HUGE_PAGES");
     if (!hp || std::string(hp) != "0") madvise(mem, size_t(total), MADV_HUGEPAGE);
