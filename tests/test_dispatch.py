@@ -267,18 +267,24 @@ torch.save({"reason": reason, "outs": outs}, sys.argv[1])
 """
 
 
-def _decode_child(tmp_path, value):
+def _env_child(tmp_path, code, var, value):
+    """Runs ``code`` (which saves its results to argv[1]) in a fresh process with ``var`` set to
+    ``value`` (None: unset), and returns what it saved: the choices read once per process."""
     import os
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "MOEPACK_DECODE_STREAMS"}
+    env = {k: v for k, v in os.environ.items() if k != var}
     if value is not None:
-        env["MOEPACK_DECODE_STREAMS"] = value
-    out = tmp_path / f"decode_{value}.pt"
-    r = subprocess.run([sys.executable, "-c", _DECODE_CHILD, str(out)], env=env, capture_output=True, text=True, timeout=300)
+        env[var] = value
+    out = tmp_path / f"{var}_{value}.pt"
+    r = subprocess.run([sys.executable, "-c", code, str(out)], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     return torch.load(out)
+
+
+def _decode_child(tmp_path, value):
+    return _env_child(tmp_path, _DECODE_CHILD, "MOEPACK_DECODE_STREAMS", value)
 
 
 def test_decode_streams_choice_override_and_refusal(tmp_path):
@@ -329,17 +335,7 @@ torch.save({"reason": reason, "outs": outs}, sys.argv[1])
 
 
 def _mx4_dot_child(tmp_path, value):
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "MOEPACK_MX4_A16_DOT"}
-    if value is not None:
-        env["MOEPACK_MX4_A16_DOT"] = value
-    out = tmp_path / f"mx4dot_{value}.pt"
-    r = subprocess.run([sys.executable, "-c", _MX4_DOT_CHILD, str(out)], env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return torch.load(out)
+    return _env_child(tmp_path, _MX4_DOT_CHILD, "MOEPACK_MX4_A16_DOT", value)
 
 
 def test_mx4_a16_dot_choice_override_and_refusal(tmp_path):
