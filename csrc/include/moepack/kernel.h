@@ -189,9 +189,9 @@ void set_decode_one_stream(int one);
 // The dot product of the mxfp4 W4A16 decode kernels for a few bf16 rows on the AVX-512 levels
 // (docs/KERNELS.md, "mxfp4 W4A16 decode: fp32 FMAs or vdpbf16ps"): fp32 FMAs on a vpermps table
 // of the e2m1 values (true) or vdpbf16ps on bf16 pairs (false). Chosen once per process:
-// MOEPACK_MX4_A16_DOT=fp32 or bf16 when set, else by CPU (AMD: vdpbf16ps, whose zmm form is not
-// slower than an FMA there and the fp32 kernel was not measured; other vendors: fp32, measured
-// faster on Sapphire Rapids, where vdpbf16ps issues one per ~2 cycles). Read per block call.
+// MOEPACK_MX4_A16_DOT=fp32 or bf16 when set, else by CPU (AMD: vdpbf16ps, the kernel it had, the
+// fp32 one not measured there; other vendors: fp32, measured faster on Sapphire Rapids, where
+// vdpbf16ps issues one per ~2 cycles). Read per block call.
 bool mx4_a16_fp32();
 // Why that choice (a sentence for `moepack info`), and why MOEPACK_MX4_A16_DOT was not understood
 // (nullptr when it was; the op layer then refuses to run a kernel).
