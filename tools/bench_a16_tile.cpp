@@ -550,8 +550,7 @@ int main(int argc, char** argv) {
     for (int k = 0; k < 16384; ++k) {
       g_x[r][k] = uint16_t(0x3C00 + ((k * 7 + r * 13) & 0x3FF));
       g_x8[r][k] = int8_t((k * 5 + r) % 31 - 15);
-      uint32_t u = uint32_t(g_x[r][k]) << 16;
-      std::memcpy(&g_xf[r][k], &u, 4);
+      g_xf[r][k] = bf16_to_f32(g_x[r][k]);
     }
   const int64_t total = stream_mib << 20;
   // 2 MiB aligned and advised for transparent huge pages, as pack_experts places packed experts

@@ -18,7 +18,6 @@
 // take them as they are.
 #pragma once
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 
 #include "avx512_mx4_common.h"
@@ -61,10 +60,7 @@ struct Mx4A16Rows {
       if (key[i] == rows[i] && kp[i] == kp_) continue;
       float* d = row(i);
       const uint16_t* x = rows[i];
-      for (int64_t k = 0; k < kp_; ++k) {  // the bf16 bits as the high half of the fp32 (the compiler vectorizes it)
-        const uint32_t u = uint32_t(x[k]) << 16;
-        std::memcpy(d + k, &u, 4);
-      }
+      for (int64_t k = 0; k < kp_; ++k) d[k] = bf16_to_f32(x[k]);  // exact; the compiler vectorizes it
       key[i] = rows[i];
       kp[i] = kp_;
     }
