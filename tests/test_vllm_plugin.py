@@ -106,7 +106,7 @@ try:
 except Exception as e:
     print("REFUSE " + str(e))
 from moepack.integrations.vllm.config import check_family
-for key, cfg in (("FAMILY", {"model_type": "qwen2_moe"}), ("QUANT", {"model_type": "qwen3_moe", "quantization_config": {"quant_method": "gptq"}})):
+for key, cfg in (("FAMILY", {"model_type": "qwen2_moe"}), ("NOTENSORS", {"model_type": "qwen3_moe", "quantization_config": {"quant_method": "gptq"}})):
     try:
         check_family({"model": {"config": cfg}}, "DIR")
     except Exception as e:
@@ -116,10 +116,26 @@ ct = {"model_type": "qwen3_moe", "quantization_config": {"quant_method": "compre
 flt = {"moepack.layers.0.w13": {"dtype": "int8"}, "model.layers.0.self_attn.q_proj.weight": {"dtype": "bfloat16"}}
 check_family({"model": {"config": ct}, "tensors": flt}, "DIR")
 print("EXPERTSONLY served")
-for key, extra in (("CARRIEDINT", {"model.layers.0.self_attn.q_proj.weight_packed": {"dtype": "int32"}}),
-                   ("CARRIEDSCALE", {"model.layers.0.self_attn.q_proj.weight_scale": {"dtype": "bfloat16"}})):
+# quantized carried linears: served where vLLM's own CPU method takes them, refused otherwise
+w8a8 = {"format": "int-quantized", "weights": {"num_bits": 8, "type": "int", "symmetric": True},
+        "input_activations": {"num_bits": 8, "type": "int", "dynamic": True, "strategy": "token"}}
+w4a16 = {"format": "pack-quantized", "weights": {"num_bits": 4, "type": "int", "symmetric": True}, "input_activations": None}
+fp8 = {"format": "float-quantized", "weights": {"num_bits": 8, "type": "float", "symmetric": True},
+       "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}
+asym = {**w4a16, "weights": {"num_bits": 4, "type": "int", "symmetric": False}}
+packed = {"model.layers.0.self_attn.q_proj.weight_packed": {"dtype": "int32"}}
+gptq = {"model_type": "qwen3_moe", "quantization_config": {"quant_method": "gptq"}}
+for key, cfg, extra in (("CTW8A8", {**ct, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g": w8a8}}},
+                         {"model.layers.0.self_attn.q_proj.weight_scale": {"dtype": "bfloat16"}}),
+                        ("CTW4A16", {**ct, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g": w4a16}}}, packed),
+                        ("CTFP8", {**ct, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"a": w8a8, "b": fp8}}},
+                         {"model.layers.0.self_attn.q_proj.weight_scale": {"dtype": "bfloat16"}}),
+                        ("CTASYM", {**ct, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g": asym}}}, packed),
+                        ("CTNOGROUPS", ct, {"model.layers.0.self_attn.q_proj.weight_scale": {"dtype": "bfloat16"}}),
+                        ("GPTQ", gptq, {"model.layers.0.self_attn.q_proj.qweight": {"dtype": "int32"}})):
     try:
-        check_family({"model": {"config": ct}, "tensors": {**flt, **extra}}, "DIR")
+        check_family({"model": {"config": cfg}, "tensors": {**flt, **extra}}, "DIR")
+        print(key + " served")
     except Exception as e:
         print(key + " " + str(e))
 # vLLM's routing held against the pack's model config (softmax top-k families)
@@ -433,6 +449,56 @@ def test_ct_int8_experts_only_source(ct_int8, tmp_path):
     _assert_same_up_to_near_tie(ct_int8["pack"], own, ref)
 
 
+@pytest.fixture(scope="module")
+def ct_linears(tmp_path_factory):
+    """compressed-tensors checkpoints that quantized every linear but lm_head and the routers
+    (attention too, as most published int8 / int4 checkpoints do), written by compressed-tensors
+    itself, and moepack's packs of them (the attention linears carried quantized, as stored):
+    W8A8 int8 per channel of q64 (seed 1, as ``ct_int8``), and W4A16 group 128 symmetric of a
+    hidden-128 qwen3_moe (moe_intermediate 128: every K a whole group). Seed 7 for margin:
+    screening seeds 0..7 of this checkpoint, load_model's greedy steps have top-2 logit gaps down
+    to 0.0 (seeds 4, 6), 0.03 (0-3), 0.06 (5) and 0.125 (7); seed 1's 0.0625 went the other way in
+    vLLM, whose CPUWNA16 kernel multiplies the 4-bit codes by their scales in fp32 where
+    load_model rounds each dequantized weight to bf16."""
+    import moepack
+    from tests.ct_writer import write_ct_checkpoint
+
+    base = tmp_path_factory.mktemp("vllm_ct_linears")
+    ignore = ["lm_head", r"re:.*mlp[.]gate$"]
+    src8 = _tiny_qwen3_moe(base / "q64", 64, 32, seed=1)
+    write_ct_checkpoint(src8, base / "ct_w8a8", "W8A8", lambda mod: mod.weight.float().abs().amax(1, keepdim=True),
+                        ignore=ignore)  # fmt: skip
+    src4 = _tiny_qwen3_moe(base / "q128", 128, 128, seed=7)
+    write_ct_checkpoint(src4, base / "ct_w4a16", "W4A16",
+                        lambda mod: mod.weight.float().abs().unflatten(1, (-1, 128)).amax(2), ignore=ignore)  # fmt: skip
+    out = {}
+    for s in ("w8a8", "w4a16"):
+        moepack.convert(base / f"ct_{s}", base / f"pack_{s}")
+        out[s] = (base / f"ct_{s}", base / f"pack_{s}")
+    return out
+
+
+@needs_vllm
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])
+def test_quantized_attention_served_by_vllms_own_method(ct_linears, tmp_path, scheme):
+    """A source whose attention linears are quantized too: the pack carries them as stored and
+    the plugin hands them to vLLM's own method for the checkpoint's format (int8 W8A8: its oneDNN
+    scaled matmul; W4A16: its CPUWNA16 kernel), the experts to moepack. Greedy tokens == load_model
+    on the pack (which dequantizes those linears), == vLLM's own engine on the checkpoint (its
+    experts too; W8A8), and TP=2 == TP=1 (W8A8: the linears sharded by vLLM, the experts split
+    between the ranks by moepack)."""
+    ct, pack = ct_linears[scheme]
+    man = json.loads((pack / "moepack.json").read_text())
+    assert man["tensors"]["model.layers.0.self_attn.q_proj." + ("weight" if scheme == "w8a8" else "weight_packed")]["dtype"] \
+        in ("int8", "int32")  # the premise: the attention is carried quantized  # fmt: skip
+    ref = _greedy(pack)
+    got = _vllm(tmp_path, pack)["tokens"]
+    assert got == ref
+    if scheme == "w8a8":
+        assert _vllm(tmp_path, ct, quant=None)["tokens"] == ref
+        assert _vllm(tmp_path, pack, tp=2)["tokens"] == ref
+
+
 @needs_vllm
 def test_olmoe_bf16_equals_vllm_own_experts(family_packs, tmp_path):
     """OLMoE: vLLM + moepack on the bf16 pack == vLLM's own CPU experts on the source, both
@@ -537,12 +603,22 @@ def test_registration_idempotent_and_version_range(tmp_path):
     assert lines["REFUSE"] == "vllm 0.31.2: unsupported"
     assert lines["FAMILY"] == ("DIR: model_type='qwen2_moe': the moepack vLLM plugin supports deepseek_v3, gpt_oss, mixtral, "
                                "olmoe, qwen3_moe")  # fmt: skip
-    assert lines["QUANT"].startswith("DIR: the source's quantization_config (quant_method='gptq') means its non-expert "
-                                     "linears are stored quantized")  # fmt: skip
+    assert lines["NOTENSORS"].startswith("DIR: moepack.json lists no carried tensors")
     assert lines["EXPERTSONLY"] == "served"
-    assert lines["CARRIEDINT"].startswith("DIR: the source's quantization_config (quant_method='compressed-tensors') means")
-    assert lines["CARRIEDINT"].endswith("(carried: model.layers.0.self_attn.q_proj.weight_packed (int32))")
-    assert lines["CARRIEDSCALE"].endswith("(carried: model.layers.0.self_attn.q_proj.weight_scale (bfloat16))")
+    assert lines["CTW8A8"] == lines["CTW4A16"] == "served"
+    served = ("the moepack vLLM plugin hands quantized non-expert linears to vLLM's own CPU method for compressed-tensors "
+              "W8A8 (int-quantized, dynamic per-token int8 activations) and compressed-tensors W4A16 (pack-quantized, "
+              "symmetric) only; serve a pack of a source whose non-expert linears are float, or run this pack with "
+              "moepack.load_model (it dequantizes them)")  # fmt: skip
+    ct = "DIR: the source stores its non-expert linears quantized (quant_method='compressed-tensors', carried: "
+    assert lines["CTFP8"] == (ct + "model.layers.0.self_attn.q_proj.weight_scale (bfloat16)): config group 'b' is W8A8 "
+                              "float weights, format 'float-quantized'; " + served)  # fmt: skip
+    assert lines["CTASYM"] == (ct + "model.layers.0.self_attn.q_proj.weight_packed (int32)): config group 'g' is W4A16 "
+                               "int weights, format 'pack-quantized', asymmetric; " + served)  # fmt: skip
+    assert lines["CTNOGROUPS"] == (ct + "model.layers.0.self_attn.q_proj.weight_scale (bfloat16)): its "
+                                   "quantization_config has no config_groups; " + served)  # fmt: skip
+    assert lines["GPTQ"] == ("DIR: the source stores its non-expert linears quantized (quant_method='gptq', carried: "
+                             "model.layers.0.self_attn.q_proj.qweight (int32)): " + served)  # fmt: skip
     assert lines["ROUTINGOK"] == "served"
     assert lines["RENORM"].startswith("DIR: the pack's routing has renormalize=True (model config: num_experts_per_tok, "
                                       "norm_topk_prob), vLLM built the layer with renormalize=False")  # fmt: skip

@@ -32,6 +32,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 
 from ...errors import PackedDirError, UnsupportedError
 from ...manifest import MANIFEST
+from . import QUANT_NAME
 
 # model_type -> the vLLM architecture the plugin was tested with (tests/test_vllm_plugin.py):
 # the carried tensors must be what vLLM's model of that family loads, and its MoE layers
@@ -49,15 +50,30 @@ _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class MoepackConfig(QuantizationConfig):
-    """A packed directory as a vLLM quantization config: MoE layers get ``MoepackMoEMethod``,
-    linear layers vLLM's unquantized method (the carried weights are float)."""
+    """A packed directory as a vLLM quantization config: MoE layers get ``MoepackMoEMethod``;
+    every other layer vLLM's unquantized method where the carried weights are float, or, where
+    the source stored its non-expert linears quantized (carried as they are), the method vLLM's
+    own config for that source gives it (``inner``: see ``inner_config``)."""
 
     def __init__(self, config: dict | None = None):
+        self.inner: QuantizationConfig | None = None  # set before the base __init__ assigns packed_modules_mapping
         super().__init__()
         self.given = dict(config or {})
         self.path: Path | None = None
         self.manifest: dict | None = None
         self._packed = None  # this process's moepack.open(path): never pickled to workers
+
+    # vLLM assigns (or updates in place) the model's fused-module names here at model build time;
+    # the inner config matches its ignore lists and per-layer schemes against the same mapping
+    @property
+    def packed_modules_mapping(self) -> dict:
+        return self._pmm
+
+    @packed_modules_mapping.setter
+    def packed_modules_mapping(self, value: dict) -> None:
+        self._pmm = value
+        if self.inner is not None:
+            self.inner.packed_modules_mapping = value
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -68,7 +84,7 @@ class MoepackConfig(QuantizationConfig):
         return f"MoepackConfig({str(self.path) if self.path else '?'})"
 
     def get_name(self):
-        return "moepack"
+        return QUANT_NAME
 
     def get_supported_act_dtypes(self) -> list[torch.dtype]:
         return [torch.bfloat16, torch.float16, torch.float32]
@@ -109,6 +125,19 @@ class MoepackConfig(QuantizationConfig):
         self.manifest = pm.manifest
         check_family(pm.manifest, str(self.path))
         del pm
+        qc = ((self.manifest.get("model") or {}).get("config") or {}).get("quantization_config")
+        if quantized_carried(self.manifest):  # check_family let it through: a format delegated to vLLM
+            given = self.given if self.given.get("quant_method") else dict(qc)  # vLLM's copy (it adds head counts)
+            self.inner = inner_config(given, hf_config, str(self.path))
+            self.inner.packed_modules_mapping = self._pmm
+            self.inner.maybe_update_config(model_name, hf_config=hf_config, revision=revision)
+
+    def apply_vllm_mapper(self, hf_to_vllm_mapper):
+        if self.inner is not None:
+            self.inner.apply_vllm_mapper(hf_to_vllm_mapper)
+
+    def get_cache_scale_mapper(self):
+        return (self.inner or QuantizationConfig).get_cache_scale_mapper()
 
     def packed(self):
         """This process's ``moepack.open`` of the directory (one per worker; mapped, not read)."""
@@ -130,7 +159,7 @@ class MoepackConfig(QuantizationConfig):
         (docs/PACKED_FORMAT.md §2); the carried tensors load as vLLM loads any checkpoint."""
         from vllm.model_executor.models.utils import WeightsMapper
 
-        return QuantizationConfig.get_checkpoint_weight_mapper() | WeightsMapper(
+        return (self.inner or QuantizationConfig).get_checkpoint_weight_mapper() | WeightsMapper(
             orig_to_new_prefix={"moepack.": None, "__pad__.": None})
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
@@ -139,6 +168,8 @@ class MoepackConfig(QuantizationConfig):
 
         if isinstance(layer, RoutedExperts):
             return MoepackMoEMethod(layer.moe_config, self, self.layer_entry(prefix))
+        if self.inner is not None:  # quantized carried linears: vLLM's own method for the source's format
+            return self.inner.get_quant_method(layer, prefix)
         if isinstance(layer, LinearBase):
             return UnquantizedLinearMethod()
         return None
@@ -161,8 +192,8 @@ class MoepackConfig(QuantizationConfig):
 
 def check_family(manifest: dict, where: str) -> None:
     """Refuse, in one line, a pack the plugin cannot serve: a family it was not tested with, or
-    non-expert linears its source stored quantized (they are carried as they are; vLLM would
-    need that format's own method for them)."""
+    non-expert linears its source stored quantized (carried as they are) in a format whose
+    vLLM CPU linear method the plugin does not hand them to (``DELEGATED``)."""
     cfg = (manifest.get("model") or {}).get("config") or {}
     mt = cfg.get("model_type")
     if mt not in SUPPORTED_FAMILIES:
@@ -170,12 +201,82 @@ def check_family(manifest: dict, where: str) -> None:
                                f"{', '.join(sorted(SUPPORTED_FAMILIES))}")  # fmt: skip
     qc = cfg.get("quantization_config")
     quantized = quantized_carried(manifest)
-    if qc and (quantized or not manifest.get("tensors")):
-        qm = qc.get("quant_method") if isinstance(qc, dict) else qc
-        raise UnsupportedError(f"{where}: the source's quantization_config (quant_method={qm!r}) means its non-expert "
-                               "linears are stored quantized; the moepack vLLM plugin serves packs whose carried "
-                               "weights are float (bf16/fp16/fp32) only"
-                               + (f" (carried: {quantized[0]})" if quantized else ""))  # fmt: skip
+    if qc and not manifest.get("tensors"):
+        raise UnsupportedError(f"{where}: {MANIFEST} lists no carried tensors, so whether the source's quantized "
+                               "non-expert linears are float cannot be told; re-convert it with this moepack")  # fmt: skip
+    if not quantized:
+        return
+    qm = qc.get("quant_method") if isinstance(qc, dict) else qc
+    why = delegated_format(qc if isinstance(qc, dict) else {})
+    if why is not None:
+        raise UnsupportedError(f"{where}: the source stores its non-expert linears quantized (quant_method={qm!r}, "
+                               f"carried: {quantized[0]}): {why}")  # fmt: skip
+
+
+# The source formats whose quantized non-expert linears the plugin hands to vLLM's own CPU linear
+# method, each run end to end by tests/test_vllm_plugin.py: compressed-tensors int W8A8 (8-bit
+# int weights, dynamic per-token int8 activations: vLLM's oneDNN scaled matmul) and W4A16 (4-bit
+# int weights in groups, symmetric, float activations: vLLM's CPUWNA16 kernel).
+DELEGATED = ("compressed-tensors W8A8 (int-quantized, dynamic per-token int8 activations)",
+             "compressed-tensors W4A16 (pack-quantized, symmetric)")  # fmt: skip
+_REFUSED_TAIL = ("serve a pack of a source whose non-expert linears are float, or run this pack with "
+                 "moepack.load_model (it dequantizes them)")  # fmt: skip
+
+
+def _ct_scheme(group: dict) -> str | None:
+    """None where vLLM's CPU path runs a compressed-tensors config group as delegated; else its
+    scheme in words."""
+    w = group.get("weights") or {}
+    a = group.get("input_activations")
+    fmt = group.get("format")
+    bits, wtype, sym = w.get("num_bits"), w.get("type"), w.get("symmetric")
+    if wtype == "int" and bits == 8 and a and a.get("type") == "int" and a.get("num_bits") == 8 and a.get("dynamic") \
+            and a.get("strategy") == "token" and fmt in (None, "int-quantized"):
+        return None
+    if wtype == "int" and bits == 4 and not a and sym and fmt in (None, "pack-quantized"):
+        return None
+    acts = f"A{a.get('num_bits')}" if a else "A16"
+    return f"W{bits}{acts} {wtype} weights, format {fmt!r}{'' if sym or sym is None else ', asymmetric'}"
+
+
+def delegated_format(qc: dict) -> str | None:
+    """None where the source's quantized non-expert linears go to vLLM's own method (DELEGATED);
+    else why not, in words."""
+    qm = str(qc.get("quant_method") or "")
+    served = f"the moepack vLLM plugin hands quantized non-expert linears to vLLM's own CPU method for {' and '.join(DELEGATED)} only"
+    if qm != "compressed-tensors":
+        return f"{served}; {_REFUSED_TAIL}"
+    groups = qc.get("config_groups") or {}
+    if not groups:
+        return f"its quantization_config has no config_groups; {served}; {_REFUSED_TAIL}"
+    for name, g in groups.items():
+        g = {**g, "format": g.get("format") or qc.get("format")}
+        why = _ct_scheme(g)
+        if why is not None:
+            return f"config group {name!r} is {why}; {served}; {_REFUSED_TAIL}"
+    return None
+
+
+def inner_config(qc: dict, hf_config, where: str) -> QuantizationConfig:
+    """vLLM's own quantization config for the source's ``quantization_config``, as vLLM would
+    choose it for that checkpoint: its ``ModelConfig`` rule (each override method asked in vLLM's
+    order of preference, then the source's quant_method), then that class's ``from_config``."""
+    from types import SimpleNamespace
+
+    from vllm.config.model import ModelConfig
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    probe = SimpleNamespace(quantization=None, model_arch_config=SimpleNamespace(quantization_config=qc),
+                            hf_config=hf_config, allow_deprecated_quantization=False)  # fmt: skip
+    try:
+        ModelConfig._verify_quantization(probe)
+    except Exception as e:
+        raise UnsupportedError(f"{where}: vLLM has no quantization method for the source's non-expert linears "
+                               f"(quant_method={qc.get('quant_method')!r}): {e}") from e  # fmt: skip
+    name = probe.quantization or qc.get("quant_method")
+    if name == QUANT_NAME:  # cannot happen with user_quant None; never delegate to ourselves
+        raise UnsupportedError(f"{where}: the source's quantization_config names quant_method={name!r}")
+    return get_quantization_config(name).from_config(dict(qc))
 
 
 def check_routing(layer, model: dict, where: str) -> None:
