@@ -124,7 +124,8 @@ fp8 = {"format": "float-quantized", "weights": {"num_bits": 8, "type": "float", 
        "input_activations": {"num_bits": 8, "type": "float", "dynamic": True}}
 asym = {**w4a16, "weights": {"num_bits": 4, "type": "int", "symmetric": False}}
 packed = {"model.layers.0.self_attn.q_proj.weight_packed": {"dtype": "int32"}}
-gptq = {"model_type": "qwen3_moe", "quantization_config": {"quant_method": "gptq"}}
+gptq = {"model_type": "qwen3_moe", "quantization_config": {"quant_method": "gptq", "bits": 4, "sym": True, "desc_act": True}}
+fp8blk = {"model_type": "qwen3_moe", "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
 for key, cfg, extra in (("CTW8A8", {**ct, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g": w8a8}}},
                          {"model.layers.0.self_attn.q_proj.weight_scale": {"dtype": "bfloat16"}}),
                         ("CTW4A16", {**ct, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g": w4a16}}}, packed),
@@ -132,7 +133,10 @@ for key, cfg, extra in (("CTW8A8", {**ct, "quantization_config": {"quant_method"
                          {"model.layers.0.self_attn.q_proj.weight_scale": {"dtype": "bfloat16"}}),
                         ("CTASYM", {**ct, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g": asym}}}, packed),
                         ("CTNOGROUPS", ct, {"model.layers.0.self_attn.q_proj.weight_scale": {"dtype": "bfloat16"}}),
-                        ("GPTQ", gptq, {"model.layers.0.self_attn.q_proj.qweight": {"dtype": "int32"}})):
+                        ("GPTQ", {**gptq, "quantization_config": {**gptq["quantization_config"], "desc_act": False}},
+                         {"model.layers.0.self_attn.q_proj.qweight": {"dtype": "int32"}}),
+                        ("GPTQACTORDER", gptq, {"model.layers.0.self_attn.q_proj.qweight": {"dtype": "int32"}}),
+                        ("FP8", fp8blk, {"model.layers.0.self_attn.q_proj.weight": {"dtype": "float8_e4m3fn"}})):
     try:
         check_family({"model": {"config": cfg}, "tensors": {**flt, **extra}}, "DIR")
         print(key + " served")
@@ -471,26 +475,59 @@ def ct_linears(tmp_path_factory):
     src4 = _tiny_qwen3_moe(base / "q128", 128, 128, seed=7)
     write_ct_checkpoint(src4, base / "ct_w4a16", "W4A16",
                         lambda mod: mod.weight.float().abs().unflatten(1, (-1, 128)).amax(2), ignore=ignore)  # fmt: skip
+    # GPTQ (v1, symmetric) and AWQ (GEMM, zero points), group 64, of hidden-128 qwen3_moe models;
+    # seeds screened likewise: GPTQ's best of 0..9 is 0.0625 (0, 2), AWQ's of 0..7 0.1875 (4)
+    _write_int4_checkpoint(_tiny_qwen3_moe(base / "qg", 128, 128, seed=0), base / "ct_gptq", "gptq", 64)
+    _write_int4_checkpoint(_tiny_qwen3_moe(base / "qa", 128, 128, seed=4), base / "ct_awq", "awq", 64)
     out = {}
-    for s in ("w8a8", "w4a16"):
+    for s in ("w8a8", "w4a16", "gptq", "awq"):
         moepack.convert(base / f"ct_{s}", base / f"pack_{s}")
         out[s] = (base / f"ct_{s}", base / f"pack_{s}")
     return out
 
 
+def _write_int4_checkpoint(src: Path, dst: Path, fmt: str, group: int) -> None:
+    """A GPTQ (v1, symmetric) or AWQ (GEMM, zero points) checkpoint of ``src`` in ``dst``: every
+    linear but the embeddings, lm_head, norms and routers rounded to 4 bits per group
+    (tests/test_quantized_models.py's ``_rtn``) and packed as those libraries store it
+    (tools/int4_packers.py, checked there against their own packers)."""
+    from safetensors.torch import load_file, save_file
+
+    from tests.test_quantized_models import _KEEP, P, _rtn
+
+    state = {}
+    for f in sorted(src.glob("*.safetensors")):
+        state.update(load_file(f))
+    out = {}
+    for name, w in state.items():
+        if not (name.endswith(".weight") and w.dim() == 2) or any(k in name for k in _KEEP):
+            out[name] = w
+            continue
+        g_idx = P.trivial_g_idx(w.shape[1], group)
+        ql = _rtn(w.float(), g_idx, P.ngroups(w.shape[1], group), sym=fmt == "gptq", zero_lo=1 if fmt == "gptq" else 0)
+        packed = (P.pack_gptq(ql["q"], ql["scale"], ql["zero"], ql["g_idx"]) if fmt == "gptq"
+                  else P.pack_awq(ql["q"], ql["scale"], ql["zero"]))  # fmt: skip
+        out.update({f"{name[: -len('.weight')]}.{k}": t for k, t in packed.items()})
+    dst.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = P.quantization_config(fmt, group, sym=fmt == "gptq")
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+
+
 @needs_vllm
-@pytest.mark.parametrize("scheme", ["w8a8", "w4a16"])
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a16", "gptq", "awq"])
 def test_quantized_attention_served_by_vllms_own_method(ct_linears, tmp_path, scheme):
     """A source whose attention linears are quantized too: the pack carries them as stored and
-    the plugin hands them to vLLM's own method for the checkpoint's format (int8 W8A8: its oneDNN
-    scaled matmul; W4A16: its CPUWNA16 kernel), the experts to moepack. Greedy tokens == load_model
-    on the pack (which dequantizes those linears), == vLLM's own engine on the checkpoint (its
-    experts too; W8A8), and TP=2 == TP=1 (W8A8: the linears sharded by vLLM, the experts split
-    between the ranks by moepack)."""
+    the plugin hands them to vLLM's own method for the checkpoint's format (compressed-tensors
+    int8 W8A8: its oneDNN scaled matmul; compressed-tensors W4A16, GPTQ, AWQ: its CPUWNA16
+    kernel), the experts to moepack. Greedy tokens == load_model on the pack (which dequantizes
+    those linears), == vLLM's own engine on the checkpoint (its experts too; W8A8), and TP=2 ==
+    TP=1 (W8A8: the linears sharded by vLLM, the experts split between the ranks by moepack)."""
     ct, pack = ct_linears[scheme]
     man = json.loads((pack / "moepack.json").read_text())
-    assert man["tensors"]["model.layers.0.self_attn.q_proj." + ("weight" if scheme == "w8a8" else "weight_packed")]["dtype"] \
-        in ("int8", "int32")  # the premise: the attention is carried quantized  # fmt: skip
+    q = {"w8a8": "weight", "w4a16": "weight_packed"}.get(scheme, "qweight")
+    assert man["tensors"][f"model.layers.0.self_attn.q_proj.{q}"]["dtype"] in ("int8", "int32")  # the premise
     ref = _greedy(pack)
     got = _vllm(tmp_path, pack)["tokens"]
     assert got == ref
@@ -607,9 +644,10 @@ def test_registration_idempotent_and_version_range(tmp_path):
     assert lines["EXPERTSONLY"] == "served"
     assert lines["CTW8A8"] == lines["CTW4A16"] == "served"
     served = ("the moepack vLLM plugin hands quantized non-expert linears to vLLM's own CPU method for compressed-tensors "
-              "W8A8 (int-quantized, dynamic per-token int8 activations) and compressed-tensors W4A16 (pack-quantized, "
-              "symmetric) only; serve a pack of a source whose non-expert linears are float, or run this pack with "
-              "moepack.load_model (it dequantizes them)")  # fmt: skip
+              "W8A8 (int-quantized, dynamic per-token int8 activations), compressed-tensors W4A16 (pack-quantized, "
+              "symmetric), GPTQ (4-bit, sym, desc_act false), AWQ (4-bit GEMM with zero points) only; serve a pack of a "
+              "source whose non-expert linears are float, or run this pack with moepack.load_model (it dequantizes "
+              "them)")  # fmt: skip
     ct = "DIR: the source stores its non-expert linears quantized (quant_method='compressed-tensors', carried: "
     assert lines["CTFP8"] == (ct + "model.layers.0.self_attn.q_proj.weight_scale (bfloat16)): config group 'b' is W8A8 "
                               "float weights, format 'float-quantized'; " + served)  # fmt: skip
@@ -617,8 +655,12 @@ def test_registration_idempotent_and_version_range(tmp_path):
                                "int weights, format 'pack-quantized', asymmetric; " + served)  # fmt: skip
     assert lines["CTNOGROUPS"] == (ct + "model.layers.0.self_attn.q_proj.weight_scale (bfloat16)): its "
                                    "quantization_config has no config_groups; " + served)  # fmt: skip
-    assert lines["GPTQ"] == ("DIR: the source stores its non-expert linears quantized (quant_method='gptq', carried: "
-                             "model.layers.0.self_attn.q_proj.qweight (int32)): " + served)  # fmt: skip
+    assert lines["GPTQ"] == "served"
+    assert lines["GPTQACTORDER"] == ("DIR: the source stores its non-expert linears quantized (quant_method='gptq', "
+                                     "carried: model.layers.0.self_attn.q_proj.qweight (int32)): gptq with bits=4, "
+                                     "sym=True, desc_act=True; " + served)  # fmt: skip
+    assert lines["FP8"] == ("DIR: the source stores its non-expert linears quantized (quant_method='fp8', carried: "
+                            "model.layers.0.self_attn.q_proj.weight (float8_e4m3fn)): " + served)  # fmt: skip
     assert lines["ROUTINGOK"] == "served"
     assert lines["RENORM"].startswith("DIR: the pack's routing has renormalize=True (model config: num_experts_per_tok, "
                                       "norm_topk_prob), vLLM built the layer with renormalize=False")  # fmt: skip

@@ -216,9 +216,11 @@ def check_family(manifest: dict, where: str) -> None:
 # The source formats whose quantized non-expert linears the plugin hands to vLLM's own CPU linear
 # method, each run end to end by tests/test_vllm_plugin.py: compressed-tensors int W8A8 (8-bit
 # int weights, dynamic per-token int8 activations: vLLM's oneDNN scaled matmul) and W4A16 (4-bit
-# int weights in groups, symmetric, float activations: vLLM's CPUWNA16 kernel).
+# int weights in groups, symmetric, float activations), GPTQ (4-bit, symmetric, no act-order) and
+# AWQ (4-bit GEMM, zero points): the last three on vLLM's CPUWNA16 kernel.
 DELEGATED = ("compressed-tensors W8A8 (int-quantized, dynamic per-token int8 activations)",
-             "compressed-tensors W4A16 (pack-quantized, symmetric)")  # fmt: skip
+             "compressed-tensors W4A16 (pack-quantized, symmetric)", "GPTQ (4-bit, sym, desc_act false)",
+             "AWQ (4-bit GEMM with zero points)")  # fmt: skip
 _REFUSED_TAIL = ("serve a pack of a source whose non-expert linears are float, or run this pack with "
                  "moepack.load_model (it dequantizes them)")  # fmt: skip
 
@@ -239,11 +241,28 @@ def _ct_scheme(group: dict) -> str | None:
     return f"W{bits}{acts} {wtype} weights, format {fmt!r}{'' if sym or sym is None else ', asymmetric'}"
 
 
+def _int4_scheme(qc: dict) -> str | None:
+    """The same for a GPTQ or AWQ quantization_config."""
+    qm = qc.get("quant_method")
+    bits = qc.get("bits", qc.get("w_bit"))
+    if qm == "gptq":
+        if bits == 4 and qc.get("sym", True) and not qc.get("desc_act"):
+            return None
+        return f"bits={bits}, sym={qc.get('sym', True)}, desc_act={bool(qc.get('desc_act'))}"
+    version = str(qc.get("version", "gemm")).lower()
+    if bits == 4 and qc.get("zero_point", True) and version == "gemm":
+        return None
+    return f"bits={bits}, zero_point={qc.get('zero_point', True)}, version={version!r}"
+
+
 def delegated_format(qc: dict) -> str | None:
     """None where the source's quantized non-expert linears go to vLLM's own method (DELEGATED);
     else why not, in words."""
     qm = str(qc.get("quant_method") or "")
-    served = f"the moepack vLLM plugin hands quantized non-expert linears to vLLM's own CPU method for {' and '.join(DELEGATED)} only"
+    served = f"the moepack vLLM plugin hands quantized non-expert linears to vLLM's own CPU method for {', '.join(DELEGATED)} only"
+    if qm in ("gptq", "awq"):
+        why = _int4_scheme(qc)
+        return None if why is None else f"{qm} with {why}; {served}; {_REFUSED_TAIL}"
     if qm != "compressed-tensors":
         return f"{served}; {_REFUSED_TAIL}"
     groups = qc.get("config_groups") or {}
