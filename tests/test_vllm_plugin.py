@@ -658,7 +658,7 @@ def test_registration_idempotent_and_version_range(tmp_path):
     assert lines["GPTQ"] == "served"
     assert lines["GPTQACTORDER"] == ("DIR: the source stores its non-expert linears quantized (quant_method='gptq', "
                                      "carried: model.layers.0.self_attn.q_proj.qweight (int32)): gptq with bits=4, "
-                                     "sym=True, desc_act=True; " + served)  # fmt: skip
+                                     "sym=True, desc_act=True (vLLM 0.32 runs 4-bit sym GPTQ without act-order only); " + served)  # fmt: skip
     assert lines["FP8"] == ("DIR: the source stores its non-expert linears quantized (quant_method='fp8', carried: "
                             "model.layers.0.self_attn.q_proj.weight (float8_e4m3fn)): " + served)  # fmt: skip
     assert lines["ROUTINGOK"] == "served"

@@ -248,7 +248,8 @@ def _int4_scheme(qc: dict) -> str | None:
     if qm == "gptq":
         if bits == 4 and qc.get("sym", True) and not qc.get("desc_act"):
             return None
-        return f"bits={bits}, sym={qc.get('sym', True)}, desc_act={bool(qc.get('desc_act'))}"
+        # vLLM 0.32 itself refuses desc_act=True ("no longer supported") and sym=False GPTQ
+        return f"bits={bits}, sym={qc.get('sym', True)}, desc_act={bool(qc.get('desc_act'))} (vLLM 0.32 runs 4-bit sym GPTQ without act-order only)"
     version = str(qc.get("version", "gemm")).lower()
     if bits == 4 and qc.get("zero_point", True) and version == "gemm":
         return None
