@@ -95,21 +95,29 @@ def main(a):
         elif cur and "experts-" in cur and line.startswith(("FilePmdMapped:", "Rss:")):
             n = int(line.split()[1]) // 1024
             pmd, mrss = (pmd + n, mrss) if line.startswith("FilePmdMapped") else (pmd, mrss + n)
-    experts_ms = None
-    if a["profile"]:  # one more prefill under torch.profiler: the experts' op time inside the engine
+    experts_ms = experts_dec = None
+    if a["profile"]:  # one more prefill and one more decode under torch.profiler: the experts' op time in the engine
         from torch.profiler import ProfilerActivity, profile
+
+        def ops(prof) -> dict:
+            ev = {e.key: e for e in prof.key_averages()}
+            return {k: {"ms": e.self_cpu_time_total / 1e3, "calls": e.count} for k, e in ev.items()
+                    if re.search(r"fused_experts|fused_moe|moepack_vllm", k) and e.self_cpu_time_total > 0}
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             t_prof, _ = run(long, 1)
-        ev = {e.key: e for e in prof.key_averages()}
-        experts_ms = {k: {"ms": e.self_cpu_time_total / 1e3, "calls": e.count} for k, e in ev.items()
-                      if re.search(r"fused_experts|fused_moe|moepack_vllm", k) and e.self_cpu_time_total > 0}
+        experts_ms = ops(prof)
         experts_ms["prefill_ms"] = t_prof * 1e3
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            t_prof, _ = run(short, a["decode"] + 1)
+        experts_dec = ops(prof)
+        experts_dec["decode_ms"] = t_prof * 1e3
     print("RESULT " + json.dumps({"load_s": load_s, "threads": torch.get_num_threads(), "rss0_mb": r0, "rss_loaded_mb": r1, "peak_loaded_mb": hwm,
                                   "rss_end_mb": r2, "peak_end_mb": hwm2, "decode_tok_s": max(dec), "prefill_tok_s": max(pre),
                                   "prefill_first_tok_s": a["prefill_len"] * a["prefill_prompts"] / first_s,
                                   "mapped_experts_mb": mrss, "mapped_experts_2m_mb": pmd,
-                                  "decode_all": dec, "prefill_all": pre, "experts_ops": experts_ms, "tokens": toks}), flush=True)
+                                  "decode_all": dec, "prefill_all": pre, "experts_ops": experts_ms,
+                                  "experts_ops_decode": experts_dec, "tokens": toks}), flush=True)
 
 
 main(json.loads(sys.argv[1]))
@@ -313,6 +321,14 @@ PAIRS = [("own-bf16", "moepack-bf16"), ("own-ct-int8", "moepack-ct-int8"), ("own
          ("own-ct-int4", "moepack-ct-int4-a8")]
 
 
+def decode_op_ms(r: dict) -> float:
+    """The experts' kernel op time per call in a run's profiled decode (NaN without --profile):
+    vLLM's own op, or moepack's fused_experts (its moepack_vllm::experts wrapper not counted)."""
+    ops = r.get("experts_ops_decode") or {}
+    got = [(v["ms"], v["calls"]) for k, v in ops.items() if k != "decode_ms" and not k.startswith("moepack_vllm")]
+    return sum(m for m, _ in got) / max(sum(c for _, c in got), 1) if got else float("nan")
+
+
 def run_vllm(py: str, model: Path, quant: str | None, a, log: Path, extra_env: dict | None = None) -> dict:
     drv = log.parent / "vllm_bench_driver.py"
     drv.write_text(DRIVER)
@@ -361,8 +377,9 @@ def main() -> int:
                     "moepack's on the mapped pack, on 4 KiB and on 2 MiB anonymous copies), no engine")  # fmt: skip
     ap.add_argument("--route-experts", type=int, default=0, help="--kernel-ab: route every token among the first N "
                     "experts only (skewed routing: more tokens per expert); default all")  # fmt: skip
-    ap.add_argument("--profile", action="store_true", help="one more prefill under torch.profiler: the experts' op "
-                    "time inside the engine (results.json experts_ops)")  # fmt: skip
+    ap.add_argument("--profile", action="store_true", help="one more prefill and one more decode under torch.profiler: "
+                    "the experts' op time inside the engine (results.json experts_ops, experts_ops_decode; the table's "
+                    "'experts ms' is the prefill's, 'dec op ms' the decode's per call)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=1, help="run the arms this many times, back to back, every second "
                     "round in the reverse order (the ratios are reported per round: fair on a shared machine)")  # fmt: skip
     a = ap.parse_args()
@@ -422,7 +439,7 @@ def main() -> int:
             (a.out / "results.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
                                                             "order": [x[0] for x in runs], "results": results}, indent=1))  # fmt: skip
     hdr = (f"{'run':<22}{'rnd':>4}{'load s':>8}{'weights':>12}{'RSS +MB':>9}{'peak +MB':>9}{'experts MB':>11}"
-           f"{'decode t/s':>11}{'prefill t/s':>12}{'1st prefill':>12}{'experts ms':>11}")  # fmt: skip
+           f"{'decode t/s':>11}{'prefill t/s':>12}{'1st prefill':>12}{'experts ms':>11}{'dec op ms':>10}")  # fmt: skip
     print(hdr)
     for name, rs in results.items():
         for r in rs:
@@ -431,17 +448,20 @@ def main() -> int:
                 continue
             ops = r.get("experts_ops") or {}
             kern = [v["ms"] for k, v in ops.items() if k != "prefill_ms" and not k.startswith("moepack_vllm")]
+            dec_call = decode_op_ms(r)
             print(f"{name:<22}{r['round']:>4}{r['load_s']:>8.1f}{r.get('weights_line', '?')[:11]:>12}"
                   f"{r['rss_loaded_mb'] - r['rss0_mb']:>9.0f}{r['peak_loaded_mb'] - r['rss0_mb']:>9.0f}"
                   f"{r.get('experts_mb', float('nan')):>11.0f}{r['decode_tok_s']:>11.2f}{r['prefill_tok_s']:>12.1f}"
-                  f"{r['prefill_first_tok_s']:>12.1f}{(sum(kern) if kern else float('nan')):>11.1f}")  # fmt: skip
+                  f"{r['prefill_first_tok_s']:>12.1f}{(sum(kern) if kern else float('nan')):>11.1f}{dec_call:>10.3f}")  # fmt: skip
     print("moepack / vLLM's own, per round (decode, prefill):")
     for own, ours in PAIRS:
         for i, (o, m) in enumerate(zip(results.get(own, []), results.get(ours, []))):
             if "error" in o or "error" in m:
                 continue
+            op = decode_op_ms(o) / decode_op_ms(m)
             print(f"  {ours:<22} / {own:<12} round {i + 1}: decode {m['decode_tok_s'] / o['decode_tok_s']:.2f}x, "
-                  f"prefill {m['prefill_tok_s'] / o['prefill_tok_s']:.2f}x")  # fmt: skip
+                  f"prefill {m['prefill_tok_s'] / o['prefill_tok_s']:.2f}x"
+                  + ("" if op != op else f", the experts op at decode {op:.2f}x"))  # fmt: skip
     for s in ("int8", "int4"):
         if s in a.schemes.split(",") and s not in a.ct.split(","):
             print(f"own-{s}: not run (vLLM's CPU int8/int4 experts need a quantized checkpoint: --ct {s})")

@@ -214,12 +214,13 @@ def check_family(manifest: dict, where: str) -> None:
 
 
 # The source formats whose quantized non-expert linears the plugin hands to vLLM's own CPU linear
-# method, each run end to end by tests/test_vllm_plugin.py: compressed-tensors int W8A8 (8-bit
-# int weights, dynamic per-token int8 activations: vLLM's oneDNN scaled matmul) and W4A16 (4-bit
-# int weights in groups, symmetric, float activations), GPTQ (4-bit, symmetric, no act-order) and
-# AWQ (4-bit GEMM, zero points): the last three on vLLM's CPUWNA16 kernel.
+# method, each run end to end by tests/test_vllm_plugin.py: compressed-tensors W8A8 (8-bit int
+# weights and activations, symmetric, the activations dynamic per token: vLLM's oneDNN scaled
+# matmul) and W4A16 (4-bit int weights in groups, symmetric or with zero points, float
+# activations), GPTQ (4-bit, symmetric, no act-order) and AWQ (4-bit GEMM, zero points): the
+# last three on vLLM's CPUWNA16 kernel.
 DELEGATED = ("compressed-tensors W8A8 (int-quantized, dynamic per-token int8 activations)",
-             "compressed-tensors W4A16 (pack-quantized, symmetric)", "GPTQ (4-bit, sym, desc_act false)",
+             "compressed-tensors W4A16 (pack-quantized)", "GPTQ (4-bit, sym, desc_act false)",
              "AWQ (4-bit GEMM with zero points)")  # fmt: skip
 _REFUSED_TAIL = ("serve a pack of a source whose non-expert linears are float, or run this pack with "
                  "moepack.load_model (it dequantizes them)")  # fmt: skip
@@ -233,9 +234,10 @@ def _ct_scheme(group: dict) -> str | None:
     fmt = group.get("format")
     bits, wtype, sym = w.get("num_bits"), w.get("type"), w.get("symmetric")
     if wtype == "int" and bits == 8 and a and a.get("type") == "int" and a.get("num_bits") == 8 and a.get("dynamic") \
-            and a.get("strategy") == "token" and fmt in (None, "int-quantized"):
+            and a.get("strategy") == "token" and a.get("symmetric", True) and sym is not False \
+            and fmt in (None, "int-quantized"):
         return None
-    if wtype == "int" and bits == 4 and not a and sym and fmt in (None, "pack-quantized"):
+    if wtype == "int" and bits == 4 and not a and fmt in (None, "pack-quantized"):
         return None
     acts = f"A{a.get('num_bits')}" if a else "A16"
     return f"W{bits}{acts} {wtype} weights, format {fmt!r}{'' if sym or sym is None else ', asymmetric'}"
