@@ -162,3 +162,36 @@ def test_torch_compile_fullgraph_matches_eager():
     inp2 = make_moe_inputs(tokens=17, hidden=93, intermediate=40, topk=2, dtype=BF16, bias=True, seed=4)
     args2 = (inp2.x, packed.w13, packed.w2, packed.w13_bias, packed.w2_bias, inp2.topk_weights, inp2.topk_ids)
     assert torch.equal(compiled(*args2), moe_block(*args2))
+
+
+def test_dynamic_token_count_is_not_specialized():
+    """With the token count marked dynamic (as vLLM compiles its CPU model) the Meta kernel
+    keeps it symbolic: one graph serves several token counts (a specialization would raise
+    ConstraintViolationError), each result equal to the eager op's; and the symbolic checks
+    still refuse a topk_ids whose token count differs from hidden_states'."""
+    torch._dynamo.reset()
+    inp = make_moe_inputs(tokens=5, hidden=72, intermediate=40, topk=2, dtype=BF16, seed=7)
+    packed = inp.pack()
+    graphs = []
+
+    def count(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def block(x, tw, ti):
+        return moepack.fused_experts(x, packed.w13, packed.w2, tw, ti)
+
+    compiled = torch.compile(block, fullgraph=True, backend=count)
+    for tokens in (5, 9, 2):
+        i = make_moe_inputs(tokens=tokens, hidden=72, intermediate=40, topk=2, dtype=BF16, seed=tokens)
+        for t in (i.x, i.topk_weights, i.topk_ids):
+            torch._dynamo.mark_dynamic(t, 0)
+        assert torch.equal(compiled(i.x, i.topk_weights, i.topk_ids), block(i.x, i.topk_weights, i.topk_ids))
+    assert len(graphs) == 1
+    torch._dynamo.reset()
+    i = make_moe_inputs(tokens=6, hidden=72, intermediate=40, topk=2, dtype=BF16, seed=6)
+    ids = i.topk_ids[:5].contiguous()
+    for t in (i.x, i.topk_weights, ids):
+        torch._dynamo.mark_dynamic(t, 0)
+    with pytest.raises(Exception, match="topk_ids and hidden_states must have the same number of tokens"):
+        torch.compile(block, fullgraph=True, backend=count)(i.x, i.topk_weights, ids)

@@ -27,7 +27,10 @@ What it does:
    prompts, best of ``--repeat`` timings.
 
 Prints one table and writes ``results.json`` under ``--out``. Timings on a machine shared with
-other work are indicative only.
+other work are indicative only. ``--same-process ROUNDS`` builds each pair of engines (vLLM's own
+experts and vLLM + moepack on the same weights) in one process and alternates their calls
+instead (``same_process.json``): separate processes meet the machine's read rate in different
+phases, more than the engines differ.
 """
 
 from __future__ import annotations
@@ -321,6 +324,73 @@ PAIRS = [("own-bf16", "moepack-bf16"), ("own-ct-int8", "moepack-ct-int8"), ("own
          ("own-ct-int4", "moepack-ct-int4-a8")]
 
 
+# --same-process: the two engines of a pair (vLLM's own experts, vLLM + moepack) built in one process
+# and their calls alternated, so that both meet the same machine (this VM's read rate moves by
+# 10% between minutes, more than the difference measured); medians and per-round ratios
+AB_DRIVER = r'''
+import json, os, statistics, sys, time
+import torch
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+
+a = json.loads(sys.argv[1])
+llms = {}
+for name, model, quant, env in a["arms"]:
+    os.environ.update(env)  # read by the plugin while this engine loads
+    kw = dict(skip_tokenizer_init=True, max_model_len=a["max_len"], dtype="bfloat16", max_num_seqs=max(4, a["prefill_prompts"]),
+              max_num_batched_tokens=max(a["max_len"], a["prefill_len"] * a["prefill_prompts"]), seed=0)
+    if quant:
+        kw["quantization"] = quant
+    llms[name] = LLM(model, **kw)
+g = torch.Generator().manual_seed(0)
+short = [TokensPrompt(prompt_token_ids=torch.randint(0, a["vocab"], (16,), generator=g).tolist())]
+long = [TokensPrompt(prompt_token_ids=torch.randint(0, a["vocab"], (a["prefill_len"],), generator=g).tolist())
+        for _ in range(a["prefill_prompts"])]
+spn = SamplingParams(temperature=0.0, max_tokens=a["decode"] + 1, detokenize=False, ignore_eos=True)
+sp1 = SamplingParams(temperature=0.0, max_tokens=1, detokenize=False, ignore_eos=True)
+for llm in llms.values():  # warm-up, and the first touch of every expert
+    llm.generate(short, spn, use_tqdm=False)
+    llm.generate(long, sp1, use_tqdm=False)
+dec = {n: [] for n in llms}
+pre = {n: [] for n in llms}
+toks = {}
+for r in range(a["rounds"]):
+    for n in (list(llms) if r % 2 == 0 else list(llms)[::-1]):
+        t = time.perf_counter()
+        o = llms[n].generate(short, spn, use_tqdm=False)
+        tn = time.perf_counter() - t
+        t = time.perf_counter()
+        llms[n].generate(short, sp1, use_tqdm=False)
+        t1 = time.perf_counter() - t
+        dec[n].append(a["decode"] / max(tn - t1, 1e-9))
+        toks[n] = list(o[0].outputs[0].token_ids)
+        t = time.perf_counter()
+        llms[n].generate(long, sp1, use_tqdm=False)
+        pre[n].append(a["prefill_len"] * a["prefill_prompts"] / (time.perf_counter() - t))
+print("RESULT " + json.dumps({"decode": dec, "prefill": pre, "tokens": toks, "threads": torch.get_num_threads()}), flush=True)
+'''
+
+
+def same_process(py: str, pair: list, a, log: Path) -> dict:
+    """One process, both engines of ``pair`` ([(name, model, quant, env)] * 2), calls alternating."""
+    drv = log.parent / "vllm_ab_driver.py"
+    drv.write_text(AB_DRIVER)
+    env = dict(os.environ)
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(max(1, a.kv_gib // 2)), TOKENIZERS_PARALLELISM="false")
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_vllm_plugin import _env
+
+    env.update({k: v for k, v in _env(log.parent).items() if k == "PYTHONPATH"})
+    args = {"arms": [[n, str(m), q, e] for n, m, q, e in pair], "max_len": a.prefill_len + 64, "prefill_len": a.prefill_len,
+            "prefill_prompts": a.prefill_prompts, "decode": a.decode, "vocab": a.vocab, "rounds": a.same_process}  # fmt: skip
+    p = subprocess.run([py, str(drv), json.dumps(args)], capture_output=True, text=True, env=env)
+    log.write_text(p.stdout + p.stderr)
+    for line in p.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    return {"error": f"no result (rc {p.returncode}; log {log})"}
+
+
 def decode_op_ms(r: dict) -> float:
     """The experts' kernel op time per call in a run's profiled decode (NaN without --profile):
     vLLM's own op, or moepack's fused_experts (its moepack_vllm::experts wrapper not counted)."""
@@ -382,6 +452,9 @@ def main() -> int:
                     "'experts ms' is the prefill's, 'dec op ms' the decode's per call)")  # fmt: skip
     ap.add_argument("--rounds", type=int, default=1, help="run the arms this many times, back to back, every second "
                     "round in the reverse order (the ratios are reported per round: fair on a shared machine)")  # fmt: skip
+    ap.add_argument("--same-process", type=int, default=0, metavar="ROUNDS", help="instead of one engine per run: "
+                    "each pair (vLLM's own, vLLM + moepack on the same weights) built in one process, their decode and "
+                    "prefill calls alternating for ROUNDS rounds; medians and per-round ratios")  # fmt: skip
     a = ap.parse_args()
     py = os.environ.get("MOEPACK_VLLM_PYTHON") or str(ROOT / "build" / "vllm-venv" / "bin" / "python")
     if not Path(py).exists():
@@ -426,6 +499,30 @@ def main() -> int:
         if s == "int4":  # vLLM's int4 kernel quantizes activations to int8: moepack's a8 mode is its like
             runs.append((f"moepack-ct-{s}-a8", pack, "moepack", pack,
                          {"MOEPACK_VLLM_PAGES": pages[0] if pages else "advise", "MOEPACK_ACT_MODE": "a8"}))
+    if a.same_process:
+        import statistics
+
+        byname = {name: (name, model, quant, extra) for name, model, quant, _, extra in runs}
+        out = {}
+        for own, ours in PAIRS:
+            if own not in byname or ours not in byname:
+                continue
+            print(f"same process: {ours} against {own}, {a.same_process} rounds ...", flush=True)
+            r = same_process(py, [byname[own], byname[ours]], a, a.out / f"{ours}.same-process.log")
+            out[ours] = r
+            (a.out / "same_process.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()},
+                                                                 "results": out}, indent=1))  # fmt: skip
+            if "error" in r:
+                print(f"  {r['error']}")
+                continue
+            for what in ("decode", "prefill"):
+                o, m = r[what][own], r[what][ours]
+                q = [y / x for x, y in zip(o, m)]
+                print(f"  {what:<8} {own}: {statistics.median(o):9.1f} tok/s, {ours}: {statistics.median(m):9.1f} tok/s; "
+                      f"{ours} / {own} per round: median {statistics.median(q):.3f}, range {min(q):.3f}-{max(q):.3f}, "
+                      f"ahead in {sum(x > 1 for x in q)} of {len(q)}")  # fmt: skip
+            print(f"  greedy tokens equal: {r['tokens'][own] == r['tokens'][ours]}")
+        return 0
     results: dict[str, list[dict]] = {}
     for rnd in range(a.rounds):
         for name, model, quant, pack, extra in (runs if rnd % 2 == 0 else runs[::-1]):

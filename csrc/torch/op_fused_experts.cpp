@@ -178,12 +178,34 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, at::TensorList w13, at::Tensor
   return out;
 }
 
-// The Meta kernel: the same declaration-driven checks, no data.
+// The Meta kernel: the same declaration-driven checks, no data. Under torch.compile the token
+// count can be symbolic (vLLM compiles its CPU model with a dynamic batch; torch.compile's
+// mark_dynamic / dynamic=True): reading it as an integer would specialize the graph to one batch
+// size. There every check but the token dimension runs on one-token stand-ins of hidden_states,
+// topk_weights and topk_ids (their dtypes, hidden size and k), what involves the token count
+// symbolically (the three agree on it, hidden_states' hidden dimension has stride 1, the routing
+// tensors are contiguous), and the output keeps the symbolic count.
 at::Tensor fused_experts_meta(const at::Tensor& x, at::TensorList w13, at::TensorList w2, const at::Tensor& topk_weights,
                               const at::Tensor& topk_ids, int64_t layout, bool interleaved, std::string_view activation,
                               double alpha, double limit, const std::optional<at::Tensor>& b13,
                               const std::optional<at::Tensor>& b2, const std::optional<at::Tensor>& expert_map,
                               std::string_view act_mode, const std::optional<at::Tensor>& w13_perm) {
+  if (x.dim() == 2 && topk_weights.dim() == 2 && topk_ids.dim() == 2 && x.sym_size(0).is_symbolic()) {
+    const c10::SymInt& tokens = x.sym_size(0);
+    TORCH_SYM_CHECK(topk_ids.sym_size(0).sym_eq(tokens), "topk_ids and hidden_states must have the same number of tokens");
+    TORCH_SYM_CHECK(topk_weights.sym_size(0).sym_eq(tokens),
+                    "topk_weights and hidden_states must have the same number of tokens");
+    TORCH_CHECK_VALUE(x.sym_stride(1) == 1, "hidden_states: the hidden dimension must be contiguous (stride 1)");
+    TORCH_CHECK_VALUE(topk_ids.is_contiguous() && topk_weights.is_contiguous(),
+                      "topk_ids and topk_weights must be contiguous");
+    const int64_t hidden = x.sym_size(1).guard_int(__FILE__, __LINE__);
+    const at::Tensor x1 = at::empty({1, hidden}, x.options());
+    const at::Tensor w1 = at::empty({1, topk_weights.sym_size(1).guard_int(__FILE__, __LINE__)}, topk_weights.options());
+    const at::Tensor i1 = at::empty({1, topk_ids.sym_size(1).guard_int(__FILE__, __LINE__)}, topk_ids.options());
+    check_fused(x1, w13, w2, w1, i1, layout, interleaved, std::string(activation), alpha, limit, b13, b2, expert_map,
+                act_mode, w13_perm, /*data=*/false);
+    return at::empty_symint({tokens, c10::SymInt(hidden)}, x.options());
+  }
   FusedMoeArgs a = check_fused(x, w13, w2, topk_weights, topk_ids, layout, interleaved, std::string(activation), alpha,
                                limit, b13, b2, expert_map, act_mode, w13_perm, /*data=*/false);
   return at::empty({a.tokens, a.hidden}, x.options());

@@ -251,7 +251,8 @@ def _int4_scheme(qc: dict) -> str | None:
         if bits == 4 and qc.get("sym", True) and not qc.get("desc_act"):
             return None
         # vLLM 0.32 itself refuses desc_act=True ("no longer supported") and sym=False GPTQ
-        return f"bits={bits}, sym={qc.get('sym', True)}, desc_act={bool(qc.get('desc_act'))} (vLLM 0.32 runs 4-bit sym GPTQ without act-order only)"
+        return (f"bits={bits}, sym={qc.get('sym', True)}, desc_act={bool(qc.get('desc_act'))} "
+                "(vLLM 0.32 runs 4-bit sym GPTQ without act-order only)")  # fmt: skip
     version = str(qc.get("version", "gemm")).lower()
     if bits == 4 and qc.get("zero_point", True) and version == "gemm":
         return None
@@ -262,7 +263,8 @@ def delegated_format(qc: dict) -> str | None:
     """None where the source's quantized non-expert linears go to vLLM's own method (DELEGATED);
     else why not, in words."""
     qm = str(qc.get("quant_method") or "")
-    served = f"the moepack vLLM plugin hands quantized non-expert linears to vLLM's own CPU method for {', '.join(DELEGATED)} only"
+    served = ("the moepack vLLM plugin hands quantized non-expert linears to vLLM's own CPU method for "
+              f"{', '.join(DELEGATED)} only")  # fmt: skip
     if qm in ("gptq", "awq"):
         why = _int4_scheme(qc)
         return None if why is None else f"{qm} with {why}; {served}; {_REFUSED_TAIL}"
@@ -458,7 +460,6 @@ class MoepackMoEMethod(FusedMoEMethodBase):
         from ...runtime.experts import resolve_act_mode
 
         load_extension()
-        _experts_op()  # defined here, eagerly: Dynamo cannot trace its definition inside apply
         pl = self.qcfg.packed().layers[self.index]
         pl.check_strict()
         packed = pl.packed
@@ -500,57 +501,24 @@ class MoepackMoEMethod(FusedMoEMethodBase):
             topk_weights = torch.ones_like(topk_weights)
         if topk_ids.dtype != torch.int32:
             topk_ids = topk_ids.to(torch.int32)
-        return torch.ops.moepack_vllm.experts(
+        # the native op straight into vLLM's compiled graph: its Meta kernel keeps the token count
+        # symbolic (csrc/torch/op_fused_experts.cpp), so Dynamo traces it without specializing the
+        # batch size, and Inductor calls it as an extern kernel
+        return torch.ops.moepack.fused_experts(
             x,
             [getattr(layer, f"moepack_{r}") for r in self.roles13],
             [getattr(layer, f"moepack_{r}") for r in self.roles2],
             topk_weights.float(),
             topk_ids,
-            layer.moepack_w13_bias if self.has_bias[0] else None,
-            layer.moepack_w2_bias if self.has_bias[1] else None,
-            layer.moepack_expert_map if self.has_map else None,
-            layer.moepack_w13_perm if self.has_perm else None,
             self.layout_id,
-            self.interleaved,
-            self.activation,
-            self.alpha,
-            self.limit,
-            self.act_mode,
+            interleaved=self.interleaved,
+            activation=self.activation,
+            alpha=self.alpha,
+            limit=self.limit,
+            w13_bias=layer.moepack_w13_bias if self.has_bias[0] else None,
+            w2_bias=layer.moepack_w2_bias if self.has_bias[1] else None,
+            expert_map=layer.moepack_expert_map if self.has_map else None,
+            act_mode=self.act_mode,
+            w13_perm=layer.moepack_w13_perm if self.has_perm else None,
         )
 
-
-_OP = None
-
-
-def _experts_op():
-    """``torch.ops.moepack_vllm.experts``: moepack's fused-experts op behind a Python custom op
-    whose fake kernel keeps the token count symbolic. vLLM compiles the CPU model with Dynamo
-    and dynamic token counts; the native op's Meta kernel reads concrete sizes, so Dynamo would
-    specialize the batch size and refuse the graph. Opaque to the compiler, run as is."""
-    global _OP
-    if _OP is not None:
-        return _OP
-    from ..._ops import load_extension
-
-    load_extension()
-    if hasattr(torch.ops, "moepack_vllm") and hasattr(torch.ops.moepack_vllm, "experts"):
-        _OP = torch.ops.moepack_vllm.experts
-        return _OP
-
-    @torch.library.custom_op("moepack_vllm::experts", mutates_args=())
-    def experts(x: torch.Tensor, w13: list[torch.Tensor], w2: list[torch.Tensor], topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor, w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
-                expert_map: torch.Tensor | None, w13_perm: torch.Tensor | None, layout_id: int, interleaved: bool,
-                activation: str, alpha: float, limit: float, act_mode: str) -> torch.Tensor:  # fmt: skip
-        return torch.ops.moepack.fused_experts(x, w13, w2, topk_weights, topk_ids, layout_id, interleaved=interleaved,
-                                               activation=activation, alpha=alpha, limit=limit, w13_bias=w13_bias,
-                                               w2_bias=w2_bias, expert_map=expert_map, act_mode=act_mode,
-                                               w13_perm=w13_perm)  # fmt: skip
-
-    @experts.register_fake
-    def _(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, expert_map, w13_perm, layout_id, interleaved,
-          activation, alpha, limit, act_mode):  # fmt: skip
-        return torch.empty_like(x)
-
-    _OP = torch.ops.moepack_vllm.experts
-    return _OP
