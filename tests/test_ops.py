@@ -167,8 +167,9 @@ def test_torch_compile_fullgraph_matches_eager():
 def test_dynamic_token_count_is_not_specialized():
     """With the token count marked dynamic (as vLLM compiles its CPU model) the Meta kernel
     keeps it symbolic: one graph serves several token counts (a specialization would raise
-    ConstraintViolationError), each result equal to the eager op's; and the symbolic checks
-    still refuse a topk_ids whose token count differs from hidden_states'."""
+    ConstraintViolationError), each result equal to the eager op's; an unbacked count (no value
+    to guard on) traces too; and the symbolic checks still refuse a topk_ids whose token count
+    differs from hidden_states'."""
     torch._dynamo.reset()
     inp = make_moe_inputs(tokens=5, hidden=72, intermediate=40, topk=2, dtype=BF16, seed=7)
     packed = inp.pack()
@@ -188,6 +189,13 @@ def test_dynamic_token_count_is_not_specialized():
             torch._dynamo.mark_dynamic(t, 0)
         assert torch.equal(compiled(i.x, i.topk_weights, i.topk_ids), block(i.x, i.topk_weights, i.topk_ids))
     assert len(graphs) == 1
+    # an unbacked count (no hint to guard on; torch.export-style) traces too
+    torch._dynamo.reset()
+    i = make_moe_inputs(tokens=4, hidden=72, intermediate=40, topk=2, dtype=BF16, seed=4)
+    for t in (i.x, i.topk_weights, i.topk_ids):
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+    assert torch.equal(torch.compile(block, fullgraph=True, backend=count)(i.x, i.topk_weights, i.topk_ids),
+                       block(i.x, i.topk_weights, i.topk_ids))  # fmt: skip
     torch._dynamo.reset()
     i = make_moe_inputs(tokens=6, hidden=72, intermediate=40, topk=2, dtype=BF16, seed=6)
     ids = i.topk_ids[:5].contiguous()

@@ -60,7 +60,7 @@ def main(args):
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    kw = dict(skip_tokenizer_init=True, max_model_len=64, dtype="bfloat16", enforce_eager=args.get("eager", False),
+    kw = dict(skip_tokenizer_init=True, max_model_len=64, dtype=args.get("dtype", "bfloat16"), enforce_eager=args.get("eager", False),
               tensor_parallel_size=args.get("tp", 1), max_num_seqs=4, seed=0)
     if args.get("quant"):
         kw["quantization"] = args["quant"]
@@ -138,12 +138,26 @@ for key, cfg, extra in (("CTW8A8", {**ct, "quantization_config": {"quant_method"
                         ("GPTQ", {**gptq, "quantization_config": {**gptq["quantization_config"], "desc_act": False}},
                          {"model.layers.0.self_attn.q_proj.qweight": {"dtype": "int32"}}),
                         ("GPTQACTORDER", gptq, {"model.layers.0.self_attn.q_proj.qweight": {"dtype": "int32"}}),
-                        ("FP8", fp8blk, {"model.layers.0.self_attn.q_proj.weight": {"dtype": "float8_e4m3fn"}})):
+                        ("FP8", fp8blk, {"model.layers.0.self_attn.q_proj.weight": {"dtype": "float8_e4m3fn"}}),
+                        ("GPTQDYNAMIC", {**gptq, "quantization_config": {**gptq["quantization_config"], "desc_act": False,
+                                                                          "dynamic": {"+:.*self_attn.*": {"bits": 8}}}},
+                         {"model.layers.0.self_attn.q_proj.qweight": {"dtype": "int32"}}),
+                        ("AWQNOZERO", {**gptq, "quantization_config": {"quant_method": "awq", "bits": 4, "zero_point": False,
+                                                                        "version": "gemm"}},
+                         {"model.layers.0.self_attn.q_proj.qweight": {"dtype": "int32"}}),
+                        ("KVSCHEME", {**ct, "quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"g": w8a8},
+                                                                     "kv_cache_scheme": {"num_bits": 8, "type": "float"}}}, flt)):
     try:
         check_family({"model": {"config": cfg}, "tensors": {**flt, **extra}}, "DIR")
         print(key + " served")
     except Exception as e:
         print(key + " " + str(e))
+# vLLM's own config refusing the source's quantization_config: one line (an AWQ config without zero_point)
+from moepack.integrations.vllm.config import inner_config
+try:
+    inner_config({"quant_method": "awq", "bits": 4, "group_size": 64, "version": "gemm"}, None, "DIR")
+except Exception as e:
+    print("FROMCONFIG " + str(e))
 # vLLM's routing held against the pack's model config (softmax top-k families)
 from types import SimpleNamespace
 from moepack.integrations.vllm.config import check_routing
@@ -235,14 +249,15 @@ def _env(tmp: Path) -> dict:
 
 
 def _vllm(tmp: Path, model: Path, *, quant: str | None = "moepack", tp: int = 1, expect_ok: bool = True,
-          extra_env: dict | None = None, eager: bool = False, cc: dict | None = None) -> dict:  # fmt: skip
+          extra_env: dict | None = None, eager: bool = False, cc: dict | None = None, dtype: str = "bfloat16") -> dict:  # fmt: skip
     drv = tmp / "vllm_driver.py"
     drv.write_text(DRIVER)
     env = _env(tmp)
     env.update(extra_env or {})
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
-    args = {"model": str(model), "prompts": PROMPTS, "n": NEW, "tp": tp, "quant": quant, "eager": eager, "cc": cc}
+    args = {"model": str(model), "prompts": PROMPTS, "n": NEW, "tp": tp, "quant": quant, "eager": eager, "cc": cc,
+            "dtype": dtype}
     p = subprocess.run([VLLM_PY, str(drv), json.dumps(args)], capture_output=True, text=True, env=env, timeout=900)
     out = p.stdout + p.stderr
     for line in p.stdout.splitlines():
@@ -467,8 +482,9 @@ def ct_linears(tmp_path_factory):
     hidden-128 qwen3_moe (moe_intermediate 128: every K a whole group). Seed 7 for margin:
     screening seeds 0..7 of this checkpoint, load_model's greedy steps have top-2 logit gaps down
     to 0.0 (seeds 4, 6), 0.03 (0-3), 0.06 (5) and 0.125 (7); seed 1's 0.0625 went the other way in
-    vLLM, whose CPUWNA16 kernel multiplies the 4-bit codes by their scales in fp32 where
-    load_model rounds each dequantized weight to bf16."""
+    vLLM, whose CPUWNA16 linear on this AMX host quantizes the activations to int8 per token
+    (W4A8; VLLM_CPU_INT4_W4A8=1, its default) where load_model multiplies bf16 activations by
+    the dequantized weights."""
     import moepack
     from tests.ct_writer import write_ct_checkpoint
 
@@ -540,6 +556,17 @@ def test_quantized_attention_served_by_vllms_own_method(ct_linears, tmp_path, sc
     if scheme == "w8a8":
         assert _vllm(tmp_path, ct, quant=None)["tokens"] == ref
         assert _vllm(tmp_path, pack, tp=2)["tokens"] == ref
+
+
+@needs_vllm
+def test_quantized_attention_dtype_its_method_lacks_is_refused(ct_linears, tmp_path):
+    """vLLM holds the model dtype against the config's act dtypes before the inner config exists;
+    the plugin holds it against the inner method's (GPTQ: fp16 and bf16): float32 is one line."""
+    r = _vllm(tmp_path, ct_linears["gptq"][1], expect_ok=False, dtype="float32")
+    assert r["error"] is not None, r["log"][-3000:]
+    # raised in vLLM's engine-core process while it builds the model: the line is in its log
+    assert "dtype=torch.float32: vLLM's 'auto_gptq' method for the source's quantized non-expert linears runs " \
+           "torch.float16, torch.bfloat16 only" in r["log"], r["log"][-3000:]  # fmt: skip
 
 
 @needs_vllm
@@ -678,6 +705,18 @@ def test_registration_idempotent_and_version_range(tmp_path):
     assert lines["GPTQACTORDER"] == ("DIR: the source stores its non-expert linears quantized (quant_method='gptq', "
                                      "carried: model.layers.0.self_attn.q_proj.qweight (int32)): gptq with bits=4, "
                                      "sym=True, desc_act=True (vLLM 0.32 runs 4-bit sym GPTQ without act-order only); " + served)  # fmt: skip
+    assert lines["GPTQDYNAMIC"] == ("DIR: the source stores its non-expert linears quantized (quant_method='gptq', "
+                                    "carried: model.layers.0.self_attn.q_proj.qweight (int32)): gptq with per-module "
+                                    "'dynamic' overrides ['+:.*self_attn.*'] (not run through vLLM's CPU path here); "
+                                    + served)  # fmt: skip
+    assert lines["AWQNOZERO"].startswith("DIR: the source stores its non-expert linears quantized (quant_method='awq', "
+                                         "carried: model.layers.0.self_attn.q_proj.qweight (int32)): awq with bits=4, "
+                                         "zero_point=False, version='gemm'; ")  # fmt: skip
+    assert lines["KVSCHEME"].startswith("DIR: the source's quantization_config sets kv_cache_scheme={'num_bits': 8, "
+                                        "'type': 'float'} (a quantized KV cache with its scales): the moepack vLLM plugin "
+                                        "does not pass it")  # fmt: skip
+    assert lines["FROMCONFIG"].startswith("DIR: vLLM's 'awq' config does not accept the source's quantization_config for "
+                                          "its non-expert linears: ")  # fmt: skip
     assert lines["FP8"] == ("DIR: the source stores its non-expert linears quantized (quant_method='fp8', carried: "
                             "model.layers.0.self_attn.q_proj.weight (float8_e4m3fn)): " + served)  # fmt: skip
     assert lines["ROUTINGOK"] == "served"

@@ -132,6 +132,20 @@ class MoepackConfig(QuantizationConfig):
             self.inner.packed_modules_mapping = self._pmm
             self.inner.maybe_update_config(model_name, hf_config=hf_config, revision=revision)
 
+    def _check_inner_dtype(self) -> None:
+        """vLLM checks the model dtype against ``get_supported_act_dtypes`` before the inner config
+        exists; the inner config's own list (GPTQ / AWQ: fp16 and bf16) is held here, once."""
+        if getattr(self, "_dtype_checked", False):
+            return
+        from vllm.config import get_current_vllm_config
+
+        dtype = getattr(getattr(get_current_vllm_config(), "model_config", None), "dtype", None)
+        ok = self.inner.get_supported_act_dtypes()
+        if dtype is not None and dtype not in ok:
+            raise UnsupportedError(f"{self.path}: dtype={dtype}: vLLM's {self.inner.get_name()!r} method for the "
+                                   f"source's quantized non-expert linears runs {', '.join(map(str, ok))} only")  # fmt: skip
+        self._dtype_checked = True
+
     def apply_vllm_mapper(self, hf_to_vllm_mapper):
         if self.inner is not None:
             self.inner.apply_vllm_mapper(hf_to_vllm_mapper)
@@ -169,6 +183,7 @@ class MoepackConfig(QuantizationConfig):
         if isinstance(layer, RoutedExperts):
             return MoepackMoEMethod(layer.moe_config, self, self.layer_entry(prefix))
         if self.inner is not None:  # quantized carried linears: vLLM's own method for the source's format
+            self._check_inner_dtype()
             return self.inner.get_quant_method(layer, prefix)
         if isinstance(layer, LinearBase):
             return UnquantizedLinearMethod()
@@ -204,6 +219,11 @@ def check_family(manifest: dict, where: str) -> None:
     if qc and not manifest.get("tensors"):
         raise UnsupportedError(f"{where}: {MANIFEST} lists no carried tensors, so whether the source's quantized "
                                "non-expert linears are float cannot be told; re-convert it with this moepack")  # fmt: skip
+    if isinstance(qc, dict) and qc.get("kv_cache_scheme"):
+        raise UnsupportedError(f"{where}: the source's quantization_config sets kv_cache_scheme="
+                               f"{qc['kv_cache_scheme']!r} (a quantized KV cache with its scales): the moepack vLLM "
+                               "plugin does not pass it to vLLM's attention, which would run the KV cache unquantized "
+                               "and drop the scales; serve it with moepack.load_model")  # fmt: skip
     if not quantized:
         return
     qm = qc.get("quant_method") if isinstance(qc, dict) else qc
@@ -216,9 +236,10 @@ def check_family(manifest: dict, where: str) -> None:
 # The source formats whose quantized non-expert linears the plugin hands to vLLM's own CPU linear
 # method, each run end to end by tests/test_vllm_plugin.py: compressed-tensors W8A8 (8-bit int
 # weights and activations, symmetric, the activations dynamic per token: vLLM's oneDNN scaled
-# matmul) and W4A16 (4-bit int weights in groups, symmetric or with zero points, float
-# activations), GPTQ (4-bit, symmetric, no act-order) and AWQ (4-bit GEMM, zero points): the
-# last three on vLLM's CPUWNA16 kernel.
+# matmul) and W4A16 (4-bit int weights in groups, symmetric or with zero points), GPTQ (4-bit,
+# symmetric, no act-order) and AWQ (4-bit GEMM, zero points): the last three on vLLM's CPUWNA16
+# kernel, which on an AMX (or RISC-V) host with bf16 activations quantizes the activations to
+# int8 per token (W4A8) unless VLLM_CPU_INT4_W4A8=0, as it does for the checkpoint itself.
 DELEGATED = ("compressed-tensors W8A8 (int-quantized, dynamic per-token int8 activations)",
              "compressed-tensors W4A16 (pack-quantized)", "GPTQ (4-bit, sym, desc_act false)",
              "AWQ (4-bit GEMM with zero points)")  # fmt: skip
@@ -248,6 +269,8 @@ def _int4_scheme(qc: dict) -> str | None:
     qm = qc.get("quant_method")
     bits = qc.get("bits", qc.get("w_bit"))
     if qm == "gptq":
+        if qc.get("dynamic"):  # per-module overrides (bits, sym, desc_act) vLLM would apply layer by layer
+            return f"per-module 'dynamic' overrides {sorted(qc['dynamic'])!r} (not run through vLLM's CPU path here)"
         if bits == 4 and qc.get("sym", True) and not qc.get("desc_act"):
             return None
         # vLLM 0.32 itself refuses desc_act=True ("no longer supported") and sym=False GPTQ
@@ -300,7 +323,11 @@ def inner_config(qc: dict, hf_config, where: str) -> QuantizationConfig:
     name = probe.quantization or qc.get("quant_method")
     if name == QUANT_NAME:  # cannot happen with user_quant None; never delegate to ourselves
         raise UnsupportedError(f"{where}: the source's quantization_config names quant_method={name!r}")
-    return get_quantization_config(name).from_config(dict(qc))
+    try:
+        return get_quantization_config(name).from_config(dict(qc))
+    except Exception as e:  # e.g. a GPTQ config without "sym", an AWQ one without "zero_point"
+        raise UnsupportedError(f"{where}: vLLM's {name!r} config does not accept the source's quantization_config "
+                               f"for its non-expert linears: {e}") from e  # fmt: skip
 
 
 def check_routing(layer, model: dict, where: str) -> None:
