@@ -89,11 +89,22 @@ def write_int4_model(d: Path, family: str, fmt: str, *, group_size: int = 32, sy
     model = _float_model(family, seed)
     tmp = d.parent / (d.name + "-float")
     model.save_pretrained(tmp)
+    try:
+        return quantize_checkpoint(tmp, d, fmt, group_size=group_size, sym=sym, version=version, act_order=act_order,
+                                   seed=seed)  # fmt: skip
+    finally:
+        shutil.rmtree(tmp)
+
+
+def quantize_checkpoint(src: Path, d: Path, fmt: str, *, group_size: int = 32, sym: bool = False, version: str = "gptq",
+                        act_order: bool = False, seed: int = 0) -> tuple[dict, dict]:  # fmt: skip
+    """The float checkpoint ``src`` quantized into ``d`` as a GPTQ or AWQ checkpoint: every 2-D
+    weight but ``_KEEP``'s rounded to 4 bits per group (``_rtn``; act-order g_idx drawn from
+    ``seed`` + 1) and packed by tools/int4_packers.py; returns what ``write_int4_model`` does."""
     state = {}
-    for f in sorted(tmp.glob("*.safetensors")):
+    for f in sorted(src.glob("*.safetensors")):
         state.update(load_file(f))
-    cfg = json.loads((tmp / "config.json").read_text())
-    shutil.rmtree(tmp)
+    cfg = json.loads((src / "config.json").read_text())
     gen = torch.Generator().manual_seed(seed + 1)
     zero_lo = 1 if (fmt == "gptq" and version == "gptq") else 0
     out, oracle, deq = {}, {}, {}

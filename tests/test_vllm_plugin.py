@@ -499,42 +499,17 @@ def ct_linears(tmp_path_factory):
                             lambda mod: mod.weight.float().abs().unflatten(1, (-1, 128)).amax(2), ignore=ignore)  # fmt: skip
     # GPTQ (v1, symmetric) and AWQ (GEMM, zero points), group 64, of hidden-128 qwen3_moe models;
     # seeds screened likewise: GPTQ's best of 0..9 is 0.0625 (0, 2), AWQ's of 0..7 0.1875 (4)
-    _write_int4_checkpoint(_tiny_qwen3_moe(base / "qg", 128, 128, seed=0), base / "ct_gptq", "gptq", 64)
-    _write_int4_checkpoint(_tiny_qwen3_moe(base / "qa", 128, 128, seed=4), base / "ct_awq", "awq", 64)
+    # (every linear but embeddings, lm_head, norms and routers rounded to 4 bits per group and packed
+    # as those libraries store it: tests/test_quantized_models.py's quantize_checkpoint)
+    from tests.test_quantized_models import quantize_checkpoint
+
+    quantize_checkpoint(_tiny_qwen3_moe(base / "qg", 128, 128, seed=0), base / "ct_gptq", "gptq", group_size=64, sym=True)
+    quantize_checkpoint(_tiny_qwen3_moe(base / "qa", 128, 128, seed=4), base / "ct_awq", "awq", group_size=64)
     out = {}
     for s in ("w8a8", "w4a16", "w4a16_asym", "gptq", "awq"):
         moepack.convert(base / f"ct_{s}", base / f"pack_{s}")
         out[s] = (base / f"ct_{s}", base / f"pack_{s}")
     return out
-
-
-def _write_int4_checkpoint(src: Path, dst: Path, fmt: str, group: int) -> None:
-    """A GPTQ (v1, symmetric) or AWQ (GEMM, zero points) checkpoint of ``src`` in ``dst``: every
-    linear but the embeddings, lm_head, norms and routers rounded to 4 bits per group
-    (tests/test_quantized_models.py's ``_rtn``) and packed as those libraries store it
-    (tools/int4_packers.py, checked there against their own packers)."""
-    from safetensors.torch import load_file, save_file
-
-    from tests.test_quantized_models import _KEEP, P, _rtn
-
-    state = {}
-    for f in sorted(src.glob("*.safetensors")):
-        state.update(load_file(f))
-    out = {}
-    for name, w in state.items():
-        if not (name.endswith(".weight") and w.dim() == 2) or any(k in name for k in _KEEP):
-            out[name] = w
-            continue
-        g_idx = P.trivial_g_idx(w.shape[1], group)
-        ql = _rtn(w.float(), g_idx, P.ngroups(w.shape[1], group), sym=fmt == "gptq", zero_lo=1 if fmt == "gptq" else 0)
-        packed = (P.pack_gptq(ql["q"], ql["scale"], ql["zero"], ql["g_idx"]) if fmt == "gptq"
-                  else P.pack_awq(ql["q"], ql["scale"], ql["zero"]))  # fmt: skip
-        out.update({f"{name[: -len('.weight')]}.{k}": t for k, t in packed.items()})
-    dst.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in out.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = P.quantization_config(fmt, group, sym=fmt == "gptq")
-    (dst / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
 
 
 @needs_vllm

@@ -371,56 +371,55 @@ print("RESULT " + json.dumps({"decode": dec, "prefill": pre, "tokens": toks, "th
 '''
 
 
-def same_process(py: str, pair: list, a, log: Path) -> dict:
-    """One process, both engines of ``pair`` ([(name, model, quant, env)] * 2), calls alternating."""
-    drv = log.parent / "vllm_ab_driver.py"
-    drv.write_text(AB_DRIVER)
-    env = dict(os.environ)
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(max(1, a.kv_gib // 2)), TOKENIZERS_PARALLELISM="false")
+def drive(py: str, driver: str, name: str, args: dict, log: Path, env: dict) -> tuple[dict | None, int]:
+    """Runs ``driver`` (saved as ``name`` next to ``log``) in the vLLM python with ``args`` as JSON,
+    in-process engines (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) and the tests' entry-point shims on
+    PYTHONPATH, ``env`` over the rest; writes its output to ``log`` (vLLM logs to stdout
+    in-process) and returns its ``RESULT`` line (None without one) and its exit status."""
+    drv = log.parent / name
+    drv.write_text(driver)
+    full = dict(os.environ)
+    full.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
     sys.path.insert(0, str(ROOT / "tests"))
-    from test_vllm_plugin import _env
+    from test_vllm_plugin import _env  # the entry point / sitecustomize shims the tests use
 
-    env.update({k: v for k, v in _env(log.parent).items() if k == "PYTHONPATH"})
-    args = {"arms": [[n, str(m), q, e] for n, m, q, e in pair], "max_len": a.prefill_len + 64, "prefill_len": a.prefill_len,
-            "prefill_prompts": a.prefill_prompts, "decode": a.decode, "vocab": a.vocab, "rounds": a.same_process}  # fmt: skip
-    p = subprocess.run([py, str(drv), json.dumps(args)], capture_output=True, text=True, env=env)
+    full.update({k: v for k, v in _env(log.parent).items() if k == "PYTHONPATH"})
+    full.update(env)
+    p = subprocess.run([py, str(drv), json.dumps(args)], capture_output=True, text=True, env=full)
     log.write_text(p.stdout + p.stderr)
     for line in p.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[7:])
-    return {"error": f"no result (rc {p.returncode}; log {log})"}
+            return json.loads(line[7:]), p.returncode
+    return None, p.returncode
+
+
+def same_process(py: str, pair: list, a, log: Path) -> dict:
+    """One process, both engines of ``pair`` ([(name, model, quant, env)] * 2), calls alternating."""
+    args = {"arms": [[n, str(m), q, e] for n, m, q, e in pair], "max_len": a.prefill_len + 64, "prefill_len": a.prefill_len,
+            "prefill_prompts": a.prefill_prompts, "decode": a.decode, "vocab": a.vocab, "rounds": a.same_process}  # fmt: skip
+    r, rc = drive(py, AB_DRIVER, "vllm_ab_driver.py", args, log, {"VLLM_CPU_KVCACHE_SPACE": str(max(1, a.kv_gib // 2))})
+    return r if r is not None else {"error": f"no result (rc {rc}; log {log})"}
 
 
 def decode_op_ms(r: dict) -> float:
     """The experts' kernel op time per call in a run's profiled decode (NaN without --profile):
-    vLLM's own op, or moepack's fused_experts (its moepack_vllm::experts wrapper not counted)."""
+    vLLM's own op, or moepack's fused_experts (in results from before 2026-12-06, the
+    moepack_vllm::experts wrapper around it not counted)."""
     ops = r.get("experts_ops_decode") or {}
     got = [(v["ms"], v["calls"]) for k, v in ops.items() if k != "decode_ms" and not k.startswith("moepack_vllm")]
     return sum(m for m, _ in got) / max(sum(c for _, c in got), 1) if got else float("nan")
 
 
 def run_vllm(py: str, model: Path, quant: str | None, a, log: Path, extra_env: dict | None = None) -> dict:
-    drv = log.parent / "vllm_bench_driver.py"
-    drv.write_text(DRIVER)
-    env = dict(os.environ)
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=str(a.kv_gib), TOKENIZERS_PARALLELISM="false")
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_vllm_plugin import _env  # the entry point / sitecustomize shims the tests use
-
-    env.update({k: v for k, v in _env(log.parent).items() if k == "PYTHONPATH"})
-    env.update(extra_env or {})
     args = {"model": str(model), "quant": quant, "max_len": a.prefill_len + 64, "prefill_len": a.prefill_len,
             "prefill_prompts": a.prefill_prompts, "decode": a.decode, "repeat": a.repeat, "vocab": a.vocab, "profile": a.profile}  # fmt: skip
-    p = subprocess.run([py, str(drv), json.dumps(args)], capture_output=True, text=True, env=env)
-    log.write_text(p.stdout + p.stderr)  # vLLM logs to stdout in-process
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            r = json.loads(line[7:])
-            for ln in log.read_text().splitlines():
-                if "Loading weights took" in ln:
-                    r["weights_line"] = ln.split("Loading weights took", 1)[1].strip()
-            return r
-    return {"error": f"rc {p.returncode}, see {log}: " + " | ".join(log.read_text().splitlines()[-3:])}
+    r, rc = drive(py, DRIVER, "vllm_bench_driver.py", args, log, {"VLLM_CPU_KVCACHE_SPACE": str(a.kv_gib), **(extra_env or {})})
+    if r is None:
+        return {"error": f"rc {rc}, see {log}: " + " | ".join(log.read_text().splitlines()[-3:])}
+    for ln in log.read_text().splitlines():
+        if "Loading weights took" in ln:
+            r["weights_line"] = ln.split("Loading weights took", 1)[1].strip()
+    return r
 
 
 def main() -> int:
