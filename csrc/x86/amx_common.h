@@ -97,7 +97,15 @@ static inline TileState& tile_state(TileState& local) { return t_worker_tiles ? 
 // block a worker usually takes next). Tile loads that miss the caches stall the tile unit:
 // qwen3 T=512 on this SPR-class guest, int8 42.5 -> 35-36 ms, bf16 65 -> 58-59 ms; 2 and 4 steps
 // ahead measured alike, 8 and 16 worse, and prefetching into L1 instead about as good.
+// Page touch: once per 4 KiB of B, one more line kTilePageTouchBytes ahead. A directory opened
+// with moepack.open is a memory map on the page cache's pages, mostly 4 KiB ones, and each page
+// the stream enters is a TLB miss (in a virtual machine a walk of two page tables) that the
+// 8 KiB prefetch above does not run far enough ahead to hide. qwen3 T=128..1024, 2 threads, the
+// SPR-class guest, arms in shuffled order in one process (docs/KERNELS.md "Page touch"): bf16 on
+// 4 KiB pages 1.08-1.12x, on the opened pack 1.11-1.18x, on 2 MiB pages 1.02-1.03x; int8 1.05-1.08x,
+// 1.03-1.07x, 1.01-1.02x.
 constexpr int64_t kTileBPrefetchSteps = 4;
+constexpr int64_t kTilePageTouchBytes = 16384;
 template <class Dp, class T>
 static inline void tile_rows(TileState& tiles, const char* a, int64_t row_bytes, int m, const char* bb, int64_t groups,
                              bool accumulate, T* C, bool stream_b = false) {
@@ -127,6 +135,7 @@ static inline void tile_rows(TileState& tiles, const char* a, int64_t row_bytes,
       if (stream_b && r0 == 0) {
         const char* p = bb + (g + 16 * kTileBPrefetchSteps) * 128;
         for (int l = 0; l < 32; ++l) _mm_prefetch(p + 64 * l, _MM_HINT_T1);
+        if ((g & 31) == 0) _mm_prefetch(bb + g * 128 + kTilePageTouchBytes, _MM_HINT_T1);  // 32 K groups: 4 KiB of B
       }
       _tile_loadd(6, bb + g * 128, 128);
       _tile_loadd(7, bb + g * 128 + 64, 128);
