@@ -25,11 +25,11 @@ and the zero w2 columns multiply it.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 
+from ..container.pages import huge_pages_wanted
 from ..errors import LayoutError
 from ..layout import DEFAULT_LAYOUT, PackedLayout, layout_get, layout_padded_i, layout_padded_n, layout_tensor_plan
 from .codes import code_slots, codes_dtype, pack_codes, unpack_codes
@@ -307,7 +307,7 @@ def in_huge_pages(packed: PackedExperts) -> PackedExperts:
     pages every page costs a TLB miss and a hardware-prefetcher restart (docs/KERNELS.md
     "Decode"). For in-memory packs made with the C++ packer only (an opened directory stays a
     memory map); ``MOEPACK_HUGE_PAGES=0`` turns it off. Where the kernel declines, the copies are plain."""
-    if os.environ.get("MOEPACK_HUGE_PAGES", "1") == "0":
+    if not huge_pages_wanted():
         return packed
     from .._ops import ops
 

@@ -27,7 +27,6 @@ once and serves as it is. Linux only; elsewhere this module does nothing."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import sys
@@ -35,15 +34,12 @@ from pathlib import Path
 
 import torch
 
+from ...container.pages import MADV_HUGEPAGE, MADV_POPULATE_READ, inner_pages, madvise
 from ...errors import UnsupportedError
 
 MODES = ("advise", "reload", "populate", "off")
 ENV = "MOEPACK_VLLM_PAGES"
-_MADV_HUGEPAGE = 14
-_MADV_POPULATE_READ = 22
-_PAGE = 4096
 _log = logging.getLogger(__name__)
-_libc = None
 _warned: set[str] = set()
 
 
@@ -53,18 +49,6 @@ def mode() -> str:
     if m not in MODES:
         raise UnsupportedError(f"{ENV}={m!r} is not one of {', '.join(MODES)}")
     return m
-
-
-def _madvise(addr: int, length: int, advice: int) -> int:
-    """0, or the errno of ``madvise(addr, length, advice)``."""
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc.madvise.restype = ctypes.c_int
-    if _libc.madvise(ctypes.c_void_p(addr), ctypes.c_size_t(length), advice) == 0:
-        return 0
-    return ctypes.get_errno()
 
 
 def _warn_once(what: str, err: int) -> None:
@@ -101,17 +85,15 @@ def advise(tensors, how: str) -> int:
     for t in tensors:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
             continue
-        a = t.data_ptr()
-        lo = (a + _PAGE - 1) & ~(_PAGE - 1)
-        hi = (a + t.numel() * t.element_size()) & ~(_PAGE - 1)
-        if hi <= lo:
+        lo, n = inner_pages(t.data_ptr(), t.numel() * t.element_size())
+        if not n:
             continue
-        err = _madvise(lo, hi - lo, _MADV_HUGEPAGE)
+        err = madvise(lo, n, MADV_HUGEPAGE)
         if err:
             _warn_once("madvise(MADV_HUGEPAGE)", err)
         if how == "populate":
-            err = _madvise(lo, hi - lo, _MADV_POPULATE_READ)
+            err = madvise(lo, n, MADV_POPULATE_READ)
             if err:
                 _warn_once("madvise(MADV_POPULATE_READ)", err)
-        done += hi - lo
+        done += n
     return done
