@@ -26,13 +26,16 @@ page walks, compare inside one process instead (docs/KERNELS.md "Page touch").
 take turns, so a call has the machine); ``--copies C`` keeps C copies of each pack and rotates
 the calls over them, and ``--sets S`` rotates S routing sets, so that decode reads its experts
 from memory rather than from the last-level cache of an earlier call (4 sets of one copy fit a
-480 MiB LLC). Needs each build's extension built in place. Timings only: nothing here is a test."""
+480 MiB LLC); call i takes copy i mod C and set i mod S, so C and S must be coprime (else a set
+always meets the same copy), and each copy holds the pack again (a qwen3-30b-a3b bf16 layer:
+1.1 GiB per copy, arm and build). Needs each build's extension built in place. Timings only: nothing here is a test."""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -126,6 +129,8 @@ def main() -> int:
     for opt in ("threads", "copies", "sets"):
         if getattr(a, opt) < 1:
             ap.error(f"--{opt} {getattr(a, opt)}: at least 1")
+    if math.gcd(a.copies, a.sets) != 1:
+        ap.error(f"--copies {a.copies} and --sets {a.sets}: must be coprime (call i takes copy i mod C and set i mod S)")
     env_extra = {}
     for kv in a.env:
         k, sep, v = kv.partition("=")

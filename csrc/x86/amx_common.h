@@ -103,7 +103,7 @@ static inline TileState& tile_state(TileState& local) { return t_worker_tiles ? 
 // 8 KiB prefetch above does not run far enough ahead to hide. qwen3 T=128..1024, 2 threads, the
 // SPR-class guest, arms in shuffled order in one process (docs/KERNELS.md "Page touch"): bf16 on
 // 4 KiB pages 1.08-1.12x, on the opened pack 1.11-1.18x, on 2 MiB pages 1.02-1.03x; int8 1.05-1.08x,
-// 1.03-1.07x, 1.01-1.02x.
+// 1.03-1.07x, 1.02-1.03x.
 constexpr int64_t kTileBPrefetchSteps = 4;
 constexpr int64_t kTilePageTouchBytes = 16384;
 template <class Dp, class T>

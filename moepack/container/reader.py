@@ -19,7 +19,7 @@ from typing import Iterator
 import torch
 
 from ..errors import ContainerError
-from .pages import MADV_HUGEPAGE, huge_pages_wanted, inner_pages, madvise
+from .pages import MADV_HUGEPAGE, huge_pages_wanted, madvise
 
 # The same limit as safetensors' MAX_HEADER_SIZE (safetensors/src/tensor.rs).
 MAX_HEADER_BYTES = 100_000_000
@@ -380,7 +380,7 @@ def open_shard(path: str | os.PathLike, require_alignment: int | None = 64) -> S
     The mapping is advised for transparent huge pages (``madvise(MADV_HUGEPAGE)``, a hint;
     ``MOEPACK_HUGE_PAGES=0`` leaves it out): pages read in through it come as 2 MiB folios where
     the page cache takes them, and a cold pack of the synthetic qwen3 model then had 1134 of a
-    layer's 1152 MiB mapped 2 MiB at a time against 974 without (container/pages.py)."""
+    layer's 1152 MiB mapped 2 MiB at a time against 974 without (docs/KERNELS.md "Page touch")."""
     header = read_safetensors_header(path, require_alignment=require_alignment)
     try:
         if header.file_size == 0:  # unreachable (>= 8 bytes), kept for clarity
@@ -392,7 +392,7 @@ def open_shard(path: str | os.PathLike, require_alignment: int | None = 64) -> S
     if storage.nbytes() != header.file_size or os.path.getsize(header.path) != header.file_size:
         raise _fail(header.path, "file size changed while opening")
     if huge_pages_wanted() and storage.nbytes():
-        madvise(*inner_pages(storage.data_ptr(), storage.nbytes()), MADV_HUGEPAGE)  # a hint: an error leaves the map as it is
+        madvise(storage.data_ptr(), storage.nbytes(), MADV_HUGEPAGE)  # the map starts on a page; a refusal leaves it as it is
     return Shard(header, storage)
 
 

@@ -20,7 +20,9 @@ huge pages, and as fast as that copy once the pack's pages were 2 MiB folios (do
   first requests; it changes nothing but the page cache.
 - ``populate``: ``reload``, then ``madvise(MADV_POPULATE_READ)``: the experts are read and mapped
   at load, so the first request pays no page faults (load time and RSS grow by the experts).
-- ``off``: nothing (4 KiB mappings where the page cache has small folios).
+- ``off``: the plugin adds nothing. (``moepack.open``, through which the plugin maps the
+  shards, advises each whole shard ``MADV_HUGEPAGE`` itself unless ``MOEPACK_HUGE_PAGES=0``: set
+  that too for maps left entirely as the page cache has them.)
 
 Every step is a hint: where the kernel refuses one (no THP, an old kernel) the plugin logs it
 once and serves as it is. Linux only; elsewhere this module does nothing."""
