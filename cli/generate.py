@@ -13,7 +13,7 @@ from typing import Optional
 
 import typer
 
-from .app import command, console
+from .app import command, console, err_console
 
 _DTYPES = ("bfloat16", "float16", "float32")
 
@@ -65,6 +65,11 @@ def generate(
     t0 = time.perf_counter()
     model = load_model(path, dtype=getattr(torch, dtype) if dtype else None, strict=strict)
     load_s = time.perf_counter() - t0
+    from moepack import variants
+
+    hint = variants.untuned_hint()
+    if hint:
+        err_console.print(f"[yellow]note:[/] {hint}", highlight=False, soft_wrap=True)
     gen = greedy_generate(model, ids, max_new_tokens)
     result = {
         "path": str(path),

@@ -32,7 +32,7 @@ def info(
     from moepack.bench import describe_limits, kernel_instruction, machine_info, machine_limits
     from moepack import kernel_choice
     from moepack._ops import decode_streams, mx4_a16_dot
-    from moepack.isa import available_isas
+    from moepack.isa import available_isas, host_family
     from moepack.layout import DEFAULT_LAYOUT, LAYOUTS
 
     info = machine_info()
@@ -54,6 +54,17 @@ def info(
                 "instruction": ins.name if ins else None, "peak": limits.peak(ins.name if ins else None),
             }
     info["machine_limits"] = {**dataclasses.asdict(limits), **meta}
+    from moepack import variants
+
+    a = variants.applied()
+    info["variants"] = {"tune_cache": str(a.path) if a.path else None, "tuned": a.record is not None,
+                        "note": a.message or f"measured {a.record.measured_at} at {a.record.threads} threads",
+                        "env": os.environ.get("MOEPACK_VARIANT") or None, "choices": {}}
+    for lay in LAYOUTS:
+        if lay.family != host_family():
+            continue
+        for mode in lay.act_modes:
+            info["variants"]["choices"][f"{lay.name} ({mode})"] = dict(variants.describe(lay, mode))
     if as_json:
         typer.echo(json.dumps(info, indent=2))
         return
@@ -75,6 +86,10 @@ def info(
     ]
     for name, k in info["kernels"].items():
         rows.append((f"kernel {name}", k["reason"]))
+    v = info["variants"]
+    rows.append(("variants", (f"MOEPACK_VARIANT={v['env']} for every call; " if v["env"] else "") + v["note"]))
+    for name, per in v["choices"].items():
+        rows.append((f"variant {name}", "; ".join(f"{tc}: {what}" for tc, what in per.items())))
     rows.append(("layouts", ", ".join(info["layouts"])))
     rows += describe_limits(limits)
     for name, k in info["kernels"].items():
@@ -175,6 +190,11 @@ def bench(
         if not quiet:
             err_console.print(f"[dim]{line}[/]", highlight=False, soft_wrap=True)
 
+    from moepack import variants
+
+    hint = variants.untuned_hint() if not quiet else None
+    if hint:
+        err_console.print(f"[yellow]note:[/] {hint}", highlight=False, soft_wrap=True)
     result = B.run_vs(cfg, log=log) if cfg.vs else B.run_benchmark(cfg, log=log)
     if old is not None:
         result.comparison = B.compare_results(result, old, against=str(compare), threshold=threshold)
@@ -217,3 +237,4 @@ def _given_args(ctx: typer.Context) -> list[str]:
 
 from . import packdir  # noqa: E402,F401  (registers convert, verify, inspect)
 from . import generate  # noqa: E402,F401  (registers generate)
+from . import tune  # noqa: E402,F401  (registers tune)

@@ -86,15 +86,155 @@ int g_mx4_dot_override = -1;  // set by tests only, between kernel calls
 
 bool decode_one_stream() {
   const int o = __atomic_load_n(&g_decode_override, __ATOMIC_RELAXED);
-  return o >= 0 ? o != 0 : decode_streams().one;
+  if (o >= 0) return o != 0;
+  const int8_t v = current_variant().streams;  // the call's variant, where it says
+  return v != 0 ? v == 1 : decode_streams().one;
 }
+
+// ---- kernel variants (kernel.h Variant; docs/KERNELS.md "Variants and the tuner") ----------------
+namespace {
+struct VariantEntry {
+  Variant v;
+  bool set = false;
+};
+// [layout id][a16, a8][token class]; written by set_variant between calls (the tuner, moepack.open)
+VariantEntry g_variants[kMaxLayoutId + 1][2][kNumTokenClasses];
+const Variant kDefaultVariant{};
+// initial-exec: one load from the thread pointer, no __tls_get_addr call (the kernels read it per block)
+__attribute__((tls_model("initial-exec"))) thread_local const Variant* t_variant = nullptr;
+
+bool parse_int(const char* b, const char* e, long lo, long hi, long& out) {
+  if (b == e || e - b > 9) return false;
+  long v = 0;
+  for (const char* p = b; p < e; ++p) {
+    if (*p < '0' || *p > '9') return false;
+    v = v * 10 + (*p - '0');
+  }
+  if (v < lo || v > hi) return false;
+  out = v;
+  return true;
+}
+
+struct EnvVariant {
+  Variant v;
+  bool set = false;
+  std::string error;
+};
+const EnvVariant& env_variant() {
+  static const EnvVariant ev = [] {
+    EnvVariant r;
+    const char* spec = std::getenv("MOEPACK_VARIANT");
+    if (spec == nullptr || *spec == '\0') return r;
+    char buf[512];
+    if (const char* why = parse_variant(spec, r.v, buf, sizeof(buf))) {
+      r.error = std::string("MOEPACK_VARIANT: ") + why;
+    } else {
+      r.set = true;
+    }
+    return r;
+  }();
+  return ev;
+}
+}  // namespace
+
+const char* parse_variant(const char* spec, Variant& out, char* buf, size_t buf_len) {
+  Variant v;
+  const char* p = spec;
+  while (*p != '\0') {
+    const char* end = p;
+    while (*end != '\0' && *end != ',') ++end;
+    const char* eq = p;
+    while (eq < end && *eq != '=') ++eq;
+    const std::string key(p, eq), val(eq < end ? eq + 1 : end, end);
+    const char* vb = eq < end ? eq + 1 : end;
+    long n = 0;
+    bool ok = eq < end;
+    const char* rule = "";
+    if (key == "walk") {
+      rule = "guided, static or stride";
+      if (val == "guided") v.walk = 0;
+      else if (val == "static") v.walk = 1;
+      else if (val == "stride") v.walk = 2;
+      else ok = false;
+    } else if (key == "pair") {
+      rule = "0 or 1";
+      ok = ok && parse_int(vb, end, 0, 1, n);
+      v.pair = int8_t(n);
+    } else if (key == "streams") {
+      rule = "0 (the process's choice), 1 or 4";
+      ok = ok && parse_int(vb, end, 0, 4, n) && (n == 0 || n == 1 || n == 4);
+      v.streams = int8_t(n);
+    } else if (key == "touch") {
+      rule = "0..1024 lines";
+      ok = ok && parse_int(vb, end, 0, 1024, n);
+      v.touch = int16_t(n);
+    } else if (key == "pf") {
+      rule = "-1 (the kernel's own) or 0..16384 bytes, a multiple of 64";
+      if (val == "-1") n = -1;
+      else ok = ok && parse_int(vb, end, 0, 16384, n) && n % 64 == 0;
+      v.pf = int16_t(n);
+    } else if (key == "nta") {
+      rule = "0 or 1";
+      ok = ok && parse_int(vb, end, 0, 1, n);
+      v.nta = int8_t(n);
+    } else if (key == "dot") {
+      rule = "0 (the process's choice), fp32 or bf16";
+      if (val == "0") v.dot = 0;
+      else if (val == "fp32") v.dot = 1;
+      else if (val == "bf16") v.dot = 2;
+      else ok = false;
+    } else if (key == "slow") {
+      rule = "0..8 (tests only)";
+      ok = ok && parse_int(vb, end, 0, 8, n);
+      v.slow = int8_t(n);
+    } else {
+      std::snprintf(buf, buf_len, "'%s' in '%s' is not a variant key (walk, pair, streams, touch, pf, nta, dot, slow)",
+                    key.c_str(), spec);
+      return buf;
+    }
+    if (!ok) {
+      std::snprintf(buf, buf_len, "%s='%s' in '%s': must be %s", key.c_str(), val.c_str(), spec, rule);
+      return buf;
+    }
+    p = *end == ',' ? end + 1 : end;
+  }
+  out = v;
+  return nullptr;
+}
+
+const char* variant_env_error() {
+  const EnvVariant& e = env_variant();
+  return e.error.empty() ? nullptr : e.error.c_str();
+}
+
+Variant variant_for(int32_t layout_id, int32_t act_mode, int64_t tokens) {
+  const EnvVariant& e = env_variant();
+  if (e.set) return e.v;
+  if (layout_id < 0 || layout_id > kMaxLayoutId) return kDefaultVariant;
+  const VariantEntry& entry = g_variants[layout_id][act_mode == kAct_a8 ? 1 : 0][token_class(tokens)];
+  return entry.set ? entry.v : kDefaultVariant;
+}
+
+bool set_variant(int32_t layout_id, int32_t act_mode, int tclass, const Variant& v, bool clear) {
+  if (layout_id < 0 || layout_id > kMaxLayoutId || tclass < 0 || tclass >= kNumTokenClasses) return false;
+  if (act_mode != kAct_a16 && act_mode != kAct_a8) return false;
+  VariantEntry& entry = g_variants[layout_id][act_mode == kAct_a8 ? 1 : 0][tclass];
+  entry.v = clear ? kDefaultVariant : v;
+  entry.set = !clear;
+  return true;
+}
+
+const Variant& current_variant() { return t_variant != nullptr ? *t_variant : kDefaultVariant; }
+void set_current_variant(const Variant* v) { t_variant = v; }
 const char* decode_streams_reason() { return decode_streams().reason.c_str(); }
 const char* decode_streams_error() { return decode_streams().error.empty() ? nullptr : decode_streams().error.c_str(); }
 void set_decode_one_stream(int one) { __atomic_store_n(&g_decode_override, one < 0 ? -1 : one != 0, __ATOMIC_RELAXED); }
 
 bool mx4_a16_fp32() {
   const int o = __atomic_load_n(&g_mx4_dot_override, __ATOMIC_RELAXED);
-  return o >= 0 ? o != 0 : mx4_a16_dot().fp32;
+  if (o >= 0) return o != 0;
+  const int8_t v = current_variant().dot;  // the call's variant, where it says
+  return v != 0 ? v == 1 : mx4_a16_dot().fp32;
 }
 const char* mx4_a16_dot_reason() { return mx4_a16_dot().reason.c_str(); }
 const char* mx4_a16_dot_error() { return mx4_a16_dot().error.empty() ? nullptr : mx4_a16_dot().error.c_str(); }
@@ -246,6 +386,15 @@ Selection select_fused(int32_t layout_id, Isa max_isa, int32_t act_mode) {
     return x;
   }();
   return select_kernel(table(), host.r, layout_id, max_isa, act_mode);
+}
+
+uint8_t variant_knobs(int32_t layout_id, int32_t act_mode, Isa max_isa) {
+  const LayoutDesc* L = layout_find(layout_id);
+  if (L == nullptr) return 0;
+  const int32_t mode = act_mode ? act_mode : layout_default_act(*L);
+  const Selection sel = select_fused(layout_id, max_isa, mode);
+  if (sel.fn == nullptr) return 0;
+  return table().knobs[layout_id][act_index(mode)][int(sel.isa)];
 }
 
 Int8BlockGemmFn find_gemm_i8(int32_t layout_id, Isa isa) {

@@ -33,6 +33,10 @@ def load_extension() -> None:
             "`pip install --no-build-isolation -e .` (see README)"
         ) from e
     _loaded = True
+    # this machine's `moepack tune` choices into the kernels' variant table (moepack/variants.py)
+    from .variants import apply_cached
+
+    apply_cached()
 
 
 def ops():

@@ -98,6 +98,7 @@ Selection select_under_cap(int64_t layout, int32_t act_mode = 0) {
   }
   TORCH_CHECK_VALUE(decode_streams_error() == nullptr, decode_streams_error());
   TORCH_CHECK_VALUE(mx4_a16_dot_error() == nullptr, mx4_a16_dot_error());
+  TORCH_CHECK_VALUE(variant_env_error() == nullptr, variant_env_error());
   Selection sel = select_fused(int32_t(layout), cap, act_mode);
   TORCH_CHECK_VALUE(sel.fn != nullptr, sel.reason);
   return sel;

@@ -171,6 +171,7 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, at::TensorList w13, at::Tensor
   Selection sel = select_or_throw(layout, a.act_mode);
   a.par.run = parallel_run;
   a.par.num_threads = at::get_num_threads();
+  a.variant = variant_for(int32_t(layout), a.act_mode, a.tokens);
   {
     at::NoGradGuard no_grad;
     sel.fn(a);

@@ -217,10 +217,63 @@ std::string mx4_a16_dot_info() {
   return mx4_a16_dot_reason();
 }
 
+// ---- kernel variants (kernel.h Variant; docs/KERNELS.md "Variants and the tuner") --------------
+std::string format_variant(const Variant& v) {
+  static const char* const kWalk[] = {"guided", "static", "stride"};
+  std::string out = std::string("walk=") + kWalk[v.walk >= 0 && v.walk < 3 ? v.walk : 0] +
+                    ",pair=" + std::to_string(int(v.pair)) + ",streams=" + std::to_string(int(v.streams)) +
+                    ",touch=" + std::to_string(int(v.touch)) + ",pf=" + std::to_string(int(v.pf));
+  if (v.nta) out += ",nta=1";
+  if (v.dot) out += v.dot == 1 ? ",dot=fp32" : ",dot=bf16";
+  if (v.slow) out += ",slow=" + std::to_string(int(v.slow));
+  return out;
+}
+
+// One entry of the variant table: `spec` (parse_variant's syntax) for (layout, act_mode, token
+// class), or none to return the entry to the defaults. Refused: an unknown layout, act mode or
+// class, a spec that does not parse (the message names the key, value and rule).
+void set_variant_op(int64_t layout, std::string_view act_mode, int64_t tclass, const std::optional<std::string>& spec) {
+  const LayoutDesc& L = layout_or_throw(layout);
+  const int32_t mode = parse_act_mode(L, act_mode);
+  TORCH_CHECK_VALUE(tclass >= 0 && tclass < kNumTokenClasses, "token class ", tclass, ": must be 0 (T = 1), 1 (T = 2..16) or 2 (T > 16)");
+  Variant v;
+  if (spec) {
+    char buf[512];
+    const std::string sp = *spec;
+    const char* why = parse_variant(sp.c_str(), v, buf, sizeof(buf));
+    TORCH_CHECK_VALUE(why == nullptr, "variant for layout ", L.name, ": ", why ? why : "");
+  }
+  TORCH_CHECK_VALUE(set_variant(int32_t(layout), mode, int(tclass), v, !spec.has_value()), "variant table refused layout ", layout);
+}
+
+// The variant a call of (layout, act_mode) with `tokens` tokens runs now, in parse_variant's syntax.
+std::string variant_op(int64_t layout, std::string_view act_mode, int64_t tokens) {
+  TORCH_CHECK_VALUE(variant_env_error() == nullptr, variant_env_error());
+  const LayoutDesc& L = layout_or_throw(layout);
+  return format_variant(variant_for(int32_t(layout), parse_act_mode(L, act_mode), tokens));
+}
+
+// The knobs the kernel chosen for (layout, act_mode) under MOEPACK_MAX_ISA reads besides the
+// driver's walk and touch: a subset of pair, streams, pf.
+std::vector<std::string> variant_knobs_op(int64_t layout, std::string_view act_mode) {
+  const LayoutDesc& L = layout_or_throw(layout);
+  const int32_t mode = parse_act_mode(L, act_mode);
+  const uint8_t k = variant_knobs(int32_t(layout), mode, env_max_isa());
+  std::vector<std::string> out;
+  if (k & kKnob_pair) out.emplace_back("pair");
+  if (k & kKnob_streams) out.emplace_back("streams");
+  if (k & kKnob_pf) out.emplace_back("pf");
+  if (k & kKnob_dot) out.emplace_back("dot");
+  return out;
+}
+
 }  // namespace
 }  // namespace moepack
 
 TORCH_LIBRARY_FRAGMENT(moepack, m) {
+  m.def("set_variant(int layout, str act_mode, int tclass, str? spec) -> ()", &moepack::set_variant_op);
+  m.def("variant(int layout, str act_mode, int tokens) -> str", &moepack::variant_op);
+  m.def("variant_knobs(int layout, str act_mode=\"\") -> str[]", &moepack::variant_knobs_op);
   m.def("gemm_i8_block(Tensor rows, Tensor block, Tensor colsum, int layout, str isa) -> Tensor");
   m.def("read_experts(Tensor w13, Tensor w2, Tensor ids) -> int");
   m.def("layout_desc(int layout) -> (str, int[], str[])", &moepack::layout_desc);

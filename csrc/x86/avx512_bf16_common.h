@@ -64,6 +64,33 @@ static inline void gemm_bf16_streams(const uint16_t* const* x, const uint16_t* B
   }
 }
 
+// One bf16 row against two blocks at once (stage 1's gate and up: Variant::pair): two sequential
+// streams, one K pair of each per step, each block's sums in gemm_bf16_streams<1, 1>'s order (so
+// its bits); software prefetch only where the variant's pf says.
+static inline void gemm_bf16_pair_row(const uint16_t* x, const uint16_t* Bg, const uint16_t* Bu, int64_t kp, float* Cg,
+                                      float* Cu) {
+  __m512 g0 = _mm512_setzero_ps(), g1 = g0, u0 = g0, u1 = g0;
+  const __m512i* g = reinterpret_cast<const __m512i*>(Bg);
+  const __m512i* u = reinterpret_cast<const __m512i*>(Bu);
+  const int64_t pf = decode_prefetch_bytes(0);
+  const bool nta = current_variant().nta != 0;
+  for (int64_t kk = 0; kk < kp / 2; ++kk, g += 2, u += 2) {
+    if (pf) {
+      prefetch_lines2(reinterpret_cast<const char*>(g) + pf, nta);
+      prefetch_lines2(reinterpret_cast<const char*>(u) + pf, nta);
+    }
+    const __m512bh xr = as_bh(_mm512_set1_epi32(int(load_u32(x + 2 * kk))));
+    g0 = _mm512_dpbf16_ps(g0, as_bh(_mm512_loadu_si512(g)), xr);
+    u0 = _mm512_dpbf16_ps(u0, as_bh(_mm512_loadu_si512(u)), xr);
+    g1 = _mm512_dpbf16_ps(g1, as_bh(_mm512_loadu_si512(g + 1)), xr);
+    u1 = _mm512_dpbf16_ps(u1, as_bh(_mm512_loadu_si512(u + 1)), xr);
+  }
+  _mm512_storeu_ps(Cg, g0);
+  _mm512_storeu_ps(Cg + 16, g1);
+  _mm512_storeu_ps(Cu, u0);
+  _mm512_storeu_ps(Cu + 16, u1);
+}
+
 // The remainder row of a tiled call (m % 8 == 1): the block is in L2 after the tiles, so the 8
 // accumulator chains of 4 segments win whatever decode_one_stream() says.
 static inline void gemm_bf16_row(const uint16_t* x, const uint16_t* B, int64_t kp, float* C) {

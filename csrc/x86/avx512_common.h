@@ -115,12 +115,28 @@ static inline void next_lines_step(NextLines& nl, bool two) {
   }
 }
 
+// Two lines at p, with the T0 or (Variant::nta) the non-temporal hint: the two-block kernels.
+static inline void prefetch_lines2(const char* p, bool nta) {
+  if (nta) {
+    _mm_prefetch(p, _MM_HINT_NTA);
+    _mm_prefetch(p + 64, _MM_HINT_NTA);
+  } else {
+    _mm_prefetch(p, _MM_HINT_T0);
+    _mm_prefetch(p + 64, _MM_HINT_T0);
+  }
+}
+
 constexpr int kStreamPrefetchBytes = 1024;
-static inline void prefetch_segment(const void* block, int64_t off, int64_t seg_end, int64_t next, int lines) {
-  int64_t o = off + kStreamPrefetchBytes;
+static inline void prefetch_segment(const void* block, int64_t off, int64_t seg_end, int64_t next, int lines,
+                                    int64_t dist = kStreamPrefetchBytes, bool nta = false) {
+  int64_t o = off + dist;
   if (o >= seg_end) o += next;
   const char* c = static_cast<const char*>(block) + o;
-  for (int i = 0; i < lines; ++i) _mm_prefetch(c + 64 * i, _MM_HINT_T0);
+  if (nta) {
+    for (int i = 0; i < lines; ++i) _mm_prefetch(c + 64 * i, _MM_HINT_NTA);
+  } else {
+    for (int i = 0; i < lines; ++i) _mm_prefetch(c + 64 * i, _MM_HINT_T0);
+  }
 }
 
 // Decode streams: the K steps of a block split into S contiguous segments that advance together,
@@ -132,18 +148,22 @@ static inline void prefetch_segment(const void* block, int64_t off, int64_t seg_
 // (`step_bytes` of the block from k * step_bytes on, prefetched here by prefetch_segment, `lines`
 // lines per step) into segment s's accumulators; the steps after S * (nsteps / S) go to segment 0.
 // Callers keep one set of accumulators per segment and sum them at the end.
+// The prefetch distance is the call's variant's (Variant::pf: 0 none), else kStreamPrefetchBytes.
 template <int S, class Step>
 static inline void for_k_streams(int64_t nsteps, const void* block, int64_t step_bytes, int lines, Step&& step) {
   const int64_t seg = nsteps / S, seg_bytes = seg * step_bytes, blk_bytes = nsteps * step_bytes;
+  const int64_t dist = decode_prefetch_bytes(kStreamPrefetchBytes);
+  const bool nta = current_variant().nta != 0;  // Variant::nta: the non-temporal hint
+  if (dist == 0) lines = 0;
   for (int64_t kk = 0; kk < seg; ++kk) {
 #pragma GCC unroll 8
     for (int s = 0; s < S; ++s) {
-      prefetch_segment(block, (s * seg + kk) * step_bytes, (s + 1) * seg_bytes, blk_bytes - seg_bytes, lines);
+      prefetch_segment(block, (s * seg + kk) * step_bytes, (s + 1) * seg_bytes, blk_bytes - seg_bytes, lines, dist, nta);
       step(s, s * seg + kk);
     }
   }
   for (int64_t k = S * seg; k < nsteps; ++k) {
-    prefetch_segment(block, k * step_bytes, blk_bytes, 0, lines);
+    prefetch_segment(block, k * step_bytes, blk_bytes, 0, lines, dist, nta);
     step(0, k);
   }
 }

@@ -215,6 +215,36 @@ static inline void gemm_i8_row(const int8_t* x, const int8_t* B, int64_t kp, int
   gemm_i8_streams<1, 4, kRowXor>(&x, B, kp, C);
 }
 
+// One row against two blocks at once (stage 1's gate and up: Variant::pair), the way vLLM's int8
+// decode reads them (its tinygemm_kernel_vnni: the gate and up blocks of one column block as two
+// sequential streams, one K quad of each per step, no software prefetch unless the variant's pf
+// says): 4 accumulator chains. Exact int32 sums: the same as gemm_i8_streams on each block.
+template <uint32_t kRowXor = 0>
+static inline void gemm_i8_pair_row(const int8_t* x, const int8_t* Bg, const int8_t* Bu, int64_t kp, int32_t* Cg,
+                                    int32_t* Cu) {
+  __m512i g0 = _mm512_setzero_si512(), g1 = g0, u0 = g0, u1 = g0;
+  const __m512i k80 = _mm512_set1_epi8(char(0x80));
+  const __m512i* g = reinterpret_cast<const __m512i*>(Bg);
+  const __m512i* u = reinterpret_cast<const __m512i*>(Bu);
+  const int64_t pf = decode_prefetch_bytes(0);
+  const bool nta = current_variant().nta != 0;
+  for (int64_t kq = 0; kq < kp / 4; ++kq, g += 2, u += 2) {
+    if (pf) {
+      prefetch_lines2(reinterpret_cast<const char*>(g) + pf, nta);
+      prefetch_lines2(reinterpret_cast<const char*>(u) + pf, nta);
+    }
+    uint32_t v;
+    std::memcpy(&v, x + 4 * kq, 4);
+    const __m512i xr = _mm512_set1_epi32(int(v ^ kRowXor ^ 0x80808080u));  // the signed codes
+    g0 = dpbusd(g0, _mm512_xor_si512(_mm512_loadu_si512(g), k80), xr);
+    u0 = dpbusd(u0, _mm512_xor_si512(_mm512_loadu_si512(u), k80), xr);
+    g1 = dpbusd(g1, _mm512_xor_si512(_mm512_loadu_si512(g + 1), k80), xr);
+    u1 = dpbusd(u1, _mm512_xor_si512(_mm512_loadu_si512(u + 1), k80), xr);
+  }
+  i8_store_row<kRowXor>(Cg, g0, g1, x, kp);
+  i8_store_row<kRowXor>(Cu, u0, u1, x, kp);
+}
+
 // acc[m, 32] = exact int32 dot products of one 32-column block with m rows (u8 = q + 128 when
 // kRowXor = 0, signed codes when kRowXor = 0x80808080), m <= 64.
 template <uint32_t kRowXor = 0>

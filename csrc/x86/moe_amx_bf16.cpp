@@ -130,6 +130,11 @@ constexpr int kMx4AmxMinRows = 3;  // as int4 W4A16: from 3 rows one decode for 
 constexpr int kU4AmxDecMinRows = 2;
 
 struct MK : Avx512Base {
+  // The schemes whose few-row (decode) kernels here read decode_one_stream(): Variant::streams
+  // (register.inc variant_knobs).
+  static constexpr uint32_t kStreamsSchemes = (1u << kScheme_dense) | (1u << kScheme_int4_group) | (1u << kScheme_fp8_block) | (1u << kScheme_mxfp4);
+  static constexpr uint32_t kPfSchemes = kStreamsSchemes;  // for_k_streams' prefetch distance (Variant::pf)
+  static constexpr uint32_t kDotSchemes = 1u << kScheme_mxfp4;  // mx4_a16_fp32(): Variant::dot
   static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_unpack_u4 | kHook_gemm_u4a16 | kHook_unpack_f8 |
                                      kHook_gemm_f8a16 | kHook_unpack_mx4 | kHook_gemm_mx4a16;
   static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
@@ -148,6 +153,14 @@ struct MK : Avx512Base {
     const int64_t stride = x[1] - x[0];
     if (stride < kp || x[m - 1] != x[0] + int64_t(m - 1) * stride) return gemm_bf16_rows(x, m, B, kp, C);
     gemm_amx(x[0], stride, m, B, kp, C);
+  }
+
+  // One bf16 row against stage 1's gate and up blocks at once (Variant::pair); fp32 rows: not here.
+  static bool gemm_pair1(RowFormat fmt, const void* row, const uint16_t* Bg, const uint16_t* Bu, int64_t kp, float* Cg,
+                         float* Cu) {
+    if (fmt != RowFormat::bf16) return false;
+    x86_avx512_bf16::gemm_bf16_pair_row(static_cast<const uint16_t*>(row), Bg, Bu, kp, Cg, Cu);
+    return true;
   }
 
   // int4_group layouts (W4A16): the unpack to dense bf16 blocks; one bf16 row straight from the

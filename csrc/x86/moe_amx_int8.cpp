@@ -122,10 +122,19 @@ static bool gemm_u4a8_amx(const int8_t* const* x, const float* rs, int m, const 
 }
 
 struct MK : Avx512Base {
+  // The schemes whose few-row (decode) kernels here read decode_one_stream(): Variant::streams
+  // (register.inc variant_knobs).
+  static constexpr uint32_t kStreamsSchemes = (1u << kScheme_int8_channel) | (1u << kScheme_int4_group) | (1u << kScheme_mxfp4);
+  static constexpr uint32_t kPfSchemes = kStreamsSchemes;  // for_k_streams' prefetch distance (Variant::pf)
   static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_gemm_mx4a8 |
                                      kHook_dot_mx4_s8;
   static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
   using WorkerScope = TileScope;  // one tile configuration per driver worker (amx_common.h)
+
+  // One row against stage 1's gate and up blocks at once (Variant::pair; signed rows).
+  static void gemm_i8_pair1(const int8_t* x, const int8_t* Bg, const int8_t* Bu, int64_t kp, int32_t* Cg, int32_t* Cu) {
+    gemm_i8_pair_row<0x80808080u>(x, Bg, Bu, kp, Cg, Cu);
+  }
 
   // acc[m, 32] = exact int32 dot products of one 32-column int8 block (signed rows; no kernel
   // reads the stored column sums).

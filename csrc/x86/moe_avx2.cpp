@@ -38,7 +38,78 @@ struct MK : x86_avx2::Avx2Elementwise {
                                      kHook_unpack_f8 | kHook_unpack_mx4 | kHook_dot_mx4_s8 | kHook_gemm_mx4a8;
   static RowFormat row_format(DType) { return RowFormat::f32; }
 
+  // Variant knobs these kernels read (register.inc variant_knobs): the decode prefetch distance
+  // (Variant::pf) in the one-row bf16 and int8 kernels.
+  static constexpr uint32_t kPfSchemes = (1u << kScheme_dense) | (1u << kScheme_int8_channel);
+
+  // Two lines at p, with the T0 or (Variant::nta) the non-temporal hint.
+  static inline void prefetch2(const char* p, bool nta) {
+    if (nta) {
+      _mm_prefetch(p, _MM_HINT_NTA);
+      _mm_prefetch(p + 64, _MM_HINT_NTA);
+    } else {
+      _mm_prefetch(p, _MM_HINT_T0);
+      _mm_prefetch(p + 64, _MM_HINT_T0);
+    }
+  }
+
+  // One row, K pairs [k0, k1) of one block into the 8 accumulators acc (in and out): gemm1 is one
+  // range, the two-block kernel alternates ranges of the two blocks (the same FMAs in the same order
+  // per accumulator, so the same bits). pf: software prefetch distance in bytes (0: none).
+  static inline void gemm1_range(const float* x, const uint16_t* B, int64_t k0, int64_t k1, __m256* acc, int64_t pf,
+                                 bool nta) {
+    const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
+    __m256 ae0 = acc[0], ae1 = acc[1], ae2 = acc[2], ae3 = acc[3];
+    __m256 ao0 = acc[4], ao1 = acc[5], ao2 = acc[6], ao3 = acc[7];
+    const __m256i* b = reinterpret_cast<const __m256i*>(B) + 4 * k0;
+    for (int64_t kk = k0; kk < k1; ++kk, b += 4) {
+      if (pf) prefetch2(reinterpret_cast<const char*>(b) + pf, nta);
+      const __m256 x0 = _mm256_broadcast_ss(x + 2 * kk), x1 = _mm256_broadcast_ss(x + 2 * kk + 1);
+      __m256i w0 = _mm256_loadu_si256(b + 0), w1 = _mm256_loadu_si256(b + 1);
+      __m256i w2 = _mm256_loadu_si256(b + 2), w3 = _mm256_loadu_si256(b + 3);
+      ae0 = _mm256_fmadd_ps(even_f32(w0), x0, ae0);
+      ao0 = _mm256_fmadd_ps(odd_f32(w0, hi), x1, ao0);
+      ae1 = _mm256_fmadd_ps(even_f32(w1), x0, ae1);
+      ao1 = _mm256_fmadd_ps(odd_f32(w1, hi), x1, ao1);
+      ae2 = _mm256_fmadd_ps(even_f32(w2), x0, ae2);
+      ao2 = _mm256_fmadd_ps(odd_f32(w2, hi), x1, ao2);
+      ae3 = _mm256_fmadd_ps(even_f32(w3), x0, ae3);
+      ao3 = _mm256_fmadd_ps(odd_f32(w3, hi), x1, ao3);
+    }
+    acc[0] = ae0, acc[1] = ae1, acc[2] = ae2, acc[3] = ae3;
+    acc[4] = ao0, acc[5] = ao1, acc[6] = ao2, acc[7] = ao3;
+  }
+  static inline void gemm1_store(const __m256* acc, float* C) {
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(C + 8 * j, _mm256_add_ps(acc[j], acc[4 + j]));
+  }
+  // K pairs per range of the two-block kernel: 32 (4 KiB of each block at a time).
+  static constexpr int64_t kPairRangeK2 = 32;
+  // One row against two blocks (stage 1's gate and up: Variant::pair), ranges alternating.
+  static bool gemm_pair1(RowFormat, const void* row, const uint16_t* Bg, const uint16_t* Bu, int64_t kp, float* Cg, float* Cu) {
+    const float* x = static_cast<const float*>(row);  // this level's rows are fp32
+    const int64_t pf = decode_prefetch_bytes(0);
+    const bool nta = current_variant().nta != 0;
+    __m256 ag[8], au[8];
+    for (int j = 0; j < 8; ++j) ag[j] = au[j] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < kp / 2; k0 += kPairRangeK2) {
+      const int64_t k1 = k0 + kPairRangeK2 < kp / 2 ? k0 + kPairRangeK2 : kp / 2;
+      gemm1_range(x, Bg, k0, k1, ag, pf, nta);
+      gemm1_range(x, Bu, k0, k1, au, pf, nta);
+    }
+    gemm1_store(ag, Cg);
+    gemm1_store(au, Cu);
+    return true;
+  }
+
   static void gemm1(const float* x, const uint16_t* B, int64_t kp, float* C) {
+    const int64_t pf = decode_prefetch_bytes(0);
+    if (pf) {
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      gemm1_range(x, B, 0, kp / 2, acc, pf, current_variant().nta != 0);
+      gemm1_store(acc, C);
+      return;
+    }
     const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
     __m256 ae0 = _mm256_setzero_ps(), ae1 = ae0, ae2 = ae0, ae3 = ae0;
     __m256 ao0 = ae0, ao1 = ae0, ao2 = ae0, ao3 = ae0;
@@ -129,9 +200,10 @@ struct MK : x86_avx2::Avx2Elementwise {
     const __m256i ones = _mm256_set1_epi16(1);
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
     const __m256i* b = reinterpret_cast<const __m256i*>(B);
+    const int64_t pf = decode_prefetch_bytes(kPrefetchVectors * 32);  // Variant::pf, else 2 KiB
+    const bool nta = current_variant().nta != 0;
     for (int64_t kq = 0; kq < kp / 4; ++kq, b += 4) {
-      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchVectors), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(b + kPrefetchVectors + 2), _MM_HINT_T0);
+      if (pf) prefetch2(reinterpret_cast<const char*>(b) + pf, nta);
       const __m256i xb = bcast4(x + 4 * kq);
       a0 = _mm256_add_epi32(a0, dot4(_mm256_loadu_si256(b + 0), xb, ones));
       a1 = _mm256_add_epi32(a1, dot4(_mm256_loadu_si256(b + 1), xb, ones));
@@ -142,6 +214,44 @@ struct MK : x86_avx2::Avx2Elementwise {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(C + 8), a1);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(C + 16), a2);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(C + 24), a3);
+  }
+
+  // One row against two blocks at once (stage 1's gate and up: Variant::pair), as vLLM's int8
+  // decode reads them: two sequential streams, one K quad of each per step, 8 accumulators. The
+  // int32 sums are exact, so the same as gemm_i8_1 on each block.
+  static void gemm_i8_pair1(const int8_t* x, const int8_t* Bg, const int8_t* Bu, int64_t kp, int32_t* Cg, int32_t* Cu) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+    __m256i c0 = a0, c1 = a0, c2 = a0, c3 = a0;
+    const __m256i* g = reinterpret_cast<const __m256i*>(Bg);
+    const __m256i* u = reinterpret_cast<const __m256i*>(Bu);
+    const int64_t pf = decode_prefetch_bytes(0);  // none unless the variant says: two streams for the prefetchers
+    const bool nta = current_variant().nta != 0;
+    for (int64_t kq = 0; kq < kp / 4; ++kq, g += 4, u += 4) {
+      if (pf) {
+        prefetch2(reinterpret_cast<const char*>(g) + pf, nta);
+        prefetch2(reinterpret_cast<const char*>(u) + pf, nta);
+      }
+      const __m256i xb = bcast4(x + 4 * kq);
+      a0 = _mm256_add_epi32(a0, dot4(_mm256_loadu_si256(g + 0), xb, ones));
+      c0 = _mm256_add_epi32(c0, dot4(_mm256_loadu_si256(u + 0), xb, ones));
+      a1 = _mm256_add_epi32(a1, dot4(_mm256_loadu_si256(g + 1), xb, ones));
+      c1 = _mm256_add_epi32(c1, dot4(_mm256_loadu_si256(u + 1), xb, ones));
+      a2 = _mm256_add_epi32(a2, dot4(_mm256_loadu_si256(g + 2), xb, ones));
+      c2 = _mm256_add_epi32(c2, dot4(_mm256_loadu_si256(u + 2), xb, ones));
+      a3 = _mm256_add_epi32(a3, dot4(_mm256_loadu_si256(g + 3), xb, ones));
+      c3 = _mm256_add_epi32(c3, dot4(_mm256_loadu_si256(u + 3), xb, ones));
+    }
+    __m256i* og = reinterpret_cast<__m256i*>(Cg);
+    __m256i* ou = reinterpret_cast<__m256i*>(Cu);
+    _mm256_storeu_si256(og + 0, a0);
+    _mm256_storeu_si256(og + 1, a1);
+    _mm256_storeu_si256(og + 2, a2);
+    _mm256_storeu_si256(og + 3, a3);
+    _mm256_storeu_si256(ou + 0, c0);
+    _mm256_storeu_si256(ou + 1, c1);
+    _mm256_storeu_si256(ou + 2, c2);
+    _mm256_storeu_si256(ou + 3, c3);
   }
 
   // Two rows: 8 accumulators, |w| computed once per weight vector for both rows.

@@ -33,6 +33,10 @@ using namespace x86_avx512;
 using namespace x86_avx512_i8;
 
 struct MK : Avx512Base {
+  // The schemes whose few-row (decode) kernels here read decode_one_stream(): Variant::streams
+  // (register.inc variant_knobs).
+  static constexpr uint32_t kStreamsSchemes = (1u << kScheme_mxfp4);
+  static constexpr uint32_t kPfSchemes = kStreamsSchemes;  // for_k_streams' prefetch distance (Variant::pf)
   static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_unpack_u4 | kHook_unpack_f8 |
                                      kHook_unpack_mx4 | kHook_gemm_mx4a16 | kHook_dot_mx4_s8 | kHook_gemm_mx4a8;
   // acc[m, 32] = exact int32 dot products of one 32-column int8 block (signed rows; colsum unused).

@@ -34,6 +34,11 @@ using namespace x86_avx512;
 using namespace x86_avx512_bf16;
 
 struct MK : Avx512Base {
+  // The schemes whose few-row (decode) kernels here read decode_one_stream(): Variant::streams
+  // (register.inc variant_knobs).
+  static constexpr uint32_t kStreamsSchemes = (1u << kScheme_dense) | (1u << kScheme_int4_group) | (1u << kScheme_fp8_block) | (1u << kScheme_mxfp4);
+  static constexpr uint32_t kPfSchemes = kStreamsSchemes;  // for_k_streams' prefetch distance (Variant::pf)
+  static constexpr uint32_t kDotSchemes = 1u << kScheme_mxfp4;  // mx4_a16_fp32(): Variant::dot
   static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_prefetch | kHook_unpack_u4 | kHook_gemm_u4a16 | kHook_unpack_f8 |
                                      kHook_gemm_f8a16 | kHook_unpack_mx4 | kHook_gemm_mx4a16;
   static RowFormat row_format(DType d) { return d == DType::bf16 ? RowFormat::bf16 : RowFormat::f32; }
@@ -46,6 +51,14 @@ struct MK : Avx512Base {
     if (fmt == RowFormat::bf16)
       return gemm_bf16_rows(reinterpret_cast<const uint16_t* const*>(rows), m, B, kp, C, NextLines{next, next_bytes / 64});
     Avx512Base::gemm(L, fmt, rows, m, B, kp, C);
+  }
+
+  // One bf16 row against stage 1's gate and up blocks at once (Variant::pair); fp32 rows: not here.
+  static bool gemm_pair1(RowFormat fmt, const void* row, const uint16_t* Bg, const uint16_t* Bu, int64_t kp, float* Cg,
+                         float* Cu) {
+    if (fmt != RowFormat::bf16) return false;
+    x86_avx512_bf16::gemm_bf16_pair_row(static_cast<const uint16_t*>(row), Bg, Bu, kp, Cg, Cu);
+    return true;
   }
 
   // int4_group layouts (W4A16): the unpack to dense bf16 blocks, and few bf16 rows straight from the codes (avx512_u4_bf16.h).

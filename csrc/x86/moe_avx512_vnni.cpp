@@ -22,6 +22,10 @@ using namespace x86_avx512;
 using namespace x86_avx512_vnni;
 
 struct MK : Avx512Base {
+  // The schemes whose few-row (decode) kernels here read decode_one_stream(): Variant::streams
+  // (register.inc variant_knobs).
+  static constexpr uint32_t kStreamsSchemes = (1u << kScheme_int8_channel) | (1u << kScheme_int4_group) | (1u << kScheme_mxfp4);
+  static constexpr uint32_t kPfSchemes = kStreamsSchemes;  // for_k_streams' prefetch distance (Variant::pf)
   static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_i8_prefetch | kHook_gemm_u4a8 | kHook_dot_u4_s8 |
                                      kHook_gemm_mx4a8 | kHook_dot_mx4_s8;
   // int8 layouts: the driver stores quantized rows as u8 = q + 128 (vpdpbusd's unsigned operand).
@@ -33,6 +37,11 @@ struct MK : Avx512Base {
   static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t*,
                       int32_t* C, const char* next = nullptr, int64_t next_bytes = 0) {
     gemm_i8_vnni_rows(x, m, B, kp, C, NextLines{next, next_bytes / 64});
+  }
+
+  // One row against stage 1's gate and up blocks at once (Variant::pair; rows u8 = q + 128).
+  static void gemm_i8_pair1(const int8_t* x, const int8_t* Bg, const int8_t* Bu, int64_t kp, int32_t* Cg, int32_t* Cu) {
+    gemm_i8_pair_row(x, Bg, Bu, kp, Cg, Cu);
   }
 
   // int4_group layouts: the W4A8 fused block GEMM and its integer core, the W4A16 unpack.

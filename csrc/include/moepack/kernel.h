@@ -63,6 +63,26 @@ struct PackedWeight {
 //                of expert e's w13 is input channel w13_perm[e * H + j], every entry in [0, H)
 //                (the op checks the routed experts' rows); the driver feeds stage 1 the rows
 //                x[t][w13_perm[e]] per routed position
+// Kernel variants (docs/KERNELS.md "Variants and the tuner"): how a fused call walks the weights,
+// a run-time choice per (layout, activation mode, token class) so that the host can pick by
+// measurement (`moepack tune`) instead of by vendor. Every variant computes the same numbers
+// (bitwise, but `streams`, which sums the K segments in another fp32 order). Defaults: today's walk.
+struct Variant {
+  int8_t walk = 0;     // stage tasks: 0 guided runs from one counter (expert-major), 1 a contiguous
+                       // share per worker (expert-major, no counter), 2 strided (worker w takes tasks
+                       // w, w + W, ...: the workers read neighbouring blocks of one expert)
+  int8_t pair = 0;     // stage 1, gate and up kept apart: 0 the gate block then the up block, 1 both
+                       // at once, two streams (where the scheme and level have the kernel: int8, bf16)
+  int8_t streams = 0;  // the AVX-512 few-row kernels: 0 the process's choice (decode_one_stream), 1 one
+                       // stream per block, 4 K segments at once
+  int8_t slow = 0;     // tests only: stage 2 run this many times more (a variant the tuner must reject)
+  int8_t dot = 0;      // the mxfp4 W4A16 few-row dot on the AVX-512 BF16 levels: 0 the process's choice
+                       // (mx4_a16_fp32), 1 fp32 FMAs, 2 vdpbf16ps
+  int8_t nta = 0;      // 1: the decode prefetches (pf) with the non-temporal hint instead of T0
+  int16_t touch = 0;   // 64-byte lines at the start of the worker's next block prefetched before each block
+  int16_t pf = -1;     // decode kernels that read it: software prefetch distance in bytes (0 none, -1 the
+                       // kernel's own)
+};
 struct FusedMoeArgs {
   const void* x = nullptr;
   int64_t x_stride = 0;
@@ -89,6 +109,7 @@ struct FusedMoeArgs {
   float alpha = 1.702f;  // swigluoai only
   float limit = 7.0f;    // swigluoai only
   Parallel par;
+  Variant variant;  // how the call walks the weights (variant_for; the defaults unless set)
 };
 
 using FusedMoeFn = void (*)(const FusedMoeArgs&);
@@ -148,6 +169,9 @@ struct KernelTable {
   GroupedBlockFn grouped_block[kMaxLayoutId + 1][kNumActModes][kNumIsa] = {};
   Int8QuantizeFn quantize_i8[kNumIsa] = {};
   F8UnpackFn unpack_f8[kNumIsa] = {};  // set where a level registers an fp8_block layout
+  // The Variant knobs a registered kernel reads besides the driver's own (walk, touch, slow), as
+  // kKnob_* bits: what the tuner varies for it (register.inc variant_knobs).
+  uint8_t knobs[kMaxLayoutId + 1][kNumActModes][kNumIsa] = {};
 #if defined(MOEPACK_COUNT_HOOKS)
   // tests/cpp only (csrc/kernels/mk_hooks.h): each level object's calls per MK hook, and the
   // hooks its MK states that the schemes it registered call.
@@ -199,6 +223,32 @@ const char* mx4_a16_dot_reason();
 const char* mx4_a16_dot_error();
 // Tests: force fp32 FMAs (1) or vdpbf16ps (0); -1 returns to the process's choice.
 void set_mx4_a16_fp32(int fp32);
+// Variant knobs a kernel reads besides the driver's walk, touch and slow (KernelTable::knobs).
+constexpr uint8_t kKnob_pair = 1, kKnob_streams = 2, kKnob_pf = 4, kKnob_dot = 8;
+// The knobs the kernel selected for (layout, act_mode) under MOEPACK_MAX_ISA reads (0: none, or no kernel).
+uint8_t variant_knobs(int32_t layout_id, int32_t act_mode, Isa max_isa);
+// Token classes of the variant table: T = 1, 2..16, more.
+constexpr int kNumTokenClasses = 3;
+inline int token_class(int64_t tokens) { return tokens <= 1 ? 0 : tokens <= 16 ? 1 : 2; }
+// The variant a call of `layout_id` in `act_mode` (kAct_a16/kAct_a8) with `tokens` tokens runs:
+// MOEPACK_VARIANT when set (variant_env_error() says when it is not understood), else the table.
+Variant variant_for(int32_t layout_id, int32_t act_mode, int64_t tokens);
+// Set (or with clear=true, unset) one entry of the table; out-of-range arguments return false.
+bool set_variant(int32_t layout_id, int32_t act_mode, int tclass, const Variant& v, bool clear);
+// Why MOEPACK_VARIANT was not understood (nullptr when unset or understood).
+const char* variant_env_error();
+// Parses "walk=guided|static|stride,pair=0|1,streams=0|1|4,touch=N,pf=N,nta=0|1,dot=0|fp32|bf16,slow=0..8"
+// (any subset, in any
+// order; empty: the defaults) into v; returns nullptr or why not (names the key, the value and the rule).
+const char* parse_variant(const char* spec, Variant& v, char* buf, size_t buf_len);
+// The variant of the stage worker running on this thread (the kernels read streams and pf).
+const Variant& current_variant();
+void set_current_variant(const Variant* v);  // null: the defaults
+// The decode kernels' prefetch distance in bytes: the current variant's pf, else `own`.
+inline int64_t decode_prefetch_bytes(int64_t own) {
+  const int16_t pf = current_variant().pf;
+  return pf >= 0 ? pf : own;
+}
 // Best (highest) ISA level the CPU and OS support (ignores MOEPACK_MAX_ISA).
 Isa host_isa();
 // Why `isa` is not available on this host, or nullptr if it is.
