@@ -225,15 +225,22 @@ def _read_rows(model: PackedModel, name: str, e0: int, e1: int) -> torch.Tensor:
     return out
 
 
-def _packed_block(model: PackedModel, layer, e0: int, e1: int) -> PackedExperts:
+def _packed_block(model: PackedModel, layer, e0: int, e1: int, rank_problems: dict | None = None) -> PackedExperts:
+    """Experts ``[e0, e1)`` of the layer's packed tensors. A ``--tp`` pack's are reassembled into
+    whole experts from rank 0's copy of the tensors every rank keeps; a problem with another
+    rank's copy goes to ``rank_problems`` (tensor name -> message)."""
     p = layer.packed
     names = layer.entry["tensors"]
     if p.tp > 1:  # a --tp pack: the block's rows of every rank, reassembled into whole experts (moepack/tp.py)
-        from .tp import tp_unslice
+        from .tp import rank_copy_problem, tp_unslice
 
         e = p.num_experts
         tensors = {role: torch.cat([_read_rows(model, names[role], r * e + e0, r * e + e1) for r in range(p.tp)])
                    for role in p.tensors}  # fmt: skip
+        for role, t in tensors.items():
+            msg = rank_copy_problem(p.layout, role, names[role], t, p.tp, e0)
+            if msg and rank_problems is not None:
+                rank_problems.setdefault(names[role], msg)
         return tp_unslice(PackedExperts(layout=p.layout, num_experts=e1 - e0, hidden=p.hidden, intermediate=p.intermediate,
                                         padded_intermediate=p.padded_intermediate, interleaved=p.interleaved,
                                         tensors=tensors, act_mode=p.act_mode, tp=p.tp))  # fmt: skip
@@ -301,8 +308,13 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
     for e0 in range(0, e_all, step):
         e1 = min(e_all, e0 + step)
         want = _source_block(ckpt, reader, spec, scheme, p.layout, e0, e1, biases, options)
-        block = _packed_block(model, layer, e0, e1)
+        rank_problems: dict[str, str] = {}
+        block = _packed_block(model, layer, e0, e1, rank_problems)
         _compare(block, layer.entry["tensors"], want, "experts", tensors, problems, scheme, e0, e_all)
+        for name, msg in rank_problems.items():  # a --tp pack's other ranks' copies (moepack/tp.py)
+            if tensors.get(name, True):
+                problems.append(msg)
+            tensors[name] = False
         emap = torch.full((e_all,), -1, dtype=torch.int32)
         emap[e0:e1] = torch.arange(e1 - e0, dtype=torch.int32)
         out += run_experts(block, x, w, ids, activation=layer.activation, alpha=layer.alpha, limit=layer.limit,
