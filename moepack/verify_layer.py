@@ -272,6 +272,19 @@ def _local_routes(w: torch.Tensor, ids: torch.Tensor, e0: int, e1: int) -> tuple
     return torch.where(inside, w, torch.zeros_like(w)).contiguous(), torch.where(inside, ids - e0, torch.zeros_like(ids)).contiguous()
 
 
+def _nonfinite(out: torch.Tensor, ref: torch.Tensor, ref_name: str) -> str | None:
+    """None when the packed layer's output and ``ref`` are both finite everywhere; else what is
+    not: how many NaN / Inf values each has and the first element where they differ in it."""
+    bad_o, bad_r = ~torch.isfinite(out), ~torch.isfinite(ref)
+    if not bool(bad_o.any()) and not bool(bad_r.any()):
+        return None
+    where = (bad_o | bad_r).nonzero()[0].tolist()
+    o, r = out[tuple(where)].item(), ref[tuple(where)].item()
+    return (f"output is not finite: the packed layer gives {int(bad_o.sum())} NaN/Inf of {out.numel()} values, {ref_name} "
+            f"{int(bad_r.sum())} (first at [token {where[0]}, column {where[1]}]: {o!r} vs {r!r}); the weights' products "
+            "overflow float32 or a NaN reached them")  # fmt: skip
+
+
 def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, tokens: int, seed: int, options=None, *,
                  block_bytes: int) -> LayerCheck:  # fmt: skip
     """One layer against the source, one block of experts at a time (``block_bytes`` of fp32
@@ -338,16 +351,21 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
         ref, flip = ref + r, max(flip, f)
     dtypes = {spec.dtype} | ({ckpt.info(spec.shared["gate_proj"]).dtype_str} if shared is not None else set())
     orule = scheme.output_rule(dtypes)
-    norm = float(ref.norm().clamp_min(1e-30))
-    rel = float((out - ref).norm()) / norm
+    # norms in float64: outputs near float32's range must not overflow them into a false pass
+    norm = float(ref.double().norm().clamp_min(1e-30))
+    rel = float((out.double() - ref.double()).norm()) / norm
     tol = max(orule.base, orule.flips * flip / norm)
-    rel32 = float((out - ref32).norm() / ref32.norm().clamp_min(1e-30)) if orule.fp32_tol is not None else None
+    rel32 = (float((out.double() - ref32.double()).norm() / ref32.double().norm().clamp_min(1e-30))
+             if orule.fp32_tol is not None else None)  # fmt: skip
     ok = exact and shared_exact is not False and rel <= tol and (rel32 is None or rel32 <= orule.fp32_tol)
     detail = ["packed weights differ from the source: " + "; ".join(problems)] if problems else []
-    if rel > tol:
-        ref_name = f"the {scheme.name} reference" if scheme.quantized else "the reference"
-        detail.append(f"output differs from {ref_name}: relative error {rel:.3g} > {tol:.3g}")
-    if rel32 is not None and rel32 > orule.fp32_tol:
-        detail.append(f"output differs from the fp32 reference on the source's weights: {rel32:.3g} > {orule.fp32_tol:g}")
+    ref_name = f"the {scheme.name} reference" if scheme.quantized else "the reference"
+    if not rel <= tol:  # NaN too: a failure line always says what differs
+        detail.append(_nonfinite(out, ref, ref_name) or f"output differs from {ref_name}: relative error {rel:.3g} > {tol:.3g}")
+    if rel32 is not None and not rel32 <= orule.fp32_tol:
+        detail.append(_nonfinite(out, ref32, "the fp32 reference on the source's weights")
+                      or f"output differs from the fp32 reference on the source's weights: {rel32:.3g} > {orule.fp32_tol:g}")  # fmt: skip
+    if not ok and not detail:
+        detail.append(f"the layer failed without a named difference (relative error {rel!r}, tolerance {tol!r})")
     return LayerCheck(layer_index, exact, rel, tol, ok, "; ".join(detail), rel32, shared_exact, tensors, shared_tensors,
                       orule.fp32_tol if rel32 is not None else None, scheme.weights_note, layer.entry.get("quantizer"), mode, orule.base)  # fmt: skip
