@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from .app import app, command, console, err_console, state
+from .app import app, check_range, command, console, err_console, state
 
 __all__ = ["app"]
 
@@ -135,7 +135,9 @@ def bench(
     ),
 ) -> None:
     from moepack import bench as B
+    from moepack.convert_dir import MAX_THREADS
 
+    check_range("--threads", threads, 1, MAX_THREADS, "torch threads")
     cfg = B.BenchConfig(
         shapes=B.parse_shapes(shapes),
         tokens=B.parse_tokens(tokens),

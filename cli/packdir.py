@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -10,7 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .app import command, console, err_console
+from .app import check_range, command, console, err_console
 
 EXIT_MISMATCH = 1
 
@@ -79,8 +80,9 @@ def convert(
         fams = sorted({x.family for x in LAYOUTS})
         raise ConvertError(f"--target {target!r}: no float layout for that family in this build (available: {', '.join(fams)})")
     layout = family_layouts[0]
-    if shard_gib <= 0:
-        raise ConvertError(f"--shard-gib {shard_gib}: must be positive")
+    if not (math.isfinite(shard_gib) and shard_gib > 0):
+        raise ConvertError(f"--shard-gib {shard_gib}: must be positive and finite (the largest shard file, in GiB)")
+    check_range("--tp", tp, 1, 1 << 16, "the tensor-parallel degree")
     quantize = _quantize_spec(quantize, group_size, asym)
 
     with Progress(
@@ -183,8 +185,9 @@ def verify(
 
     from moepack.verify_dir import verify as do_verify
 
-    if tokens <= 0:
-        raise ValueError(f"--tokens {tokens}: must be positive")
+    from moepack.bench.shapes import MAX_TOKENS
+
+    check_range("--tokens", tokens, 1, MAX_TOKENS, "tokens per layer")
     report = do_verify(dst, source=source, tokens=tokens)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
@@ -378,8 +381,9 @@ def run(
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     if dtype not in dtypes:
         raise ValueError(f"--dtype {dtype!r}: must be one of {', '.join(dtypes)}")
-    if tokens <= 0:
-        raise ValueError(f"--tokens {tokens}: must be positive")
+    from moepack.bench.shapes import MAX_TOKENS
+
+    check_range("--tokens", tokens, 1, MAX_TOKENS, "tokens per layer")
     if act_mode is not None and act_mode not in ("a16", "a8"):
         raise ValueError(f"--act-mode {act_mode!r}: must be a16 or a8")
     model = moepack.open(dst)
