@@ -49,9 +49,9 @@ def convert(
         None, "--act-mode", help="Every layer's default activation mode: a16 or a8 (layouts that serve it: int4, mxfp4). "
         "Default: a16 (the checkpoint's meaning), a8 for a compressed-tensors W4A8 checkpoint."
     ),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for packing (default: torch's)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for packing, 1..1024 (default: torch's)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it exists (atomically)."),
-    shard_gib: float = typer.Option(2.0, "--shard-gib", help="Largest shard file, in GiB."),
+    shard_gib: float = typer.Option(2.0, "--shard-gib", help="Largest shard file, in GiB (positive, finite)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary instead of tables."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: pack each of N ranks' slice of every expert "
                            "contiguously (w13's gate/up rows, w2's input channels), for vLLM's tensor_parallel_size=N "
@@ -178,7 +178,7 @@ def _quantize_spec(quantize: str | None, group_size: int | None, asym: bool) -> 
 def verify(
     dst: Path = typer.Argument(..., help="Packed directory."),
     source: Optional[Path] = typer.Option(None, "--source", help="The checkpoint DST was converted from."),
-    tokens: int = typer.Option(7, "--tokens", help="Seeded random tokens per layer for the output check."),
+    tokens: int = typer.Option(7, "--tokens", help="Seeded random tokens per layer for the output check (1..65536)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     from rich.markup import escape
@@ -363,7 +363,7 @@ def inspect(
 @command(help="Run every MoE layer of a packed directory on seeded random tokens (its own router) and print the results.")
 def run(
     dst: Path = typer.Argument(..., help="Packed directory."),
-    tokens: int = typer.Option(4, "--tokens", help="Tokens per layer."),
+    tokens: int = typer.Option(4, "--tokens", help="Tokens per layer (1..65536)."),
     dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype: bf16, fp16 or fp32."),
     layer: Optional[int] = typer.Option(None, "--layer", help="Run only this layer index."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random tokens."),
