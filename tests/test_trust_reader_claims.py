@@ -99,3 +99,9 @@ def test_an_unclaimed_format_still_lists_every_reader(tmp_path):
     with pytest.raises(SourceError, match=r"no reader handles it \(compressed-tensors: .*; dense: ") as ei:
         open_source(src)
     assert "\n" not in str(ei.value)
+
+
+def test_an_hf_quant_config_naming_no_algorithm_leaves_a_dense_checkpoint_dense(tmp_path):
+    src = _src(tmp_path, "qwen3_moe", lambda c: None)
+    (src / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": None}}))
+    assert open_source(src)[1].name == "dense"

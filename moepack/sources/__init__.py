@@ -46,7 +46,7 @@ class SourceReader:
 
 def _modelopt_algo(ckpt: Checkpoint):
     """ModelOpt's quant_algo from its ``hf_quant_config.json`` ({"quantization": {"quant_algo":
-    ...}}), or None when the checkpoint has no such file."""
+    ...}}), or None when the checkpoint has no such file or it names no algorithm."""
     import json
 
     f = ckpt.path / "hf_quant_config.json"
@@ -55,8 +55,8 @@ def _modelopt_algo(ckpt: Checkpoint):
     try:
         q = json.loads(f.read_text()).get("quantization") or {}
     except (ValueError, AttributeError):
-        return "?"
-    return q.get("quant_algo", "?") if isinstance(q, dict) else "?"
+        return None
+    return (q.get("quant_algo") or None) if isinstance(q, dict) else None
 
 
 def _detect_dense(ckpt: Checkpoint) -> tuple[bool, str]:
