@@ -19,6 +19,7 @@ import functools
 from typing import Callable
 
 import typer
+import typer.core
 from rich.console import Console
 
 from moepack.errors import MoepackError
@@ -27,7 +28,39 @@ EXIT_USER_ERROR = 2
 # Errors that mean "the input or the options are wrong", not "moepack has a bug".
 USER_ERRORS: tuple[type[BaseException], ...] = (MoepackError, ValueError, OSError)
 
+
+class _OneLineBadValues(typer.core.TyperGroup):
+    """The app's group: an option value click cannot parse (``--tp 1.5``, ``--threads x``) is one
+    line naming the option, the value and the rule, exit status 2, as every other bad value
+    (no usage box)."""
+
+    def invoke(self, ctx):
+        words = [*getattr(ctx, "_protected_args", ()), *ctx.args]  # the command line, before click consumes it
+        try:
+            return super().invoke(ctx)
+        except typer.BadParameter as e:  # typer's click (typer vendors click from 0.22 on)
+            if type(e).__name__ == "MissingParameter" or state.debug:  # a missing argument keeps its usage box
+                raise
+            typer.echo(f"moepack: error: {_bad_value_line(e, words)}", err=True)
+            raise typer.Exit(EXIT_USER_ERROR) from None
+
+
+def _bad_value_line(e, words: list[str]) -> str:
+    """``--tp 1.5: input should be a valid integer, ...``: the option as given, its value (found
+    in the command line ``words``) and click's rule."""
+    rule = e.message[:1].lower() + e.message[1:] if e.message else "not a valid value"
+    opts = [*getattr(e.param, "opts", ()), *getattr(e.param, "secondary_opts", ())]
+    for i, w in enumerate(words):
+        for o in opts:
+            if w == o and i + 1 < len(words):
+                return f"{o} {words[i + 1]}: {rule}"
+            if o.startswith("--") and w.startswith(o + "="):
+                return f"{o} {w[len(o) + 1:]}: {rule}"
+    return e.format_message()
+
+
 app = typer.Typer(
+    cls=_OneLineBadValues,
     name="moepack",
     help="Fused Mixture-of-Experts layers on CPUs, from packed checkpoints.",
     no_args_is_help=True,
@@ -65,6 +98,19 @@ def error_line(exc: BaseException) -> str:
     if isinstance(exc, MoepackError) or isinstance(exc, ValueError):
         return first or type(exc).__name__
     return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def check_range(option: str, value, lo, hi, what: str):
+    """``value`` of ``option`` when it is a finite number in ``lo..hi``; else a ``ValueError``
+    naming the option, the value and the range (``what``: what the option sets)."""
+    import math
+
+    kind = "an integer" if isinstance(lo, int) and isinstance(hi, int) else "a finite number"
+    ok = isinstance(value, int) if kind == "an integer" else isinstance(value, (int, float)) and math.isfinite(value)
+    if isinstance(value, bool) or not ok or not lo <= value <= hi:
+        rule = f"must be positive and at most {hi}" if kind == "an integer" and lo == 1 else f"must be {kind} in {lo}..{hi}"
+        raise ValueError(f"{option} {value}: {rule} ({what})")
+    return value
 
 
 def command(*args, **kwargs) -> Callable:

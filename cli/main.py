@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from .app import app, command, console, err_console, state
+from .app import app, check_range, command, console, err_console, state
 
 __all__ = ["app"]
 
@@ -117,8 +117,8 @@ def bench(
         "--shapes",
         help="Comma-separated: qwen3-30b-a3b, gpt-oss-20b, mixtral-8x7b, tiny, all, or E<e>K<k>H<h>I<i> (e.g. e16k4h1024i512).",
     ),
-    tokens: str = typer.Option("1,8,64,512", "--tokens", help="Comma-separated token counts T."),
-    threads: int = typer.Option(2, "--threads", help="torch.set_num_threads, and the machine probe's threads."),
+    tokens: str = typer.Option("1,8,64,512", "--tokens", help="Comma-separated token counts T, each 1..65536."),
+    threads: int = typer.Option(2, "--threads", help="torch.set_num_threads, and the machine probe's threads (1..1024)."),
     dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype: bf16, fp32 or fp16 (weights are bf16)."),
     scheme: Optional[str] = typer.Option(
         None, "--scheme", help="Packed experts (default: dense): dense (alias bf16), int8_channel (alias int8; W8A8: the bf16 weights quantized per channel; GB/s of int8 bytes, GOP/s), int4_group (alias int4: symmetric group 128; GB/s of packed int4 bytes), fp8_block (alias fp8: e4m3fn, 128x128 blocks; GB/s of codes and scales), or mxfp4 (OCP MX e2m1 + e8m0 per 32, round to nearest even; GB/s of codes and scales)."
@@ -150,7 +150,9 @@ def bench(
     ),
 ) -> None:
     from moepack import bench as B
+    from moepack.convert_dir import MAX_THREADS
 
+    check_range("--threads", threads, 1, MAX_THREADS, "torch threads")
     cfg = B.BenchConfig(
         shapes=B.parse_shapes(shapes),
         tokens=B.parse_tokens(tokens),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -10,7 +11,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .app import command, console, err_console
+from .app import check_range, command, console, err_console
 
 EXIT_MISMATCH = 1
 
@@ -48,9 +49,9 @@ def convert(
         None, "--act-mode", help="Every layer's default activation mode: a16 or a8 (layouts that serve it: int4, mxfp4). "
         "Default: a16 (the checkpoint's meaning), a8 for a compressed-tensors W4A8 checkpoint."
     ),
-    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for packing (default: torch's)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads for packing, 1..1024 (default: torch's)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace DST if it exists (atomically)."),
-    shard_gib: float = typer.Option(2.0, "--shard-gib", help="Largest shard file, in GiB."),
+    shard_gib: float = typer.Option(2.0, "--shard-gib", help="Largest shard file, in GiB (positive, finite)."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON summary instead of tables."),
     tp: int = typer.Option(1, "--tp", help="Tensor-parallel degree: pack each of N ranks' slice of every expert "
                            "contiguously (w13's gate/up rows, w2's input channels), for vLLM's tensor_parallel_size=N "
@@ -79,8 +80,9 @@ def convert(
         fams = sorted({x.family for x in LAYOUTS})
         raise ConvertError(f"--target {target!r}: no float layout for that family in this build (available: {', '.join(fams)})")
     layout = family_layouts[0]
-    if shard_gib <= 0:
-        raise ConvertError(f"--shard-gib {shard_gib}: must be positive")
+    if not (math.isfinite(shard_gib) and shard_gib > 0):
+        raise ConvertError(f"--shard-gib {shard_gib}: must be positive and finite (the largest shard file, in GiB)")
+    check_range("--tp", tp, 1, 1 << 16, "the tensor-parallel degree")
     quantize = _quantize_spec(quantize, group_size, asym)
 
     with Progress(
@@ -176,15 +178,16 @@ def _quantize_spec(quantize: str | None, group_size: int | None, asym: bool) -> 
 def verify(
     dst: Path = typer.Argument(..., help="Packed directory."),
     source: Optional[Path] = typer.Option(None, "--source", help="The checkpoint DST was converted from."),
-    tokens: int = typer.Option(7, "--tokens", help="Seeded random tokens per layer for the output check."),
+    tokens: int = typer.Option(7, "--tokens", help="Seeded random tokens per layer for the output check (1..65536)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ) -> None:
     from rich.markup import escape
 
     from moepack.verify_dir import verify as do_verify
 
-    if tokens <= 0:
-        raise ValueError(f"--tokens {tokens}: must be positive")
+    from moepack.bench.shapes import MAX_TOKENS
+
+    check_range("--tokens", tokens, 1, MAX_TOKENS, "tokens per layer")
     report = do_verify(dst, source=source, tokens=tokens)
     if as_json:
         typer.echo(json.dumps(report.to_dict(), indent=2))
@@ -360,7 +363,7 @@ def inspect(
 @command(help="Run every MoE layer of a packed directory on seeded random tokens (its own router) and print the results.")
 def run(
     dst: Path = typer.Argument(..., help="Packed directory."),
-    tokens: int = typer.Option(4, "--tokens", help="Tokens per layer."),
+    tokens: int = typer.Option(4, "--tokens", help="Tokens per layer (1..65536)."),
     dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype: bf16, fp16 or fp32."),
     layer: Optional[int] = typer.Option(None, "--layer", help="Run only this layer index."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random tokens."),
@@ -378,8 +381,9 @@ def run(
     dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
     if dtype not in dtypes:
         raise ValueError(f"--dtype {dtype!r}: must be one of {', '.join(dtypes)}")
-    if tokens <= 0:
-        raise ValueError(f"--tokens {tokens}: must be positive")
+    from moepack.bench.shapes import MAX_TOKENS
+
+    check_range("--tokens", tokens, 1, MAX_TOKENS, "tokens per layer")
     if act_mode is not None and act_mode not in ("a16", "a8"):
         raise ValueError(f"--act-mode {act_mode!r}: must be a16 or a8")
     model = moepack.open(dst)

@@ -47,6 +47,7 @@ from .schemes import QuantError
 from .sources import Checkpoint
 
 DEFAULT_SHARD_BYTES = 2 << 30
+MAX_THREADS = 1024  # convert's ``threads``: past it torch cannot start them (100000 crashed the process)
 
 ProgressFn = Callable[..., None]
 
@@ -114,8 +115,9 @@ def convert(
         raise ConvertError(f"destination {dst} already exists: choose another path or pass overwrite=True (--overwrite)")
     if dst.resolve() == src.resolve():
         raise ConvertError(f"destination {dst} is the source: write the packed directory somewhere else")
-    if threads is not None and threads <= 0:
-        raise ConvertError(f"threads={threads}: must be a positive integer")
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or not 1 <= threads <= MAX_THREADS):
+        raise ConvertError(f"threads={threads!r}: must be a positive integer, at most {MAX_THREADS} (torch threads for "
+                           "packing; more only exhaust the process's threads)")  # fmt: skip
     if act_mode is not None and act_mode not in ("a16", "a8"):
         raise ConvertError(f"act_mode={act_mode!r}: must be 'a16' or 'a8' (or None: each layer's default)")
     parse_quantize(quantize)  # refused before anything is opened

@@ -30,9 +30,19 @@ def expert_tensor_name(layer: int, role: str) -> str:
 
 
 def _swiglu_params(config: dict) -> tuple[float, float]:
-    limit = config.get("swiglu_limit", 7.0)
-    alpha = config.get("swiglu_alpha", 1.702)
-    return float(alpha), float(limit)
+    """config.json's swigluoai ``swiglu_alpha`` and ``swiglu_limit`` (gpt-oss's defaults when
+    absent), refused before anything is written by the rule open applies to the manifest's
+    ``alpha`` / ``limit`` (moepack.manifest's ``swiglu_param_problem``)."""
+    from .manifest import swiglu_param_problem
+
+    out = []
+    for key, default in (("alpha", 1.702), ("limit", 7.0)):
+        v = config.get(f"swiglu_{key}", default)
+        rule = swiglu_param_problem(key, v)
+        if rule:
+            raise ConvertError(f"config.json: swiglu_{key}={v!r}: {rule}")
+        out.append(float(v))
+    return out[0], out[1]
 
 
 def _routing_for(config: dict) -> tuple[dict | None, str]:
@@ -206,10 +216,10 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
     expert_shards = _split_shards(specs, lambda s: sum(_nbytes(d, sh) for _, d, sh in layer_tensors[s.index]), shard_bytes)
     other_shards = _split_shards(other, lambda n: ckpt.info(n).nbytes, shard_bytes) if other else []
     ne, no = len(expert_shards), len(other_shards)
+    alpha, limit = _swiglu_params(config)  # before transformers reads them (check_config_against_tensors)
     _check_top_k(config, specs)
     check_config_against_tensors(ckpt, config, specs)
     routing, routing_note = _routing_for(config)
-    alpha, limit = _swiglu_params(config)
     pl = _Plan(
         src, ckpt, reader, scheme, lay, specs, options, config, layer_tensors, expert_shards,
         [f"experts-{i + 1:05d}-of-{ne:05d}.safetensors" for i in range(ne)], other_shards,

@@ -79,6 +79,22 @@ def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def swiglu_param_problem(key: str, v: Any) -> str | None:
+    """The one rule for swigluoai's ``alpha`` and ``limit``: a manifest layer's fields (open)
+    and config.json's ``swiglu_alpha`` / ``swiglu_limit`` (convert, before it writes anything),
+    so convert cannot write a pack that open refuses. None when ``v`` keeps it, else the rule:
+    a finite number that float32 holds (the kernels and the reference compute in float32; a
+    larger one becomes Inf there), and ``limit`` > 0 (swigluoai clamps the gate at it)."""
+    if not _is_num(v) or abs(v) > FLOAT32_MAX:
+        return "must be a finite number float32 holds (|v| <= 3.4028235e+38): the kernels compute in float32"
+    if key == "limit" and not v > 0:
+        return "must be > 0 (swigluoai clamps the gate at limit)"
+    return None
+
+
 def _type_word(v: Any) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
             int: "an integer", float: "a number"}.get(type(v), type(v).__name__)  # fmt: skip
@@ -347,10 +363,11 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
     i = c.val(entry, "intermediate", f"{at}.intermediate", "int", lo=1)
     c.val(entry, "padded_intermediate", f"{at}.padded_intermediate", "int", lo=1)
     c.val(entry, "activation", f"{at}.activation", "str", choices=ACTIVATIONS)
-    c.val(entry, "alpha", f"{at}.alpha", "num", required=False)
-    limit = c.val(entry, "limit", f"{at}.limit", "num", required=False)
-    if limit is not None and not limit > 0:  # the op's rule for swigluoai's clamp (found by tools/fuzz_manifest.py)
-        c.fail(f"{at}.limit", limit, "must be > 0 (swigluoai clamps the gate at limit)")
+    for k in ("alpha", "limit"):  # convert applies the same rule to config.json before writing
+        v = entry.get(k, _MISSING)
+        rule = None if v is _MISSING else swiglu_param_problem(k, v)
+        if rule:
+            c.fail(f"{at}.{k}", v, rule)
     c.val(entry, "interleaved", f"{at}.interleaved", "bool")
     lid = c.val(entry, "layout_id", f"{at}.layout_id", "int")
     if str(lid) not in m["layouts"]:

@@ -24,6 +24,10 @@ the layout's ``i_align`` (a multiple of ``block_n``, w13's row block, and of ``k
 run) and, for layouts with K groups, of the group size (``tp_slice_size`` refuses others naming
 the value and the rule). ``slice_tensors`` / ``unslice_tensors`` are exact inverses; verify
 reassembles the whole layer with ``unslice`` and checks it against the source as for any pack.
+``unslice`` reads rank 0's copy of the tensors every rank keeps (``rank_copy_kind``), and the
+runtime reads every rank's, so verify (with or without the source) also checks that every other
+rank's copy is what the format says (``rank_copy_problem``: w2's bias zero, the other copies
+equal to rank 0's byte for byte).
 """
 
 from __future__ import annotations
@@ -90,6 +94,59 @@ def _spec_of(layout: PackedLayout, role_name: str):
     return None, None
 
 
+def rank_copy_kind(layout: PackedLayout, name: str) -> str | None:
+    """How a ``--tp`` pack keeps the packed tensor ``name`` (role name: ``w2_scale``, ...):
+    ``"rank0"`` (w2's bias: rank 0 holds it, every other rank zeros, as it is added once),
+    ``"every"`` (an act-order ``w13_perm`` and w2's per-output-channel scales and zero points:
+    every rank a copy of the whole layer's, byte for byte), or None (each rank holds its own
+    part). The runtime reads every rank's copy (``expand_routes``, vLLM's ``rank_experts``), so
+    verify checks every one (``rank_copy_problem``)."""
+    if name == "w2_bias":
+        return "rank0"
+    if name == "w13_perm":
+        return "every"
+    if name == "w13_bias":
+        return None
+    w, spec = _spec_of(layout, name)
+    if w == "w2" and spec.shape not in ("packed", "group") and spec.role != "sum":
+        return "every"
+    return None
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def rank_copy_problem(layout: PackedLayout, role: str, name: str, t: torch.Tensor, tp: int, e0: int = 0) -> str | None:
+    """None when every rank's copy of the per-rank tensor ``role`` (``rank_copy_kind``; ``name``
+    the manifest's name) is what the format says; else one line naming the first differing
+    element: its rank, [expert, row], both values and the rule. ``t``: the rows of a block of
+    experts (``e0`` the first) of every rank, rank-major (``[tp * e, ...]``)."""
+    kind = rank_copy_kind(layout, role)
+    if kind is None or tp < 2:
+        return None
+    e = t.shape[0] // tp
+    bits = t.contiguous().view(_BITS[t.element_size()])
+    first = bits[:e]
+    for r in range(1, tp):
+        part = bits[r * e:(r + 1) * e]
+        diff = part != 0 if kind == "rank0" else part != first
+        if not bool(diff.any()):
+            continue
+        idx = diff.nonzero()[0].tolist()
+        n = int(diff.sum())
+        col = "code column" if role == "w13_perm" else "row"
+        where = f"[expert {idx[0] + e0}" + (f", {col} {idx[1]}]" if len(idx) > 1 else "]")
+        got = t[r * e:(r + 1) * e][tuple(idx)].item()
+        if kind == "rank0":
+            rule = f"must be 0 (w2's bias is rank 0's only, added once; {n} element(s) of rank {r} differ)"
+        else:
+            want = t[:e][tuple(idx)].item()
+            rule = (f"rank 0's copy is {want!r} ({n} element(s) differ): every rank keeps the same copy of the whole "
+                    "layer's, byte for byte")  # fmt: skip
+        return f"tensor {name!r} rank {r} {where} is {got!r}, {rule}"
+    return None
+
+
 def slice_rank(layout: PackedLayout, tensors: dict, hidden: int, intermediate: int, tp: int, r: int,
                interleaved: bool) -> dict:  # fmt: skip
     """Rank ``r``'s slice of whole packed tensors (``[E, ...]``, role -> tensor, a layer packed
@@ -104,7 +161,7 @@ def slice_rank(layout: PackedLayout, tensors: dict, hidden: int, intermediate: i
     for name, t in tensors.items():
         if name == "w13_bias":
             out[name] = _rows13(t, 1, ip, s, r, interleaved).contiguous()
-        elif name == "w2_bias":
+        elif rank_copy_kind(layout, name) == "rank0":  # w2_bias
             out[name] = t.clone() if r == 0 else torch.zeros_like(t)
         elif name == "w13_perm":
             out[name] = t.clone()
@@ -149,7 +206,7 @@ def unslice_tensors(layout: PackedLayout, tensors: dict, num_experts: int, hidde
     out = {}
     for name, t in tensors.items():
         parts = [rank(t, r) for r in range(tp)]
-        if name in ("w2_bias", "w13_perm"):
+        if name in ("w2_bias", "w13_perm"):  # rank 0's copy: verify checks the others (rank_copy_problem)
             out[name] = parts[0].clone()
             continue
         if name == "w13_bias":
@@ -173,7 +230,7 @@ def unslice_tensors(layout: PackedLayout, tensors: dict, num_experts: int, hidde
             out[name] = torch.cat(parts, dim=1)
         elif spec.role == "sum":
             out[name] = torch.stack(parts).sum(0, dtype=torch.int32).to(t.dtype)
-        else:
+        else:  # rank_copy_kind "every": rank 0's copy (verify checks the others: rank_copy_problem)
             out[name] = parts[0].clone()
     return out
 
@@ -332,5 +389,5 @@ def _link_or_copy(src: Path, dst: Path) -> None:
         shutil.copy2(src, dst)
 
 
-__all__ = ["tp_slice_size", "slice_rank", "slice_tensors", "unslice_tensors", "tp_slice", "tp_unslice", "rank_experts",
-           "expand_routes", "reshard_dir"]  # fmt: skip
+__all__ = ["tp_slice_size", "rank_copy_kind", "rank_copy_problem", "slice_rank", "slice_tensors", "unslice_tensors",
+           "tp_slice", "tp_unslice", "rank_experts", "expand_routes", "reshard_dir"]  # fmt: skip

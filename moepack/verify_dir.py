@@ -5,7 +5,9 @@
 2. Integrity: the sha256 of every tensor's bytes against the manifest (a flipped byte names the
    tensor); every packed expert tensor's values against its role's rule (moepack.verify_values:
    scales finite and >= 0, zero points 0..15, permutations, finite bf16 weights and biases, int8
-   column sums equal to the codes' sums): a hostile pack with consistent checksums is named;
+   column sums equal to the codes' sums; a ``--tp`` pack's tensors kept once per rank: w2's
+   bias zero on ranks > 0, every other copy equal to rank 0's, moepack.tp's
+   ``rank_copy_problem``): a hostile pack with consistent checksums is named;
    every carried file (config.json, tokenizer files) present and equal to the manifest's
    ``carried_sha256``.
 3. With the source: every layer's packed weights unpacked equal the source's weights rounded
@@ -82,6 +84,7 @@ def _check_tensors(model: PackedModel, report: VerifyReport, notify) -> None:
 
     buf = bytearray(READ_CHUNK)
     roles = dict(roles_of(model))
+    ranked = _rank_copies(model)
     for name, e in model.manifest["tensors"].items():
         shard = model._shards[e["file"]]
         info = shard.info(name)
@@ -95,6 +98,8 @@ def _check_tensors(model: PackedModel, report: VerifyReport, notify) -> None:
         detail = "" if ok else f"sha256 {digest[:16]}… differs from the manifest's {str(e.get('sha256'))[:16]}…"
         if role is not None and inspect is None:
             problems += _small_check(model, name, role, info)
+        if name in ranked:
+            problems += _rank_check(model, name, info, *ranked[name])
         if role is not None:
             report.values_checked += 1
         if problems:
@@ -147,6 +152,41 @@ def _small_check(model: PackedModel, name: str, role: str, info) -> list[str]:
     for e0 in range(0, e_all, step):
         e1 = min(e_all, e0 + step)
         msg = colsum_problem(name, codes_name, layout, _read_rows(model, codes_name, e0, e1), _read_rows(model, name, e0, e1), e0)
+        if msg:
+            return [msg]
+    return []
+
+
+def _rank_copies(model: PackedModel) -> dict:
+    """The tensors a ``--tp`` pack keeps once per rank (moepack.tp's ``rank_copy_kind``): tensor
+    name -> (its layer's packed experts, its role)."""
+    from .tp import rank_copy_kind
+
+    out = {}
+    for layer in model.layers.values():
+        p = layer.packed
+        if p.tp > 1:
+            for role, n in layer.entry["tensors"].items():
+                if role in p.tensors and rank_copy_kind(p.layout, role) is not None:
+                    out[n] = (p, role)
+    return out
+
+
+def _rank_check(model: PackedModel, name: str, info, p, role: str) -> list[str]:
+    """Every rank's copy of a per-rank tensor of a ``--tp`` pack against the format's rule (w2's
+    bias zero on ranks > 0, the other copies equal to rank 0's), one block of experts at a time."""
+    import torch
+
+    from .tp import rank_copy_problem
+    from .verify_layer import _read_rows
+
+    e_all = p.num_experts
+    row = max(1, info.nbytes // max(1, info.shape[0]))
+    step = max(1, BLOCK_BYTES // (row * p.tp))
+    for e0 in range(0, e_all, step):
+        e1 = min(e_all, e0 + step)
+        t = torch.cat([_read_rows(model, name, r * e_all + e0, r * e_all + e1) for r in range(p.tp)])
+        msg = rank_copy_problem(p.layout, role, name, t, p.tp, e0)
         if msg:
             return [msg]
     return []

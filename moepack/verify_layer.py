@@ -225,15 +225,22 @@ def _read_rows(model: PackedModel, name: str, e0: int, e1: int) -> torch.Tensor:
     return out
 
 
-def _packed_block(model: PackedModel, layer, e0: int, e1: int) -> PackedExperts:
+def _packed_block(model: PackedModel, layer, e0: int, e1: int, rank_problems: dict | None = None) -> PackedExperts:
+    """Experts ``[e0, e1)`` of the layer's packed tensors. A ``--tp`` pack's are reassembled into
+    whole experts from rank 0's copy of the tensors every rank keeps; a problem with another
+    rank's copy goes to ``rank_problems`` (tensor name -> message)."""
     p = layer.packed
     names = layer.entry["tensors"]
     if p.tp > 1:  # a --tp pack: the block's rows of every rank, reassembled into whole experts (moepack/tp.py)
-        from .tp import tp_unslice
+        from .tp import rank_copy_problem, tp_unslice
 
         e = p.num_experts
         tensors = {role: torch.cat([_read_rows(model, names[role], r * e + e0, r * e + e1) for r in range(p.tp)])
                    for role in p.tensors}  # fmt: skip
+        for role, t in tensors.items():
+            msg = rank_copy_problem(p.layout, role, names[role], t, p.tp, e0)
+            if msg and rank_problems is not None:
+                rank_problems.setdefault(names[role], msg)
         return tp_unslice(PackedExperts(layout=p.layout, num_experts=e1 - e0, hidden=p.hidden, intermediate=p.intermediate,
                                         padded_intermediate=p.padded_intermediate, interleaved=p.interleaved,
                                         tensors=tensors, act_mode=p.act_mode, tp=p.tp))  # fmt: skip
@@ -263,6 +270,19 @@ def _local_routes(w: torch.Tensor, ids: torch.Tensor, e0: int, e1: int) -> tuple
     expert 0: 0 x a finite output adds nothing)."""
     inside = (ids >= e0) & (ids < e1)
     return torch.where(inside, w, torch.zeros_like(w)).contiguous(), torch.where(inside, ids - e0, torch.zeros_like(ids)).contiguous()
+
+
+def _nonfinite(out: torch.Tensor, ref: torch.Tensor, ref_name: str) -> str | None:
+    """None when the packed layer's output and ``ref`` are both finite everywhere; else what is
+    not: how many NaN / Inf values each has and the first element where they differ in it."""
+    bad_o, bad_r = ~torch.isfinite(out), ~torch.isfinite(ref)
+    if not bool(bad_o.any()) and not bool(bad_r.any()):
+        return None
+    where = (bad_o | bad_r).nonzero()[0].tolist()
+    o, r = out[tuple(where)].item(), ref[tuple(where)].item()
+    return (f"output is not finite: the packed layer gives {int(bad_o.sum())} NaN/Inf of {out.numel()} values, {ref_name} "
+            f"{int(bad_r.sum())} (first at [token {where[0]}, column {where[1]}]: {o!r} vs {r!r}); the weights' products "
+            "overflow float32 or a NaN reached them")  # fmt: skip
 
 
 def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, tokens: int, seed: int, options=None, *,
@@ -301,8 +321,13 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
     for e0 in range(0, e_all, step):
         e1 = min(e_all, e0 + step)
         want = _source_block(ckpt, reader, spec, scheme, p.layout, e0, e1, biases, options)
-        block = _packed_block(model, layer, e0, e1)
+        rank_problems: dict[str, str] = {}
+        block = _packed_block(model, layer, e0, e1, rank_problems)
         _compare(block, layer.entry["tensors"], want, "experts", tensors, problems, scheme, e0, e_all)
+        for name, msg in rank_problems.items():  # a --tp pack's other ranks' copies (moepack/tp.py)
+            if tensors.get(name, True):
+                problems.append(msg)
+            tensors[name] = False
         emap = torch.full((e_all,), -1, dtype=torch.int32)
         emap[e0:e1] = torch.arange(e1 - e0, dtype=torch.int32)
         out += run_experts(block, x, w, ids, activation=layer.activation, alpha=layer.alpha, limit=layer.limit,
@@ -326,16 +351,21 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
         ref, flip = ref + r, max(flip, f)
     dtypes = {spec.dtype} | ({ckpt.info(spec.shared["gate_proj"]).dtype_str} if shared is not None else set())
     orule = scheme.output_rule(dtypes)
-    norm = float(ref.norm().clamp_min(1e-30))
-    rel = float((out - ref).norm()) / norm
+    # norms in float64: outputs near float32's range must not overflow them into a false pass
+    norm = float(ref.double().norm().clamp_min(1e-30))
+    rel = float((out.double() - ref.double()).norm()) / norm
     tol = max(orule.base, orule.flips * flip / norm)
-    rel32 = float((out - ref32).norm() / ref32.norm().clamp_min(1e-30)) if orule.fp32_tol is not None else None
+    rel32 = (float((out.double() - ref32.double()).norm() / ref32.double().norm().clamp_min(1e-30))
+             if orule.fp32_tol is not None else None)  # fmt: skip
     ok = exact and shared_exact is not False and rel <= tol and (rel32 is None or rel32 <= orule.fp32_tol)
     detail = ["packed weights differ from the source: " + "; ".join(problems)] if problems else []
-    if rel > tol:
-        ref_name = f"the {scheme.name} reference" if scheme.quantized else "the reference"
-        detail.append(f"output differs from {ref_name}: relative error {rel:.3g} > {tol:.3g}")
-    if rel32 is not None and rel32 > orule.fp32_tol:
-        detail.append(f"output differs from the fp32 reference on the source's weights: {rel32:.3g} > {orule.fp32_tol:g}")
+    ref_name = f"the {scheme.name} reference" if scheme.quantized else "the reference"
+    if not rel <= tol:  # NaN too: a failure line always says what differs
+        detail.append(_nonfinite(out, ref, ref_name) or f"output differs from {ref_name}: relative error {rel:.3g} > {tol:.3g}")
+    if rel32 is not None and not rel32 <= orule.fp32_tol:
+        detail.append(_nonfinite(out, ref32, "the fp32 reference on the source's weights")
+                      or f"output differs from the fp32 reference on the source's weights: {rel32:.3g} > {orule.fp32_tol:g}")  # fmt: skip
+    if not ok and not detail:
+        detail.append(f"the layer failed without a named difference (relative error {rel!r}, tolerance {tol!r})")
     return LayerCheck(layer_index, exact, rel, tol, ok, "; ".join(detail), rel32, shared_exact, tensors, shared_tensors,
                       orule.fp32_tol if rel32 is not None else None, scheme.weights_note, layer.entry.get("quantizer"), mode, orule.base)  # fmt: skip

@@ -16,8 +16,11 @@ AVX-512 levels). By role (moepack.layout's TensorSpec.role):
   and 4-bit layouts cannot be out of range: every byte pattern is a code;
 * ``f8codes`` (the ``codes`` of an fp8 layout, e4m3fn bit patterns): never 0x7F / 0xFF, the NaN
   codes (convert and the packer refuse them; the kernels would turn them into NaN outputs);
-* ``e8m0`` (the ``scale`` of a layout whose scales are e8m0 exponent bytes, mxfp4's): never 255,
-  the e8m0 NaN (convert refuses it; 0..254 are the scales 2^(e - 127), 0 also in padding);
+* ``f8scale`` (the ``scale`` of an fp8 layout): the ``scale`` rule, and times e4m3fn's largest
+  code 448 finite in float32 (convert refuses a source scale above it: its weights decode to Inf);
+* ``e8m0`` (the ``scale`` of a layout whose scales are e8m0 exponent bytes, mxfp4's): 0..252,
+  the scales 2^(e - 127) (0 also in padding): 255 is the e8m0 NaN, and from 253 up 6 (e2m1's
+  largest code) x 2^(e - 127) overflows float32 (convert refuses them);
 * ``sum`` (int8 column sums): equal to the sum of the channel's codes (only verify checks it:
   it needs every code, see ``colsum_problem``).
 
@@ -31,8 +34,11 @@ from __future__ import annotations
 
 import torch
 
+from .schemes.mxfp4.codec import E8M0_LARGEST
+from .sources.fp8_codec import E4M3_LARGEST
+
 # the roles open checks (their tensors are small next to the codes)
-OPEN_ROLES = ("scale", "e8m0", "zero", "perm")
+OPEN_ROLES = ("scale", "f8scale", "e8m0", "zero", "perm")
 
 
 def _at(mask: torch.Tensor) -> tuple[list[int], int]:
@@ -56,7 +62,15 @@ def value_problem(name: str, role: str, t: torch.Tensor, *, offset: int | None =
     elif role == "f8codes":
         bad, rule = (t & 0x7F) == 0x7F, "e4m3fn codes 0x7F / 0xFF are NaN (convert refuses them)"
     elif role == "e8m0":
-        bad, rule = t == 255, "e8m0 scale 255 is NaN (scales are 2^(e - 127), e = 0..254; convert refuses it)"
+        bad = t > E8M0_LARGEST
+        first = int(t[tuple(_at(bad)[0])]) if bool(bad.any()) else 0
+        rule = (f"e8m0 scale 255 is NaN (scales are 2^(e - 127), e = 0..{E8M0_LARGEST}; convert refuses it)" if first == 255
+                else f"e8m0 scales must be 0..{E8M0_LARGEST}: from 253 up 6 (e2m1's largest code) x 2^(e - 127) overflows "
+                "float32 (convert refuses them)")  # fmt: skip
+    elif role == "f8scale":
+        bad = ~(torch.isfinite(t) & (t >= 0) & torch.isfinite(t * E4M3_LARGEST))
+        rule = (f"scales must be finite and >= 0, and fp8 scales <= {torch.finfo(torch.float32).max / E4M3_LARGEST:.4g} "
+                "(times e4m3fn's largest code 448 a larger one overflows float32; convert refuses them)")  # fmt: skip
     elif role == "perm":
         return _perm_problem(name, t)
     else:
@@ -88,7 +102,10 @@ def _fast_ok(role: str, t: torch.Tensor) -> bool:
     if role == "f8codes":
         return not bool(((t & 0x7F) == 0x7F).any())
     if role == "e8m0":
-        return int(t.max()) < 255
+        return int(t.max()) <= E8M0_LARGEST
+    if role == "f8scale":
+        lo, hi = torch.aminmax(t)
+        return bool(lo >= 0) and bool(torch.isfinite(hi * E4M3_LARGEST))
     if role in ("bias", "codes") and t.dtype.is_floating_point:
         lo, hi = torch.aminmax(t) if t.dtype != torch.bfloat16 else (t.min(), t.max())
         return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
@@ -118,7 +135,8 @@ def roles_of(model, roles: tuple | None = None):
         # e8m0 scales (exponent bytes) have theirs (no 255), not the float scales' rule
         f8 = lay.scheme == "fp8_block"
         e8 = lay.scale_dtype == "e8m0"
-        kinds = {t.name: ("f8codes" if f8 and t.role == "codes" else "e8m0" if e8 and t.role == "scale" else t.role)
+        kinds = {t.name: ("f8codes" if f8 and t.role == "codes" else "e8m0" if e8 and t.role == "scale"
+                          else "f8scale" if f8 and t.role == "scale" else t.role)
                  for t in _plan_roles(lay)}  # fmt: skip
         for group in (layer.entry["tensors"], (layer.entry.get("shared") or {})):
             for r, name in group.items():

@@ -77,8 +77,9 @@ struct Avx2Elementwise {
         const __m256 lim = _mm256_set1_ps(a.limit), nlim = _mm256_set1_ps(-a.limit);
         const __m256 alpha = _mm256_set1_ps(a.alpha), one = _mm256_set1_ps(1.0f);
         for (; j + 8 <= n; j += 8) {
-          const __m256 gv = _mm256_min_ps(_mm256_loadu_ps(g + j), lim);
-          const __m256 uv = _mm256_max_ps(_mm256_min_ps(_mm256_loadu_ps(u + j), lim), nlim);
+          // vminps/vmaxps return the second operand when either is NaN: the value goes second
+          const __m256 gv = _mm256_min_ps(lim, _mm256_loadu_ps(g + j));
+          const __m256 uv = _mm256_max_ps(nlim, _mm256_min_ps(lim, _mm256_loadu_ps(u + j)));
           const __m256 glu = _mm256_mul_ps(gv, sigmoid_ps(_mm256_mul_ps(alpha, gv)));
           _mm256_storeu_ps(out + j, _mm256_mul_ps(_mm256_add_ps(uv, one), glu));
         }

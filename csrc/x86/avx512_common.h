@@ -307,8 +307,9 @@ struct Avx512Base {
         const __m512 lim = _mm512_set1_ps(a.limit), nlim = _mm512_set1_ps(-a.limit);
         const __m512 alpha = _mm512_set1_ps(a.alpha), one = _mm512_set1_ps(1.0f);
         for (; j + 16 <= n; j += 16) {
-          const __m512 gv = _mm512_min_ps(_mm512_loadu_ps(g + j), lim);
-          const __m512 uv = _mm512_max_ps(_mm512_min_ps(_mm512_loadu_ps(u + j), lim), nlim);
+          // vminps/vmaxps return the second operand when either is NaN: the value goes second
+          const __m512 gv = _mm512_min_ps(lim, _mm512_loadu_ps(g + j));
+          const __m512 uv = _mm512_max_ps(nlim, _mm512_min_ps(lim, _mm512_loadu_ps(u + j)));
           const __m512 glu = _mm512_mul_ps(gv, sigmoid_ps(_mm512_mul_ps(alpha, gv)));
           _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_add_ps(uv, one), glu));
         }

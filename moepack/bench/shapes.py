@@ -40,6 +40,7 @@ SHAPES: dict[str, MoeShape] = {
 }
 DEFAULT_SHAPES = ("qwen3-30b-a3b", "gpt-oss-20b", "mixtral-8x7b")
 DEFAULT_TOKENS = (1, 8, 64, 512)
+MAX_TOKENS = 1 << 16  # the most tokens per call bench, run and verify take: past it a run only exhausts memory
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 _CUSTOM_SHAPE = re.compile(r"^e(\d+)k(\d+)h(\d+)i(\d+)$", re.IGNORECASE)
 
@@ -83,8 +84,8 @@ def parse_tokens(spec: str | list[int] | tuple[int, ...]) -> list[int]:
             t = int(text)
         except ValueError:
             raise ValueError(f"--tokens: {text!r} is not an integer (write e.g. 1,8,64,512)") from None
-        if t <= 0:
-            raise ValueError(f"--tokens: {t} is not a positive token count")
+        if not 1 <= t <= MAX_TOKENS:
+            raise ValueError(f"--tokens: {t} must be a token count in 1..{MAX_TOKENS} (more only exhausts memory)")
         if t not in out:
             out.append(t)
     if not out:

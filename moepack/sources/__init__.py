@@ -44,8 +44,26 @@ class SourceReader:
     skipped: Callable[[Checkpoint], tuple[list, str]] = mtp_skipped
 
 
+def _modelopt_algo(ckpt: Checkpoint):
+    """ModelOpt's quant_algo from its ``hf_quant_config.json`` ({"quantization": {"quant_algo":
+    ...}}), or None when the checkpoint has no such file or it names no algorithm."""
+    import json
+
+    f = ckpt.path / "hf_quant_config.json"
+    if not f.is_file():
+        return None
+    try:
+        q = json.loads(f.read_text()).get("quantization") or {}
+    except (ValueError, AttributeError):
+        return None
+    return (q.get("quant_algo") or None) if isinstance(q, dict) else None
+
+
 def _detect_dense(ckpt: Checkpoint) -> tuple[bool, str]:
     qc = text_config(ckpt.config).get("quantization_config") or ckpt.config.get("quantization_config")
+    algo = _modelopt_algo(ckpt)
+    if algo is not None:
+        return False, f"hf_quant_config.json (ModelOpt quant_algo {algo!r}): not a dense checkpoint"
     if qc:
         method = qc.get("quant_method", "?") if isinstance(qc, dict) else "?"
         return False, f"config.json has quantization_config (quant_method={method!r}): not a dense checkpoint"
@@ -139,16 +157,73 @@ def _without_skipped(r: SourceReader) -> Callable[[Checkpoint], list[LayerSpec]]
     return layers
 
 
+# The reader a checkpoint's quantization_config names: (quant_method, compressed-tensors format or
+# None) -> reader. When none handles the checkpoint, that reader's reason is the error's one line;
+# the other readers' reasons are a note on it (``__notes__``: the traceback moepack --debug prints).
+_CLAIMS = {
+    ("compressed-tensors", "int-quantized"): "compressed-tensors",
+    ("compressed-tensors", "pack-quantized"): "compressed-tensors-pack-quantized",
+    ("compressed-tensors", "float-quantized"): "compressed-tensors-float-quantized",
+    ("compressed-tensors", "mxfp4-pack-quantized"): "compressed-tensors-mxfp4-pack-quantized",
+    ("gptq", None): "gptq",
+    ("awq", None): "awq",
+    ("fp8", None): "fp8-block",
+    ("mxfp4", None): "mxfp4-gpt-oss",
+}
+# Formats moepack recognises and does not read yet: (quant_method, format) -> what they are.
+_NOT_YET = {
+    ("compressed-tensors", "nvfp4-pack-quantized"): "compressed-tensors format 'nvfp4-pack-quantized': NVFP4",
+    ("nvfp4", None): "quant_method='nvfp4': NVFP4",
+}
+
+
+def _claim(ckpt: Checkpoint) -> tuple[str | None, str | None, str]:
+    """(the reader the checkpoint's quantization_config names, or None; what a format moepack
+    recognises but does not read yet is, or None; the config words that named them)."""
+    qc = text_config(ckpt.config).get("quantization_config") or ckpt.config.get("quantization_config")
+    algo = _modelopt_algo(ckpt)
+    if algo is None and isinstance(qc, dict) and qc.get("quant_method") == "modelopt":
+        algo = qc.get("quant_algo", "?")
+    if algo is not None:  # NVIDIA ModelOpt: quant_algo NVFP4, FP8, W4A8_AWQ, ...
+        what = "NVFP4" if str(algo).upper() == "NVFP4" else "a ModelOpt checkpoint"
+        return None, f"ModelOpt quant_algo={algo!r}: {what}", ""
+    if not isinstance(qc, dict):
+        return (None, None, "") if qc else ("dense", None, "no quantization_config")
+    method = qc.get("quant_method")
+    fmt, words = None, f"quantization_config quant_method {method!r}"
+    if method == "compressed-tensors":
+        groups = qc.get("config_groups")
+        fmts = {g.get("format") for g in groups.values() if isinstance(g, dict)} if isinstance(groups, dict) else set()
+        fmts = (fmts - {None}) or {qc.get("format")}
+        if len(fmts) != 1:
+            return None, None, ""  # mixed formats: every reader's reason
+        fmt = fmts.pop()
+        words = f"quantization_config format {fmt!r}"
+    key = (method, fmt)
+    return _CLAIMS.get(key), _NOT_YET.get(key), words
+
+
 def open_source(path) -> tuple[Checkpoint, SourceReader]:
-    """The checkpoint at ``path`` and the reader that handles it (or a SourceError saying why none does)."""
+    """The checkpoint at ``path`` and the reader that handles it (or a SourceError saying why none
+    does: alone on its one line, what the reader the config names says, or the format moepack
+    recognises and does not read yet; the other readers' reasons in a note on the error)."""
     ckpt = Checkpoint(path)
-    reasons = []
+    reasons = {}
     for r in READERS:
         ok, why = r.detect(ckpt)
         if ok:
             return ckpt, dataclasses.replace(r, layers=_without_skipped(r))
-        reasons.append(f"{r.name}: {why}")
-    raise SourceError(f"source {ckpt.path}: no reader handles it ({'; '.join(reasons)})")
+        reasons[r.name] = why
+    claimed, not_yet, words = _claim(ckpt)
+    if not_yet is not None:
+        first = f"{not_yet} is not supported yet (docs/FORMATS.md lists the formats moepack reads)"
+    elif claimed in reasons:
+        first = f"{claimed}, the reader of {words}: {reasons.pop(claimed)}"
+    else:
+        raise SourceError(f"source {ckpt.path}: no reader handles it ({'; '.join(f'{k}: {v}' for k, v in reasons.items())})")
+    err = SourceError(f"source {ckpt.path}: {first} (no reader handles it; moepack --debug shows the other readers' reasons)")
+    err.add_note("the other readers: " + "; ".join(f"{k}: {v}" for k, v in reasons.items()))  # a traceback shows it
+    raise err
 
 
 __all__ = ["Checkpoint", "TensorInfo", "CanonicalLayer", "LayerSpec", "SourceReader", "READERS", "open_source", "text_config"]

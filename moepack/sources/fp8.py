@@ -49,7 +49,7 @@ from ..schemes.fp8.facts import Fp8Facts
 from ..schemes.fp8.quantize import dequantize_fp8
 from .checkpoint import Checkpoint
 from .compressed_tensors import config_groups, ct_strategy, quantization_config
-from .fp8_codec import check_fp8_codes
+from .fp8_codec import E4M3_LARGEST, check_fp8_codes
 from .int4_common import check_scales
 from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, mtp_skipped, read_biases as dense_read_biases
 
@@ -367,7 +367,7 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
 
 def _read_scale(ckpt: Checkpoint, name: str) -> torch.Tensor:
     """A scale tensor as fp32, or a SourceError naming its first NaN / Inf / zero / negative value."""
-    return check_scales(name, ckpt.read(name))
+    return check_scales(name, ckpt.read(name), E4M3_LARGEST, "e4m3fn's largest code")
 
 
 def _read_codes(ckpt: Checkpoint, name: str) -> torch.Tensor:

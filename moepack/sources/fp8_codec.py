@@ -51,6 +51,9 @@ def nan_codes(codes: torch.Tensor) -> torch.Tensor:
     return bad
 
 
+E4M3_LARGEST = 448.0  # float8 e4m3fn's largest finite code: a scale times it must stay finite (check_scales)
+
+
 def check_fp8_codes(name: str, codes: torch.Tensor) -> torch.Tensor:
     """``codes`` as their uint8 bit patterns, or a SourceError naming the first NaN code (every FP8
     reader's check: the carried Linears' and the experts', moepack/sources/fp8.py)."""
@@ -73,7 +76,7 @@ def check_block_scales(name: str, scale: torch.Tensor, n: int, k: int, block) ->
     if tuple(scale.shape) != want:
         raise SourceError(f"tensor {name!r} has shape {list(scale.shape)}: expected {list(want)} "
                           f"(ceil(N={n} / {block[0]}), ceil(K={k} / {block[1]}) blocks)")  # fmt: skip
-    return check_scales(name, scale)
+    return check_scales(name, scale, E4M3_LARGEST, "e4m3fn's largest code")
 
 
 def dequantize_block(codes: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
@@ -93,4 +96,4 @@ def dequantize_block(codes: torch.Tensor, scale: torch.Tensor, block) -> torch.T
     return v
 
 
-__all__ = ["FP8_DTYPES", "decode_fp8", "nan_codes", "check_fp8_codes", "block_grid", "check_block_scales", "dequantize_block"]
+__all__ = ["FP8_DTYPES", "E4M3_LARGEST", "decode_fp8", "nan_codes", "check_fp8_codes", "block_grid", "check_block_scales", "dequantize_block"]

@@ -146,13 +146,22 @@ def check_shape(ckpt: Checkpoint, name: str, want: tuple, why: str) -> None:
         raise SourceError(f"tensor {name!r} has shape {list(got)}: expected {list(want)} ({why})")
 
 
-def check_scales(name: str, s: torch.Tensor) -> torch.Tensor:
-    """``s`` as float32, or a SourceError naming the first NaN/Inf/zero/negative scale."""
+def check_scales(name: str, s: torch.Tensor, largest: float | None = None, code: str = "") -> torch.Tensor:
+    """``s`` as float32, or a SourceError naming the first NaN/Inf/zero/negative scale; with
+    ``largest`` (the format's largest code magnitude, ``code`` its name) also the first scale
+    whose product with it overflows float32: such a weight decodes to Inf."""
     s = s.float()
     bad = ~(torch.isfinite(s) & (s > 0))
     if bool(bad.any()):
         idx = [int(i) for i in bad.nonzero()[0]]
         raise SourceError(f"tensor {name!r}{idx} = {s[tuple(idx)].item()!r}: scales must be finite and > 0")
+    if largest is not None:
+        over = ~torch.isfinite(s * largest)
+        if bool(over.any()):
+            idx = [int(i) for i in over.nonzero()[0]]
+            raise SourceError(f"tensor {name!r}{idx} = {s[tuple(idx)].item()!r}: scale x {code} ({largest:g}) overflows "
+                              f"float32: scales must be <= {torch.finfo(torch.float32).max / largest:.4g}, so that "
+                              "every weight decodes to a finite value")  # fmt: skip
     return s
 
 

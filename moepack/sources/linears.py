@@ -333,7 +333,7 @@ def _fp8_values(view, lin: CarriedLinear, dequant: bool = True) -> torch.Tensor 
     if rule[0] == "block":
         s = fp8_codec.check_block_scales(sn, raw, n, k, rule[1:])
         return fp8_codec.dequantize_block(codes, s, rule[1:]) if dequant else None
-    s = check_scales(sn, raw)
+    s = check_scales(sn, raw, fp8_codec.E4M3_LARGEST, "e4m3fn's largest code")
     if not dequant:
         return None
     v = fp8_codec.decode_fp8(codes)

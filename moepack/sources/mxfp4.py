@@ -44,7 +44,7 @@ import re
 import torch
 
 from ..errors import SourceError
-from ..schemes.mxfp4.codec import E8M0_NAN, MX4_GROUP, dequantize_mxfp4
+from ..schemes.mxfp4.codec import E8M0_LARGEST, E8M0_NAN, MX4_GROUP, dequantize_mxfp4
 from ..schemes.mxfp4.facts import Mxfp4Facts
 from .checkpoint import Checkpoint, TensorInfo
 from .compressed_tensors import config_groups, ct_strategy, quantization_config
@@ -88,7 +88,13 @@ def check_e8m0(name: str, scale: torch.Tensor, at: tuple = ()) -> torch.Tensor:
     bad = s == E8M0_NAN
     if bool(bad.any()):
         idx = [*at, *(int(i) for i in bad.nonzero()[0])]
-        raise SourceError(f"tensor {name!r}{idx} = 255: an e8m0 NaN scale; MXFP4 scales must be 0..254 (2^(e - 127))")
+        raise SourceError(f"tensor {name!r}{idx} = 255: an e8m0 NaN scale; MXFP4 scales must be 0..{E8M0_LARGEST} (2^(e - 127))")
+    bad = s > E8M0_LARGEST
+    if bool(bad.any()):
+        idx = [*at, *(int(i) for i in bad.nonzero()[0])]
+        e = int(s[tuple(idx[len(at):])])
+        raise SourceError(f"tensor {name!r}{idx} = {e}: e8m0 scale 2^{e - 127} x e2m1's largest code 6 overflows float32; "
+                          f"MXFP4 scales must be 0..{E8M0_LARGEST}, so that every weight decodes to a finite value")  # fmt: skip
     return s
 
 

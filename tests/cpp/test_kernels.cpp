@@ -87,6 +87,7 @@ bool g_quick = false;
 #include "kt_mx4_simd.inc"
 #include "kt_mx4_arm.inc"
 #include "kt_seam.inc"
+#include "kt_nan.inc"
 
 }  // namespace
 
@@ -126,6 +127,7 @@ int main(int argc, char** argv) {
   test_mx4_fused(runnable_registrars());
   test_mx4_simd(runnable_registrars());
   test_mx4_arm(runnable_registrars());
+  test_swiglu_nan();
 
   const Activation acts[4] = {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::swigluoai};
   const DType dts[3] = {DType::f32, DType::bf16, DType::f16};

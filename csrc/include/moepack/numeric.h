@@ -77,9 +77,10 @@ static inline float act_gelu_tanh(float g, float u) {
   const float c = 0.7978845608028654f;  // sqrt(2/pi)
   return 0.5f * g * (1.0f + std::tanh(c * (g + 0.044715f * g * g * g))) * u;
 }
+// Clamps as torch.clamp does: a NaN stays NaN (std::fmin/fmax would return the limit).
 static inline float act_swigluoai(float g, float u, float alpha, float limit) {
-  g = std::fmin(g, limit);
-  u = std::fmax(std::fmin(u, limit), -limit);
+  g = g > limit ? limit : g;
+  u = u > limit ? limit : (u < -limit ? -limit : u);
   return (u + 1.0f) * g * sigmoid_f32(alpha * g);
 }
 

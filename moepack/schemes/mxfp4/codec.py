@@ -14,6 +14,9 @@ import torch
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 MX4_GROUP = 32  # K values per e8m0 scale
 E8M0_NAN = 255
+# The largest e8m0 byte moepack reads: 6 (e2m1's largest code) x 2^(e - 127) overflows float32
+# from e = 253 up, so such a scale decodes weights to Inf (convert, open and verify refuse it).
+E8M0_LARGEST = 252
 
 
 def decode_e2m1(q: torch.Tensor) -> torch.Tensor:
@@ -37,4 +40,4 @@ def dequantize_mxfp4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return decode_e2m1(q) * s
 
 
-__all__ = ["E2M1_VALUES", "MX4_GROUP", "E8M0_NAN", "decode_e2m1", "e8m0_to_float", "dequantize_mxfp4"]
+__all__ = ["E2M1_VALUES", "MX4_GROUP", "E8M0_NAN", "E8M0_LARGEST", "decode_e2m1", "e8m0_to_float", "dequantize_mxfp4"]

@@ -34,7 +34,7 @@ import torch
 
 from ...errors import LayoutError
 from ...pack import FLOAT_DTYPES, check_float
-from .codec import E8M0_NAN, MX4_GROUP, e8m0_to_float
+from .codec import E8M0_LARGEST, E8M0_NAN, MX4_GROUP, e8m0_to_float
 
 E2M1_MAX = 6.0
 E8M0_BIAS = 127
@@ -117,11 +117,21 @@ def check_mxfp4_canonical(weight: str, q: torch.Tensor, scale: torch.Tensor) -> 
 
 
 def check_e8m0(name: str, scale: torch.Tensor) -> None:
-    """A LayoutError naming the first e8m0 byte 255 (NaN) of ``scale``: NaN has no meaning as a scale."""
+    """A LayoutError naming the first e8m0 byte of ``scale`` above E8M0_LARGEST: 255 (NaN) has no
+    meaning as a scale, and from 253 up e2m1's largest code times 2^(e - 127) overflows float32
+    (the fused kernels apply the scale after the group's dot product, so such weights would give
+    finite outputs where the format's decode gives Inf: refused, as convert and open do)."""
     bad = scale == E8M0_NAN
     if bool(bad.any()):
         idx = bad.nonzero()[0].tolist()
-        raise LayoutError(f"{name}{idx} = 255: the e8m0 NaN (scales are 2^(e - 127), e = 0..254); weights must be finite")
+        raise LayoutError(f"{name}{idx} = 255: the e8m0 NaN (scales are 2^(e - 127), e = 0..{E8M0_LARGEST}); weights must "
+                          "be finite")  # fmt: skip
+    bad = scale > E8M0_LARGEST
+    if bool(bad.any()):
+        idx = bad.nonzero()[0].tolist()
+        e = int(scale[tuple(idx)])
+        raise LayoutError(f"{name}{idx} = {e}: e8m0 scale 2^{e - 127} x e2m1's largest code 6 overflows float32 "
+                          f"(scales must be 0..{E8M0_LARGEST}); weights must be finite")  # fmt: skip
 
 
 __all__ = ["E2M1_MAX", "E8M0_BIAS", "ZERO_GROUP_EXPONENT", "shared_exponent", "round_to_e2m1", "quantize_mxfp4",
