@@ -51,6 +51,14 @@ def parse_spec(spec: str) -> dict[str, str]:
     return out
 
 
+DEFAULTS = {"walk": "guided", "pair": "0", "streams": "0", "touch": "0", "pf": "-1", "nta": "0", "dot": "0", "slow": "0"}
+
+
+def short(spec: str) -> str:
+    """A spec without its knobs at their defaults ("" when all are)."""
+    return format_spec({k: v for k, v in parse_spec(spec).items() if DEFAULTS.get(k) != v})
+
+
 def format_spec(knobs: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in knobs.items())
 
@@ -303,11 +311,12 @@ def untuned_hint() -> str | None:
 
 
 def describe(layout, act_mode: str) -> list[tuple[str, str]]:
-    """(token class, "spec (measured: 1.07x the default | default)") for ``moepack info``."""
+    """(token class, "default" or "spec (how it was chosen: measured with its gain, MOEPACK_VARIANT)")
+    for ``moepack info``; a spec lists only the knobs off their defaults."""
     rec = _applied.record
     out = []
     for ti, tc in enumerate(TOKEN_CLASSES):
-        spec = current(layout, act_mode, (1, 8, 512)[ti])
+        spec = short(current(layout, act_mode, (1, 8, 512)[ti])) or "the defaults"
         how = "default"
         if os.environ.get("MOEPACK_VARIANT"):
             how = "MOEPACK_VARIANT"
@@ -319,7 +328,7 @@ def describe(layout, act_mode: str) -> list[tuple[str, str]]:
                 if c.layout == name and c.act_mode == act_mode and c.tclass == tc:
                     how = (f"measured {rec.measured_at}: {c.gain:.3f}x the default's speed" if c.spec
                            else f"measured {rec.measured_at}: the default was fastest") + (f"; {c.note}" if c.note else "")
-        out.append((tc, f"{spec} ({how})"))
+        out.append((tc, "default" if how == "default" else f"{spec} ({how})"))
     return out
 
 

@@ -228,3 +228,19 @@ def test_bench_on_an_untuned_host_names_tune_once(tmp_path):
                         "--no-probe", "--calls", "8"], env=env, capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "moepack tune" not in r.stderr, r.stderr
+
+
+def test_vs_table_tool_prints_the_table(tmp_path):
+    """tools/vs_table.py: one bench per row, its JSON kept, the Markdown table with the machine
+    (against the torch loop here: vLLM is not in this environment)."""
+    r = subprocess.run([sys.executable, "tools/vs_table.py", "--out", str(tmp_path), "--engine", "torch", "--decode-shapes",
+                        "tiny", "--prefill-shape", "tiny", "--rows", "int8 W8A8"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in tmp_path.glob("*.json")) == ["int8_channel_default_512.json", "int8_channel_default_dec.json"]
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("|")]
+    assert lines[0] == "| moepack ÷ torch | tiny T=1 / 8 | tiny T=512 |"
+    cells = lines[2].split("|")[1:-1]
+    assert cells[0].strip() == "int8 W8A8"
+    t1, t8 = (float(x) for x in cells[1].split("/"))
+    assert t1 > 0 and t8 > 0 and float(cells[2]) > 0
+    assert r.stdout.startswith("Machine: ")

@@ -37,7 +37,7 @@ def run_one(out: Path, name: str, scheme: str, mode: str | None, shapes: str, to
         if mode:
             cmd += ["--act-mode", mode]
         print("$ " + " ".join(cmd[1:]), file=sys.stderr, flush=True)
-        subprocess.run(cmd, cwd=ROOT, check=True)
+        subprocess.run(cmd, cwd=ROOT, check=True, stdout=sys.stderr)  # its own table: to stderr
     return json.loads(path.read_text())
 
 
