@@ -32,7 +32,7 @@ def tune(
     tokens: str = typer.Option("1,8", "--tokens", help="Comma-separated token counts, one per class tuned: T=1, "
                                "T=2..16, T>16 (add 512 to tune prefill too)."),
     threads: int = typer.Option(2, "--threads", help="torch.set_num_threads while timing (the picks are used at any count)."),
-    seconds: float = typer.Option(1.0, "--seconds", help="Timing per (scheme, shape, T) and phase; more is steadier."),
+    seconds: float = typer.Option(1.5, "--seconds", help="Timing per (scheme, shape, T) and phase; more is steadier."),
     show: bool = typer.Option(False, "--show", help="Print this machine's cached picks and exit (nothing timed)."),
     clear: bool = typer.Option(False, "--clear", help="Delete this machine's cache (the build's defaults from then on) and exit."),
     no_write: bool = typer.Option(False, "--no-write", help="Time and print, but do not write the cache."),

@@ -3,8 +3,8 @@
 What it measures, per (layout, activation mode, token class) and per shape:
 
 * random bf16 experts of the shape (``run.make_weights``; at most ``MAX_TUNE_BF16_BYTES`` of
-  them: the reads still come from memory, not the caches, and making them stays quick), packed
-  in the scheme's layout for this CPU (``pack_experts``);
+  them, made once: the reads still come from memory, not the caches, and quantizing them stays
+  quick), packed once per layout for this CPU (``pack_experts``);
 * the candidates: the build's default twice (``default`` and ``default (again)``: their spread is
   the run's noise), then one change of one knob at a time (the knobs the selected kernel reads,
   ``variants.knobs``, plus the driver's ``walk`` and ``touch``);
@@ -37,7 +37,7 @@ from .shapes import DTYPES, MoeShape
 from .timing import RoutingStream, median
 
 MARGIN = 0.015  # a candidate must be this much faster than the default, beyond the run's noise
-MAX_TUNE_BF16_BYTES = 1 << 30  # the experts made per shape (bf16): fewer experts when a shape has more
+MAX_TUNE_BF16_BYTES = 512 << 20  # the experts made per shape (bf16): fewer experts when a shape has more
 DEFAULT_TOKENS = (1, 8)  # the decode classes; T > 16 (prefill) on request (--tokens 1,8,512)
 DEFAULT_SHAPES = ("qwen3-30b-a3b", "gpt-oss-20b")
 
@@ -177,30 +177,45 @@ def _measure(cases: list[_Case], specs: list[str], cfg: TuneConfig, rng: random.
 
 
 def _groups_from_shapes(cfg: TuneConfig, log):
-    """(layout, act_mode, [(shape, packed experts, activation kwargs)]) per scheme of ``cfg``,
-    random bf16 experts of each shape packed in the scheme's layout for this CPU."""
+    """(layout, act_mode, [(shape, packed experts, activation kwargs)]) per scheme and mode of
+    ``cfg``: random bf16 experts of each shape, made once, packed once per layout (a layout's two
+    activation modes share its pack; packing is most of a tune's time)."""
     import moepack
     from ..schemes import get_scheme
 
+    weights: dict[str, tuple] = {}  # shape name -> (trimmed shape, w13, w2)
+
+    def canonical(shi: int, shape: MoeShape):
+        if shape.name not in weights:
+            e = max(2 * shape.topk, min(shape.num_experts, MAX_TUNE_BF16_BYTES // shape.canonical_bytes_per_expert))
+            sh = MoeShape(shape.name, e, shape.topk, shape.hidden, shape.intermediate)
+            weights[shape.name] = (sh, *make_weights(sh, cfg.seed + 1000 * shi))
+        return weights[shape.name]
+
+    by_layout: dict[str, list[str]] = {}  # layout name -> act modes asked, in order
+    layouts = {}
     for scheme_name, mode in cfg.schemes:
-        scheme = get_scheme(scheme_name)
-        layout = scheme.layout_for(host_family())
+        layout = get_scheme(scheme_name).layout_for(host_family())
         act_mode = mode or layout.act_modes[0]
         if act_mode not in layout.act_modes:
             log(f"{layout.name}: no {act_mode} mode, skipped")
             yield layout, act_mode, None
             continue
+        layouts[layout.name] = layout
+        modes = by_layout.setdefault(layout.name, [])
+        if act_mode not in modes:
+            modes.append(act_mode)
+    for name, modes in by_layout.items():
+        layout = layouts[name]
         packs = []
         for shi, shape in enumerate(cfg.shapes):
-            per_expert = shape.canonical_bytes_per_expert
-            e = max(2 * shape.topk, min(shape.num_experts, MAX_TUNE_BF16_BYTES // per_expert))
-            sh = MoeShape(shape.name, e, shape.topk, shape.hidden, shape.intermediate)
-            log(f"{layout.name} {act_mode}: packing {sh.name} ({sh.describe()})")
-            w13, w2 = make_weights(sh, cfg.seed + 1000 * shi)
+            sh, w13, w2 = canonical(shi, shape)
+            log(f"{layout.name}: packing {sh.name} ({sh.describe()})")
             packs.append((sh, moepack.pack_experts(w13, w2, layout=layout), {}))
-            del w13, w2
-            gc.collect()
-        yield layout, act_mode, packs
+        for act_mode in modes:
+            yield layout, act_mode, packs
+        del packs
+        gc.collect()
 
 
 def _groups_from_packed(cfg: TuneConfig, log):
