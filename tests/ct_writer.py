@@ -27,7 +27,7 @@ def write_ct_checkpoint(src: Path, dst: Path, preset: str, amax: Callable, *, ke
     the written config as they are (default ``["Linear"]`` / none): a checkpoint whose recipe
     quantized the experts only says so with e.g. ``targets=["re:.*mlp[.]experts[.].*"]`` and the
     float linears in ``ignore``, as an engine loading it needs. Returns the quantized modules."""
-    ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors==0.20.1 is a test dependency (Makefile)")
+    import compressed_tensors as ct
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme

@@ -12,8 +12,8 @@ for the on-disk inventory (expert / router / shared-expert tensor names, shapes,
     logits, weights, ids = route(block, x)           # [T, E], [T, k], [T, k]
 
 Only ``fixture_dir``/``fixture_names``/``fixture_info`` work without transformers;
-everything else imports transformers lazily (tests that need it should
-``pytest.importorskip("transformers")``).
+everything else imports transformers lazily (a test dependency that ``make setup-test``
+installs: a test that needs it imports it, and fails where it is missing).
 
 Router logits ([T, E]) for the same input, per family -- ``route(block, x)[0]`` returns
 exactly what transformers computes; by hand it is ``F.linear(x, W, b)`` with:

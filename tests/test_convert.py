@@ -78,7 +78,6 @@ def hf_model(name: str, rounded: bool):
     """transformers' model of the fixture in fp32; ``rounded``: its routed and shared expert
     weights rounded to bf16 (what the packed directory stores; a no-op for BF16 sources).
     Routers, shared-expert gates and expert biases stay as loaded (moepack keeps them fp32)."""
-    pytest.importorskip("transformers")
     from tests.fixtures_util import load_hf_model
 
     model = load_hf_model(name, dtype=F32)

@@ -138,7 +138,6 @@ def _hf_model(src: Path, block):
 
 @pytest.mark.parametrize("name", SOURCES)
 def test_packed_layers_match_transformers_on_the_oracle_weights(packed, fp8_sources, name):
-    pytest.importorskip("transformers")
     src, dst = fp8_sources(name), packed(name)
     block = BLOCK_SOURCES[name][3] if name in BLOCK_SOURCES else (128, 128)
     model = _hf_model(src, block)

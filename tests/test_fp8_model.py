@@ -31,7 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 import moepack  # noqa: E402
 import moepack.hf as hf  # noqa: E402
@@ -239,7 +239,7 @@ def test_carried_fp8_linears_dequantize_as_transformers_does(fp8_dirs, variant):
 def test_transformers_fp8_loader_agrees(fp8_dirs):
     """transformers' own FP8 loader (FineGrainedFP8Config(dequantize=True); needs accelerate)
     dequantizes every Linear of the written checkpoint to the writer's dequantization."""
-    pytest.importorskip("accelerate")
+    import accelerate  # noqa: F401  (transformers\' FP8 loader needs it)
     from transformers import AutoModelForCausalLM, FineGrainedFP8Config
 
     d = fp8_dirs["plain"]
@@ -439,7 +439,7 @@ def _ct_float_dir(d: Path) -> dict:
     """A compressed-tensors ``float-quantized`` (FP8) checkpoint's attention Linears, written by
     compressed-tensors' own compressor with tensor, channel and (ragged) block scales; returns
     {prefix: the library's own decompression (fp32)}."""
-    ct = pytest.importorskip("compressed_tensors")
+    import compressed_tensors as ct
     from compressed_tensors.compressors import FloatQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 

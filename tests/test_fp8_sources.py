@@ -161,7 +161,6 @@ def _modules(spec, e: int):
 def test_block_fp8_reader_matches_transformers_dequantization(fp8_sources, name):
     """Codes as stored, scales expanded per row, and the dequantized weights bit-equal to
     transformers' own _dequantize_fp8_weight (fp32), routed and shared experts."""
-    pytest.importorskip("transformers")
     d = fp8_sources(name)
     block = BLOCK_SOURCES[name][3]
     sd = load_file(str(d / "model.safetensors"))

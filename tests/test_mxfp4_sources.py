@@ -30,7 +30,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 import moepack  # noqa: E402
 from moepack.errors import MoepackError, SourceError  # noqa: E402

@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 import moepack  # noqa: E402
 import moepack.hf as hf  # noqa: E402

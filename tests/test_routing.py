@@ -534,7 +534,6 @@ def test_bench_smoke():
 def _hf_router(module: str, cls: str, **attrs):
     """A transformers router module on a duck-typed config whose weight is the identity, so that
     its router logits are exactly its input (the hidden size is E)."""
-    pytest.importorskip("transformers")
     mod = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     e = attrs["num_experts"]
     cfg = SimpleNamespace(hidden_size=e, num_local_experts=e, n_routed_experts=e, router_jitter_noise=0.0,
@@ -639,7 +638,6 @@ def test_route_matches_transformers(name):
 
 
 def test_sparsemixer_matches_transformers_function():
-    pytest.importorskip("transformers")
     from transformers.models.phimoe.modeling_phimoe import sparsemixer
 
     g = torch.Generator().manual_seed(11)
@@ -655,7 +653,6 @@ def test_sparsemixer_matches_transformers_function():
 
 def test_from_hf_config_on_transformers_config_classes():
     """config.json as transformers writes it (to_dict of the config classes, with their defaults)."""
-    pytest.importorskip("transformers")
     import transformers as tf
 
     cases = [
@@ -690,7 +687,6 @@ def _fixture_names():
 
 @pytest.mark.parametrize("name", _fixture_names())
 def test_route_matches_fixture_models(name):
-    pytest.importorskip("transformers")
     from tests.fixtures_util import fixture_dir, fixture_info, load_hf_model, moe_block
     from tests.fixtures_util import route as hf_route
 

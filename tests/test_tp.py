@@ -161,7 +161,7 @@ def test_slice_sizes_off_the_blocks_are_refused(name, i, tp, msg):
 
 @pytest.fixture(scope="module")
 def src(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     torch.manual_seed(0)
     cfg = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=40, intermediate_size=64, moe_intermediate_size=64,
                                       num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 import moepack  # noqa: E402
 import moepack.hf as hf  # noqa: E402
@@ -91,7 +91,7 @@ def _ct_dequantized_state(name: str) -> dict[str, torch.Tensor]:
     """A compressed-tensors fixture's tensors with every quantized Linear decompressed by
     compressed-tensors itself (fp32 scales, so the dequantized values are exact), in the model's
     in-memory names (qwen2/qwen3: per-expert gate/up/down fused to gate_up_proj / down_proj)."""
-    ct = pytest.importorskip("compressed_tensors")
+    import compressed_tensors as ct
     from compressed_tensors.compressors import IntQuantizationCompressor, PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from safetensors.torch import load_file

@@ -20,7 +20,7 @@ from moepack.errors import MoepackError, UnsupportedError
 from tests.fixtures_util import fixture_dir
 from tests.test_packdir_errors import cli
 
-pytest.importorskip("transformers")
+import transformers  # noqa: F401
 
 
 @pytest.fixture(scope="module")
