@@ -21,17 +21,6 @@ from tests.conftest import make_moe_inputs
 ARM = layout_get("mx4g32_n16k8_arm")
 
 
-def _have_kernels() -> bool:
-    try:
-        from moepack import _C  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-needs_kernels = pytest.mark.skipif(not _have_kernels(), reason="moepack's C++ extension is not built")
-
-
 def test_the_scheme_offers_the_arm_layout_for_the_arm_family():
     assert ARM.id == 18 and ARM.family == "arm" and ARM.scheme == "mxfp4"
     assert (ARM.block_n, ARM.k_pack, ARM.group_size, ARM.scale_dtype) == (16, 8, 32, "e8m0")
@@ -73,7 +62,6 @@ def test_pack_puts_codes_and_scales_where_the_layout_says(interleaved):
     assert torch.equal(pack_codes(ARM, qq), pack_codes(layout_get("u4g32_n16k8_arm"), qq))
 
 
-@needs_kernels
 @pytest.mark.parametrize("mode", ["a16", "a8"])
 def test_pack_experts_arm_runs_here_on_scalar_against_the_reference(mode):
     inp = make_moe_inputs(tokens=5, hidden=136, intermediate=40, experts=4, topk=2, dtype=torch.bfloat16, bias=True,
@@ -95,7 +83,6 @@ def test_pack_experts_arm_runs_here_on_scalar_against_the_reference(mode):
     assert rel < 2e-2, rel
 
 
-@needs_kernels
 @pytest.mark.parametrize("name,mode", [("qwen3_moe", "a16"), ("gpt_oss", "a16"), ("qwen3_moe", "a8")])
 def test_arm_target_mxfp4_pack_converts_and_verifies_on_x86(tmp_path, name, mode):
     src, dst = fixture_dir(name), tmp_path / "p"

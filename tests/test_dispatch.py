@@ -30,6 +30,7 @@ from moepack.isa import host_family, ISAS, KERNEL_ISAS, available_isas, host_isa
 from moepack.isa_levels import LEVELS, features, features_of
 from moepack.layout import LAYOUTS
 from tests.conftest import make_moe_inputs, run_packed
+from tests.support import skips
 
 
 @pytest.fixture(autouse=True)
@@ -71,10 +72,10 @@ def test_cpu_flags_agree_with_the_kernel():
     """cpuid as the extension reads it vs /proc/cpuinfo (Linux clears flags the OS disables)."""
     cpuinfo = pathlib.Path("/proc/cpuinfo")
     if not cpuinfo.exists():
-        pytest.skip("no /proc/cpuinfo on this OS")
+        skips.host_lacks("/proc/cpuinfo (not Linux): nothing to compare cpuid with")
     line = next((x for x in cpuinfo.read_text().splitlines() if x.startswith("flags")), None)
     if line is None:
-        pytest.skip("/proc/cpuinfo has no flags line (not x86?)")
+        skips.host_lacks("an x86 /proc/cpuinfo flags line (not an x86 CPU)")
     linux = set(line.split(":", 1)[1].split())
     ours = set(moepack.cpu_flags())
     for flag in features(by="cpu"):  # the OS-state ones (os_*) are not CPU flags
@@ -162,7 +163,7 @@ def BF16_LEVELS() -> list[str]:  # noqa: N802 - reads like the constant it stand
 
 def test_env_is_read_on_every_call(monkeypatch):
     if len(BF16_LEVELS()) < 2:
-        pytest.skip("one ISA only: nothing to switch between")
+        skips.host_lacks(f"a second bf16 kernel level to switch to (this CPU runs {BF16_LEVELS()} only)")
     inp = make_moe_inputs(tokens=67, hidden=130, intermediate=88, topk=2, seed=60)
     packed = inp.pack()
     outs = {}

@@ -28,6 +28,7 @@ from moepack.reference import moe_reference
 from tests.conftest import isa_cap, make_moe_inputs, run_packed
 from tests.kernel_cases import CASES, E, Case
 from tests.reference.tolerances import TOL, assert_close
+from tests.support import skips
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 F8_LAYOUTS = [x for x in LAYOUTS if x.scheme == "fp8_block"]
@@ -149,7 +150,7 @@ def test_simd_matches_scalar(case: Case):
     inp, p, scalar, ref, ref32 = computed(case)
     isas = isas_running(F8G)
     if not isas:
-        pytest.skip(f"no SIMD fp8 kernel runs on this host (flags: {moepack.cpu_flags()})")
+        skips.host_lacks(f"a SIMD fp8 kernel level (flags: {moepack.cpu_flags()})")
     for isa in isas:
         with isa_cap(isa):
             out = run_packed(p, inp, **case.act_kwargs)
@@ -263,7 +264,7 @@ def test_word_table_copy_where_vbmi_picks_the_byte_tables():
     import sys
 
     if "avx512_bf16" not in isas_running(F8G) or "avx512vbmi" not in moepack.cpu_flags():
-        pytest.skip("the word-table copy is what this CPU runs anyway (no avx512_bf16 level or no AVX512-VBMI)")
+        skips.host_lacks("avx512_bf16 with AVX512-VBMI: without them the word-table copy is what this CPU runs anyway")
     env = dict(os.environ, MOEPACK_F8_WORD_TABLES="1", MOEPACK_MAX_ISA="avx512_bf16")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_both_layouts_on_every_level"],
                        env=env, capture_output=True, text=True, timeout=600)  # fmt: skip

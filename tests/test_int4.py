@@ -39,6 +39,7 @@ from moepack.schemes import get_scheme
 from tests.conftest import isa_cap, make_moe_inputs
 from tests.kernel_cases import CASES, Case
 from tests.reference.tolerances import TOL, assert_close, assert_close_int8
+from tests.support import skips
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 OPS = torch.ops.moepack
@@ -60,7 +61,7 @@ def isas_running(layout, mode: str) -> list[str]:
 
 def need(isa: str, mode: str) -> None:
     if isa not in isas_running(INT4_LAYOUT, mode):
-        pytest.skip(f"no {isa} int4 {mode} kernel runs on this host (flags: {moepack.cpu_flags()})")
+        skips.host_lacks(f"the {isa} level (no {isa} int4 {mode} kernel runs on this CPU; flags: {moepack.cpu_flags()})")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from moepack.schemes.int8 import dequantize_int8, moe_reference_int8, pack_exper
 from tests.conftest import isa_cap, make_moe_inputs
 from tests.kernel_cases import CASES, Case
 from tests.reference.tolerances import TOL, assert_close_int8
+from tests.support import skips
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 OPS = torch.ops.moepack
@@ -57,7 +58,7 @@ SIMD = list(KERNEL_ISAS["i8"][1:])  # the levels with an int8 kernel
 
 def need_int8_isa(isa: str) -> None:
     if isa not in int8_isas():
-        pytest.skip(f"no {isa} int8 kernel runs on this host (flags: {moepack.cpu_flags()})")
+        skips.host_lacks(f"the {isa} level (no {isa} int8 kernel runs on this CPU; flags: {moepack.cpu_flags()})")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import moepack
 from moepack import isa_levels
 from moepack.isa import ISAS, KERNEL_ISAS
 from moepack.layout import FAMILIES, LAYOUTS, WEIGHT_DTYPES
+from tests.support import skips
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 HEADER = pathlib.Path("csrc/include/moepack/isa_gen.h")
@@ -128,7 +129,7 @@ def run_setup(root: pathlib.Path) -> subprocess.CompletedProcess:
 def host_arch():
     arch = isa_levels.build_arch(platform.machine())
     if arch is None:
-        pytest.skip(f"platform.machine()={platform.machine()!r}: no architecture of moepack/isa_levels.py")
+        skips.host_lacks(f"an architecture of moepack/isa_levels.py (platform.machine()={platform.machine()!r})")
     return arch
 
 

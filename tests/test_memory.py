@@ -7,6 +7,7 @@ import torch
 import moepack
 from moepack._ops import ops
 from moepack.pack import HUGE_PAGE_MIN_BYTES
+from tests.support import skips
 
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bfloat16, torch.float32, torch.int32])
@@ -91,7 +92,7 @@ def test_padded_x_rows_int8_tiles_equal_vector_kernel():
     from tests.conftest import isa_cap
 
     if moepack.kernel_choice("i8_n32k4_x86").isa != "amx_int8":
-        pytest.skip("needs AMX-INT8 (and AVX512_VNNI) on this CPU")
+        skips.host_lacks("AMX-INT8 (and AVX512_VNNI): this test compares amx_int8 tiles with avx512_vnni")
     packed, args = _layer("i8_n32k4_x86", 4096, 22)
     tiles = moepack.run_experts(packed, *args)
     with isa_cap("avx512_vnni"):

@@ -37,6 +37,7 @@ from moepack.schemes.mxfp4.codec import E2M1_VALUES, decode_e2m1, dequantize_mxf
 from tests.conftest import isa_cap, make_moe_inputs
 from tests.kernel_cases import Case
 from tests.reference.tolerances import TOL, assert_close, assert_close_int8
+from tests.support import skips
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 OPS = torch.ops.moepack
@@ -371,7 +372,7 @@ def fold_case(kind: str, ng: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randint(100, 150, (ng, BN), generator=gen, dtype=torch.uint8)
 
 
-@pytest.mark.skipif("amx_int8" not in available_isas(), reason="no amx_int8 on this host")
+@skips.host_lacks_mark("amx_int8" not in available_isas(), "amx_int8 (AMX-INT8)")
 @pytest.mark.parametrize("kind", ["fits", "bounds", "mixed", "extremes", "none"])
 @pytest.mark.parametrize("kp, m", [(352, 13), (256, 4), (1024, 64), (96, 37)])
 def test_a8_folded_tiles(kind, kp, m):
@@ -411,7 +412,7 @@ def test_a8_folded_tiles(kind, kp, m):
         assert torch.equal(got[finite], contract[finite]), kind
 
 
-@pytest.mark.skipif("amx_int8" not in available_isas(), reason="no amx_int8 on this host")
+@skips.host_lacks_mark("amx_int8" not in available_isas(), "amx_int8 (AMX-INT8)")
 def test_a8_folded_tiles_whole_block_sum_above_2_24():
     """A block that folds over its whole K (gpt-oss' K 2880): one integer sum per column, here
     above 2^24 for row 0 (127 x 6 x 2 everywhere, half the groups shifted by 3), so its float

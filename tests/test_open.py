@@ -29,6 +29,7 @@ from moepack.isa import ISAS
 from moepack.runtime.model import PackedModel, PackedMoELayer
 from tests.fixtures_util import fixture_dir
 from tests.synthetic import SYNTH, mib
+from tests.support import skips
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -215,8 +216,8 @@ def _madvise_hugepage_works() -> bool:
         m.close()
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not _madvise_hugepage_works(),
-                    reason="needs /proc/self/smaps and a kernel that takes MADV_HUGEPAGE")
+@skips.host_lacks_mark(not os.path.exists("/proc/self/smaps") or not _madvise_hugepage_works(),
+                       "/proc/self/smaps and a kernel that takes MADV_HUGEPAGE")
 def test_open_advises_its_maps_for_huge_pages(synthetic_packed, monkeypatch):
     """moepack.open advises every shard's map MADV_HUGEPAGE (smaps VmFlags "hg") unless
     MOEPACK_HUGE_PAGES=0; the experts' output is the same either way."""

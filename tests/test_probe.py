@@ -164,11 +164,7 @@ def test_no_architecture_is_named_outside_its_own_file():
     assert ok == [] and set(skipped.values()) == {"an instruction of x86-64; this CPU is aarch64"}
 
 
-def _have_cc() -> bool:
-    return bool(os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang"))
-
-
-@pytest.mark.skipif(not _have_cc(), reason="no C compiler: the probe cannot be built")
+@pytest.mark.requires("cc")
 def test_the_probe_runs_quickly_on_a_tiny_buffer(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     p = P.probe_machine(2, buffer_bytes=8 << 20, passes=1, peak_seconds=0.01, quick=True)
@@ -191,7 +187,7 @@ def test_the_probe_runs_quickly_on_a_tiny_buffer(monkeypatch, tmp_path):
     assert set(p.peaks) <= {x.name for x in have} and set(p.peaks) | set(p.skipped) == {x.name for x in P.INSTRUCTIONS}
 
 
-@pytest.mark.skipif(not _have_cc(), reason="no C compiler: the probe cannot be built")
+@pytest.mark.requires("cc")
 def test_the_probe_binary_refuses_bad_arguments_and_keeps_to_its_budget(monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     build = P.build_probe([])
@@ -216,8 +212,7 @@ def test_the_probe_binary_refuses_bad_arguments_and_keeps_to_its_budget(monkeypa
 CROSS_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
 
 
-@pytest.mark.skipif(not (shutil.which(CROSS_CC) and shutil.which(QEMU)),
-                    reason=f"{CROSS_CC} or {QEMU} not found (Debian/Ubuntu: apt-get install gcc-aarch64-linux-gnu qemu-user)")
+@pytest.mark.arm  # the cross compiler and qemu-user (make setup-test; conftest: a failure under CI=true without them)
 def test_the_aarch64_probe_cross_built_and_run_under_qemu(monkeypatch, tmp_path):
     """The aarch64 driver + NEON read kernels, built with the cross compiler and run under
     qemu-user on a small buffer: the output's format only (an emulator's speed means nothing)."""
