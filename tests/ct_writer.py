@@ -9,7 +9,6 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-import pytest
 import torch
 from safetensors.torch import load_file, save_file
 

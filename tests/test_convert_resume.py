@@ -30,6 +30,7 @@ from moepack.convert_dir import convert
 from moepack.errors import MoepackError
 from tests.synthetic import write_synthetic_checkpoint
 from tests.support import skips
+from tests.support.ckpt_edit import copy_checkpoint, edit_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"layers": 4, "experts": 4, "hidden": 256, "intermediate": 128}
@@ -173,12 +174,8 @@ def test_stale_temp_of_another_plan_is_removed(small_src, reference, tmp_path):
 
 
 def _edit_config(src: Path, dst: Path, **changes) -> Path:
-    import shutil
-
-    shutil.copytree(src, dst)
-    cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(changes)
-    (dst / "config.json").write_text(json.dumps(cfg))
+    copy_checkpoint(src, dst)
+    edit_config(dst, lambda cfg: cfg.update(changes))
     return dst
 
 

@@ -31,7 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import transformers
+import transformers  # noqa: F401  (a test dependency: fails here, not later, where it is missing)
 
 import moepack  # noqa: E402
 import moepack.hf as hf  # noqa: E402
@@ -39,6 +39,7 @@ from moepack.errors import SourceError  # noqa: E402
 from moepack.sources import Checkpoint, linears  # noqa: E402
 from moepack.sources.fp8_codec import decode_fp8, nan_codes  # noqa: E402
 from tests.fixtures_util import fixture_dir  # noqa: E402
+from tests.support.ckpt_edit import copy_with_tensor
 
 _spec = importlib.util.spec_from_file_location("fp8_checkpoint", Path(__file__).resolve().parents[1] / "tools" / "fp8_checkpoint.py")
 F = importlib.util.module_from_spec(_spec)
@@ -249,14 +250,6 @@ def test_transformers_fp8_loader_agrees(fp8_dirs):
         assert torch.equal(m.get_submodule(p).weight, linears.dequantize_linear(view, lin)), p
 
 
-def _edited(src: Path, dst: Path, name: str, fn) -> Path:
-    shutil.copytree(src, dst)
-    t = load_file(dst / "model.safetensors")
-    t[name] = fn(t[name].clone())
-    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
 def _byte(idx, value):
     def fn(t):
         t.view(torch.uint8).view(-1)[idx] = value
@@ -286,7 +279,7 @@ BAD_IDS = ["nan-code-7f", "nan-code-ff", "zero-scale", "nan-scale", "negative-sc
 
 @pytest.mark.parametrize("name,fn,must", BAD, ids=BAD_IDS)
 def test_carried_check_refuses_bad_fp8_linears(tmp_path, fp8_dirs, name, fn, must):
-    d = _edited(fp8_dirs["plain"], tmp_path / "bad", name, fn)
+    d = copy_with_tensor(fp8_dirs["plain"], tmp_path / "bad", name, fn)
     ckpt = Checkpoint(d)
     with pytest.raises(SourceError) as ei:
         linears.check_carried(ckpt, [n for n in ckpt.tensors if ".mlp.experts." not in n])
@@ -308,7 +301,7 @@ def test_an_fp8_weight_without_scale_inv_is_refused(tmp_path, fp8_dirs):
 
 @pytest.mark.parametrize("name,fn,must", BAD, ids=BAD_IDS)
 def test_convert_refuses_bad_fp8_attention(tmp_path, fp8_dirs, name, fn, must):
-    d = _edited(fp8_dirs["plain"], tmp_path / "bad", name, fn)
+    d = copy_with_tensor(fp8_dirs["plain"], tmp_path / "bad", name, fn)
     with pytest.raises(SourceError) as ei:
         moepack.convert(d, tmp_path / "out")
     assert repr(name) in str(ei.value)

@@ -25,6 +25,7 @@ from moepack.errors import MoepackError, SourceError
 from moepack.sources import open_source
 from tests.ct_writer import write_ct_checkpoint
 from tests.fixtures_util import fixture_dir
+from tests.support.ckpt_edit import copy_checkpoint, edit_tensors, edit_quantization_config, set_element
 
 F8 = torch.float8_e4m3fn
 ROOT = Path(__file__).resolve().parent.parent
@@ -223,7 +224,7 @@ def test_ct_float_quantized_reader_matches_compressed_tensors(fp8_sources, prese
 def test_every_code_decodes_through_the_reader(tmp_path, fp8_sources):
     """All 256 codes stored in one expert: the finite ones dequantize to torch's float8_e4m3fn
     value times the scale; the NaN ones (0x7F, 0xFF) are refused with their first index."""
-    src = _copy(tmp_path, fp8_sources("qwen3_moe_f16"))
+    src = copy_checkpoint(fp8_sources("qwen3_moe_f16"), tmp_path / "src")
     sd = load_file(str(src / "model.safetensors"))
     m = "model.layers.0.mlp.experts.1.down_proj"
     q = sd[m + ".weight"].view(torch.uint8).clone()
@@ -252,34 +253,7 @@ def test_every_code_decodes_through_the_reader(tmp_path, fp8_sources):
 # ---------------------------------------------------------------------------------------------
 
 
-def _copy(tmp_path: Path, d: Path) -> Path:
-    dst = tmp_path / "src"
-    shutil.copytree(d, dst)
-    return dst
-
-
-def _edit_tensors(src: Path, fn) -> None:
-    sd = load_file(str(src / "model.safetensors"))
-    fn(sd)
-    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _edit_config(src: Path, fn) -> None:
-    cfg = json.loads((src / "config.json").read_text())
-    fn(cfg["quantization_config"])
-    (src / "config.json").write_text(json.dumps(cfg))
-
-
 E1 = "model.layers.1.mlp.experts.1.up_proj"  # deepseek_v3_f32: layer 0 is dense
-
-
-def _set(name, idx, value):
-    def fn(sd):
-        t = sd[name].clone()
-        t[idx] = value
-        sd[name] = t
-
-    return fn
 
 
 def _retype(name, dtype):
@@ -290,10 +264,10 @@ def _retype(name, dtype):
 
 
 BAD_TENSORS = {
-    "nan scale": (_set(E1 + ".weight_scale_inv", (1, 2), float("nan")), [E1 + ".weight_scale_inv'[1, 2] = nan", "finite and > 0"]),
-    "inf scale": (_set(E1 + ".weight_scale_inv", (0, 0), float("inf")), ["[0, 0] = inf", "finite and > 0"]),
-    "zero scale": (_set(E1 + ".weight_scale_inv", (1, 0), 0.0), ["[1, 0] = 0.0", "finite and > 0"]),
-    "negative scale": (_set(E1 + ".weight_scale_inv", (0, 1), -0.5), ["[0, 1] = -0.5", "finite and > 0"]),
+    "nan scale": (set_element(E1 + ".weight_scale_inv", (1, 2), float("nan")), [E1 + ".weight_scale_inv'[1, 2] = nan", "finite and > 0"]),
+    "inf scale": (set_element(E1 + ".weight_scale_inv", (0, 0), float("inf")), ["[0, 0] = inf", "finite and > 0"]),
+    "zero scale": (set_element(E1 + ".weight_scale_inv", (1, 0), 0.0), ["[1, 0] = 0.0", "finite and > 0"]),
+    "negative scale": (set_element(E1 + ".weight_scale_inv", (0, 1), -0.5), ["[0, 1] = -0.5", "finite and > 0"]),
     "scale shape": (lambda sd: sd.update({E1 + ".weight_scale_inv": sd[E1 + ".weight_scale_inv"][:, :2].contiguous()}),
                     [E1 + ".weight_scale_inv' has shape [2, 2]", "expected [2, 3]", "ceil(N=200 / 128) x ceil(K=320 / 128)"]),
     "scale missing": (lambda sd: sd.pop(E1 + ".weight_scale_inv"), [E1 + ".weight_scale_inv' is missing"]),
@@ -314,8 +288,8 @@ def _nan_at(t, idx, code):
 @pytest.mark.parametrize("case", sorted(BAD_TENSORS))
 def test_bad_tensors_are_refused_by_name(tmp_path, fp8_sources, case):
     edit, words = BAD_TENSORS[case]
-    src = _copy(tmp_path, fp8_sources("deepseek_v3_f32"))
-    _edit_tensors(src, edit)
+    src = copy_checkpoint(fp8_sources("deepseek_v3_f32"), tmp_path / "src")
+    edit_tensors(src, edit)
     with pytest.raises(MoepackError) as ei:
         moepack.convert(src, tmp_path / "dst")
     msg = str(ei.value)
@@ -340,8 +314,8 @@ BAD_CONFIGS = {
 @pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
 def test_unsupported_configs_are_refused_with_the_reason(tmp_path, fp8_sources, case):
     edit, words = BAD_CONFIGS[case]
-    src = _copy(tmp_path, fp8_sources("deepseek_v3_f32"))
-    _edit_config(src, edit)
+    src = copy_checkpoint(fp8_sources("deepseek_v3_f32"), tmp_path / "src")
+    edit_quantization_config(src, edit)
     with pytest.raises(MoepackError, match="no reader handles it") as ei:
         moepack.convert(src, tmp_path / "dst")
     assert words in str(ei.value), str(ei.value)
@@ -366,13 +340,13 @@ def test_any_block_height_and_edge_blocks(tmp_path, fp8_sources):
 def test_modules_the_config_leaves_in_float(tmp_path, fp8_sources):
     """modules_to_not_convert naming a module stored in FP8 is refused (config and weights
     disagree); naming float modules (the router) is fine, and so is a float shared expert."""
-    src = _copy(tmp_path, fp8_sources("deepseek_v3_f32"))
-    _edit_config(src, lambda qc: qc.update(modules_to_not_convert=["lm_head", "mlp.gate", "gate", "model.layers.0.mlp",
+    src = copy_checkpoint(fp8_sources("deepseek_v3_f32"), tmp_path / "src")
+    edit_quantization_config(src, lambda qc: qc.update(modules_to_not_convert=["lm_head", "mlp.gate", "gate", "model.layers.0.mlp",
                                                                        "re:nothing"]))  # fmt: skip
     ckpt, reader = open_source(src)
     assert reader.layers(ckpt)  # the router, lm_head and the dense layer 0 are float; "gate" is not "gate_proj"
     for key in ("experts.2.down_proj", "model.layers.1", r"model\.layers\.\d+\.mlp\.experts\.2"):
-        _edit_config(src, lambda qc: qc.update(modules_to_not_convert=[key]))
+        edit_quantization_config(src, lambda qc: qc.update(modules_to_not_convert=[key]))
         with pytest.raises(MoepackError, match=r"experts\.[0-9]\.(gate|down)_proj.weight' is F8_E4M3, but the config leaves"):
             moepack.convert(src, tmp_path / "dst")
         assert not (tmp_path / "dst").exists()
@@ -410,8 +384,8 @@ CT_BAD_CONFIGS = {
 @pytest.mark.parametrize("case", sorted(CT_BAD_CONFIGS))
 def test_ct_unsupported_configs_are_refused_with_the_reason(tmp_path, fp8_sources, case):
     edit, words = CT_BAD_CONFIGS[case]
-    src = _copy(tmp_path, fp8_sources("ct_FP8_BLOCK"))
-    _edit_config(src, edit)
+    src = copy_checkpoint(fp8_sources("ct_FP8_BLOCK"), tmp_path / "src")
+    edit_quantization_config(src, edit)
     with pytest.raises(MoepackError, match="no reader handles it") as ei:
         moepack.convert(src, tmp_path / "dst")
     assert words in str(ei.value), str(ei.value)
@@ -419,9 +393,9 @@ def test_ct_unsupported_configs_are_refused_with_the_reason(tmp_path, fp8_source
 
 
 def test_ct_channel_scale_shape_is_checked(tmp_path, fp8_sources):
-    src = _copy(tmp_path, fp8_sources("ct_FP8_DYNAMIC"))
+    src = copy_checkpoint(fp8_sources("ct_FP8_DYNAMIC"), tmp_path / "src")
     m = "model.layers.1.mlp.experts.3.gate_proj"
-    _edit_tensors(src, lambda sd: sd.update({m + ".weight_scale": sd[m + ".weight_scale"].repeat(1, 2)}))
+    edit_tensors(src, lambda sd: sd.update({m + ".weight_scale": sd[m + ".weight_scale"].repeat(1, 2)}))
     with pytest.raises(SourceError, match=rf"{re.escape(m)}.weight_scale' has shape \[200, 2\]: expected \[200, 1\] \(one scale per output channel"):
         moepack.convert(src, tmp_path / "dst")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
@@ -433,8 +407,8 @@ def test_weight_block_size_absent_or_null_as_transformers_reads_it(tmp_path, fp8
     per-tensor for both (the experts took it as [128, 128])."""
     from moepack.sources import linears
 
-    src = _copy(tmp_path, fp8_sources("deepseek_v3_f32"))
-    _edit_config(src, lambda qc: qc.pop("weight_block_size"))
+    src = copy_checkpoint(fp8_sources("deepseek_v3_f32"), tmp_path / "src")
+    edit_quantization_config(src, lambda qc: qc.pop("weight_block_size"))
     ckpt, reader = open_source(src)
     specs = reader.layers(ckpt)
     assert specs and all(s.quant.block == (128, 128) for s in specs)
@@ -442,14 +416,14 @@ def test_weight_block_size_absent_or_null_as_transformers_reads_it(tmp_path, fp8
     assert attn and {lin.scale_rule for lin in attn} == {("block", 128, 128)}
     src2 = tmp_path / "null"
     shutil.copytree(src, src2)
-    _edit_config(src2, lambda qc: qc.update(weight_block_size=None))
+    edit_quantization_config(src2, lambda qc: qc.update(weight_block_size=None))
     ckpt2, reader2 = open_source(src2)
     with pytest.raises(SourceError, match=r"weight_scale_inv' has shape \[\d+, \d+\]: expected \[1\] \(one scale for the tensor"):
         reader2.layers(ckpt2)
     with pytest.raises(SourceError, match=r"with weight_block_size null a scale_inv is one value per tensor"):
         linears.find_linears(ckpt2)
     # per-tensor scale_inv [1] everywhere: converts exactly into the per-channel layout
-    _edit_tensors(src2, lambda sd: sd.update({k: v.float().amax().reshape(1) for k, v in sd.items() if k.endswith("_scale_inv")}))
+    edit_tensors(src2, lambda sd: sd.update({k: v.float().amax().reshape(1) for k, v in sd.items() if k.endswith("_scale_inv")}))
     report = moepack.convert(src2, tmp_path / "dst")
     assert report.layout == "f8ch_n32k2_x86"
     assert moepack.verify(tmp_path / "dst", source=src2).ok
@@ -460,12 +434,12 @@ def test_ct_regex_that_is_not_one_is_refused_by_name(tmp_path, fp8_sources, wher
     """A compressed-tensors 're:' entry that is not a regular expression (in ``ignore``, or a
     config group's ``targets``, which the carried-Linear reader matches) is a one-line
     SourceError naming it, nothing written (it was a raw re.error)."""
-    src = _copy(tmp_path, fp8_sources("ct_FP8_BLOCK"))
+    src = copy_checkpoint(fp8_sources("ct_FP8_BLOCK"), tmp_path / "src")
     if where == "ignore":
-        _edit_config(src, lambda qc: qc.update(ignore=["lm_head", "re:(unclosed"]))
+        edit_quantization_config(src, lambda qc: qc.update(ignore=["lm_head", "re:(unclosed"]))
         words = "quantization_config ignore entry 're:(unclosed': not a regular expression"
     else:
-        _edit_config(src, lambda qc: _ct_group(qc).update(targets=["re:(unclosed", "Linear"]))
+        edit_quantization_config(src, lambda qc: _ct_group(qc).update(targets=["re:(unclosed", "Linear"]))
         words = "config_groups target 're:(unclosed': not a regular expression"
     with pytest.raises(SourceError) as ei:
         moepack.convert(src, tmp_path / "dst")

@@ -32,6 +32,7 @@ from moepack.sources import awq as awq_mod
 from moepack.sources import ct_pack_quantized as ctpq
 from moepack.sources import gptq as gptq_mod
 from tests.fixtures_util import fixture_dir, quantized_fixture_names
+from tests.support.ckpt_edit import edit_quantization_config, edit_tensors
 
 _spec = importlib.util.spec_from_file_location("int4_packers", Path(__file__).resolve().parents[1] / "tools" / "int4_packers.py")
 P = importlib.util.module_from_spec(_spec)
@@ -388,16 +389,15 @@ def test_detection_routes_each_format(tmp_path):
 
 
 def _edit(d: Path, tensors=None, config=None, drop=()):
-    sd = load_file(str(d / "model.safetensors"))
-    for k in drop:
-        del sd[k]
-    for k, v in (tensors or {}).items():
-        sd[k] = v(sd[k]) if callable(v) else v
-    save_file(sd, str(d / "model.safetensors"))
+    def fn(sd):
+        for k in drop:
+            del sd[k]
+        for k, v in (tensors or {}).items():
+            sd[k] = v(sd[k]) if callable(v) else v
+
+    edit_tensors(d, fn)
     if config:
-        cfg = json.loads((d / "config.json").read_text())
-        config(cfg["quantization_config"])
-        (d / "config.json").write_text(json.dumps(cfg))
+        edit_quantization_config(d, config)
 
 
 def _read_all(d):

@@ -30,7 +30,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import transformers
+import transformers  # noqa: F401  (a test dependency: fails here, not later, where it is missing)
 
 import moepack  # noqa: E402
 from moepack.errors import MoepackError, SourceError  # noqa: E402
@@ -38,6 +38,7 @@ from moepack.schemes.mxfp4.codec import E2M1_VALUES, dequantize_mxfp4  # noqa: E
 from moepack.sources import Checkpoint, linears, open_source  # noqa: E402
 from tests.ct_writer import CT_KEEP, write_ct_checkpoint  # noqa: E402
 from tests.fixtures_util import fixture_dir  # noqa: E402
+from tests.support.ckpt_edit import copy_checkpoint, edit_tensors, edit_config, set_element
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("mxfp4_checkpoint", ROOT / "tools" / "mxfp4_checkpoint.py")
@@ -435,24 +436,6 @@ def test_ct_partial_last_group(sources):
 # --------------------------------------------------------------------------- refusals
 
 
-def _copy(tmp_path: Path, d: Path) -> Path:
-    dst = tmp_path / "src"
-    shutil.copytree(d, dst)
-    return dst
-
-
-def _edit_tensors(src: Path, fn) -> None:
-    sd = load_file(str(src / "model.safetensors"))
-    fn(sd)
-    save_file(sd, str(src / "model.safetensors"), metadata={"format": "pt"})
-
-
-def _edit_config(src: Path, fn) -> None:
-    cfg = json.loads((src / "config.json").read_text())
-    fn(cfg)
-    (src / "config.json").write_text(json.dumps(cfg))
-
-
 def _refused(tmp_path: Path, src: Path, words: list[str]) -> str:
     """The reader refuses ``src`` (opening it, listing or reading its layers) in one line holding
     ``words``, and so does convert, which leaves nothing behind."""
@@ -476,18 +459,9 @@ GU = "model.layers.1.mlp.experts.gate_up_proj"
 DN = "model.layers.0.mlp.experts.down_proj"
 
 
-def _set(name, idx, value):
-    def fn(sd):
-        t = sd[name].clone()
-        t[idx] = value
-        sd[name] = t
-
-    return fn
-
-
 GPT_OSS_BAD = {
-    "nan scale": (_set(GU + "_scales", (1, 5, 0), 255), [f"'{GU}_scales'[1, 5, 0] = 255", "e8m0 NaN scale"]),
-    "nan down scale": (_set(DN + "_scales", (2, 63, 2), 255), [f"'{DN}_scales'[2, 63, 2] = 255"]),
+    "nan scale": (set_element(GU + "_scales", (1, 5, 0), 255), [f"'{GU}_scales'[1, 5, 0] = 255", "e8m0 NaN scale"]),
+    "nan down scale": (set_element(DN + "_scales", (2, 63, 2), 255), [f"'{DN}_scales'[2, 63, 2] = 255"]),
     "scales disagree with blocks": (lambda sd: sd.update({GU + "_scales": sd[GU + "_scales"][:, :, :1].contiguous()}),
                                     [f"'{GU}_scales' has shape [3, 192, 1]: expected [3, 192, 2]", "one e8m0 scale per block"]),
     "block of 15 bytes": (lambda sd: sd.update({DN + "_blocks": sd[DN + "_blocks"][..., :15].contiguous()}),
@@ -512,15 +486,15 @@ GPT_OSS_BAD = {
 @pytest.mark.parametrize("case", sorted(GPT_OSS_BAD))
 def test_gpt_oss_bad_tensors_are_refused_by_name(tmp_path, sources, case):
     edit, words = GPT_OSS_BAD[case]
-    src = _copy(tmp_path, sources("gpt_oss"))
-    _edit_tensors(src, edit)
+    src = copy_checkpoint(sources("gpt_oss"), tmp_path / "src")
+    edit_tensors(src, edit)
     _refused(tmp_path, src, words)
 
 
 def test_a_float_expert_layer_is_refused(tmp_path, sources):
     """One layer of bf16 experts (say the config leaves it unconverted) among MXFP4 ones: one
     directory, one scheme; refused naming the tensor."""
-    src = _copy(tmp_path, sources("gpt_oss"))
+    src = copy_checkpoint(sources("gpt_oss"), tmp_path / "src")
     bf = load_file(str(sources("gpt_oss_bf16") / "model.safetensors"))
 
     def fn(sd):
@@ -529,7 +503,7 @@ def test_a_float_expert_layer_is_refused(tmp_path, sources):
             sd.pop(f"{GU[: -len('gate_up_proj')]}{w}_scales")
             sd[GU[: -len("gate_up_proj")] + w] = bf[GU[: -len("gate_up_proj")] + w]
 
-    _edit_tensors(src, fn)
+    edit_tensors(src, fn)
     _refused(tmp_path, src, [f"'{GU}' has dtype BF16", "gpt-oss MXFP4 experts are stored as *_blocks / *_scales"])
 
 
@@ -553,8 +527,8 @@ GPT_OSS_BAD_CONFIGS = {
 @pytest.mark.parametrize("case", sorted(GPT_OSS_BAD_CONFIGS))
 def test_gpt_oss_bad_configs_are_refused_with_the_reason(tmp_path, sources, case):
     edit, words = GPT_OSS_BAD_CONFIGS[case]
-    src = _copy(tmp_path, sources("gpt_oss"))
-    _edit_config(src, edit)
+    src = copy_checkpoint(sources("gpt_oss"), tmp_path / "src")
+    edit_config(src, edit)
     _refused(tmp_path, src, words)
 
 
@@ -567,7 +541,7 @@ def test_gpt_oss_modules_to_not_convert_naming_float_modules_is_fine(sources):
 
 def test_gpt_oss_intermediate_not_a_multiple_of_32(tmp_path, sources):
     """I = 40 (blocks [E, 80, 2, 16] pad nothing: gpt-oss has no partial block): refused."""
-    src = _copy(tmp_path, sources("gpt_oss"))
+    src = copy_checkpoint(sources("gpt_oss"), tmp_path / "src")
 
     def fn(sd):
         for L in (0, 1):
@@ -576,15 +550,15 @@ def test_gpt_oss_intermediate_not_a_multiple_of_32(tmp_path, sources):
             sd[p + "gate_up_proj_scales"] = sd[p + "gate_up_proj_scales"][:, :80].contiguous()
             sd[p + "gate_up_proj_bias"] = sd[p + "gate_up_proj_bias"][:, :80].contiguous()
 
-    _edit_tensors(src, fn)
-    _edit_config(src, lambda c: c.update(intermediate_size=40))
+    edit_tensors(src, fn)
+    edit_config(src, lambda c: c.update(intermediate_size=40))
     _refused(tmp_path, src, ["intermediate size I=40", "must be a multiple of 32"])
 
 
 CT_M = "model.layers.1.mlp.experts.2.up_proj"
 
 CT_BAD = {
-    "nan scale": (_set(CT_M + ".weight_scale", (7, 1), 255), [f"'{CT_M}.weight_scale'[7, 1] = 255", "e8m0 NaN scale"]),
+    "nan scale": (set_element(CT_M + ".weight_scale", (7, 1), 255), [f"'{CT_M}.weight_scale'[7, 1] = 255", "e8m0 NaN scale"]),
     "scale shape": (lambda sd: sd.update({CT_M + ".weight_scale": sd[CT_M + ".weight_scale"][:, :1].contiguous()}),
                     [f"'{CT_M}.weight_scale' has shape [96, 1]: expected [96, 2]", "one e8m0 scale per 32 K values"]),
     "scale missing": (lambda sd: sd.pop(CT_M + ".weight_scale"), [f"'{CT_M}.weight_packed' has no '{CT_M}.weight_scale'"]),
@@ -598,8 +572,8 @@ CT_BAD = {
 @pytest.mark.parametrize("case", sorted(CT_BAD))
 def test_ct_bad_tensors_are_refused_by_name(tmp_path, sources, case):
     edit, words = CT_BAD[case]
-    src = _copy(tmp_path, sources("ct"))
-    _edit_tensors(src, edit)
+    src = copy_checkpoint(sources("ct"), tmp_path / "src")
+    edit_tensors(src, edit)
     _refused(tmp_path, src, words)
 
 
@@ -623,13 +597,13 @@ CT_BAD_CONFIGS = {
 @pytest.mark.parametrize("case", sorted(CT_BAD_CONFIGS))
 def test_ct_bad_configs_are_refused_with_the_reason(tmp_path, sources, case):
     edit, words = CT_BAD_CONFIGS[case]
-    src = _copy(tmp_path, sources("ct"))
-    _edit_config(src, edit)
+    src = copy_checkpoint(sources("ct"), tmp_path / "src")
+    edit_config(src, edit)
     _refused(tmp_path, src, words)
 
 
 def test_ct_quantized_router_is_refused(tmp_path, sources):
-    src = _copy(tmp_path, sources("ct_gpt_oss"))
+    src = copy_checkpoint(sources("ct_gpt_oss"), tmp_path / "src")
     r = "model.layers.1.mlp.router"
 
     def fn(sd):
@@ -637,16 +611,16 @@ def test_ct_quantized_router_is_refused(tmp_path, sources):
         sd[r + ".weight_packed"] = torch.zeros(3, 32, dtype=torch.uint8)
         sd[r + ".weight_scale"] = torch.full((3, 2), 127, dtype=torch.uint8)
 
-    _edit_tensors(src, fn)
+    edit_tensors(src, fn)
     _refused(tmp_path, src, [f"router tensor '{r}.weight_packed' is MXFP4: the router must stay in float"])
 
 
 def test_ct_nan_scale_in_an_attention_linear_is_refused(tmp_path, sources):
     """convert's check of the carried Linears (moepack/sources/linears.py) refuses an e8m0 255 in
     an mxfp4 attention Linear, naming it, before anything is written."""
-    src = _copy(tmp_path, sources("ct"))
+    src = copy_checkpoint(sources("ct"), tmp_path / "src")
     name = "model.layers.0.self_attn.o_proj.weight_scale"
-    _edit_tensors(src, _set(name, (3, 1), 255))
+    edit_tensors(src, set_element(name, (3, 1), 255))
     ckpt = Checkpoint(src)
     with pytest.raises(SourceError, match=re.escape(f"'{name}'[3, 1] = 255: an e8m0 NaN scale")):
         linears.check_carried(ckpt, [n for n in ckpt.tensors if ".self_attn." in n])

@@ -25,12 +25,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import transformers
+import transformers  # noqa: F401  (a test dependency: fails here, not later, where it is missing)
 
 import moepack  # noqa: E402
 import moepack.hf as hf  # noqa: E402
 from moepack.errors import MoepackError, SourceError  # noqa: E402
 from tests.fixtures_util import fixture_dir  # noqa: E402
+from tests.support.ckpt_edit import copy_with_tensor
 
 _spec = importlib.util.spec_from_file_location("int4_packers", Path(__file__).resolve().parents[1] / "tools" / "int4_packers.py")
 P = importlib.util.module_from_spec(_spec)
@@ -233,15 +234,6 @@ def test_generate_cli_reports_the_dequantized_linears(built):
 # --------------------------------------------------------------------------- convert refusals
 
 
-def _edit(src: Path, dst: Path, name: str, fn) -> None:
-    shutil.copytree(src, dst)
-    f = dst / "model.safetensors"
-    t = load_file(f)
-    assert name in t, name
-    t[name] = fn(t[name].clone())
-    save_file(t, str(f), metadata={"format": "pt"})
-
-
 def _refused(src: Path, tmp_path: Path, must: list[str]):
     dst = tmp_path / "out"
     with pytest.raises(SourceError) as ei:
@@ -273,7 +265,7 @@ def test_convert_refuses_bad_values_in_a_quantized_attention_linear(tmp_path, fm
     good = tmp_path / "good"
     write_int4_model(good, "qwen2_moe", fmt, **kw)
     bad = tmp_path / "bad"
-    _edit(good, bad, tensor, fn)
+    copy_with_tensor(good, bad, tensor, fn)
     shutil.rmtree(good)
     _refused(bad, tmp_path, [repr(tensor), *must])
 
@@ -282,7 +274,7 @@ def test_convert_refuses_an_attention_g_idx_that_is_not_a_grouping(tmp_path):
     good = tmp_path / "good"
     write_int4_model(good, "qwen3_moe", "gptq", version="gptq_v2", act_order=True)
     bad = tmp_path / "bad"
-    _edit(good, bad, "model.layers.0.self_attn.q_proj.g_idx", _set(0, 999))
+    copy_with_tensor(good, bad, "model.layers.0.self_attn.q_proj.g_idx", _set(0, 999))
     shutil.rmtree(good)
     _refused(bad, tmp_path, ["'model.layers.0.self_attn.q_proj.g_idx'", "999"])
 
@@ -295,7 +287,7 @@ def test_convert_refuses_an_attention_g_idx_that_is_not_a_grouping(tmp_path):
 ], ids=["ct-int8-nan", "ct-int8-zero", "ct-pack-nan", "ct-pack-zero"])  # fmt: skip
 def test_convert_refuses_bad_scales_in_a_compressed_tensors_attention_linear(tmp_path, fixture, tensor, value, must):
     bad = tmp_path / "bad"
-    _edit(fixture_dir(fixture), bad, tensor, _set(1, value))
+    copy_with_tensor(fixture_dir(fixture), bad, tensor, _set(1, value))
     msg = _refused(bad, tmp_path, [repr(tensor), "finite and > 0", *must])
     assert "[" in msg  # the element's index
 
