@@ -81,10 +81,12 @@ test:
 	$(MAKE) --no-print-directory -j3 --output-sync=target build provide vllm-venv-or-reason
 	$(MAKE) --no-print-directory test-only
 
+# PYTEST_ARGS: a selection (e.g. PYTEST_ARGS='-m "not vllm"'); make test runs everything.
+PYTEST_ARGS ?=
 test-only:
 	$(PYTHON) tools/gen_layouts.py --check
 	$(PYTHON) tools/gen_isa.py --check
-	$(PYTHON) -m pytest -q -rs --durations=25
+	$(PYTHON) -m pytest -q -rs --durations=25 $(PYTEST_ARGS)
 	@if $(IS_CI) && [ -n "$$(ls $(MISSING) 2>/dev/null)" ]; then \
 	  echo "ERROR (CI=true): the Makefile could not provide:"; for f in $(MISSING)/*; do echo "  $$(basename $$f): $$(cat $$f)"; done; exit 1; fi
 

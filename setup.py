@@ -176,6 +176,10 @@ setup(
             "moepack._C",
             _sources(),
             include_dirs=[os.path.join(ROOT, "csrc", "include")],
+            # every header and .inc: `setup.py build_ext --inplace` (make check) rebuilds when one
+            # is newer than the extension, not only when a .cpp is
+            depends=sorted(os.path.relpath(f, ROOT) for ext_ in ("h", "inc")
+                           for f in glob.glob(os.path.join(ROOT, "csrc", "**", f"*.{ext_}"), recursive=True)),
             extra_compile_args={"cxx": COMMON_FLAGS},
             extra_link_args=OPENMP_LINK,
         )
