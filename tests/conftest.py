@@ -72,6 +72,15 @@ def isa_cap(isa: str):
 GATED = ("emulated", "arm", "vllm")  # markers whose suites need something the Makefile provides
 
 
+def pytest_collection_modifyitems(items):
+    """``slow``: the test functions tests/support/slow.py lists (measured; keyed by file name and function)."""
+    from tests.support.slow import SLOW
+
+    for item in items:
+        if f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in SLOW:
+            item.add_marker(pytest.mark.slow)
+
+
 def pytest_runtest_setup(item):
     for name in GATED:
         if item.get_closest_marker(name) is not None:
