@@ -34,7 +34,7 @@ from moepack.isa import KERNEL_ISAS, available_isas, host_isa, layout_isas
 from moepack.pack import PackedExperts, pack_experts
 from moepack.reference import moe_reference
 from tests.support import skips
-from tests.synthetic import SYNTH, write_synthetic_checkpoint
+from tests.support.synthetic import SYNTH, write_synthetic_checkpoint
 
 # torch.ops.moepack.* exist once the extension is loaded (importing moepack alone is lazy).
 moepack.load_extension()
@@ -288,7 +288,7 @@ def reference(inp: MoeInputs, **kw) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# The synthetic ~190 MB checkpoint (tests/synthetic.py) of the convert-streaming and
+# The synthetic ~190 MB checkpoint (tests/support/synthetic.py) of the convert-streaming and
 # open-memory tests: written once, and converted once, per test session.
 
 

@@ -31,7 +31,7 @@ could be picked by the linker for baseline code). Needs g++ (or $CXX), and SIMDe
 (Debian/Ubuntu: apt-get install libsimde-dev; --no-emulate builds test_kernels_native without them).
 Objects are rebuilt when a source, a csrc header or this script is newer, or flags changed.
 
-Cross build (--arch ARCH, another architecture than the host's: tests/test_arm_cross.py):
+Cross build (--arch ARCH, another architecture than the host's: tests/engine/test_arm_cross.py):
     python tests/cpp/build.py --arch arm [--run]
 compiles every level of ARCH natively for it with CROSS_PREFIXES[ARCH] (aarch64-linux-gnu-g++,
 -nm, -objdump; $CROSS_CXX overrides the compiler), links the binary statically, and --run runs

@@ -1,6 +1,6 @@
 """Edits of a source checkpoint directory (config.json + model.safetensors) for the refusal and
 corruption tests: copy a fixture, change tensors or config keys, write it back. (Edits of a
-*packed* directory, keeping its manifest's sha256 consistent, are tests/packdir_edit.py's.)
+*packed* directory, keeping its manifest's sha256 consistent, are tests/support/packdir_edit.py's.)
 
     src = copy_checkpoint(fixture_dir("qwen3_moe_w8a8"), tmp_path / "src")
     edit_tensors(src, set_element("model.layers.1.mlp.experts.1.up_proj.weight", (0, 0), 7))
