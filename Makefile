@@ -42,7 +42,7 @@ provide:
 	  else why="libsimde-dev missing and not root (or no apt-get): the emulated kernel tests (marker emulated) cannot run"; \
 	    echo "$$why" > $(MISSING)/simde; $(NOTE); fi; \
 	fi; [ ! -d /usr/include/simde ] || rm -f $(MISSING)/simde
-	@# the ARM kernels, cross-built and run under qemu-user (tests/test_arm_cross.py)
+	@# the ARM kernels, cross-built and run under qemu-user (tests/engine/test_arm_cross.py)
 	@if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 	    (apt-get update -qq && apt-get install -y -qq g++-aarch64-linux-gnu qemu-user) > build/missing/.apt-arm.log 2>&1 \
@@ -50,7 +50,7 @@ provide:
 	  else why="g++-aarch64-linux-gnu or qemu-user missing and not root (or no apt-get): the ARM tests (marker arm) cannot run"; \
 	    echo "$$why" > $(MISSING)/arm-toolchain; $(NOTE); fi; \
 	fi; ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null || rm -f $(MISSING)/arm-toolchain
-	@# the aarch64 torch wheel (~430 MB, once) that tests/test_arm_cross.py cross-builds moepack._C against
+	@# the aarch64 torch wheel (~430 MB, once) that tests/engine/test_arm_cross.py cross-builds moepack._C against
 	@if command -v aarch64-linux-gnu-g++ >/dev/null; then \
 	  if $(PYTHON) tools/cross_build_ext.py --download-only > build/missing/.arm-wheel.log 2>&1; then rm -f $(MISSING)/arm-wheel; \
 	  else why="no aarch64 torch wheel: $$(tail -n 2 build/missing/.arm-wheel.log | tr '\n' ' ')"; echo "$$why" > $(MISSING)/arm-wheel; $(NOTE); fi; \
@@ -142,7 +142,7 @@ test-vllm: setup-test vllm-venv
 	MOEPACK_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PYTHON) -m pytest -q -rs -m vllm
 
 # moepack._C cross-built for aarch64 Linux against the aarch64 torch wheel (downloaded once, ~430 MB,
-# into build/cross-arm/wheel, by setup-test too; tests/test_arm_cross.py builds it in `make test-arm`).
+# into build/cross-arm/wheel, by setup-test too; tests/engine/test_arm_cross.py builds it in `make test-arm`).
 cross-ext:
 	$(PYTHON) tools/cross_build_ext.py --download
 
