@@ -1,38 +1,60 @@
 # The two commands (README): `make demo` and `make test`. Both set everything up first, on a
-# fresh clone, as root or in a virtualenv. CI (.ci/run) calls exactly `make test`.
+# fresh clone, as root or in a virtualenv. CI (.ci/run) calls exactly `make test`, with CI=true.
+# The fast inner loop: `make check` (after `make setup-test` once). Each suite alone: `make
+# test-vllm`, `make test-arm`, `make test-emulated` (docs/CONTRIBUTING.md "Markers, targets and skips").
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 # torch is pinned everywhere: an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 RUNTIME_DEPS := $(TORCH) numpy "safetensors>=0.4" "typer>=0.12" "rich>=13"
-TEST_DEPS := "pytest>=8" expecttest hypothesis $(TORCH) "transformers==5.24.0" "compressed-tensors==0.20.1"
+TEST_DEPS := "pytest>=8" expecttest hypothesis $(TORCH) "transformers==5.24.0" "compressed-tensors==0.20.1" "accelerate==1.15.0"
 BUILD_DEPS := "setuptools>=69" wheel
+# What the Makefile could not provide is written to build/missing/<what> (the tests name it). Under
+# CI=true that is an error: the tests that need it fail (tests/support/skips.py), and so does the run.
+MISSING := build/missing
+IS_CI = case "$$CI" in [Tt]rue|TRUE|1|yes) true;; *) false;; esac
+NOTE = if $(IS_CI); then echo "ERROR (CI=true): $$why"; else echo "warning: $$why"; fi
 
-.PHONY: setup setup-test build demo test test-only bench clean vllm-venv vllm-venv-or-reason test-vllm cross-ext
+.PHONY: setup setup-deps setup-test test-deps provide build demo test test-only check bench clean vllm-venv \
+	vllm-venv-or-reason test-vllm test-arm test-emulated cross-ext
 
-setup:
+setup: setup-deps build
+
+setup-deps:
 	$(PIP) install -q $(RUNTIME_DEPS) $(BUILD_DEPS)
-	$(PIP) install -q --no-build-isolation --no-deps -e .
 
 # SIMDe lets tests run the AVX-512 kernel's code on CPUs without AVX-512 (tests/cpp); the aarch64
 # cross toolchain and qemu-user run the ARM kernels' tests on x86.
-setup-test: setup
+setup-test: setup test-deps provide
+
+test-deps:
 	$(PIP) install -q $(TEST_DEPS)
+
+# apt (SIMDe, the aarch64 toolchain, qemu-user) and the aarch64 torch wheel: downloads, run beside
+# the extension's build and the vLLM venv by `make test`. What cannot be provided is recorded in
+# build/missing/ (and is an error under CI=true).
+provide:
+	@mkdir -p $(MISSING)
 	@if [ ! -d /usr/include/simde ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    (apt-get update -qq && apt-get install -y -qq libsimde-dev) >/dev/null || echo "warning: could not install libsimde-dev"; \
-	  else echo "note: libsimde-dev missing and not root: the emulated AVX-512 kernel test will be skipped"; fi; \
-	fi
-	@# the ARM kernels, cross-built and run under qemu-user (tests/test_arm_cross.py)
+	    (apt-get update -qq && apt-get install -y -qq libsimde-dev) > build/missing/.apt-simde.log 2>&1 \
+	      || { why="could not install libsimde-dev: $$(tail -n 2 build/missing/.apt-simde.log | tr '\n' ' ')"; echo "$$why" > $(MISSING)/simde; $(NOTE); }; \
+	  else why="libsimde-dev missing and not root (or no apt-get): the emulated kernel tests (marker emulated) cannot run"; \
+	    echo "$$why" > $(MISSING)/simde; $(NOTE); fi; \
+	fi; [ ! -d /usr/include/simde ] || rm -f $(MISSING)/simde
+	@# the ARM kernels, cross-built and run under qemu-user (tests/engine/test_arm_cross.py)
 	@if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    (apt-get update -qq && apt-get install -y -qq g++-aarch64-linux-gnu qemu-user) >/dev/null || echo "warning: could not install g++-aarch64-linux-gnu qemu-user"; \
-	  else echo "note: g++-aarch64-linux-gnu or qemu-user missing and not root: the ARM kernel tests will be skipped"; fi; \
-	fi
-	@# the aarch64 torch wheel (~430 MB, once) that tests/test_arm_cross.py cross-builds moepack._C against
+	    (apt-get update -qq && apt-get install -y -qq g++-aarch64-linux-gnu qemu-user) > build/missing/.apt-arm.log 2>&1 \
+	      || { why="could not install g++-aarch64-linux-gnu qemu-user: $$(tail -n 2 build/missing/.apt-arm.log | tr '\n' ' ')"; echo "$$why" > $(MISSING)/arm-toolchain; $(NOTE); }; \
+	  else why="g++-aarch64-linux-gnu or qemu-user missing and not root (or no apt-get): the ARM tests (marker arm) cannot run"; \
+	    echo "$$why" > $(MISSING)/arm-toolchain; $(NOTE); fi; \
+	fi; ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null || rm -f $(MISSING)/arm-toolchain
+	@# the aarch64 torch wheel (~430 MB, once) that tests/engine/test_arm_cross.py cross-builds moepack._C against
 	@if command -v aarch64-linux-gnu-g++ >/dev/null; then \
-	  $(PYTHON) tools/cross_build_ext.py --download-only >/dev/null || echo "warning: no aarch64 torch wheel: the cross-built extension test will be skipped"; \
-	fi
+	  if $(PYTHON) tools/cross_build_ext.py --download-only > build/missing/.arm-wheel.log 2>&1; then rm -f $(MISSING)/arm-wheel; \
+	  else why="no aarch64 torch wheel: $$(tail -n 2 build/missing/.arm-wheel.log | tr '\n' ' ')"; echo "$$why" > $(MISSING)/arm-wheel; $(NOTE); fi; \
+	else why="no aarch64 torch wheel: no aarch64-linux-gnu-g++ to build against it"; echo "$$why" > $(MISSING)/arm-wheel; $(NOTE); fi
 
 build:
 	$(PIP) install -q --no-build-isolation --no-deps -e .
@@ -49,15 +71,43 @@ demo: setup
 	$(PYTHON) -m moepack run $(DEMO_DST) --tokens 4
 	$(PYTHON) -m moepack bench --shapes tiny --tokens 1,8,64
 
-# `make test` also builds the vLLM venv (below) so that tests/test_vllm_plugin.py runs; when the
-# venv cannot be built (no network, a registry down) the reason goes to build/vllm-venv.failed and
-# those tests are skipped saying it (-rs lists every skip with its reason).
-test: setup-test vllm-venv-or-reason test-only
+# `make test` sets up everything and runs every suite. The downloads and the compiles that do not
+# depend on each other run side by side (make -j: the extension's build, apt and the aarch64
+# wheel, the vLLM venv). When the venv cannot be built (no network, a registry down) the reason
+# goes to build/vllm-venv.failed, and the vLLM tests fail naming it under CI=true (elsewhere they
+# are skipped as "missing", which fails the run too: tests/conftest.py's skip rule).
+test:
+	$(MAKE) --no-print-directory setup-deps test-deps
+	$(MAKE) --no-print-directory -j3 --output-sync=target build provide vllm-venv-or-reason
+	$(MAKE) --no-print-directory test-only
 
+# PYTEST_ARGS: a selection (e.g. PYTEST_ARGS='-m "not vllm"'); make test runs everything.
+PYTEST_ARGS ?=
 test-only:
 	$(PYTHON) tools/gen_layouts.py --check
 	$(PYTHON) tools/gen_isa.py --check
-	$(PYTHON) -m pytest -q -rs --durations=10
+	$(PYTHON) -m pytest -q -rs --durations=25 $(PYTEST_ARGS)
+	@if $(IS_CI) && [ -n "$$(ls $(MISSING) 2>/dev/null)" ]; then \
+	  echo "ERROR (CI=true): the Makefile could not provide:"; for f in $(MISSING)/*; do echo "  $$(basename $$f): $$(cat $$f)"; done; exit 1; fi
+
+# The fast inner loop (after `make setup-test` once): the extension built in place (only when a
+# source or header changed; the sources compile side by side), the generated files checked, and
+# every test but the suites with their own targets and the slow ones: no vLLM, no ARM, no SIMDe.
+# tests/cpp runs its native levels and hook counts here (test_cpp_kernels_native).
+CHECK_MARKERS := not vllm and not arm and not emulated and not slow
+check:
+	$(PYTHON) setup.py -q build_ext --inplace
+	$(PYTHON) tools/gen_layouts.py --check
+	$(PYTHON) tools/gen_isa.py --check
+	$(PYTHON) -m pytest -q -m "$(CHECK_MARKERS)" --durations=10
+
+# Each suite alone, set up first: the emulated kernels (SIMDe), the ARM kernels (cross toolchain,
+# qemu-user, the aarch64 wheel), the vLLM plugin (its venv).
+test-emulated: setup-test
+	$(PYTHON) -m pytest -q -rs -m emulated
+
+test-arm: setup-test
+	$(PYTHON) -m pytest -q -rs -m arm
 
 # The vLLM plugin's tests (docs/VLLM.md) run vLLM in its own venv: vLLM pins its own
 # transformers. The venv sees the base interpreter's site-packages so that it reuses the torch
@@ -77,21 +127,22 @@ $(VLLM_VENV)/.done:
 	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 
-# `make test`'s step: build the venv, or record why not (the tests then skip, naming it). Bounded:
-# a slow or stuck install (measured: 2 min here from the registry) is a recorded skip, not a CI timeout.
+# `make test`'s step: build the venv, or record why not (the vLLM tests then fail naming it under
+# CI=true). Bounded: a slow or stuck install (measured: 2 min here from the registry) is a recorded
+# failure, not a CI timeout.
 VLLM_VENV_TIMEOUT ?= 1500
 vllm-venv-or-reason:
 	@mkdir -p build
-	@if timeout $(VLLM_VENV_TIMEOUT) $(MAKE) --no-print-directory vllm-venv > build/vllm-venv.log 2>&1; then rm -f build/vllm-venv.failed; \
-	else tail -n 3 build/vllm-venv.log | tr '\n' ' ' > build/vllm-venv.failed; \
-	  echo "WARNING: the vLLM venv could not be built, tests/test_vllm_plugin.py will be skipped:"; \
-	  cat build/vllm-venv.failed; echo; fi
+	@mkdir -p $(MISSING)
+	@if timeout $(VLLM_VENV_TIMEOUT) $(MAKE) --no-print-directory vllm-venv > build/vllm-venv.log 2>&1; then rm -f build/vllm-venv.failed $(MISSING)/vllm-venv; \
+	else tail -n 3 build/vllm-venv.log | tr '\n' ' ' > build/vllm-venv.failed; cp build/vllm-venv.failed $(MISSING)/vllm-venv; \
+	  why="the vLLM venv could not be built, the vLLM tests cannot run: $$(cat build/vllm-venv.failed)"; $(NOTE); fi
 
 test-vllm: setup-test vllm-venv
-	MOEPACK_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PYTHON) -m pytest -q -rs tests/test_vllm_plugin.py
+	MOEPACK_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PYTHON) -m pytest -q -rs -m vllm
 
 # moepack._C cross-built for aarch64 Linux against the aarch64 torch wheel (downloaded once, ~430 MB,
-# into build/cross-arm/wheel, by setup-test too; tests/test_arm_cross.py builds it in `make test`).
+# into build/cross-arm/wheel, by setup-test too; tests/engine/test_arm_cross.py builds it in `make test-arm`).
 cross-ext:
 	$(PYTHON) tools/cross_build_ext.py --download
 

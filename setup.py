@@ -9,7 +9,10 @@ import glob
 import os
 import platform
 import runpy
+import shutil
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 from setuptools import setup
@@ -59,24 +62,40 @@ def _toolchain_builds(cmd: list[str], flags: list[str], header: str, body: str) 
     return r.returncode == 0
 
 
+def build_jobs() -> int:
+    """Compiler processes run side by side: MOEPACK_BUILD_JOBS, else one per CPU this process may use."""
+    env = os.environ.get("MOEPACK_BUILD_JOBS")
+    if env:
+        return max(1, int(env))
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
 class IsaBuildExt(BuildExtension):
-    """BuildExtension (no ninja) that appends FILE_FLAGS to the files named there."""
+    """BuildExtension (no ninja) that appends FILE_FLAGS to the files named there, and compiles
+    the sources side by side (build_jobs() at a time: the ISA units are independent, and one
+    compile of a kernel unit takes tens of seconds)."""
 
     def build_extension(self, ext):
         compile_one = self.compiler._compile
+        compile_all = self.compiler.compile
         accepted: dict[str, bool] = {}
+        probe_lock = threading.Lock()
 
         def _compile(obj, src, ext_, cc_args, extra_postargs, pp_opts):
             path = _rel(src)
             extra = FILE_FLAGS.get(path, [])
             if path in PROBED:
                 lv = PROBED[path]
-                if path not in accepted:
-                    accepted[path] = _toolchain_builds(self.compiler.compiler_so, extra,
-                                                       ISA.arch(lv.arch).intrinsics_header, lv.probe)
-                    if not accepted[path]:
-                        print(f"moepack: WARNING: this toolchain cannot build {' '.join(extra)} code: {path} is "
-                              f"built without its kernels (ISA level {lv.name} is reported as a fallback at run time)")
+                with probe_lock:
+                    if path not in accepted:
+                        accepted[path] = _toolchain_builds(self.compiler.compiler_so, extra,
+                                                           ISA.arch(lv.arch).intrinsics_header, lv.probe)
+                        if not accepted[path]:
+                            print(f"moepack: WARNING: this toolchain cannot build {' '.join(extra)} code: {path} is "
+                                  f"built without its kernels (ISA level {lv.name} is reported as a fallback at run time)")
                 if not accepted[path]:
                     extra = ["-DMOEPACK_OMIT_LEVEL"]
             post = list(extra_postargs["cxx"] if isinstance(extra_postargs, dict) else extra_postargs)
@@ -86,11 +105,46 @@ class IsaBuildExt(BuildExtension):
                 extra_postargs = post + extra
             return compile_one(obj, src, ext_, cc_args, extra_postargs, pp_opts)
 
+        compiler = self.compiler
+
+        def compile_parallel(sources, output_dir=None, macros=None, include_dirs=None, debug=0, extra_preargs=None,
+                             extra_postargs=None, depends=None):
+            # CCompiler.compile, with the per-object loop run by a thread pool (each _compile is one
+            # compiler process; distutils' own loop runs them one after the other)
+            macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+                output_dir, macros, include_dirs, sources, depends, extra_postargs)
+            cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+
+            def one(obj):
+                if obj in build:  # absent: up to date (distutils' own skip)
+                    src, ext_ = build[obj]
+                    compiler._compile(obj, src, ext_, cc_args, extra_postargs, pp_opts)
+
+            with ThreadPoolExecutor(max_workers=build_jobs()) as ex:
+                list(ex.map(one, objects))  # list(): re-raises the first compile error
+            return objects
+
+        # torch's per-file wrapper (unix_wrap_single_compile) sets compiler_so to the compiler
+        # behind ccache/sccache when one is installed, and puts back what it read: run side by side,
+        # one thread could read another's wrapped command and wrap it twice. So the command is
+        # wrapped once here, as torch would, and torch's wrapping is off while the threads run.
+        so_before = list(compiler.compiler_so)
+        no_wrap_before = os.environ.get("TORCH_NO_COMPILER_WRAPPER")
+        if not no_wrap_before:
+            wrapper = next((w for w in ("ccache", "sccache") if shutil.which(w)), None)
+            if wrapper and so_before[0] != wrapper:
+                compiler.set_executable("compiler_so", [wrapper] + so_before)
+        os.environ["TORCH_NO_COMPILER_WRAPPER"] = "1"
         self.compiler._compile = _compile
+        self.compiler.compile = compile_parallel
         try:
             super().build_extension(ext)
         finally:
             self.compiler._compile = compile_one
+            self.compiler.compile = compile_all
+            compiler.set_executable("compiler_so", so_before)
+            if no_wrap_before is None:
+                del os.environ["TORCH_NO_COMPILER_WRAPPER"]
 
 
 def _sources():
@@ -122,6 +176,10 @@ setup(
             "moepack._C",
             _sources(),
             include_dirs=[os.path.join(ROOT, "csrc", "include")],
+            # every header and .inc: `setup.py build_ext --inplace` (make check) rebuilds when one
+            # is newer than the extension, not only when a .cpp is
+            depends=sorted(os.path.relpath(f, ROOT) for ext_ in ("h", "inc")
+                           for f in glob.glob(os.path.join(ROOT, "csrc", "**", f"*.{ext_}"), recursive=True)),
             extra_compile_args={"cxx": COMMON_FLAGS},
             extra_link_args=OPENMP_LINK,
         )

@@ -6,7 +6,7 @@ Everything else reads it (docs/CONTRIBUTING.md, "How to add an ISA level"):
   ``CpuFeatures``, the ``kIsaLevels`` table that csrc/dispatch.cpp's requirement check,
   ``isa_serves`` and registration read, the X-macros that declare every ``register_<isa>`` and
   list ``cpu_flags``) and the level table of docs/KERNELS.md; ``--check`` fails when either is
-  stale (``make test-only``, tests/test_isa_list.py);
+  stale (``make test-only``, tests/engine/test_isa_list.py);
 * setup.py compiles ``csrc/<arch>/`` of the architecture it builds for, each level's kernel file
   with the level's ``flags``, and probes the toolchain with the level's ``probe``;
 * tests/cpp/build.py builds every level of the host's architecture natively and, where
@@ -110,7 +110,7 @@ ARCHES = (
     ),
     # AArch64 (Linux: getauxval HWCAP/HWCAP2; macOS: sysctlbyname hw.optional.*). Every level's
     # kernel is built natively for its target; tests/cpp cross-builds them and runs them under
-    # qemu-user on x86 (tests/test_arm_cross.py), so no level has an SIMDe emulation.
+    # qemu-user on x86 (tests/engine/test_arm_cross.py), so no level has an SIMDe emulation.
     Arch(
         name="arm",
         machines=("aarch64", "arm64"),

@@ -498,7 +498,7 @@ def layout_expert_shapes(layout: PackedLayout, num_experts: int, hidden: int, in
 
 def tensor_shape(layout: PackedLayout, spec: TensorSpec, e: int, np_: int, kp: int) -> tuple[int, ...]:
     """The shape of one declared tensor of a packed [E, np_, kp] weight (TENSOR_SHAPES). The C++
-    twin is ``tensor_shape`` in csrc/include/moepack/layout_shapes.h (tests/test_layout_sync.py)."""
+    twin is ``tensor_shape`` in csrc/include/moepack/layout_shapes.h (tests/engine/test_layout_sync.py)."""
     if spec.shape == "packed":
         return (e, np_, kp * layout.weight_bits // (8 * TENSOR_DTYPES[spec.dtype]))
     if spec.shape == "channel":

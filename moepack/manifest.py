@@ -9,7 +9,7 @@ file, the field's path, its value and the rule::
 
 After it passes, the runtime (``moepack.open``), ``inspect``, ``run`` and ``verify`` index the
 manifest without guarding: every key they read is there with the type and range stated here, so
-a hand-edited or hostile manifest can only be refused, never crash them (tests/test_manifest.py
+a hand-edited or hostile manifest can only be refused, never crash them (tests/container/test_manifest.py
 fuzzes that). Rules, beyond each field's type:
 
 * known values: ``format`` "moepack", ``format_version`` an integer this build reads, layout

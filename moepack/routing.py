@@ -10,7 +10,7 @@ ties, -inf). This module holds:
   ``torch.ops.moepack.route`` (csrc/routing.cpp), or a user-supplied Python routing function.
 * ``apply_router_weight_on_input``: the Llama-4 way of applying a top-1 weight.
 * ``route_reference``: plain torch, written from the models' own definitions (transformers 5.x
-  modeling code). It is the oracle of tests/test_routing.py and shares no code with the op.
+  modeling code). It is the oracle of tests/engine/test_routing.py and shares no code with the op.
 
 ``python tools/bench_routing.py`` prints the per-call cost of the op.
 """

@@ -7,6 +7,11 @@
   ``moepack.isa.KERNEL_ISAS["bf16"]``, from moepack/isa_levels.py) by capping the dispatcher with ``MOEPACK_MAX_ISA``; a path this host cannot run is skipped with the reason, and a path that
   the dispatcher would not actually pick fails loudly (a test must never silently run a lower
   kernel than its name says). ``simd_isa`` is the same without the scalar baseline.
+* Markers (pyproject.toml): ``vllm``, ``arm``, ``emulated``, ``slow``; a test marked ``vllm``,
+  ``arm`` or ``emulated`` (or ``requires(name)``) runs only when what the Makefile provides for it
+  is here (tests/support/skips.py ``require``: a failure under CI=true, else a ``missing:`` skip).
+* The skip rule: a run in which any test was skipped for a reason outside the allowed kinds
+  (``host lacks: ...``, ``engine <name>: ...``: tests/support/skips.py) fails, listing them.
 * Inputs follow SEMANTICS.md §4: canonical weights ~ N(0, 1)/sqrt(fan_in) rounded to bf16 (the
   packed layout stores bf16, so the canonical weights the reference sees are exactly the packed
   values), routing = softmax top-k of random logits (ids int32, weights fp32, both contiguous).
@@ -28,7 +33,8 @@ import moepack
 from moepack.isa import KERNEL_ISAS, available_isas, host_isa, layout_isas
 from moepack.pack import PackedExperts, pack_experts
 from moepack.reference import moe_reference
-from tests.synthetic import SYNTH, write_synthetic_checkpoint
+from tests.support import skips
+from tests.support.synthetic import SYNTH, write_synthetic_checkpoint
 
 # torch.ops.moepack.* exist once the extension is loaded (importing moepack alone is lazy).
 moepack.load_extension()
@@ -60,6 +66,86 @@ def isa_cap(isa: str):
             os.environ["MOEPACK_MAX_ISA"] = before
 
 
+# ---------------------------------------------------------------------------------------------
+# Markers, what they need, and the skip rule (tests/support/skips.py; docs/CONTRIBUTING.md)
+
+GATED = ("emulated", "arm", "vllm")  # markers whose suites need something the Makefile provides
+
+
+def pytest_collection_modifyitems(items):
+    """``slow``: the test functions tests/support/slow.py lists (measured; keyed by file name and function)."""
+    from tests.support.slow import SLOW
+
+    for item in items:
+        if f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in SLOW:
+            item.add_marker(pytest.mark.slow)
+
+
+def pytest_runtest_setup(item):
+    for name in GATED:
+        if item.get_closest_marker(name) is not None:
+            skips.require(name, name)
+    for m in item.iter_markers("requires"):
+        for name in m.args:
+            marker = next((g for g in GATED if item.get_closest_marker(g) is not None), None)
+            skips.require(name, marker)
+
+
+_offending: list[tuple[str, str]] = []  # (nodeid, reason) of skips outside the allowed kinds
+_allowed: dict[str, int] = {}  # allowed reason -> count
+
+
+def _skip_reason(report) -> str:
+    lr = report.longrepr
+    if isinstance(lr, tuple) and len(lr) == 3:
+        return str(lr[2])
+    return str(lr)
+
+
+def _note_skip(report) -> None:
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report).removeprefix("Skipped: ")
+    if skips.kind(reason) is None:
+        _offending.append((report.nodeid, reason))
+    else:
+        _allowed[reason] = _allowed.get(reason, 0) + 1
+
+
+def pytest_runtest_logreport(report):
+    if report.when in ("setup", "call"):
+        _note_skip(report)
+
+
+def pytest_collectreport(report):
+    _note_skip(report)  # a module skipped as a whole
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _offending and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _offending:
+        return
+    tr = terminalreporter
+    tr.section("skips outside the allowed kinds: this run FAILS", sep="!", red=True, bold=True)
+    tr.line("A test may be skipped only for what this host cannot have ('host lacks: ...') or an engine that "
+            "`make test` deliberately leaves out ('engine <name>: ...'); tests/support/skips.py. Install what is "
+            "missing (make setup-test, make vllm-venv) or deselect its suite (-m \"not vllm and not arm and not "
+            "emulated\").", red=True)
+    by_reason: dict[str, list[str]] = {}
+    for nodeid, reason in _offending:
+        by_reason.setdefault(reason, []).append(nodeid)
+    for reason, ids in by_reason.items():
+        tr.line(f"{len(ids)} skipped: {reason}", red=True)
+        for nodeid in ids[:5]:
+            tr.line(f"    {nodeid}")
+        if len(ids) > 5:
+            tr.line(f"    ... and {len(ids) - 5} more")
+
+
 @pytest.fixture(autouse=True)
 def _fixed_seeds():
     torch.manual_seed(0)
@@ -69,7 +155,7 @@ def _fixed_seeds():
 
 def _use_isa(isa: str, monkeypatch: pytest.MonkeyPatch) -> str:
     if isa not in available_isas():
-        pytest.skip(f"{isa} kernels cannot run on this host (host ISA: {host_isa()}; flags: {moepack.cpu_flags()})")
+        skips.host_lacks(f"{isa} kernels cannot run on this CPU (host ISA: {host_isa()}; flags: {moepack.cpu_flags()})")
     monkeypatch.setenv("MOEPACK_MAX_ISA", isa)
     monkeypatch.delenv("MOEPACK_STRICT", raising=False)
     chosen, reason, _ = moepack.kernel_choice()
@@ -93,7 +179,7 @@ def layout_isa(request, monkeypatch):
     """(layout, isa): the test packs with ``layout`` and runs on kernel level ``isa``."""
     lay, lv = request.param
     if lv not in available_isas():
-        pytest.skip(f"{lv} kernels cannot run on this host (host ISA: {host_isa()})")
+        skips.host_lacks(f"{lv} kernels cannot run on this CPU (host ISA: {host_isa()})")
     monkeypatch.setenv("MOEPACK_MAX_ISA", lv)
     monkeypatch.delenv("MOEPACK_STRICT", raising=False)
     chosen, reason, _ = moepack.kernel_choice(lay)
@@ -202,7 +288,7 @@ def reference(inp: MoeInputs, **kw) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# The synthetic ~190 MB checkpoint (tests/synthetic.py) of the convert-streaming and
+# The synthetic ~190 MB checkpoint (tests/support/synthetic.py) of the convert-streaming and
 # open-memory tests: written once, and converted once, per test session.
 
 

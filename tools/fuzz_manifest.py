@@ -1,5 +1,5 @@
-"""The long fuzz of packed directories' manifests and shard headers (tests/manifest_fuzz.py has
-the cases and the outcome classes; tests/test_manifest_fuzz.py runs 400 of them in the suite).
+"""The long fuzz of packed directories' manifests and shard headers (tests/support/manifest_fuzz.py has
+the cases and the outcome classes; tests/container/test_manifest_fuzz.py runs 400 of them in the suite).
 
     python3 tools/fuzz_manifest.py --cases 100000 --seed 1 [--jobs 2] [--kind both|manifest|header] [--verify-source]
 
@@ -31,9 +31,9 @@ def _worker(args) -> tuple[Counter, list]:
     import torch
 
     torch.set_num_threads(1)
-    from tests.manifest_fuzz import fuzz, make_target
+    from tests.support.manifest_fuzz import fuzz, make_target
 
-    from tests.fixtures_util import fixture_dir
+    from tests.support.fixtures_util import fixture_dir
 
     targets = [make_target(Path(root) / name, fixture_dir(name.split("@")[0]) if with_source else None) for name in FIXTURES]
     r = fuzz(targets, Path(root) / f"work-{job}", cases, seed, kind, job=job, jobs=jobs, progress=_progress(job))
@@ -61,7 +61,7 @@ def main() -> int:
                     help="run verify --source on every other_model case: it must fail (class missed otherwise)")
     a = ap.parse_args()
     import moepack
-    from tests.fixtures_util import fixture_dir
+    from tests.support.fixtures_util import fixture_dir
 
     with tempfile.TemporaryDirectory(prefix="moepack-fuzz-") as root:
         for name in FIXTURES:

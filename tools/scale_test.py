@@ -5,7 +5,7 @@ points + resume, compared byte for byte with the uninterrupted convert.
 
     python3 tools/scale_test.py --root /work/scale-data/scale [--layers 21] [--experts 64] [--keep]
 
-Not a test module (the suite has small versions: tests/test_convert_resume.py). Writes
+Not a test module (the suite has small versions: tests/sources/test_convert_resume.py). Writes
 ~2 x the source size of output under --root and deletes everything unless --keep. The source is
 written one tensor at a time (the writer never holds a shard). Uses only public entry points
 (moepack.convert / verify / open, the layer module), so it runs unchanged when verify changes.

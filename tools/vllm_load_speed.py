@@ -294,7 +294,7 @@ CT_IGNORE = ["lm_head", r"re:.*self_attn[.].*", r"re:.*mlp[.]gate$"]
 
 
 def write_ct_source(src: Path, dst: Path, scheme: str) -> None:
-    """``src`` with its experts quantized by compressed-tensors itself (tests/ct_writer.py)."""
+    """``src`` with its experts quantized by compressed-tensors itself (tests/support/ct_writer.py)."""
     import re
 
     if (dst / "config.json").exists():

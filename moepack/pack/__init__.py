@@ -7,7 +7,7 @@ packages of moepack/schemes/ fill) to make its canonical tensors from float weig
 them. The scheme packages import from here; nothing here imports them (docs/ARCHITECTURE.md).
 
 The readable Python packers are the specification; the C++ packer
-(``torch.ops.moepack.pack_weight``) must produce the same bytes (tests/test_pack.py).
+(``torch.ops.moepack.pack_weight``) must produce the same bytes (tests/engine/test_pack.py).
 ``pack_w13`` / ``pack_w2`` add the MoE-specific padding:
 
 * the intermediate size I is zero-padded to ``Ip`` (a multiple of ``layout.i_align``), gate and

@@ -4,7 +4,7 @@ reads FP8 tensors: the non-expert Linears convert carries and load_model dequant
 
 * ``decode_fp8(codes)``: float32 values of ``float8_e4m3fn`` / ``float8_e5m2`` codes: torch's
   conversion, which is exact (every FP8 value is an fp32 value; NaN codes give NaN;
-  tests/test_fp8_model.py checks all 256 codes against the bit-level definition), and needs no
+  tests/schemes/fp8/test_fp8_model.py checks all 256 codes against the bit-level definition), and needs no
   index tensor (a table lookup would allocate 8 bytes of int64 index per weight).
 * ``nan_codes(codes)``: the codes that are NaN (e4m3fn: 0x7F / 0xFF; e5m2: exponent 31 with a
   mantissa); ``check_fp8_codes`` refuses the first one naming the tensor and index.

@@ -1,7 +1,7 @@
 // Known-answer tests of the AArch64 instructions the ARM kernels use (csrc/arm/), one line per
 // (instruction, case): "KAT <insn> <case>: ok" or "KAT <insn> <case>: WRONG <detail>". It answers
 // one question: does the machine running this binary (a real CPU, or qemu-user on x86:
-// tests/test_arm_cross.py) compute these instructions as the Arm ARM defines them? The kernel
+// tests/engine/test_arm_cross.py) compute these instructions as the Arm ARM defines them? The kernel
 // tests (test_kernels) compare whole kernels with the scalar level under tolerances; this checks
 // each instruction alone, exactly:
 //   exact cases   inputs whose every product and partial sum is exact in fp32 (small integers,
@@ -11,7 +11,7 @@
 //                 odd, subnormals flushed; BFMLAL: one fused multiply-add, round to nearest even);
 //   IEEE cases    the quantizer's operations (fmaxnm/fminnm with NaN, frintn ties, fdiv).
 // Build: aarch64-linux-gnu-g++ -std=c++20 -O1 -march=armv8.6-a+bf16+i8mm -ffp-contract=off
-// (tests/test_arm_cross.py); exit status 1 when any case is WRONG.
+// (tests/engine/test_arm_cross.py); exit status 1 when any case is WRONG.
 #include <arm_neon.h>
 
 #include <cmath>

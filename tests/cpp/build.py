@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build (and optionally run) tests/cpp/test_kernels: the torch-free kernel test binary.
 
-    python tests/cpp/build.py [--build-dir DIR] [--run [-- ARGS...]]
+    python tests/cpp/build.py [--build-dir DIR] [--no-emulate] [--run [-- ARGS...]]
 
 Translation units (each with the flags setup.py gives it, -O2; the levels, their files, flags and
 emulation come from moepack/isa_levels.py, for the build host's architecture):
@@ -27,10 +27,11 @@ emulation come from moepack/isa_levels.py, for the build host's architecture):
 After compiling it checks that an emulated object contains no instruction of the level it emulates
 (x86: no zmm, opmask or EVEX-only register, no dot-product instruction) and that every ISA object
 exports nothing but its register_* function (an exported inline function compiled with ISA flags
-could be picked by the linker for baseline code). Needs g++ (or $CXX) and SIMDe (Debian/Ubuntu: apt-get install libsimde-dev).
+could be picked by the linker for baseline code). Needs g++ (or $CXX), and SIMDe for the emulated objects
+(Debian/Ubuntu: apt-get install libsimde-dev; --no-emulate builds test_kernels_native without them).
 Objects are rebuilt when a source, a csrc header or this script is newer, or flags changed.
 
-Cross build (--arch ARCH, another architecture than the host's: tests/test_arm_cross.py):
+Cross build (--arch ARCH, another architecture than the host's: tests/engine/test_arm_cross.py):
     python tests/cpp/build.py --arch arm [--run]
 compiles every level of ARCH natively for it with CROSS_PREFIXES[ARCH] (aarch64-linux-gnu-g++,
 -nm, -objdump; $CROSS_CXX overrides the compiler), links the binary statically, and --run runs
@@ -181,12 +182,16 @@ def _exported(obj: str) -> list[str]:
     return out
 
 
-def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "", arch_name: str | None = None) -> str:
+def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "", arch_name: str | None = None,
+          emulate: bool = True) -> str:
     """Builds the test binary; returns its path. Raises RuntimeError with the compiler output.
 
     sanitize: e.g. "address,undefined" or "thread" (-fsanitize=...; use its own build_dir).
     arch_name: build for this architecture of moepack/isa_levels.py (None: the host's); another
-    than the host's is a cross build (a static binary for CROSS_RUNNERS)."""
+    than the host's is a cross build (a static binary for CROSS_RUNNERS).
+    emulate: link the SIMDe-emulated objects (needs SIMDe). False: the binary test_kernels_native
+    without them (no SIMDe needed): scalar, the levels built natively, the omit objects and the
+    hook counts; it shares every other object with the emulated build in the same build_dir."""
     extra = [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-g"] if sanitize else []
     host_arch = ISA.build_arch(platform.machine())
     if arch_name is None:
@@ -203,7 +208,7 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "", arch_na
         if not ok:
             raise RuntimeError(why)
     levels = ISA.arch_levels(arch.name)
-    if any(lv.emulate for lv in levels):
+    if emulate and any(lv.emulate for lv in levels):
         ok, why = simde_available()
         if not ok:
             raise RuntimeError(why)
@@ -218,7 +223,7 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "", arch_na
         "dispatch": ("csrc/dispatch.cpp", []),
         "cpu_features": (arch.cpu_features_source, []),
     }
-    emulated = [lv.name for lv in levels if lv.emulate and (emu_flags or not lv.emulate_needs_host)]
+    emulated = [lv.name for lv in levels if emulate and lv.emulate and (emu_flags or not lv.emulate_needs_host)]
     for lv in levels:
         if lv.emulate is None:
             units[lv.name] = (lv.source, ISA.all_flags(lv))
@@ -261,13 +266,17 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "", arch_na
             registrars.append(f'X("{lv.name}-emu", register_{lv.name}, {lv.name}, {emu_needs})')
         else:
             link[lv.name + "_omit"] = f"register_{lv.name}"
-            log(f"note: {lv.name} is not emulated: it needs {emu_host.name if emu_host else '?'} code and this build host lacks it")
+            if emulate:
+                log(f"note: {lv.name} is not emulated: it needs {emu_host.name if emu_host else '?'} code and this build host lacks it")
+            else:
+                log(f"note: {lv.name} is not emulated in this build (emulate=False: test_kernels_native)")
     for lv, ok in native.items():
         if ok:
             link[lv + "_native"] = f"register_{lv}_native"
             registrars.append(f'X("{lv}", register_{lv}_native, {lv}, {lv})')
     test_flags = ["-DMOEPACK_TEST_REGISTRARS(X)=" + " ".join(registrars)]
-    obj, rc, out = _compile(os.path.join(build_dir, "test_kernels.o"), os.path.join(HERE, "test_kernels.cpp"), test_flags, extra)
+    binary = "test_kernels" if emulate else "test_kernels_native"
+    obj, rc, out = _compile(os.path.join(build_dir, binary + ".o"), os.path.join(HERE, "test_kernels.cpp"), test_flags, extra)
     if rc != 0:
         raise RuntimeError(f"compiling test_kernels.cpp failed:\n{out}")
 
@@ -298,7 +307,7 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "", arch_na
             raise RuntimeError(f"{name} object must export only moepack::{fn}, it exports: {syms}")
 
     objs = [results[n][0] for n in ("scalar", "pack", "dispatch", "cpu_features")] + [results[n][0] for n in link] + [obj]
-    exe = os.path.join(build_dir, "test_kernels")
+    exe = os.path.join(build_dir, binary)
     static = ["-static"] if cross else []  # the emulator then needs no target sysroot
     r = subprocess.run(cxx() + extra + objs + ["-pthread"] + static + ["-o", exe], capture_output=True, text=True)
     if r.returncode != 0:
@@ -320,6 +329,8 @@ def main() -> int:
     ap.add_argument("--sanitize", default="", help='e.g. "address,undefined" or "thread" (default build dir: build/san-<name>)')
     ap.add_argument("--arch", default=None, help="build for this architecture of moepack/isa_levels.py (e.g. arm: "
                     "a cross build, run under its emulator; default build dir: build/<arch>)")
+    ap.add_argument("--no-emulate", action="store_true", help="build test_kernels_native: no SIMDe-emulated objects "
+                    "(what runs without SIMDe: scalar, the native levels, the hook counts)")
     ap.add_argument("args", nargs="*", help="arguments for the binary (after --), e.g. -v")
     a = ap.parse_args()
     try:
@@ -328,7 +339,7 @@ def main() -> int:
             build_dir = os.path.join(DEFAULT_BUILD, "san-" + a.sanitize.replace(",", "-"))
         if a.arch and build_dir == DEFAULT_BUILD:
             build_dir = os.path.join(DEFAULT_BUILD, a.arch)
-        exe = build(build_dir, sanitize=a.sanitize, arch_name=a.arch)
+        exe = build(build_dir, sanitize=a.sanitize, arch_name=a.arch, emulate=not a.no_emulate)
     except RuntimeError as e:
         print(e, file=sys.stderr)
         return 2

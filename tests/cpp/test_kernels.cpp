@@ -74,7 +74,7 @@ const LayoutDesc& kTU4ch = kLayout_u4ch_n32k8_x86;
 const LayoutDesc& kTF8g128 = kLayout_f8g128_n32k2_x86;
 const LayoutDesc& kTF8ch = kLayout_f8ch_n32k2_x86;
 #endif
-// --quick (the emulated cross runs, tests/test_arm_cross.py): every 5th case of the big dense loop
+// --quick (the emulated cross runs, tests/engine/test_arm_cross.py): every 5th case of the big dense loop
 bool g_quick = false;
 
 #include "kt_common.inc"

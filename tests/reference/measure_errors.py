@@ -2,7 +2,7 @@
 
     python -m tests.reference.measure_errors [--draws N]
 
-For every case of the kernel test matrix (tests/kernel_cases.py; and N extra random draws of
+For every case of the kernel test matrix (tests/support/kernel_cases.py; and N extra random draws of
 it, other seeds) it prints, per tolerance entry, the worst relative norm error and the worst
 element in units of eps*rms(expected) and of (ulp(|expected|) + eps*rms(expected)), next to the
 current bounds.
@@ -18,7 +18,7 @@ import torch
 from moepack.isa import KERNEL_ISAS, available_isas
 from moepack.reference import moe_reference
 from tests.conftest import isa_cap, reference, run_packed
-from tests.kernel_cases import CASES
+from tests.support.kernel_cases import CASES
 from tests.reference.tolerances import TOL, elem_ratio, errors
 
 

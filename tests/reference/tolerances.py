@@ -12,7 +12,7 @@ TOL[...])``. Two checks, both must hold:
   cancel to near zero legitimately differ by many of their own ulps.
 
 The numbers were MEASURED (tests/reference/measure_errors.py over the kernel test matrix of
-tests/kernel_cases.py and 6-25 extra random draws per shape; see each entry) and set with
+tests/support/kernel_cases.py and 6-25 extra random draws per shape; see each entry) and set with
 headroom. Do not loosen one to make a failure go away: a failure is a finding (see the docstring
 of each entry for what produces the error it bounds).
 """
@@ -160,14 +160,14 @@ _add("expert_parallel_sum", F32, 5e-7, 0, 32,
 
 # ---- int8 W8A8 layouts (SEMANTICS.md §3 A8) -----------------------------------------------------
 # The integer dot products of every kernel are EXACT and identical (tested directly, bitwise, in
-# tests/test_int8.py and tests/cpp), and the dequantization uses the same fp32 operations in the
+# tests/schemes/int8/test_int8.py and tests/cpp), and the dequantization uses the same fp32 operations in the
 # same order everywhere. What still differs between two correct implementations is the
 # activation (libm vs a SIMD exp vs torch's), by an ulp; the intermediate is then RE-QUANTIZED,
 # and a value within an ulp of a code boundary (x / scale = n + 1/2) can land on either code.
 # One such flip moves the output by a_scale * w2 column, up to ~5e-3 relative at T = 1: far
 # above 1e-5. So int8 comparisons accept rel <= rel_norm OR up to INT8_FLIPS single-flip
 # effects (moepack.reference.moe_reference_int8(..., return_flip=True) computes that effect from
-# the case's own data). Measured over the kernel test matrix (tests/kernel_cases.py) + 12
+# the case's own data). Measured over the kernel test matrix (tests/support/kernel_cases.py) + 12
 # redraws (585 cases):
 #   scalar vs reference fp32: 1.0e-7 without a flip; ONE case with a flip, 1.9e-3 (its single-flip
 #     effect 4.2e-3); bf16/fp16: bitwise equal in every case;

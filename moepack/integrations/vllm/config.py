@@ -34,7 +34,7 @@ from ...errors import PackedDirError, UnsupportedError
 from ...manifest import MANIFEST
 from . import QUANT_NAME
 
-# model_type -> the vLLM architecture the plugin was tested with (tests/test_vllm_plugin.py):
+# model_type -> the vLLM architecture the plugin was tested with (tests/integrations/test_vllm_plugin.py):
 # the carried tensors must be what vLLM's model of that family loads, and its MoE layers
 # RoutedExperts whose routing equals the pack's.
 SUPPORTED_FAMILIES = {
@@ -234,7 +234,7 @@ def check_family(manifest: dict, where: str) -> None:
 
 
 # The source formats whose quantized non-expert linears the plugin hands to vLLM's own CPU linear
-# method, each run end to end by tests/test_vllm_plugin.py: compressed-tensors W8A8 (8-bit int
+# method, each run end to end by tests/integrations/test_vllm_plugin.py: compressed-tensors W8A8 (8-bit int
 # weights and activations, symmetric, the activations dynamic per token: vLLM's oneDNN scaled
 # matmul) and W4A16 (4-bit int weights in groups, symmetric or with zero points), GPTQ (4-bit,
 # symmetric, no act-order) and AWQ (4-bit GEMM, zero points): the last three on vLLM's CPUWNA16

@@ -41,7 +41,7 @@ FP8_TOL = 1e-5  # the kernel against moe_reference_fp8 on the same codes (the sa
 # A float source quantized by moepack: the output against the fp32 reference on the SOURCE's
 # float weights. e4m3fn keeps 3 mantissa bits, so every weight above its block's subnormal range
 # (scale * 2^-6) is within 2^-4 of itself, relative (under 4% RMS on bell-shaped weights,
-# tests/test_fp8.py); through two GEMMs and the activation the fixtures' outputs land at
+# tests/schemes/fp8/test_fp8.py); through two GEMMs and the activation the fixtures' outputs land at
 # 0.036-0.053 (qwen3_moe, deepseek_v3, gpt_oss, mixtral, olmoe; blocks of 128 and per channel).
 # The bound leaves room for heavy tails and still catches a wrong scale, code or block, which
 # is off by far more.

@@ -13,7 +13,7 @@ row blocking packs exactly. Packed: the codes through ``moepack.pack.pack_codes`
 bf16_n32k2_x86, one byte per code; padding code 0x00 = +0), the scales transposed to the
 layout's [E, ceil(Kp / G), Np] (per channel: [E, Np]), 0 in every padding row and group.
 ``use_cpp`` moves the code bytes with the C++ packer (``torch.ops.moepack.pack_weight``, one-byte
-codes), else with the specification, ``pack_codes``; tests/test_pack.py holds them equal.
+codes), else with the specification, ``pack_codes``; tests/engine/test_pack.py holds them equal.
 """
 
 from __future__ import annotations

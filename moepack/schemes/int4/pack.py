@@ -19,7 +19,7 @@ point (dequantizes to exactly 0); padded rows have code 0, scale 0, zero 0.
 
 The codes are packed by the C++ packer (``torch.ops.moepack.pack_weight`` with the zero points;
 convert, ``pack_experts``) or, with ``use_cpp=False``, by ``pack_codes`` after the padding rule
-here: that is the specification, which verify recomputes with and tests/test_pack.py compares
+here: that is the specification, which verify recomputes with and tests/engine/test_pack.py compares
 the C++ bytes to.
 """
 
@@ -42,7 +42,7 @@ def pack_u4_codes(
     holds the group's zero point, so a padded weight dequantizes to exactly 0; padded rows code
     0), then ``pack_codes``, which places every code where the layout says. That is the
     specification; ``use_cpp=True`` packs with the C++ packer (``torch.ops.moepack.pack_weight``
-    with ``zero``: the same rule, the same bytes, tests/test_pack.py), whose group size is the
+    with ``zero``: the same rule, the same bytes, tests/engine/test_pack.py), whose group size is the
     layout's own."""
     e, n, k = q.shape
     g = kp if group_size <= 0 else group_size

@@ -35,7 +35,7 @@ MXFP4_FLIPS = 2.0  # A8: intermediate codes one ulp from a boundary may round ei
 # The output against the fp32 reference on the exactly dequantized weights (an mxfp4 source):
 # A16 sits at the summation-order level (~1e-6); A8 adds the per-token int8 rounding of x and of
 # the intermediate, which SEMANTICS.md §4 bounds at 3e-2 for every A8 mode (measured 0.017-0.019
-# on tests/test_mxfp4.py's shapes).
+# on tests/schemes/mxfp4/test_mxfp4.py's shapes).
 MXFP4_A8_FP32_TOL = 3e-2
 # A float source quantized by moepack: the output against the fp32 reference on the SOURCE's
 # float weights. OCP's rule leaves Gaussian weights within 0.115 of themselves (Frobenius,

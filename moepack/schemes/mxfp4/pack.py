@@ -14,7 +14,7 @@ padding code 0 (+0) in every padded row and K column, so the C++ packer's zero-p
 sub-byte path (``torch.ops.moepack.pack_weight`` without ``zero``) writes the same bytes. The
 scales transposed to the layout's [E, Kp / 32, Np], one byte each, 0 in every padding row and
 group (a padded weight is +0 * 2^-127 = 0). ``use_cpp`` moves the codes with the C++ packer,
-else with the specification, ``pack_codes``; tests/test_mxfp4.py holds them equal.
+else with the specification, ``pack_codes``; tests/schemes/mxfp4/test_mxfp4.py holds them equal.
 """
 
 from __future__ import annotations

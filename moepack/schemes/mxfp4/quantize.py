@@ -21,11 +21,11 @@ top of e2m1's grid) round to the grid, and values in (6, 8) saturate to 6, an er
 at most half a step of the grid at its magnitude: 0.25 * 2^s under 2, 0.5 * 2^s in [2, 4), 1 * 2^s
 in [4, 6]. Relative to amax that is at most 1/4 (saturation) and typically ~1/16; on bell-shaped
 (Gaussian) weights the whole weight's relative error (Frobenius) is 0.115, on heavy-tailed
-ones (Student-t, 3 degrees of freedom) 0.14 (tests/test_mxfp4.py).
+ones (Student-t, 3 degrees of freedom) 0.14 (tests/schemes/mxfp4/test_mxfp4.py).
 This is OCP's rule; compressed-tensors' observer rounds amax's exponent UP when its mantissa is at
 least 1.75 (``round_to_power_2``), which avoids most saturation at the cost of one bit of
 resolution in those groups: the two agree on every group whose amax has a mantissa below 1.75,
-and code for code on the values (tests/test_mxfp4.py holds both against the library).
+and code for code on the values (tests/schemes/mxfp4/test_mxfp4.py holds both against the library).
 """
 
 from __future__ import annotations

@@ -1,0 +1,155 @@
+"""moepack/isa_levels.py is THE list of ISA levels: the generated C++ header and the docs table
+must match it (tools/gen_isa.py --check), the compiled extension must report the same levels,
+and setup.py must build exactly the files the list names (docs/CONTRIBUTING.md: how to add an
+ISA level)."""
+
+from __future__ import annotations
+
+import pathlib
+import platform
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import moepack
+from moepack import isa_levels
+from moepack.isa import ISAS, KERNEL_ISAS
+from moepack.layout import FAMILIES, LAYOUTS, WEIGHT_DTYPES
+from tests.support import skips
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+HEADER = pathlib.Path("csrc/include/moepack/isa_gen.h")
+KERNELS_MD = pathlib.Path("docs/KERNELS.md")
+LIST = pathlib.Path("moepack/isa_levels.py")
+
+
+def run_check(root: pathlib.Path) -> subprocess.CompletedProcess:
+    # A subprocess, like the Makefile's `make test-only` runs it.
+    return subprocess.run([sys.executable, str(root / "tools" / "gen_isa.py"), "--check"], capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_generated_files_are_up_to_date():
+    r = run_check(ROOT)
+    assert r.returncode == 0, f"tools/gen_isa.py --check failed:\n{r.stdout}{r.stderr}"
+    assert "up to date" in r.stdout
+
+
+# (file, text, replacement, the files --check must then call stale); None: delete the file
+EDITS = {
+    "header": (HEADER, "avx512_bf16 = 5", "avx512_bf16 = 6", [HEADER]),
+    "docs table": (KERNELS_MD, "| avx512_vnni |", "| avx512vnni |", [KERNELS_MD]),
+    "list": (LIST, 'cpu("AVX512_BF16", "avx512_bf16")', 'cpu("AVX512 BF16", "avx512_bf16")', [HEADER, KERNELS_MD]),
+    "no header": (HEADER, None, None, [HEADER]),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_check_detects_a_stale_file(tmp_path, edit):
+    path, old, new, stale = EDITS[edit]
+    for rel in ("tools/gen_isa.py", LIST, HEADER, KERNELS_MD):  # what gen_isa.py reads and writes
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / rel, tmp_path / rel)
+    assert run_check(tmp_path).returncode == 0
+    if old is None:
+        (tmp_path / path).unlink()
+    else:
+        text = (tmp_path / path).read_text()
+        assert text.count(old) == 1
+        (tmp_path / path).write_text(text.replace(old, new))
+    r = run_check(tmp_path)
+    assert r.returncode == 1
+    assert {p for p in (HEADER, KERNELS_MD) if f"{p} is stale" in r.stderr} == set(stale), r.stderr
+
+
+def test_the_list_names_known_layout_kinds():
+    for lv in isa_levels.LEVELS:
+        for entry in lv.serves or ():  # "kind" (every act mode) or "kind:mode"
+            kind, _, mode = entry.partition(":")
+            assert kind in WEIGHT_DTYPES and mode in ("", *isa_levels.SERVE_MODES), (lv.name, entry)
+    for a in isa_levels.ARCHES:
+        assert a.layout_family in FAMILIES, a
+    assert set(KERNEL_ISAS) == {lay.weight_dtype for lay in LAYOUTS}
+    assert ISAS == tuple(lv.name for lv in isa_levels.LEVELS)
+
+
+def test_the_extension_knows_exactly_the_listed_levels():
+    flags = moepack.cpu_flags()
+    assert {f for f in flags if "=" not in f} <= set(isa_levels.features())
+    available = next(f for f in flags if f.startswith("available_isas=")).split("=", 1)[1].split(",")
+    assert set(available) <= set(ISAS)
+    # parse_isa (the gemm_i8_block test hook): every listed name is a level, and the refusal lists them
+    layout = next(x for x in LAYOUTS if x.weight_dtype == "i8")
+    rows = torch.zeros(1, layout.k_pack, dtype=torch.int8)
+    block = torch.zeros(layout.block_n * layout.k_pack, dtype=torch.int8)
+    colsum = torch.zeros(layout.block_n, dtype=torch.int32)
+    for name in ISAS:
+        try:
+            torch.ops.moepack.gemm_i8_block(rows, block, colsum, layout.id, name)
+        except ValueError as e:  # a level without an int8 kernel here, never an unknown name
+            assert f"no {name} int8 block GEMM" in str(e) and "is not one of" not in str(e)
+    with pytest.raises(ValueError, match=re.escape(f"isa='avx9' is not one of {', '.join(ISAS)}")):
+        torch.ops.moepack.gemm_i8_block(rows, block, colsum, layout.id, "avx9")
+
+
+def test_isa_docstring_table_is_derived():
+    import moepack.isa
+
+    for name, needs, serves, _ in isa_levels.doc_rows():
+        assert re.search(rf"^{name}\s+{re.escape(needs)}\s+{re.escape(serves)}$", moepack.isa.__doc__, re.M), name
+
+
+@pytest.mark.parametrize("arch", isa_levels.ARCHES, ids=lambda a: a.name)
+def test_every_arch_file_is_listed(arch):
+    """setup.py's rule: csrc/<arch>/*.cpp is its levels' kernel files and cpu_features.cpp, nothing else."""
+    found = {p.relative_to(ROOT).as_posix() for p in (ROOT / arch.folder).glob("*.cpp")}
+    assert found == {lv.source for lv in isa_levels.arch_levels(arch.name)} | {arch.cpu_features_source}
+    assert all((ROOT / lv.source).exists() for lv in isa_levels.LEVELS if lv.arch is None)
+
+
+@pytest.fixture
+def setup_copy(tmp_path) -> pathlib.Path:
+    """setup.py with the list and the C++ sources, in a scratch tree."""
+    shutil.copy(ROOT / "setup.py", tmp_path / "setup.py")
+    (tmp_path / "moepack").mkdir()
+    shutil.copy(ROOT / LIST, tmp_path / LIST)
+    shutil.copytree(ROOT / "csrc", tmp_path / "csrc")
+    return tmp_path
+
+
+def run_setup(root: pathlib.Path) -> subprocess.CompletedProcess:
+    # --name evaluates the extension's sources (setup.py's checks) without building anything
+    return subprocess.run([sys.executable, "setup.py", "--name"], cwd=root, capture_output=True, text=True, timeout=300)
+
+
+def host_arch():
+    arch = isa_levels.build_arch(platform.machine())
+    if arch is None:
+        skips.host_lacks(f"an architecture of moepack/isa_levels.py (platform.machine()={platform.machine()!r})")
+    return arch
+
+
+def test_setup_builds_the_listed_files(setup_copy):
+    host_arch()
+    r = run_setup(setup_copy)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_setup_refuses_an_unlisted_kernel_file(setup_copy):
+    arch = host_arch()
+    (setup_copy / arch.folder / "moe_avx1024.cpp").write_text("// no level lists this file\n")
+    r = run_setup(setup_copy)
+    assert r.returncode != 0
+    assert f"['{arch.folder}/moe_avx1024.cpp'] are in {arch.folder}/ but are no ISA level's kernel file" in r.stderr
+
+
+def test_setup_refuses_a_missing_level_file(setup_copy):
+    arch = host_arch()
+    lv = isa_levels.arch_levels(arch.name)[-1]
+    (setup_copy / lv.source).unlink()
+    r = run_setup(setup_copy)
+    assert r.returncode != 0 and f"['{lv.source}'] do not exist: moepack/isa_levels.py lists them" in r.stderr

@@ -1,0 +1,67 @@
+"""Edits of a packed directory's tensors for the verify tests (tests/verify/test_verify_shared.py,
+tests/verify/test_verify_biases.py; not a test module): change elements of a packed tensor in place and
+keep the manifest's sha256 consistent, so that only a comparison with the source can tell.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+import moepack
+from moepack.container import read_safetensors_header
+from moepack.convert_dir import MANIFEST
+from moepack.pack import pack_weight_reference, unpack_weight_reference
+from moepack.verify_dir import tensor_sha256
+
+
+def rewrite_tensor(d: Path, name: str, edit) -> None:
+    """``edit(t)`` changes the tensor ``name`` of the packed directory ``d`` in place (a copy
+    of its bytes); the new bytes are written over the old ones and the manifest's sha256 of the
+    tensor is updated, so that only a comparison with the source can tell."""
+    m = json.loads((d / MANIFEST).read_text())
+    fname = m["tensors"][name]["file"]
+    info = read_safetensors_header(d / fname).tensors[name]
+    t = moepack.open(d).tensor(name).clone()
+    edit(t)
+    raw = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    assert len(raw) == info.nbytes
+    with open(d / fname, "r+b") as f:
+        f.seek(info.file_offset)
+        f.write(raw)
+    m["tensors"][name]["sha256"] = tensor_sha256(t)
+    (d / MANIFEST).write_text(json.dumps(m, indent=1))
+
+
+def set_unpacked(layout, idx: tuple, value):
+    """An edit that sets element ``idx`` = [expert, row, col] of a packed weight's unpacked
+    values (row, col of the padded [Np, Kp] matrix) and packs it back."""
+
+    def edit(t):
+        e, np_, kp = t.shape
+        full = unpack_weight_reference(t, np_, kp, layout).clone()
+        full[idx] = value
+        t.copy_(pack_weight_reference(full, layout, np_, kp))
+
+    return edit
+
+
+def set_element(idx: tuple, value):
+    def edit(t):
+        t[idx] = value
+
+    return edit
+
+
+def edited(packs: dict, tmp_path: Path, fixture: str, fn) -> Path:
+    """A copy of the packed directory ``packs[fixture]`` under ``tmp_path`` whose manifest ``fn``
+    has edited in place."""
+    d = tmp_path / fixture
+    shutil.copytree(packs[fixture], d)
+    m = json.loads((d / MANIFEST).read_text())
+    fn(m)
+    (d / MANIFEST).write_text(json.dumps(m, indent=1))
+    return d
