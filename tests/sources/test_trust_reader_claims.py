@@ -15,7 +15,7 @@ import pytest
 import moepack
 from moepack.errors import SourceError
 from moepack.sources import open_source
-from tests.fixtures_util import fixture_dir
+from tests.support.fixtures_util import fixture_dir
 
 
 def _cli(*args):

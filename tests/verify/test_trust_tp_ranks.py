@@ -23,9 +23,9 @@ import moepack
 from moepack.layout import layout_get
 from moepack.tp import rank_copy_kind, rank_copy_problem
 from moepack.verify_dir import verify
-from tests.packdir_edit import rewrite_tensor
+from tests.support.packdir_edit import rewrite_tensor
 
-_spec = importlib.util.spec_from_file_location("int4_packers", Path(__file__).resolve().parents[1] / "tools" / "int4_packers.py")
+_spec = importlib.util.spec_from_file_location("int4_packers", Path(__file__).resolve().parents[2] / "tools" / "int4_packers.py")
 P = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(P)
 
@@ -44,7 +44,7 @@ def gptq_src(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def qwen_src(tmp_path_factory) -> Path:
     """A bf16 Qwen3-MoE checkpoint, packed with ``quantize="int8"``: w2's channel scales per rank."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     torch.manual_seed(0)
     cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=H, intermediate_size=64, moe_intermediate_size=I,
                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,

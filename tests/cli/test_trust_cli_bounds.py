@@ -13,7 +13,7 @@ import pytest
 
 import moepack
 from moepack.errors import ConvertError
-from tests.fixtures_util import fixture_dir
+from tests.support.fixtures_util import fixture_dir
 
 
 def _cli(*args):

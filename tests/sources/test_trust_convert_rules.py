@@ -29,10 +29,10 @@ from safetensors.torch import load_file, save_file
 import moepack
 from moepack.errors import ConvertError, MoepackError, PackedDirError
 from moepack.manifest import MANIFEST, swiglu_param_problem
-from tests.fixtures_util import fixture_dir
-from tests.packdir_edit import rewrite_tensor
+from tests.support.fixtures_util import fixture_dir
+from tests.support.packdir_edit import rewrite_tensor
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _tool(name: str):
@@ -203,7 +203,7 @@ def test_a_packed_fp8_scale_whose_products_overflow_is_refused(fp8_src, tmp_path
 
 @pytest.fixture(scope="module")
 def mxfp4_src(tmp_path_factory) -> Path:
-    pytest.importorskip("transformers")
+    import transformers  # noqa: F401
     from transformers import AutoConfig, AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("rules")
