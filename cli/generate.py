@@ -65,12 +65,12 @@ def generate(
     t0 = time.perf_counter()
     model = load_model(path, dtype=getattr(torch, dtype) if dtype else None, strict=strict)
     load_s = time.perf_counter() - t0
+    gen = greedy_generate(model, ids, max_new_tokens)
     from moepack import variants
 
-    hint = variants.untuned_hint()
+    hint = variants.untuned_hint()  # after the run: a refusal stays one line
     if hint:
         err_console.print(f"[yellow]note:[/] {hint}", highlight=False, soft_wrap=True)
-    gen = greedy_generate(model, ids, max_new_tokens)
     result = {
         "path": str(path),
         "model_type": model.config.model_type,

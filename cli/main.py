@@ -192,11 +192,6 @@ def bench(
         if not quiet:
             err_console.print(f"[dim]{line}[/]", highlight=False, soft_wrap=True)
 
-    from moepack import variants
-
-    hint = variants.untuned_hint() if not quiet else None
-    if hint:
-        err_console.print(f"[yellow]note:[/] {hint}", highlight=False, soft_wrap=True)
     result = B.run_vs(cfg, log=log) if cfg.vs else B.run_benchmark(cfg, log=log)
     if old is not None:
         result.comparison = B.compare_results(result, old, against=str(compare), threshold=threshold)
@@ -214,6 +209,11 @@ def bench(
             err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
     for note in result.notes:
         err_console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
+    from moepack import variants
+
+    hint = variants.untuned_hint()  # after the run: a refusal stays one line
+    if hint:
+        err_console.print(f"[yellow]note:[/] {hint}", highlight=False, soft_wrap=True)
     if json_path is not None:
         B.write_json(result, json_path)
         if not quiet:
