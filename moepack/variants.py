@@ -27,9 +27,10 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .cachedir import cache_dir
 
 TOKEN_CLASSES = ("t1", "t2-16", "t17+")  # kernel.h token_class: T = 1, 2..16, more
 KNOBS = ("walk", "pair", "streams", "touch", "pf", "nta", "dot")
@@ -98,20 +99,6 @@ def machine_facts() -> dict:
     return {"cpu_model": _cpu_model(), "cpu_flags": flags, "logical_cpus": os.cpu_count(), "build": build_id()}
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    d = Path(base) / "moepack" / "tune"
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        if os.access(d, os.W_OK):
-            return d
-    except OSError:
-        pass
-    d = Path(tempfile.gettempdir()) / f"moepack-tune-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
 def cache_path(facts: dict | None = None) -> Path:
     """The tune cache of this machine and build (MOEPACK_TUNE_CACHE when set)."""
     env = os.environ.get("MOEPACK_TUNE_CACHE")
@@ -119,7 +106,7 @@ def cache_path(facts: dict | None = None) -> Path:
         return Path(env)
     facts = facts or machine_facts()
     key = hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:16]
-    return _cache_dir() / f"variants-{key}.json"
+    return cache_dir("tune") / f"variants-{key}.json"
 
 
 @dataclass

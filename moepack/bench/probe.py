@@ -435,17 +435,9 @@ def probe_sources(arch: ProbeArch | None, source: Path = PROBE_SOURCE) -> list[P
 
 
 def _probe_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    d = Path(base) / "moepack" / "probe"
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        if os.access(d, os.W_OK):
-            return d
-    except OSError:
-        pass
-    d = Path(tempfile.gettempdir()) / f"moepack-probe-{os.getuid() if hasattr(os, 'getuid') else 0}"
-    d.mkdir(parents=True, exist_ok=True)
-    return d
+    from ..cachedir import cache_dir
+
+    return cache_dir("probe")
 
 
 def _first_error(stderr: str) -> str:
