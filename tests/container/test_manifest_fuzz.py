@@ -48,7 +48,7 @@ def test_bent_directories_are_refused_or_compute_the_same(targets, tmp_path):
 def test_the_fuzzer_sees_a_silent_change(targets, tmp_path):
     """The oracle works: were the runtime to read a field that ``meaning`` leaves out (here a
     meaning blind to the activation), a case changing it would be reported as ``silent``."""
-    from tests import manifest_fuzz
+    from tests.support import manifest_fuzz
 
     def blind(m: dict) -> str:
         m = copy.deepcopy(m)
