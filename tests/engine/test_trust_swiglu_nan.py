@@ -4,7 +4,7 @@ host runs, and on a ``--tp`` pack run whole (issue 49). The kernels clamped the 
 values with min/max whose NaN operand came first (x86 ``vminps``/``vmaxps`` and C's
 ``fmin``/``fmax`` return the other operand), so a NaN activation came out finite (and an Inf
 one in a8, whose NaN row scale met the same clamps). The silu layers already propagated it
-(tests/test_trust_nan.py); the every-level C++ check, ARM included under qemu, is
+(tests/verify/test_trust_nan.py); the every-level C++ check, ARM included under qemu, is
 tests/cpp/kt_nan.inc."""
 
 from __future__ import annotations
