@@ -68,7 +68,7 @@ def generate(
     gen = greedy_generate(model, ids, max_new_tokens)
     from moepack import variants
 
-    hint = variants.untuned_hint()  # after the run: a refusal stays one line
+    hint = None if as_json else variants.untuned_hint()  # after the run: a refusal stays one line; --json: JSON only
     if hint:
         err_console.print(f"[yellow]note:[/] {hint}", highlight=False, soft_wrap=True)
     result = {
