@@ -30,10 +30,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cachedir import cache_dir
+from .host import cache_dir, cpu_model
 
 TOKEN_CLASSES = ("t1", "t2-16", "t17+")  # kernel.h token_class: T = 1, 2..16, more
-KNOBS = ("walk", "pair", "streams", "touch", "pf", "nta", "dot")
 CACHE_FORMAT = 1
 
 
@@ -77,26 +76,13 @@ def build_id() -> str:
     return f"{path.name}:{st.st_size}:{st.st_mtime_ns}"
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def machine_facts() -> dict:
     """What a tune is valid for: this CPU (model, the features the extension sees, logical CPUs)
     and this build."""
     from ._ops import ops
 
     flags = sorted(str(f) for f in ops().cpu_flags())
-    return {"cpu_model": _cpu_model(), "cpu_flags": flags, "logical_cpus": os.cpu_count(), "build": build_id()}
+    return {"cpu_model": cpu_model(), "cpu_flags": flags, "logical_cpus": os.cpu_count(), "build": build_id()}
 
 
 def cache_path(facts: dict | None = None) -> Path:

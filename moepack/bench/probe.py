@@ -32,16 +32,7 @@ from pathlib import Path
 
 import torch
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+from ..host import cpu_model  # noqa: F401  (re-exported: the bench reads it from here)
 
 
 def _mem_total_bytes() -> int | None:
@@ -435,7 +426,7 @@ def probe_sources(arch: ProbeArch | None, source: Path = PROBE_SOURCE) -> list[P
 
 
 def _probe_cache_dir() -> Path:
-    from ..cachedir import cache_dir
+    from ..host import cache_dir
 
     return cache_dir("probe")
 

@@ -1,10 +1,24 @@
-"""The user's cache folder for one kind of moepack record (the machine-limit probe, the tune)."""
+"""Facts of the host read without the extension or torch: the CPU's model name, and the user's cache
+folder for one kind of moepack record (the machine-limit probe, the tune)."""
 
 from __future__ import annotations
 
 import os
+import platform
 import tempfile
 from pathlib import Path
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def cache_dir(kind: str) -> Path:
