@@ -76,8 +76,8 @@ static inline void gemm_bf16_pair_row(const uint16_t* x, const uint16_t* Bg, con
   const bool nta = current_variant().nta != 0;
   for (int64_t kk = 0; kk < kp / 2; ++kk, g += 2, u += 2) {
     if (pf) {
-      prefetch_lines2(reinterpret_cast<const char*>(g) + pf, nta);
-      prefetch_lines2(reinterpret_cast<const char*>(u) + pf, nta);
+      prefetch_lines(reinterpret_cast<const char*>(g) + pf, 2, nta);
+      prefetch_lines(reinterpret_cast<const char*>(u) + pf, 2, nta);
     }
     const __m512bh xr = as_bh(_mm512_set1_epi32(int(load_u32(x + 2 * kk))));
     g0 = _mm512_dpbf16_ps(g0, as_bh(_mm512_loadu_si512(g)), xr);

@@ -74,6 +74,7 @@ static inline simde__m512 moepack_emu_mm512_cvtepi32_ps(simde__m512i a) {
 #include "moepack/numeric.h"
 #include "../kernels/mk_hooks.h"
 #include "quant_i8_avx2.h"
+#include "prefetch.h"
 
 namespace moepack {
 namespace x86_avx512 {
@@ -115,28 +116,14 @@ static inline void next_lines_step(NextLines& nl, bool two) {
   }
 }
 
-// Two lines at p, with the T0 or (Variant::nta) the non-temporal hint: the two-block kernels.
-static inline void prefetch_lines2(const char* p, bool nta) {
-  if (nta) {
-    _mm_prefetch(p, _MM_HINT_NTA);
-    _mm_prefetch(p + 64, _MM_HINT_NTA);
-  } else {
-    _mm_prefetch(p, _MM_HINT_T0);
-    _mm_prefetch(p + 64, _MM_HINT_T0);
-  }
-}
+using x86_prefetch::prefetch_lines;  // (prefetch.h) the decode kernels' prefetch, T0 or non-temporal
 
 constexpr int kStreamPrefetchBytes = 1024;
 static inline void prefetch_segment(const void* block, int64_t off, int64_t seg_end, int64_t next, int lines,
                                     int64_t dist = kStreamPrefetchBytes, bool nta = false) {
   int64_t o = off + dist;
   if (o >= seg_end) o += next;
-  const char* c = static_cast<const char*>(block) + o;
-  if (nta) {
-    for (int i = 0; i < lines; ++i) _mm_prefetch(c + 64 * i, _MM_HINT_NTA);
-  } else {
-    for (int i = 0; i < lines; ++i) _mm_prefetch(c + 64 * i, _MM_HINT_T0);
-  }
+  prefetch_lines(static_cast<const char*>(block) + o, lines, nta);
 }
 
 // Decode streams: the K steps of a block split into S contiguous segments that advance together,

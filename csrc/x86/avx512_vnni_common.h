@@ -230,8 +230,8 @@ static inline void gemm_i8_pair_row(const int8_t* x, const int8_t* Bg, const int
   const bool nta = current_variant().nta != 0;
   for (int64_t kq = 0; kq < kp / 4; ++kq, g += 2, u += 2) {
     if (pf) {
-      prefetch_lines2(reinterpret_cast<const char*>(g) + pf, nta);
-      prefetch_lines2(reinterpret_cast<const char*>(u) + pf, nta);
+      prefetch_lines(reinterpret_cast<const char*>(g) + pf, 2, nta);
+      prefetch_lines(reinterpret_cast<const char*>(u) + pf, 2, nta);
     }
     uint32_t v;
     std::memcpy(&v, x + 4 * kq, 4);

@@ -22,6 +22,7 @@
 #include "moepack/kernel.h"
 #include "moepack/numeric.h"
 #include "avx2_common.h"
+#include "prefetch.h"
 #include "avx2_u4_common.h"
 #include "avx2_f8.h"
 #include "avx2_mx4_common.h"
@@ -42,17 +43,6 @@ struct MK : x86_avx2::Avx2Elementwise {
   // (Variant::pf) in the one-row bf16 and int8 kernels.
   static constexpr uint32_t kPfSchemes = (1u << kScheme_dense) | (1u << kScheme_int8_channel);
 
-  // Two lines at p, with the T0 or (Variant::nta) the non-temporal hint.
-  static inline void prefetch2(const char* p, bool nta) {
-    if (nta) {
-      _mm_prefetch(p, _MM_HINT_NTA);
-      _mm_prefetch(p + 64, _MM_HINT_NTA);
-    } else {
-      _mm_prefetch(p, _MM_HINT_T0);
-      _mm_prefetch(p + 64, _MM_HINT_T0);
-    }
-  }
-
   // One row, K pairs [k0, k1) of one block into the 8 accumulators acc (in and out): gemm1 is one
   // range, the two-block kernel alternates ranges of the two blocks (the same FMAs in the same order
   // per accumulator, so the same bits). pf: software prefetch distance in bytes (0: none).
@@ -63,7 +53,7 @@ struct MK : x86_avx2::Avx2Elementwise {
     __m256 ao0 = acc[4], ao1 = acc[5], ao2 = acc[6], ao3 = acc[7];
     const __m256i* b = reinterpret_cast<const __m256i*>(B) + 4 * k0;
     for (int64_t kk = k0; kk < k1; ++kk, b += 4) {
-      if (pf) prefetch2(reinterpret_cast<const char*>(b) + pf, nta);
+      if (pf) x86_prefetch::prefetch_lines(reinterpret_cast<const char*>(b) + pf, 2, nta);
       const __m256 x0 = _mm256_broadcast_ss(x + 2 * kk), x1 = _mm256_broadcast_ss(x + 2 * kk + 1);
       __m256i w0 = _mm256_loadu_si256(b + 0), w1 = _mm256_loadu_si256(b + 1);
       __m256i w2 = _mm256_loadu_si256(b + 2), w3 = _mm256_loadu_si256(b + 3);
@@ -101,36 +91,12 @@ struct MK : x86_avx2::Avx2Elementwise {
     return true;
   }
 
+  // One row, one block: the whole K as one range (pf 0, the default here: no software prefetch).
   static void gemm1(const float* x, const uint16_t* B, int64_t kp, float* C) {
-    const int64_t pf = decode_prefetch_bytes(0);
-    if (pf) {
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      gemm1_range(x, B, 0, kp / 2, acc, pf, current_variant().nta != 0);
-      gemm1_store(acc, C);
-      return;
-    }
-    const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
-    __m256 ae0 = _mm256_setzero_ps(), ae1 = ae0, ae2 = ae0, ae3 = ae0;
-    __m256 ao0 = ae0, ao1 = ae0, ao2 = ae0, ao3 = ae0;
-    const __m256i* b = reinterpret_cast<const __m256i*>(B);
-    for (int64_t kk = 0; kk < kp / 2; ++kk, b += 4) {
-      const __m256 x0 = _mm256_broadcast_ss(x + 2 * kk), x1 = _mm256_broadcast_ss(x + 2 * kk + 1);
-      __m256i w0 = _mm256_loadu_si256(b + 0), w1 = _mm256_loadu_si256(b + 1);
-      __m256i w2 = _mm256_loadu_si256(b + 2), w3 = _mm256_loadu_si256(b + 3);
-      ae0 = _mm256_fmadd_ps(even_f32(w0), x0, ae0);
-      ao0 = _mm256_fmadd_ps(odd_f32(w0, hi), x1, ao0);
-      ae1 = _mm256_fmadd_ps(even_f32(w1), x0, ae1);
-      ao1 = _mm256_fmadd_ps(odd_f32(w1, hi), x1, ao1);
-      ae2 = _mm256_fmadd_ps(even_f32(w2), x0, ae2);
-      ao2 = _mm256_fmadd_ps(odd_f32(w2, hi), x1, ao2);
-      ae3 = _mm256_fmadd_ps(even_f32(w3), x0, ae3);
-      ao3 = _mm256_fmadd_ps(odd_f32(w3, hi), x1, ao3);
-    }
-    _mm256_storeu_ps(C + 0, _mm256_add_ps(ae0, ao0));
-    _mm256_storeu_ps(C + 8, _mm256_add_ps(ae1, ao1));
-    _mm256_storeu_ps(C + 16, _mm256_add_ps(ae2, ao2));
-    _mm256_storeu_ps(C + 24, _mm256_add_ps(ae3, ao3));
+    __m256 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    gemm1_range(x, B, 0, kp / 2, acc, decode_prefetch_bytes(0), current_variant().nta != 0);
+    gemm1_store(acc, C);
   }
 
   static void gemm2(const float* x, const float* z, const uint16_t* B, int64_t kp, float* C) {
@@ -203,7 +169,7 @@ struct MK : x86_avx2::Avx2Elementwise {
     const int64_t pf = decode_prefetch_bytes(kPrefetchVectors * 32);  // Variant::pf, else 2 KiB
     const bool nta = current_variant().nta != 0;
     for (int64_t kq = 0; kq < kp / 4; ++kq, b += 4) {
-      if (pf) prefetch2(reinterpret_cast<const char*>(b) + pf, nta);
+      if (pf) x86_prefetch::prefetch_lines(reinterpret_cast<const char*>(b) + pf, 2, nta);
       const __m256i xb = bcast4(x + 4 * kq);
       a0 = _mm256_add_epi32(a0, dot4(_mm256_loadu_si256(b + 0), xb, ones));
       a1 = _mm256_add_epi32(a1, dot4(_mm256_loadu_si256(b + 1), xb, ones));
@@ -229,8 +195,8 @@ struct MK : x86_avx2::Avx2Elementwise {
     const bool nta = current_variant().nta != 0;
     for (int64_t kq = 0; kq < kp / 4; ++kq, g += 4, u += 4) {
       if (pf) {
-        prefetch2(reinterpret_cast<const char*>(g) + pf, nta);
-        prefetch2(reinterpret_cast<const char*>(u) + pf, nta);
+        x86_prefetch::prefetch_lines(reinterpret_cast<const char*>(g) + pf, 2, nta);
+        x86_prefetch::prefetch_lines(reinterpret_cast<const char*>(u) + pf, 2, nta);
       }
       const __m256i xb = bcast4(x + 4 * kq);
       a0 = _mm256_add_epi32(a0, dot4(_mm256_loadu_si256(g + 0), xb, ones));
