@@ -196,6 +196,72 @@ def _check_same_tokens(what: str, ours: hf.Generation, orig: hf.Generation, run3
     return N_NEW
 
 
+def _block_io(model, blocks: list, ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input, output) of each MoE block in a forward pass of ``model`` on ``ids``."""
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def hook(i):
+        def f(mod, args, out):
+            seen[i] = (args[0].detach(), (out[0] if isinstance(out, tuple) else out).detach())
+
+        return f
+
+    handles = [b.register_forward_hook(hook(i)) for i, b in enumerate(blocks)]
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return [seen[i] for i in range(len(blocks))]
+
+
+def _routing_near_tie(m32, patched, ids: torch.Tensor) -> str | None:
+    """Where the patched run selects other experts than the fp32 run at a near-tie, a description of
+    the first; None when no selection differs or a difference is not a near-tie. Near-tie: as for
+    tokens (``_check_same_tokens``), the fp32 run's margin between its k-th and (k+1)-th router
+    logit is within twice the two runs' router logit difference at that token and at most 1% of the
+    logits' spread. The router logits are ``x @ W.T (+ b)`` of each block's own router, in fp32."""
+    fam = hf.FAMILIES[m32.config.model_type]
+    b32 = list(hf._moe_blocks(m32, fam).values())
+    bp = hf.packed_blocks(patched)
+    k = int(m32.config.num_experts_per_tok)
+    for layer, (blk, (x32, _), (xp, _)) in enumerate(zip(b32, _block_io(m32, b32, ids), _block_io(patched, bp, ids))):
+        router = getattr(blk, fam.router_attr)
+        w, b = router.weight.float(), getattr(router, "bias", None)
+        lg32, lgp = (torch.nn.functional.linear(x.float().reshape(-1, x.shape[-1]), w, None if b is None else b.float())
+                     for x in (x32, xp))  # fmt: skip
+        for t in range(lg32.shape[0]):
+            s32, sp = set(lg32[t].topk(k).indices.tolist()), set(lgp[t].topk(k).indices.tolist())
+            if s32 == sp:
+                continue
+            top = lg32[t].topk(k + 1).values
+            margin = float(top[k - 1] - top[k])
+            diff = float((lgp[t] - lg32[t]).abs().max())
+            spread = float(lg32[t].max() - lg32[t].min())
+            if not (margin <= 2 * diff and margin <= 0.01 * spread):
+                return None
+            return f"block {layer} token {t}: experts {sorted(sp)}, fp32 {sorted(s32)}, margin {margin:.3g}"
+    return None
+
+
+def _check_blocks(m32, orig, patched, ids: torch.Tensor, tol: float, what: str) -> None:
+    """Each packed block, on the inputs the original model gives its block, against the fp32 block
+    on the same inputs: relative error <= the original block's own + tol."""
+    fam = hf.FAMILIES[m32.config.model_type]
+    b32, bo = (list(hf._moe_blocks(m, fam).values()) for m in (m32, orig))
+    bp = hf.packed_blocks(patched)
+    assert len(b32) == len(bo) == len(bp)
+    for layer, ((x, y_orig), blk32, blkp) in enumerate(zip(_block_io(orig, bo, ids), b32, bp)):
+        with torch.no_grad():
+            want = blk32(x.float())
+            got = blkp(x)
+        want = want[0] if isinstance(want, tuple) else want
+        got = got[0] if isinstance(got, tuple) else got
+        own, rel = _rel(y_orig, want), _rel(got, want)
+        assert rel <= own + tol, f"{what}: block {layer} rel {rel:.3g} > the original block's {own:.3g} + {tol:g}"
+
+
 CASES = (
     [pytest.param(n, "dense", id=f"{n}-dense") for n in DENSE]
     + [pytest.param(n, "int8", id=f"{n}-int8") for n in DENSE]
@@ -222,7 +288,12 @@ def test_model_matches_original(packs, name, scheme):
         got_l = loaded(ids).logits
     assert torch.equal(got_l, got_p), f"load_model differs from patch: {_rel(got_l, got_p):.3g}"
     rel = _rel(got_p, want)
-    assert rel <= base + tol, f"{name} {scheme}: logits rel {rel:.3g} > transformers' own {base:.3g} + {tol:g}"
+    if rel > base + tol:
+        # One expert chosen differently at a routing near-tie moves the logits far more than any
+        # rounding; that alone may break the bound, and then each block is held to it instead.
+        tie = _routing_near_tie(m32, patched, ids)
+        assert tie, f"{name} {scheme}: logits rel {rel:.3g} > transformers' own {base:.3g} + {tol:g}"
+        _check_blocks(m32, orig, patched, ids, tol, f"{name} {scheme} ({tie})")
 
     g_orig = hf.greedy_generate(orig, PROMPT[:4], N_NEW)
     g32 = hf.greedy_generate(m32, PROMPT[:4], N_NEW)
