@@ -112,8 +112,12 @@ FusedMoeArgs check_fused(const at::Tensor& x, const at::TensorList& w13, const a
                 ("int32 [E, H]: row e holds the input channel of each of expert e's w13 code columns, H=" +
                  std::to_string(a.hidden) + " from hidden_states").c_str());
   }
-  TORCH_CHECK_VALUE(std::isfinite(alpha) && std::isfinite(limit) && limit > 0, "swigluoai alpha=", alpha,
-                    ", limit=", limit, ": both must be finite and limit > 0");
+  // manifest.py swiglu_param_problem's rule: the kernels compute in float32, where a larger value is Inf
+  constexpr double kF32Max = 3.4028234663852886e38;
+  TORCH_CHECK_VALUE(std::isfinite(alpha) && std::isfinite(limit) && std::fabs(alpha) <= kF32Max &&
+                        std::fabs(limit) <= kF32Max && limit > 0,
+                    "swigluoai alpha=", alpha, ", limit=", limit,
+                    ": both must be finite numbers float32 holds (|v| <= 3.4028235e+38) and limit > 0");
   a.alpha = float(alpha);
   a.limit = float(limit);
   if (data) {

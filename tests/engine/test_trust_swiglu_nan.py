@@ -102,3 +102,15 @@ def test_the_reference_propagates_the_nan():
     out = moe_reference(x, inp.w13.float(), inp.w2.float(), inp.topk_weights, inp.topk_ids, activation="swigluoai",
                         limit=0.5, interleaved=True)  # fmt: skip
     assert torch.isnan(out[1]).all() and torch.isfinite(out[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("field,value", [("limit", 1e300), ("limit", -3.5e38), ("alpha", -1e39), ("alpha", 3.5e38),
+                                         ("limit", 0.0), ("alpha", float("inf"))])  # fmt: skip
+def test_the_op_holds_alpha_and_limit_to_the_manifest_rule(field, value):
+    """run_experts (the op) refuses what open refuses in a manifest (manifest.swiglu_param_problem):
+    a value float32 cannot hold would become Inf in the kernels' float32 clamp."""
+    inp, p = _packed(INT8_LAYOUT)
+    with pytest.raises(ValueError, match=r"both must be finite numbers float32 holds .* and limit > 0"):
+        moepack.run_experts(p, inp.x, inp.topk_weights, inp.topk_ids, activation="swigluoai", **{field: value})
+    ok = 3.4028234663852886e38 if field == "alpha" else 0.5  # the largest float32 is kept
+    moepack.run_experts(p, inp.x, inp.topk_weights, inp.topk_ids, activation="swigluoai", **{field: ok})
