@@ -61,7 +61,9 @@ DEEPSEEK_NOTE = ("block FP8 (DeepSeek/Qwen quant_method fp8: e4m3fn codes, weigh
 CT_NOTE = ("compressed-tensors float-quantized (e4m3fn codes, block / channel / tensor weight_scale); activations "
            "run in 16 bits (where the checkpoint meant FP8 activations: more accurate, never less)")  # fmt: skip
 _ROLES = ("gate", "up", "down")
-_SCALE_DTYPES = FLOAT_DTYPES
+# F8_E8M0: UE8M0 scales (one byte, a power of two 2^(b-127); DeepSeek's "scale_fmt": "ue8m0", the
+# "V4 style" transformers' FineGrainedFP8Config names), exact in fp32 like the float ones; 0xFF is NaN
+_SCALE_DTYPES = FLOAT_DTYPES | {"F8_E8M0"}
 _WHY_E5M2 = ("e5m2 keeps 2 mantissa bits (exponent bias 15): its values are not e4m3fn codes, and moepack's fp8 "
              "layouts hold e4m3fn only")  # fmt: skip
 _WHY_FNUZ = ("e4m3fnuz (bias 8, 0x80 = NaN) is not e4m3fn: its +-240 (0x7F/0xFF) have an exact e4m3fn code only at "
@@ -289,7 +291,8 @@ def _check_module(ckpt: Checkpoint, cfg: _Cfg, weight: str) -> tuple[str, str]:
         raise SourceError(f"tensor {weight!r} is {FP8} but {sname!r} is missing: FP8 weights need their scale")
     st = ckpt.info(sname)
     if st.dtype_str not in _SCALE_DTYPES:
-        raise SourceError(f"tensor {sname!r} has dtype {st.dtype_str}: FP8 weight scales must be F32, BF16 or F16")
+        raise SourceError(f"tensor {sname!r} has dtype {st.dtype_str}: FP8 weight scales must be F32, BF16, F16 or "
+                          "F8_E8M0 (UE8M0)")  # fmt: skip
     n, k = ti.shape
     want = _scale_shape(cfg, n, k)
     if tuple(st.shape) not in want:

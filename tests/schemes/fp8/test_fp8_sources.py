@@ -272,7 +272,7 @@ BAD_TENSORS = {
                     [E1 + ".weight_scale_inv' has shape [2, 2]", "expected [2, 3]", "ceil(N=200 / 128) x ceil(K=320 / 128)"]),
     "scale missing": (lambda sd: sd.pop(E1 + ".weight_scale_inv"), [E1 + ".weight_scale_inv' is missing"]),
     "scale dtype": (lambda sd: sd.update({E1 + ".weight_scale_inv": sd[E1 + ".weight_scale_inv"].to(torch.float64)}),
-                    ["has dtype F64", "F32, BF16 or F16"]),
+                    ["has dtype F64", "F32, BF16, F16 or F8_E8M0 (UE8M0)"]),
     "e5m2 weight": (_retype(E1 + ".weight", torch.float8_e5m2), [E1 + ".weight' has dtype F8_E5M2", "e5m2 keeps 2 mantissa bits"]),
     "nan code": (lambda sd: sd.update({E1 + ".weight": _nan_at(sd[E1 + ".weight"], (3, 17), 0xFF)}),
                  [E1 + ".weight'[3, 17] = 0xFF", "NaN code"]),
@@ -445,3 +445,47 @@ def test_ct_regex_that_is_not_one_is_refused_by_name(tmp_path, fp8_sources, wher
         moepack.convert(src, tmp_path / "dst")
     assert words in str(ei.value), str(ei.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def _pow2(t: torch.Tensor) -> torch.Tensor:
+    """Each scale rounded up to a power of two (what a UE8M0 byte holds), as float32."""
+    return torch.exp2(torch.ceil(torch.log2(t.float())))
+
+
+def test_ue8m0_expert_scales_read_as_their_powers_of_two(tmp_path, fp8_sources):
+    """DeepSeek-style UE8M0 scales (``scale_fmt: "ue8m0"``, F8_E8M0 tensors: one byte 2^(b-127)),
+    experts and attention alike: the pack is the one of the same checkpoint with those powers of
+    two stored as F32, tensor for tensor but the carried scales (kept as stored, bytes of their
+    own dtype); verify --source passes; an 0xFF byte (NaN) is refused by name."""
+    base = fp8_sources("deepseek_v3_f32")
+    scales = [n for n in load_file(str(base / "model.safetensors")) if n.endswith(".weight_scale_inv")]
+    assert any(".mlp.experts." in n for n in scales) and any(".self_attn." in n for n in scales)  # the premise
+    srcs = {}
+    for name, dt in (("f32", torch.float32), ("e8m0", torch.float8_e8m0fnu)):
+        d = copy_checkpoint(base, tmp_path / f"src_{name}")
+        edit_tensors(d, lambda sd, dt=dt: sd.update({n: _pow2(sd[n]).to(dt) for n in scales}))
+        edit_quantization_config(d, lambda qc: qc.update(scale_fmt="ue8m0"))
+        srcs[name] = d
+    e8 = load_file(str(srcs["e8m0"] / "model.safetensors"))
+    assert all(e8[n].dtype == torch.float8_e8m0fnu for n in scales)
+    packs = {k: tmp_path / f"pack_{k}" for k in srcs}
+    for k, v in srcs.items():
+        moepack.convert(v, packs[k])
+    m32, m8 = (json.loads((packs[k] / "moepack.json").read_text())["tensors"] for k in ("f32", "e8m0"))
+    assert m32.keys() == m8.keys()
+    experts = [n for n in m32 if n.startswith("moepack.")]
+    assert experts and all(m32[n]["sha256"] == m8[n]["sha256"] for n in experts)
+    carried = [n for n in m32 if n in scales]
+    assert carried and all((m32[n]["dtype"], m8[n]["dtype"]) == ("float32", "float8_e8m0fnu") for n in carried)
+    assert moepack.verify(packs["e8m0"], source=srcs["e8m0"]).ok
+    bad = copy_checkpoint(srcs["e8m0"], tmp_path / "bad")
+    name = next(n for n in scales if ".mlp.experts." in n)
+
+    def nan_byte(sd):
+        q = sd[name].view(torch.uint8).clone()
+        q[0, 0] = 0xFF
+        sd[name] = q.view(torch.float8_e8m0fnu)
+
+    edit_tensors(bad, nan_byte)
+    with pytest.raises(MoepackError, match=re.escape(f"tensor {name!r}[0, 0] = nan: scales must be finite and > 0")):
+        moepack.convert(bad, tmp_path / "bad_pack")
