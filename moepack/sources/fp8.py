@@ -325,6 +325,15 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
         if s.dtype != FP8:
             name = s.names[(0, "gate", "weight")]
             raise SourceError(f"tensor {name!r} has dtype {s.dtype}: {weights[1]}")
+        # transformers 5 fuses the per-expert Linears into one ``<block>.experts`` module and holds
+        # that name against modules_to_not_convert / ignore: an entry naming it ("experts") leaves
+        # every expert in float there, which FP8 expert weights contradict
+        first = s.names[(0, "gate", "weight")]
+        fused = first[: first.index(".experts.") + len(".experts")] if ".experts." in first else None
+        why = _left_in_float(cfg, fused) if fused else None
+        if why is not None:
+            raise SourceError(f"tensor {first!r} is {FP8}, but the config leaves {fused!r} (the experts, as transformers "
+                              f"fuses them) unquantized ({why!r}): the config and the weights disagree")  # fmt: skip
         sdt = None
         for e in range(s.num_experts):
             for role in _ROLES:

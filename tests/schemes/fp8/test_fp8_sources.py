@@ -489,3 +489,19 @@ def test_ue8m0_expert_scales_read_as_their_powers_of_two(tmp_path, fp8_sources):
     edit_tensors(bad, nan_byte)
     with pytest.raises(MoepackError, match=re.escape(f"tensor {name!r}[0, 0] = nan: scales must be finite and > 0")):
         moepack.convert(bad, tmp_path / "bad_pack")
+
+
+@pytest.mark.parametrize("key,entry", [("modules_to_not_convert", "experts"), ("modules_to_not_convert", "mlp.experts"),
+                                       ("ignored_layers", "experts")])  # fmt: skip
+def test_config_leaving_the_fused_experts_in_float_is_refused(tmp_path, fp8_sources, key, entry):
+    """transformers 5 holds modules_to_not_convert against the fused ``<block>.experts`` module: an
+    entry naming it leaves every expert in float there, so FP8 expert weights beside it are a
+    contradiction, refused naming the tensor, the module and the entry; nothing is written."""
+    src = copy_checkpoint(fp8_sources("deepseek_v3_f32"), tmp_path / "src")
+    edit_quantization_config(src, lambda qc: qc.update({key: [entry]}))
+    with pytest.raises(MoepackError) as ei:
+        moepack.convert(src, tmp_path / "dst")
+    msg = str(ei.value)
+    assert "'model.layers.1.mlp.experts' (the experts, as transformers fuses them) unquantized" in msg, msg
+    assert f"({entry!r})" in msg and "\n" not in msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
