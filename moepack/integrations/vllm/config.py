@@ -184,6 +184,9 @@ class MoepackConfig(QuantizationConfig):
             return MoepackMoEMethod(layer.moe_config, self, self.layer_entry(prefix))
         if self.inner is not None:  # quantized carried linears: vLLM's own method for the source's format
             self._check_inner_dtype()
+            if not getattr(self, "_kernels_checked", False):
+                check_inner_kernels(self.manifest, str(self.path))
+                self._kernels_checked = True
             return self.inner.get_quant_method(layer, prefix)
         if isinstance(layer, LinearBase):
             return UnquantizedLinearMethod()
@@ -392,6 +395,31 @@ def check_engine(model: dict, settings, where: str) -> None:
                                "(torch RoPE)")  # fmt: skip
 
 
+def vllm_has_shm_communicator() -> bool:
+    """Whether this CPU's vLLM kernel library has its shared-memory communicator (vLLM's CPU
+    communicator uses it for tensor parallel all-reduces when ``init_shm_manager`` exists, else
+    torch.distributed). vLLM 0.32's CPU wheel builds it into its AVX-512 libraries only."""
+    import vllm._custom_ops  # noqa: F401  (loads vLLM's kernel library for this CPU)
+
+    return hasattr(torch.ops._C, "init_shm_manager")
+
+
+def check_tensor_parallel(tp: int, settings, where: str, has_shm=vllm_has_shm_communicator) -> None:
+    """vLLM 0.32 under tensor parallel, its compiled CPU graph and no shared-memory communicator
+    (an AVX2-only CPU: AMD EPYC Zen 3, Intel before Skylake-SP) computes wrong tokens, with its
+    own experts too: on a Zen 3 its own engine's TP=2 greedy tokens left TP=1's at the second
+    decode step, where TP=1's logits rank their token 1.8 above (no near-tie); eager TP=2 equals
+    TP=1 up to a near-tie. Refused there, naming the setting that works (docs/VLLM.md)."""
+    if tp <= 1 or has_shm():
+        return
+    compiled, _, _ = settings()
+    if compiled:
+        raise UnsupportedError(f"{where}: tensor_parallel_size={tp} under vLLM's compiled CPU graph (enforce_eager=False) "
+                               "without vLLM's shared-memory communicator (this CPU's vLLM library has no "
+                               "init_shm_manager: no AVX-512): vLLM 0.32 computes wrong tokens there, with its own "
+                               "experts too; serve it with enforce_eager=True (--enforce-eager)")  # fmt: skip
+
+
 def engine_settings() -> tuple[bool, bool, str | None]:
     """(compiled, rope_op, rope_type) of the vLLM engine being built: whether it compiles the
     model graph, whether its RotaryEmbedding runs vLLM's C++ op, and the RoPE type of the model
@@ -412,6 +440,29 @@ _FLOAT = {"bfloat16", "float16", "float32", "float64"}
 # tensor names quantized formats store next to (or instead of) a Linear's float weight
 _QUANT_SUFFIX = re.compile(r"\.(weight_packed|weight_scale|weight_zero_point|weight_shape|weight_g_idx|input_scale|"
                            r"qweight|qzeros|scales|g_idx|weight_scale_inv|weight_global_scale)$")
+
+
+# 4-bit packed carried weights (compressed-tensors pack-quantized, GPTQ, AWQ): vLLM's CPUWNA16 kernel
+_PACKED_4BIT = re.compile(r"\.(weight_packed|qweight)$")
+
+
+def check_inner_kernels(manifest: dict, where: str) -> None:
+    """vLLM runs the carried 4-bit linears on its CPUWNA16 kernel, whose ops (``cpu_gemm_wna16``;
+    ``int4_scaled_mm_cpu`` on AMX) vLLM 0.32's CPU wheel builds into its AVX-512 library only:
+    on an AVX2-only CPU (AMD Zen 3, Intel before Skylake-SP) it loads ``_C_AVX2``, which has
+    neither, and the engine would fail at its first forward pass with an AttributeError inside
+    torch.compile. Refused when the model is built (after the dtype check), naming the tensor and the op."""
+    packed = [n for n, e in (manifest.get("tensors") or {}).items()
+              if not n.startswith("moepack.") and _PACKED_4BIT.search(n)]  # fmt: skip
+    if not packed:
+        return
+    import vllm._custom_ops  # noqa: F401  (loads vLLM's kernel library for this CPU)
+
+    if not hasattr(torch.ops._C, "cpu_gemm_wna16"):
+        raise UnsupportedError(
+            f"{where}: the source's 4-bit non-expert linears ({sorted(packed)[0]} and {len(packed) - 1} more) are run by "
+            "vLLM's CPUWNA16 kernel, and this vLLM build has no cpu_gemm_wna16 op on this CPU (vLLM's CPU wheel loads "
+            "its AVX2 library here, which lacks it; it needs AVX-512): moepack.load_model serves this pack")
 
 
 def quantized_carried(manifest: dict) -> list[str]:
@@ -475,6 +526,7 @@ class MoepackMoEMethod(FusedMoEMethodBase):
         model = (self.qcfg.manifest or {}).get("model") or {}
         check_routing(layer, model, where)
         check_engine(model, engine_settings, str(self.qcfg.path))
+        check_tensor_parallel(int(moe.tp_size), engine_settings, str(self.qcfg.path))
 
     def get_fused_moe_quant_config(self, layer):
         return FUSED_MOE_UNQUANTIZED_CONFIG
