@@ -38,6 +38,8 @@ def load_layouts():
 def scheme_kernels(lay) -> list[tuple[str, str]]:
     """(scheme, act mode) of every kernel some layout needs, in SCHEMES then ACT_MODES order."""
     pairs = {(x.scheme, m) for x in lay.LAYOUTS for m in x.act_modes}
+    if len(pairs) > 32:  # IsaLevel::kernels is a uint32_t mask
+        raise SystemExit(f"tools/gen_isa.py: {len(pairs)} (scheme, mode) kernels do not fit IsaLevel::kernels (32 bits)")
     return sorted(pairs, key=lambda p: (lay.SCHEMES.index(p[0]), lay.ACT_MODES.index(p[1])))
 
 
