@@ -36,10 +36,6 @@ struct MK : arm_neon::NeonBase {
 }  // namespace
 }  // namespace neon
 
-void register_neon(KernelTable& t) {
-  for (const LayoutDesc& L : kLayouts) {
-    if (L.family == kFamily_arm) neon::register_layout<neon::MK>(t, L, Isa::neon);
-  }
-}
+void register_neon(KernelTable& t) { neon::register_level<Isa::neon>(t); }
 
 }  // namespace moepack

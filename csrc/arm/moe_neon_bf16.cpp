@@ -88,16 +88,7 @@ struct MK : arm_neon::NeonBase {
 }  // namespace
 }  // namespace neon_bf16
 
-void register_neon_bf16(KernelTable& t) {
-  using neon_bf16::MK;
-  for (const LayoutDesc& L : kLayouts) {
-    if (L.family != kFamily_arm) continue;
-    if (L.scheme == kScheme_dense) neon_bf16::register_scheme<neon_bf16::DenseA16<MK>>(t, L, Isa::neon_bf16);
-    if (L.scheme == kScheme_int4_group) neon_bf16::register_scheme<neon_bf16::Int4A16<MK>>(t, L, Isa::neon_bf16);
-    if (L.scheme == kScheme_fp8_block) neon_bf16::register_scheme<neon_bf16::Fp8A16<MK>>(t, L, Isa::neon_bf16);
-    if (L.scheme == kScheme_mxfp4) neon_bf16::register_scheme<neon_bf16::Mx4A16<MK>>(t, L, Isa::neon_bf16);
-  }
-}
+void register_neon_bf16(KernelTable& t) { neon_bf16::register_level<Isa::neon_bf16>(t); }
 
 }  // namespace moepack
 #endif  // MOEPACK_OMIT_LEVEL

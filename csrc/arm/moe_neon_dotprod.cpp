@@ -50,15 +50,7 @@ struct MK : arm_neon::NeonBase {
 }  // namespace
 }  // namespace neon_dotprod
 
-void register_neon_dotprod(KernelTable& t) {
-  using neon_dotprod::MK;
-  for (const LayoutDesc& L : kLayouts) {
-    if (L.family != kFamily_arm) continue;
-    if (L.scheme == kScheme_int8_channel) neon_dotprod::register_scheme<neon_dotprod::Int8A8<MK>>(t, L, Isa::neon_dotprod);
-    if (L.scheme == kScheme_int4_group) neon_dotprod::register_scheme<neon_dotprod::Int4A8<MK>>(t, L, Isa::neon_dotprod);
-    if (L.scheme == kScheme_mxfp4) neon_dotprod::register_scheme<neon_dotprod::Mx4A8<MK>>(t, L, Isa::neon_dotprod);
-  }
-}
+void register_neon_dotprod(KernelTable& t) { neon_dotprod::register_level<Isa::neon_dotprod>(t); }
 
 }  // namespace moepack
 #endif  // MOEPACK_OMIT_LEVEL

@@ -70,15 +70,7 @@ struct MK : arm_neon::NeonBase {
 }  // namespace
 }  // namespace neon_i8mm
 
-void register_neon_i8mm(KernelTable& t) {
-  using neon_i8mm::MK;
-  for (const LayoutDesc& L : kLayouts) {
-    if (L.family != kFamily_arm) continue;
-    if (L.scheme == kScheme_int8_channel) neon_i8mm::register_scheme<neon_i8mm::Int8A8<MK>>(t, L, Isa::neon_i8mm);
-    if (L.scheme == kScheme_int4_group) neon_i8mm::register_scheme<neon_i8mm::Int4A8<MK>>(t, L, Isa::neon_i8mm);
-    if (L.scheme == kScheme_mxfp4) neon_i8mm::register_scheme<neon_i8mm::Mx4A8<MK>>(t, L, Isa::neon_i8mm);
-  }
-}
+void register_neon_i8mm(KernelTable& t) { neon_i8mm::register_level<Isa::neon_i8mm>(t); }
 
 }  // namespace moepack
 #endif  // MOEPACK_OMIT_LEVEL

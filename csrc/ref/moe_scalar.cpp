@@ -87,12 +87,11 @@ struct MK {
 }  // namespace
 }  // namespace scalar
 
-void register_scalar(KernelTable& t) {
-  // The scalar kernel reads every layout of the schemes it has through its LayoutDesc (any
-  // block_n up to the driver's kMaxBlockN, any k_pack), so a packed file of any family runs.
-  for (const LayoutDesc& L : kLayouts) scalar::register_layout(t, L, Isa::scalar);
-}
+// The scalar kernel reads every layout of the schemes it has through its LayoutDesc (any block_n
+// up to the driver's kMaxBlockN, any k_pack), so a packed file of any family runs: its level has
+// no architecture, and register_level gives it every layout.
+void register_scalar(KernelTable& t) { scalar::register_level<Isa::scalar>(t); }
 
-void register_scalar_layout(KernelTable& t, const LayoutDesc& L) { scalar::register_layout(t, L, Isa::scalar); }
+void register_scalar_layout(KernelTable& t, const LayoutDesc& L) { scalar::register_layout<Isa::scalar>(t, L); }
 
 }  // namespace moepack

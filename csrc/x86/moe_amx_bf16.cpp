@@ -232,12 +232,7 @@ struct MK : Avx512Base {
 }  // namespace
 }  // namespace amx_bf16
 
-void register_amx_bf16(KernelTable& t) {
-  amx_bf16::register_scheme<amx_bf16::DenseA16<amx_bf16::MK>>(t, kLayout_bf16_n32k2_x86, Isa::amx_bf16);
-  amx_bf16::register_int4_layouts<amx_bf16::Int4A16<amx_bf16::MK>>(t, Isa::amx_bf16);
-  amx_bf16::register_fp8_layouts<amx_bf16::Fp8A16<amx_bf16::MK>>(t, Isa::amx_bf16);
-  amx_bf16::register_mx4_layouts<amx_bf16::Mx4A16<amx_bf16::MK>>(t, Isa::amx_bf16);
-}
+void register_amx_bf16(KernelTable& t) { amx_bf16::register_level<Isa::amx_bf16>(t); }
 
 }  // namespace moepack
 #endif  // MOEPACK_OMIT_LEVEL

@@ -185,11 +185,7 @@ struct MK : Avx512Base {
 }  // namespace
 }  // namespace amx_int8
 
-void register_amx_int8(KernelTable& t) {
-  amx_int8::register_scheme<amx_int8::Int8A8<amx_int8::MK>>(t, kLayout_i8_n32k4_x86, Isa::amx_int8);
-  amx_int8::register_int4_layouts<amx_int8::Int4A8<amx_int8::MK>>(t, Isa::amx_int8);
-  amx_int8::register_mx4_layouts<amx_int8::Mx4A8<amx_int8::MK>>(t, Isa::amx_int8);
-}
+void register_amx_int8(KernelTable& t) { amx_int8::register_level<Isa::amx_int8>(t); }
 
 }  // namespace moepack
 #endif  // MOEPACK_OMIT_LEVEL

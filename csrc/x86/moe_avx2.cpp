@@ -303,15 +303,6 @@ struct MK : x86_avx2::Avx2Elementwise {
 }  // namespace
 }  // namespace avx2
 
-void register_avx2(KernelTable& t) {
-  using avx2::MK;
-  avx2::register_scheme<avx2::DenseA16<MK>>(t, kLayout_bf16_n32k2_x86, Isa::avx2);
-  avx2::register_scheme<avx2::Int8A8<MK>>(t, kLayout_i8_n32k4_x86, Isa::avx2);
-  avx2::register_int4_layouts<avx2::Int4A16<MK>>(t, Isa::avx2);
-  avx2::register_int4_layouts<avx2::Int4A8<MK>>(t, Isa::avx2);
-  avx2::register_fp8_layouts<avx2::Fp8A16<MK>>(t, Isa::avx2);
-  avx2::register_mx4_layouts<avx2::Mx4A16<MK>>(t, Isa::avx2);
-  avx2::register_mx4_layouts<avx2::Mx4A8<MK>>(t, Isa::avx2);
-}
+void register_avx2(KernelTable& t) { avx2::register_level<Isa::avx2>(t); }
 
 }  // namespace moepack

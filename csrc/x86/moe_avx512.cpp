@@ -89,16 +89,7 @@ struct MK : Avx512Base {
 }  // namespace
 }  // namespace avx512
 
-void register_avx512(KernelTable& t) {
-  using avx512::MK;
-  avx512::register_scheme<avx512::DenseA16<MK>>(t, kLayout_bf16_n32k2_x86, Isa::avx512);
-  avx512::register_scheme<avx512::Int8A8<MK>>(t, kLayout_i8_n32k4_x86, Isa::avx512);
-  avx512::register_int4_layouts<avx512::Int4A16<MK>>(t, Isa::avx512);
-  avx512::register_int4_layouts<avx512::Int4A8<MK>>(t, Isa::avx512);
-  avx512::register_fp8_layouts<avx512::Fp8A16<MK>>(t, Isa::avx512);
-  avx512::register_mx4_layouts<avx512::Mx4A16<MK>>(t, Isa::avx512);
-  avx512::register_mx4_layouts<avx512::Mx4A8<MK>>(t, Isa::avx512);
-}
+void register_avx512(KernelTable& t) { avx512::register_level<Isa::avx512>(t); }
 
 }  // namespace moepack
 #endif  // MOEPACK_OMIT_LEVEL

@@ -125,12 +125,7 @@ struct MK : Avx512Base {
 }  // namespace
 }  // namespace avx512_bf16
 
-void register_avx512_bf16(KernelTable& t) {
-  avx512_bf16::register_scheme<avx512_bf16::DenseA16<avx512_bf16::MK>>(t, kLayout_bf16_n32k2_x86, Isa::avx512_bf16);
-  avx512_bf16::register_int4_layouts<avx512_bf16::Int4A16<avx512_bf16::MK>>(t, Isa::avx512_bf16);
-  avx512_bf16::register_fp8_layouts<avx512_bf16::Fp8A16<avx512_bf16::MK>>(t, Isa::avx512_bf16);
-  avx512_bf16::register_mx4_layouts<avx512_bf16::Mx4A16<avx512_bf16::MK>>(t, Isa::avx512_bf16);
-}
+void register_avx512_bf16(KernelTable& t) { avx512_bf16::register_level<Isa::avx512_bf16>(t); }
 
 }  // namespace moepack
 #endif  // MOEPACK_OMIT_LEVEL

@@ -69,11 +69,7 @@ struct MK : Avx512Base {
 }  // namespace
 }  // namespace avx512_vnni
 
-void register_avx512_vnni(KernelTable& t) {
-  avx512_vnni::register_scheme<avx512_vnni::Int8A8<avx512_vnni::MK>>(t, kLayout_i8_n32k4_x86, Isa::avx512_vnni);
-  avx512_vnni::register_int4_layouts<avx512_vnni::Int4A8<avx512_vnni::MK>>(t, Isa::avx512_vnni);
-  avx512_vnni::register_mx4_layouts<avx512_vnni::Mx4A8<avx512_vnni::MK>>(t, Isa::avx512_vnni);
-}
+void register_avx512_vnni(KernelTable& t) { avx512_vnni::register_level<Isa::avx512_vnni>(t); }
 
 }  // namespace moepack
 #endif  // MOEPACK_OMIT_LEVEL

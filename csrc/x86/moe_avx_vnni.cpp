@@ -211,11 +211,7 @@ struct MK : x86_avx2::Avx2Elementwise {
 }  // namespace
 }  // namespace avx_vnni
 
-void register_avx_vnni(KernelTable& t) {
-  avx_vnni::register_scheme<avx_vnni::Int8A8<avx_vnni::MK>>(t, kLayout_i8_n32k4_x86, Isa::avx_vnni);
-  avx_vnni::register_int4_layouts<avx_vnni::Int4A8<avx_vnni::MK>>(t, Isa::avx_vnni);
-  avx_vnni::register_mx4_layouts<avx_vnni::Mx4A8<avx_vnni::MK>>(t, Isa::avx_vnni);
-}
+void register_avx_vnni(KernelTable& t) { avx_vnni::register_level<Isa::avx_vnni>(t); }
 
 }  // namespace moepack
 #endif  // MOEPACK_OMIT_LEVEL

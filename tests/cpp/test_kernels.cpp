@@ -110,6 +110,7 @@ int main(int argc, char** argv) {
   test_empty();
   test_select();
   test_register_refusals();
+  test_registration(runnable_registrars());
   test_decode_streams();
   {
     const std::vector<I8Kernel> i8 = collect_i8_kernels();

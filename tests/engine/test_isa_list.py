@@ -1,7 +1,8 @@
 """moepack/isa_levels.py is THE list of ISA levels: the generated C++ header and the docs table
-must match it (tools/gen_isa.py --check), the compiled extension must report the same levels,
-and setup.py must build exactly the files the list names (docs/CONTRIBUTING.md: how to add an
-ISA level)."""
+must match it (tools/gen_isa.py --check), every level's kernel file must register what its
+`serves` says and nothing else (through the generated list), the compiled extension must report
+the same levels, and setup.py must build exactly the files the list names (docs/CONTRIBUTING.md:
+how to add an ISA level)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 
 import moepack
 from moepack import isa_levels
-from moepack.isa import ISAS, KERNEL_ISAS
+from moepack.isa import ISAS, KERNEL_ISAS, layout_isas
 from moepack.layout import FAMILIES, LAYOUTS, WEIGHT_DTYPES
 from tests.support import skips
 
@@ -45,13 +46,18 @@ EDITS = {
     "docs table": (KERNELS_MD, "| avx512_vnni |", "| avx512vnni |", [KERNELS_MD]),
     "list": (LIST, 'cpu("AVX512_BF16", "avx512_bf16")', 'cpu("AVX512 BF16", "avx512_bf16")', [HEADER, KERNELS_MD]),
     "no header": (HEADER, None, None, [HEADER]),
+    # the layouts decide the (scheme, mode) kernels each level registers: mxfp4 without A8
+    "layouts": (pathlib.Path("moepack/layout.py"), 'act_modes=("a16", "a8"), code_order=U4_CODE_ORDER,',
+                'act_modes=("a16",), code_order=U4_CODE_ORDER,', [HEADER]),
 }
 
 
 @pytest.mark.parametrize("edit", EDITS)
 def test_check_detects_a_stale_file(tmp_path, edit):
     path, old, new, stale = EDITS[edit]
-    for rel in ("tools/gen_isa.py", LIST, HEADER, KERNELS_MD):  # what gen_isa.py reads and writes
+    # what gen_isa.py reads and writes (the layouts through gen_layouts.py's loader)
+    for rel in ("tools/gen_isa.py", "tools/gen_layouts.py", "moepack/layout.py", "moepack/errors.py", LIST, HEADER,
+                KERNELS_MD):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / rel, tmp_path / rel)
     assert run_check(tmp_path).returncode == 0
@@ -75,6 +81,30 @@ def test_the_list_names_known_layout_kinds():
         assert a.layout_family in FAMILIES, a
     assert set(KERNEL_ISAS) == {lay.weight_dtype for lay in LAYOUTS}
     assert ISAS == tuple(lv.name for lv in isa_levels.LEVELS)
+
+
+def generated_kernels() -> dict[str, set[tuple[str, str]]]:
+    """isa_gen.h's kIsaLevels: per level, the (scheme, mode) kernels its file registers (IsaLevel::kernels)."""
+    rows = re.findall(r'^    \{"(\w+)", (.*)$', (ROOT / HEADER).read_text(), re.M)
+    return {name: set(re.findall(r"\(1u << kKernel_(\w+?)_(a16|a8)\)", row)) for name, row in rows}
+
+
+@pytest.mark.parametrize("lv", isa_levels.LEVELS, ids=lambda lv: lv.name)
+def test_every_level_registers_what_it_serves(lv):
+    """Every level of every architecture, on any host (tests/cpp test_registration checks the table
+    itself on the levels the test binary builds and runs): the kernels isa_gen.h has the level's
+    file register are the (scheme, mode) of exactly the layouts the dispatcher lets it run
+    (moepack.isa.layout_isas, csrc/dispatch.cpp isa_serves), and the file registers through that
+    generated list alone (csrc/kernels/register.inc register_level), never by hand."""
+    gen = generated_kernels()
+    assert list(gen) == list(ISAS)
+    assert gen[lv.name] == {(x.scheme, m) for x in LAYOUTS for m in x.act_modes if lv.name in layout_isas(x, m)}
+    src = (ROOT / lv.source).read_text()
+    defs = re.findall(rf"^void register_{lv.name}\(KernelTable&( t)?\) \{{(.*)\}}$", src, re.M)
+    real = [body.strip() for named, body in defs if named]
+    assert real == [f"{lv.name}::register_level<Isa::{lv.name}>(t);"], (lv.source, defs)
+    assert all(not body.strip() for named, body in defs if not named)  # the MOEPACK_OMIT_LEVEL stub
+    assert "register_scheme" not in src, lv.source
 
 
 def test_the_extension_knows_exactly_the_listed_levels():
