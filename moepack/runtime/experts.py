@@ -37,7 +37,13 @@ def run_experts(
             f"hidden_states has shape {list(hidden_states.shape)}: must be [tokens, H] with H = {packed.hidden}, "
             "the hidden size the experts were packed for"
         )
+    for name, t in (("hidden_states", hidden_states), ("topk_weights", topk_weights), ("topk_ids", topk_ids)):
+        if t.layout != torch.strided:  # the op's dispatcher would print its whole backend table
+            raise LayoutError(f"{name} is a {t.layout} tensor: run_experts takes dense (torch.strided) tensors")
     if packed.tp > 1:  # a --tp pack run whole: each route goes to its expert's tp slices (moepack/tp.py)
+        if topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape:  # the op's own rule, before expand_routes
+            raise LayoutError(f"topk_ids has shape {list(topk_ids.shape)}, topk_weights {list(topk_weights.shape)}: both "
+                              f"must be [tokens={hidden_states.shape[0]}, k] with k >= 1")  # fmt: skip
         from ..tp import expand_routes
 
         topk_weights, topk_ids, expert_map = expand_routes(topk_weights, topk_ids, packed.num_experts, packed.tp, expert_map)

@@ -151,3 +151,34 @@ def test_errors_leave_no_partial_state(s):
         fe(s, topk_ids=torch.full((3, 2), 99, dtype=torch.int32))
     first = fe(s)
     assert torch.equal(first, fe(s))
+
+
+def _tp_and_whole():
+    from moepack.layout import DEFAULT_LAYOUT
+    from moepack.schemes import get_scheme
+    from moepack.tp import tp_slice
+
+    inp = make_moe_inputs(tokens=5, hidden=256, intermediate=128, experts=4, topk=2, seed=7)
+    sc = get_scheme(DEFAULT_LAYOUT)
+    p = sc.pack(sc.from_float(inp.w13, inp.w2, layout=DEFAULT_LAYOUT), interleaved=False, layout=DEFAULT_LAYOUT)
+    return inp, p, tp_slice(p, 2)
+
+
+@pytest.mark.parametrize("case", ["1-D ids, tp pack", "sparse hidden", "sparse weights", "sparse ids"])
+def test_run_experts_refuses_in_one_line_not_a_torch_dump(case):
+    """run_experts' own checks before a --tp pack's route expansion and the op's dispatcher: a 1-D
+    topk_ids on a TP pack gave a raw IndexError, a sparse tensor the dispatcher's 41-line backend
+    table (issue 49). Each is one line naming the argument and the rule."""
+    inp, p, pt = _tp_and_whole()
+    x, w, ids = inp.x, inp.topk_weights, inp.topk_ids
+    call, words = {
+        "1-D ids, tp pack": ((pt, x, w, ids[:, 0]), "topk_ids has shape [5], topk_weights [5, 2]: both must be [tokens=5, k]"),
+        "sparse hidden": ((p, x.to_sparse(), w, ids), "hidden_states is a torch.sparse_coo tensor: run_experts takes dense"),
+        "sparse weights": ((p, x, w.to_sparse(), ids), "topk_weights is a torch.sparse_coo tensor"),
+        "sparse ids": ((pt, x, w, ids.to_sparse()), "topk_ids is a torch.sparse_coo tensor"),
+    }[case]
+    with pytest.raises(LayoutError) as ei:
+        moepack.run_experts(*call)
+    assert words in str(ei.value) and "\n" not in str(ei.value), str(ei.value)
+    # the same call with the argument as it should be runs, and the TP pack run whole equals the pack
+    assert torch.allclose(moepack.run_experts(pt, x, w, ids), moepack.run_experts(p, x, w, ids), rtol=1e-2, atol=1e-2)
