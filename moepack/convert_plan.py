@@ -336,13 +336,15 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
     check_config_against_tensors); skipped without transformers or for a family moepack does not
     run whole (convert packs its experts all the same)."""
     from .hf import FAMILIES
+    from .sources.checkpoint import decode_special_floats
+    from .sources.dense import text_config_key
 
     mt = config.get("model_type")
     if not any(n.endswith("embed_tokens.weight") for n in ckpt.tensors):
         return  # experts only (no embedding): not a whole model, load_model could not build it anyway
     if any(_int_key(config, k) is None for k in ("vocab_size", "hidden_size", "num_hidden_layers")):
         return  # a partial config (test and tool checkpoints): transformers would fill in its own defaults
-    if mt not in FAMILIES or config is not ckpt.config and config.get("model_type") != ckpt.config.get("model_type"):
+    if mt not in FAMILIES or text_config_key(ckpt.config) is not None:
         return  # a nested (multimodal) config: load_model does not build those
     try:
         import transformers  # noqa: F401
@@ -355,7 +357,7 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
     from .hf import _block_shapes, _decoder_layers, _moe_blocks, quiet_transformers
 
     # the dtype does not change which parameters there are ("auto" and other words included)
-    cfgd = {k: v for k, v in ckpt.config.items() if k not in ("model_type", "dtype", "torch_dtype")}
+    cfgd = {k: v for k, v in decode_special_floats(ckpt.config).items() if k not in ("model_type", "dtype", "torch_dtype")}
     try:
         with quiet_transformers():
             cfg = AutoConfig.for_model(mt, **cfgd)

@@ -348,7 +348,9 @@ def packed_blocks(model) -> list[PackedMoEBlock]:
 
 
 def _config_dict(pm) -> dict:
-    cfg = dict(pm.config or {})
+    from .sources.checkpoint import decode_special_floats
+
+    cfg = decode_special_floats(dict(pm.config or {}))  # {"__float__": "Infinity"} -> inf, as transformers reads config.json
     if not cfg.get("model_type"):
         raise UnsupportedError(f"{pm.path}: the manifest carries no model config (model.config.model_type)")
     cfg.pop("quantization_config", None)  # the experts are packed; other quantized linears are dequantized on load
