@@ -56,6 +56,86 @@ def _routing_for(config: dict) -> tuple[dict | None, str]:
         return None, str(e)
 
 
+def _block_feature(name: str) -> str:
+    """What a tensor inside a MoE block that no packed or recorded part consumes is, in words."""
+    leaf = name.lower()
+    if "shared" in leaf:
+        return "a shared expert under names moepack does not read"
+    if "norm" in leaf:
+        return "a norm inside the MoE block"
+    if "bias" in leaf:
+        return "a bias moepack does not apply"
+    return "a part of the MoE block moepack does not run"
+
+
+def block_leftovers(ckpt: Checkpoint, spec: LayerSpec, consumed: set) -> list[str]:
+    """The source tensors inside ``spec``'s MoE block (``<prefix>.``) that neither the packed experts,
+    nor the router (weight, bias, correction bias) nor the shared expert and its gate account for:
+    a pack without them would not compute the block the source has."""
+    mods = set()
+    for n in [*spec.router.values(), *(v for k, v in spec.shared.items() if k in ("gate_proj", "up_proj", "down_proj", "gate"))]:
+        if isinstance(n, str) and n:
+            mods.add(n.rpartition(".")[0] + ".")  # the module: its quantization tensors (scales, zeros) belong to it
+    for m in spec.shared.get("modules") or []:
+        mods.add(m + ".")
+    out = []
+    for n in ckpt.tensors:
+        if not n.startswith(spec.prefix + ".") or n in consumed or any(n.startswith(m) for m in mods):
+            continue
+        out.append(n)
+    return sorted(out)
+
+
+def routing_problem(config: dict, note: str) -> str:
+    """The one line that says a family's routing cannot be run (convert's refusal, verify's problem)."""
+    from .routing import SUPPORTED_MODEL_TYPES
+
+    mt = config.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        return f"model_type={mt!r}: routing: moepack does not run this family's routing (it routes {', '.join(SUPPORTED_MODEL_TYPES)})"
+    return f"model_type={mt!r}: routing: {note}"
+
+
+def _refuse_unknown_family(ckpt: Checkpoint) -> None:
+    """A MoE family whose routing moepack does not run at all is refused first, naming it: its
+    tensors (other expert names, other shared experts) are then no reason to blame. A checkpoint
+    with no experts at all is left to the reader ("not a MoE checkpoint")."""
+    from .routing import SUPPORTED_MODEL_TYPES
+    from .sources.dense import looks_moe
+
+    config = text_config(ckpt.config)
+    routing, note = _routing_for(config)
+    if routing is None and config.get("model_type") not in SUPPORTED_MODEL_TYPES and looks_moe(ckpt):
+        raise ConvertError(f"refused at convert: {routing_problem(config, note)}")
+
+
+_CLAMP_KEYS = ("swiglu_limit", "swiglu_clamp", "clamp_limit")
+
+
+def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note: str | None, consumed: set) -> list[str]:
+    """Why the packed model would not compute what the source does, one line each naming the family,
+    the feature and its value (empty: it runs). Convert refuses on the first (nothing is written);
+    verify --source fails a pack on every one. ``routing_note``: None when the routing was derived,
+    else why it could not be."""
+    mt = config.get("model_type")
+    out = []
+    if routing_note is not None:
+        out.append(routing_problem(config, routing_note))
+    for key in _CLAMP_KEYS:
+        v = config.get(key)
+        acts = sorted({s.activation for s in specs if s.activation != "swigluoai"})
+        if v is not None and acts:
+            out.append(f"model_type={mt!r}: {key}={v!r} with {'/'.join(acts)} experts: a clamped SwiGLU, which moepack's "
+                       "kernels run for swigluoai (gpt-oss) experts only")  # fmt: skip
+    for s in specs:
+        left = block_leftovers(ckpt, s, consumed)
+        if left:
+            more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+            out.append(f"model_type={mt!r} layer {s.index}: tensor {left[0]!r}{more} is {_block_feature(left[0])}: "
+                       f"moepack packs the routed experts, the router and a gate/up/down shared expert of {s.prefix!r} only")  # fmt: skip
+    return out
+
+
 def _plan_layer_tensors(spec: LayerSpec, layout: PackedLayout, scheme: Scheme) -> list[tuple[str, torch.dtype, tuple]]:
     """(stored name, dtype, shape) of every packed tensor of one layer, in write order: the
     layout's tensor plan (moepack.layout.layout_tensor_plan) for the routed experts (+ biases,
@@ -189,6 +269,7 @@ class _Plan:
 def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: str | None = None) -> _Plan:
     """Stage 1: the source, the scheme and layout it packs into, every tensor and shard."""
     ckpt, reader = open_source(src)
+    _refuse_unknown_family(ckpt)  # before the layers: an unknown family's tensors are no reason to blame
     qscheme, options = parse_quantize(quantize)
     scheme = _target_scheme(lay, qscheme, reader)
     specs = reader.layers(ckpt)  # without the layers the reader skips (SourceReader.skipped: DeepSeek's MTP layers)
@@ -220,6 +301,9 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
     _check_top_k(config, specs)
     check_config_against_tensors(ckpt, config, specs)
     routing, routing_note = _routing_for(config)
+    problems = runnable_problems(ckpt, config, specs, None if routing is not None else routing_note, expert_names)
+    if problems:
+        raise ConvertError(f"refused at convert: {problems[0]}")
     pl = _Plan(
         src, ckpt, reader, scheme, lay, specs, options, config, layer_tensors, expert_shards,
         [f"experts-{i + 1:05d}-of-{ne:05d}.safetensors" for i in range(ne)], other_shards,

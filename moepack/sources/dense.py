@@ -155,6 +155,12 @@ def num_experts_of(config: dict):
 _EXPERTISH = re.compile(r"(?:^|\.)(?:experts?|expert_\w+|moe)\.")
 
 
+def looks_moe(ckpt: Checkpoint) -> bool:
+    """Whether the checkpoint is a MoE model by its config (an expert count) or its tensor names."""
+    n = num_experts_of(text_config(ckpt.config))
+    return (isinstance(n, int) and n > 0) or any(_EXPERTISH.search(x) for x in ckpt.tensors)
+
+
 def _no_expert_groups(ckpt: Checkpoint, model_type, num_experts) -> str:
     """Why no expert group was found: a checkpoint whose tensors do look like experts (or whose config
     counts experts) stores them under names no reader here knows; else it is no MoE checkpoint."""

@@ -1,5 +1,6 @@
 """Families as convert reads them (issue 48): the misleading messages replaced by the true reason,
-and transformers' encoded floats decoded.
+transformers' encoded floats decoded, and every family or block part moepack cannot run refused at
+convert in one line (nothing written), which verify --source also names for a pack made without it.
 
 The checkpoints here are hand-written safetensors files of a few tensors (H 16, I 8, E 4): what the
 named families store, cut to what each rule reads. tests/integrations/test_family_sweep.py runs the
@@ -17,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 import moepack
-from moepack.errors import SourceError
+from moepack.errors import ConvertError, MoepackError, SourceError
 from moepack.sources import open_source, text_config
 from moepack.sources.checkpoint import Checkpoint, decode_special_floats
 
@@ -118,6 +119,18 @@ def test_encoded_floats_are_decoded_and_an_unknown_tag_is_refused(tmp_path):
         Checkpoint(_write(tmp_path, t, c))
 
 
+def test_an_encoded_infinity_reaches_the_rules_as_a_float(tmp_path):
+    """routed_scaling_factor {"__float__": "Infinity"} is refused by the routing rule for what it is
+    (a raw dict used to reach float() and the rules as an object)."""
+    t, c = _qwen3()
+    c.update(model_type="deepseek_v3", n_routed_experts=E, routed_scaling_factor={"__float__": "Infinity"}, n_group=1, topk_group=1)
+    src = _write(tmp_path / "src", t, c)
+    assert text_config(Checkpoint(src).config)["routed_scaling_factor"] == math.inf
+    with pytest.raises(ConvertError, match=r"refused at convert: model_type='deepseek_v3': routing: .*routed_scaling_factor.*inf"):
+        moepack.convert(src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
 def test_load_model_gets_the_decoded_config(tmp_path):
     """A carried config value transformers encoded is decoded before transformers builds the model
     from the pack (as its own from_pretrained does): load_model's config holds the float."""
@@ -130,3 +143,66 @@ def test_load_model_gets_the_decoded_config(tmp_path):
     moepack.convert(src, tmp_path / "dst")
     model = moepack.load_model(tmp_path / "dst")
     assert model.config.moepack_test_limit == [0.0, math.inf]
+
+
+# --------------------------------------------------------------------------------------------
+# refused at convert: what moepack cannot run
+
+
+def _refused(tmp_path: Path, t: dict, cfg: dict, pattern: str) -> None:
+    src = _write(tmp_path / "src", t, cfg)
+    with pytest.raises(ConvertError, match=pattern) as ei:
+        moepack.convert(src, tmp_path / "dst")
+    assert "\n" not in str(ei.value)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_family_whose_routing_moepack_lacks_is_refused_before_its_tensors(tmp_path):
+    """nemotron_h's non-gated experts used to be refused as "expert 0 has no gate weight": the family's
+    routing is the first thing convert cannot run, and the refusal says so."""
+    p = "backbone.layers.0.mixer"
+    t = {f"{p}.gate.weight": _t(E, H), **{f"{p}.experts.{e}.up_proj.weight": _t(I, H) for e in range(E)},
+         **{f"{p}.experts.{e}.down_proj.weight": _t(H, I) for e in range(E)}}  # fmt: skip
+    _refused(tmp_path, t, {"model_type": "nemotron_h", "hidden_size": H, "n_routed_experts": E, "num_experts_per_tok": 2},
+             r"^refused at convert: model_type='nemotron_h': routing: moepack does not run this family's routing")
+
+
+def test_a_clamped_swiglu_on_silu_experts_is_refused(tmp_path):
+    """swiglu_limit on silu experts (deepseek_v4, glm5_next, bailing_hybrid): the silu kernels do not
+    clamp, so the pack would compute another function."""
+    t, c = _qwen3(swiglu_limit=7.0)
+    _refused(tmp_path, t, c, r"model_type='qwen3_moe': swiglu_limit=7.0 with silu experts: a clamped SwiGLU")
+
+
+@pytest.mark.parametrize("names,feature", [
+    (("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight"), "a shared expert under names moepack does not read"),
+    (("shared_experts.w1.weight", "shared_experts.w2.weight", "shared_experts.w3.weight"), "a shared expert under names"),
+    (("post_moe_norm.weight",), "a norm inside the MoE block"),
+    (("moe_statics.e_score_correction_bias",), "a bias moepack does not apply"),
+])  # fmt: skip
+def test_a_block_part_moepack_does_not_pack_is_refused(tmp_path, names, feature):
+    """Every tensor inside the MoE block must be packed or recorded (experts, router, a gate/up/down
+    shared expert and its gate): hunyuan's ``shared_mlp``, deepseek_v4's ``shared_experts.w1/w2/w3``,
+    a norm inside the block, ernie's ``moe_statics`` would otherwise be dropped without a word."""
+    p = "model.layers.0.mlp"
+    t, c = _qwen3(extra={f"{p}.{n}": _t(H, H) for n in names})
+    _refused(tmp_path, t, c, rf"model_type='qwen3_moe' layer 0: tensor '{p}.{names[0]}'.* is {feature}")
+
+
+def test_verify_fails_a_pack_that_leaves_out_a_part_of_the_block(tmp_path):
+    """A pack made before the rule (or edited) whose source has a block part it lacks: verify --source
+    names it (it used to pass: the reader did not see the part either)."""
+    t, c = _qwen3()
+    src = _write(tmp_path / "src", t, c)
+    moepack.convert(src, tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=src, tokens=2).ok
+    t["model.layers.0.mlp.shared_mlp.input_linear.weight"] = _t(2 * I, H)
+    _write(src, t, c)
+    rep = moepack.verify(tmp_path / "dst", source=src, tokens=2)
+    assert not rep.ok
+    assert any("tensor 'model.layers.0.mlp.shared_mlp.input_linear.weight' is a shared expert under names moepack does not read"
+               in line for line in rep.model), rep.model
+    c.update(swiglu_limit=7.0)
+    _write(src, {k: v for k, v in t.items() if "shared_mlp" not in k}, c)
+    rep = moepack.verify(tmp_path / "dst", source=src, tokens=2)
+    assert any("swiglu_limit=7.0 with silu experts" in line for line in rep.model), rep.model
