@@ -70,6 +70,9 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family("mlp", router_fp32=True, shared="shared_experts"),
     "glm4_moe": Family("mlp", router_fp32=True, shared="shared_experts"),
     "granitemoe": Family("block_sparse_moe", router_attr="router"),
+    # the shared MLP of these two sits beside the block in the decoder layer (``shared_mlp``): transformers runs it
+    "granitemoeshared": Family("block_sparse_moe", router_attr="router"),
+    "granitemoehybrid": Family("block_sparse_moe", router_attr="router"),
     "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
     "llama4_text": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
                           shared="shared_expert"),  # fmt: skip
