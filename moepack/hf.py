@@ -73,6 +73,17 @@ FAMILIES: dict[str, Family] = {
     # the shared MLP of these two sits beside the block in the decoder layer (``shared_mlp``): transformers runs it
     "granitemoeshared": Family("block_sparse_moe", router_attr="router"),
     "granitemoehybrid": Family("block_sparse_moe", router_attr="router"),
+    "granitemoe_swa": Family("block_sparse_moe", router_attr="router"),
+    # DeepSeek-V3's block (noaux_tc router kept in fp32, shared experts) under other names
+    **{mt: Family("mlp", router_fp32=True, shared="shared_experts")
+       for mt in ("deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "solar_open", "exaone_moe", "dots1")},
+    "beam": Family("mlp", router_fp32=True),
+    "qwen3_next": Family("mlp", shared="shared_expert"),
+    "qwen3_5_moe_text": Family("mlp", shared="shared_expert"),
+    "mellum": Family("mlp"),
+    "flex_olmo": Family("mlp"),
+    "minimax_m2": Family("mlp"),
+    "jamba": Family("feed_forward", router_attr="router"),
     "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
     "llama4_text": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
                           shared="shared_expert"),  # fmt: skip

@@ -193,7 +193,37 @@ SUPPORTED_MODEL_TYPES = (
     "llama4",
     "llama4_text",
     "phimoe",
+    # DeepseekV3TopkRouter's copies (noaux_tc: grouped sigmoid + correction bias), transformers 5.24
+    "deepseek_v32",
+    "glm4_moe_lite",
+    "glm_moe_dsa",
+    "solar_open",
+    "exaone_moe",
+    "dots1",
+    "beam",  # its routed_scaling_factor multiplies the combined output: the same, the experts being linear in it
+    # Qwen-style softmax top-k
+    "qwen3_next",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "mellum",
+    "flex_olmo",
+    "minimax",
+    "jamba",
+    # sigmoid + correction bias, renormalized (MiniMaxM2TopKRouter)
+    "minimax_m2",
+    "granitemoe_swa",
 )
+# model_type -> (n_group, topk_group, routed_scaling_factor, norm_topk_prob) defaults of the noaux_tc families
+_NOAUX_DEFAULTS = {
+    "deepseek_v3": (8, 4, 2.5, True), "kimi_k2": (8, 4, 2.5, True), "glm4_moe": (1, 1, 1.0, True),
+    "kimi_linear": (1, 1, 2.446, True), "deepseek_v32": (8, 4, 2.5, True), "glm4_moe_lite": (1, 1, 1.8, True),
+    "glm_moe_dsa": (1, 1, 2.5, True), "solar_open": (1, 1, 1.0, True), "exaone_moe": (1, 1, 2.5, True),
+    "dots1": (1, 1, 1.0, False), "beam": (8, 4, 2.5, True),
+}  # fmt: skip
+# softmax families: model_type -> renormalize (True/False: always, as their router does; None: norm_topk_prob, default False)
+_SOFTMAX_RENORM = {"mixtral": True, "qwen2_moe": None, "qwen3_moe": None, "olmoe": None, "qwen3_next": None,
+                   "qwen3_5_moe": True, "qwen3_5_moe_text": True, "mellum": None, "flex_olmo": None, "minimax": True,
+                   "jamba": False}  # fmt: skip
 
 
 def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
@@ -215,18 +245,21 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
             f"(known: {', '.join(SUPPORTED_MODEL_TYPES)}); pass a RoutingConfig(method='custom') and a custom_fn"
         )
     k = int(_need(config, mt, "num_experts_per_tok", "num_experts_per_token"))
-    if mt in ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "gpt_oss", "llama4_text"):
+    if mt in ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss",
+              "llama4_text", "mellum", "minimax", "minimax_m2"):  # fmt: skip
         e = int(_need(config, mt, "num_local_experts", "num_experts"))
-    elif mt in ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe"):
+    elif mt in ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
+                "solar_open", "dots1"):  # fmt: skip
         e = int(_need(config, mt, "n_routed_experts", "num_local_experts", "num_experts"))
-    else:  # qwen2_moe, qwen3_moe, olmoe, kimi_linear
+    else:  # qwen2_moe, qwen3_moe, olmoe, kimi_linear, qwen3_next, qwen3_5_moe, flex_olmo, jamba, exaone_moe, beam
         e = int(_need(config, mt, "num_experts", "num_local_experts", "n_routed_experts"))
 
-    if mt == "mixtral":  # softmax -> top-k -> / sum
-        return cls("softmax", k, renormalize=True, num_experts=e, model_type=mt)
-    if mt in ("qwen2_moe", "qwen3_moe", "olmoe"):  # softmax -> top-k (-> / sum if norm_topk_prob)
-        return cls("softmax", k, renormalize=bool(_get(config, "norm_topk_prob", default=False)), num_experts=e,
-                   model_type=mt)  # fmt: skip
+    if mt in _SOFTMAX_RENORM:  # softmax -> top-k (-> / sum: always, never, or if norm_topk_prob)
+        renorm = _SOFTMAX_RENORM[mt]
+        renorm = bool(_get(config, "norm_topk_prob", default=False)) if renorm is None else renorm
+        return cls("softmax", k, renormalize=renorm, num_experts=e, model_type=mt)
+    if mt == "minimax_m2":  # sigmoid; top-k of sigmoid + correction bias; / sum
+        return cls("sigmoid", k, renormalize=True, has_correction_bias=True, num_experts=e, model_type=mt)
     if mt == "deepseek_v2":
         # transformers' DeepseekV2TopkRouter: softmax; greedy or group_limited_greedy (group score =
         # max); x routed_scaling_factor; it does not read norm_topk_prob (nor does moepack).
@@ -243,7 +276,7 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
             return cls("grouped_softmax", k, num_expert_group=g, topk_group=tg, routed_scaling_factor=rsf,
                        num_experts=e, model_type=mt)  # fmt: skip
         raise UnsupportedError(f"config.json deepseek_v2 topk_method={method!r}: expected greedy or group_limited_greedy")
-    if mt in ("deepseek_v3", "kimi_k2", "glm4_moe", "kimi_linear"):
+    if mt in _NOAUX_DEFAULTS:
         # noaux_tc: sigmoid + e_score_correction_bias (selection only), group score = sum of the
         # top-2, renormalize if norm_topk_prob, x routed_scaling_factor. transformers' router does
         # this whatever topk_method / scoring_func say; moepack refuses a config that says otherwise.
@@ -253,15 +286,14 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
         tm = _get(config, "topk_method", default="noaux_tc")
         if tm != "noaux_tc":
             raise UnsupportedError(f"config.json {mt} topk_method={tm!r}: this family routes with noaux_tc")
-        defaults = {"deepseek_v3": (8, 4, 2.5, True), "kimi_k2": (8, 4, 2.5, True), "glm4_moe": (1, 1, 1.0, True),
-                    "kimi_linear": (1, 1, 2.446, True)}[mt]  # fmt: skip
+        defaults = _NOAUX_DEFAULTS[mt]
         g = int(_get(config, "n_group", "num_expert_group", default=defaults[0]))
         tg = int(_get(config, "topk_group", default=defaults[1]))
         rsf = float(_get(config, "routed_scaling_factor", default=defaults[2]))
         renorm = bool(_get(config, "norm_topk_prob", "moe_renormalize", default=defaults[3]))
         return cls("grouped_sigmoid", k, renormalize=renorm, num_expert_group=g, topk_group=tg,
                    routed_scaling_factor=rsf, has_correction_bias=True, num_experts=e, model_type=mt)  # fmt: skip
-    if mt in ("granitemoe", "granitemoeshared", "granitemoehybrid", "gpt_oss"):
+    if mt in ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss"):
         # top-k of the logits, softmax over those k. gpt-oss's router Linear has a bias: it is part
         # of the logits the layer computes, not a routing parameter.
         return cls("topk_softmax", k, num_experts=e, model_type=mt)
