@@ -212,18 +212,24 @@ SUPPORTED_MODEL_TYPES = (
     # sigmoid + correction bias, renormalized (MiniMaxM2TopKRouter)
     "minimax_m2",
     "granitemoe_swa",
+    "mimo_v2_flash",
+    "lara_mini",
+    "hy_v3",  # sigmoid + correction bias, renormalized, x router_scaling_factor
+    "laguna",  # the same, x moe_routed_scaling_factor
+    "hunyuan_v1_moe",  # softmax top-k, renormalized
 )
 # model_type -> (n_group, topk_group, routed_scaling_factor, norm_topk_prob) defaults of the noaux_tc families
 _NOAUX_DEFAULTS = {
     "deepseek_v3": (8, 4, 2.5, True), "kimi_k2": (8, 4, 2.5, True), "glm4_moe": (1, 1, 1.0, True),
     "kimi_linear": (1, 1, 2.446, True), "deepseek_v32": (8, 4, 2.5, True), "glm4_moe_lite": (1, 1, 1.8, True),
     "glm_moe_dsa": (1, 1, 2.5, True), "solar_open": (1, 1, 1.0, True), "exaone_moe": (1, 1, 2.5, True),
-    "dots1": (1, 1, 1.0, False), "beam": (8, 4, 2.5, True),
+    "dots1": (1, 1, 1.0, False), "beam": (8, 4, 2.5, True), "mimo_v2_flash": (1, 1, 1.0, True),
 }  # fmt: skip
 # softmax families: model_type -> renormalize (True/False: always, as their router does; None: norm_topk_prob, default False)
 _SOFTMAX_RENORM = {"mixtral": True, "qwen2_moe": None, "qwen3_moe": None, "olmoe": None, "qwen3_next": None,
                    "qwen3_5_moe": True, "qwen3_5_moe_text": True, "mellum": None, "flex_olmo": None, "minimax": True,
-                   "jamba": False}  # fmt: skip
+                   "jamba": False, "lara_mini": None,
+                   "hunyuan_v1_moe": True}  # fmt: skip
 
 
 def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
@@ -244,12 +250,12 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
             f"config.json model_type={mt!r}: moepack does not know how this family routes "
             f"(known: {', '.join(SUPPORTED_MODEL_TYPES)}); pass a RoutingConfig(method='custom') and a custom_fn"
         )
-    k = int(_need(config, mt, "num_experts_per_tok", "num_experts_per_token"))
+    k = int(_need(config, mt, "num_experts_per_tok", "num_experts_per_token", "moe_topk"))
     if mt in ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss",
               "llama4_text", "mellum", "minimax", "minimax_m2"):  # fmt: skip
         e = int(_need(config, mt, "num_local_experts", "num_experts"))
     elif mt in ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
-                "solar_open", "dots1"):  # fmt: skip
+                "solar_open", "dots1", "mimo_v2_flash"):  # fmt: skip
         e = int(_need(config, mt, "n_routed_experts", "num_local_experts", "num_experts"))
     else:  # qwen2_moe, qwen3_moe, olmoe, kimi_linear, qwen3_next, qwen3_5_moe, flex_olmo, jamba, exaone_moe, beam
         e = int(_need(config, mt, "num_experts", "num_local_experts", "n_routed_experts"))
@@ -260,6 +266,19 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
         return cls("softmax", k, renormalize=renorm, num_experts=e, model_type=mt)
     if mt == "minimax_m2":  # sigmoid; top-k of sigmoid + correction bias; / sum
         return cls("sigmoid", k, renormalize=True, has_correction_bias=True, num_experts=e, model_type=mt)
+    if mt in ("hy_v3", "laguna"):  # sigmoid; top-k of sigmoid + correction bias; / sum; x the scaling factor
+        if mt == "laguna":
+            cap = _get(config, "moe_router_logit_softcapping", default=0.0)
+            if cap:
+                raise UnsupportedError(f"config.json laguna moe_router_logit_softcapping={cap!r}: moepack routes uncapped "
+                                       "logits only (0.0)")  # fmt: skip
+            if _get(config, "moe_apply_router_weight_on_input", default=False):
+                raise UnsupportedError("config.json laguna moe_apply_router_weight_on_input=True: moepack weights the "
+                                       "experts' outputs only (False)")  # fmt: skip
+        rsf = float(_get(config, "router_scaling_factor" if mt == "hy_v3" else "moe_routed_scaling_factor",
+                         default=2.826 if mt == "hy_v3" else 1.0))  # fmt: skip
+        return cls("sigmoid", k, renormalize=True, has_correction_bias=True, routed_scaling_factor=rsf, num_experts=e,
+                   model_type=mt)  # fmt: skip
     if mt == "deepseek_v2":
         # transformers' DeepseekV2TopkRouter: softmax; greedy or group_limited_greedy (group score =
         # max); x routed_scaling_factor; it does not read norm_topk_prob (nor does moepack).

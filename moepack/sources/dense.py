@@ -356,7 +356,9 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
     """Router and shared-expert tensor names next to the experts (carried over unchanged)."""
     parent = s.prefix
     moe = parent
-    cands_w = [f"{moe}.gate.weight", f"{moe}.router.weight", f"{moe}.router.layer.weight"]
+    # (hy_v3 stores its router as router.gate, hunyuan_v1_moe as gate.wg)
+    cands_w = [f"{moe}.gate.weight", f"{moe}.router.weight", f"{moe}.router.layer.weight", f"{moe}.router.gate.weight",
+               f"{moe}.gate.wg.weight"]  # fmt: skip
     for c in cands_w:
         if c in ckpt.tensors:
             s.router["weight"] = c
@@ -366,9 +368,11 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
             if f"{base}.e_score_correction_bias" in ckpt.tensors:
                 s.router["correction_bias"] = f"{base}.e_score_correction_bias"
             break
-    if f"{moe}.e_score_correction_bias" in ckpt.tensors:  # some layouts keep it beside the gate
-        s.router["correction_bias"] = f"{moe}.e_score_correction_bias"
-    for sub in ("shared_expert", "shared_experts"):
+    # some layouts keep it beside the gate (hy_v3 as expert_bias), laguna beside the experts
+    for c in (f"{moe}.e_score_correction_bias", f"{moe}.expert_bias", f"{moe}.experts.e_score_correction_bias"):
+        if c in ckpt.tensors:
+            s.router["correction_bias"] = c
+    for sub in ("shared_expert", "shared_experts", "shared_mlp"):  # shared_mlp: hy_v3, hunyuan_v1_moe
         names = {p: f"{moe}.{sub}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
         present = [n for n in names.values() if n in ckpt.tensors]
         if not present:
