@@ -109,6 +109,10 @@ def _refuse_unknown_family(ckpt: Checkpoint) -> None:
         raise ConvertError(f"refused at convert: {routing_problem(config, note)}")
 
 
+# model_type -> the norm its MoE block applies to its own output, stored beside the block in the
+# decoder layer (transformers' conversion mapping moves it there): moepack's layer has no such step.
+_POST_BLOCK_NORMS = {"axk1": "post_mlp_layernorm"}
+
 _CLAMP_KEYS = ("swiglu_limit", "swiglu_clamp", "clamp_limit")
 
 
@@ -127,6 +131,19 @@ def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note:
         if v is not None and acts:
             out.append(f"model_type={mt!r}: {key}={v!r} with {'/'.join(acts)} experts: a clamped SwiGLU, which moepack's "
                        "kernels run for swigluoai (gpt-oss) experts only")  # fmt: skip
+    norm = _POST_BLOCK_NORMS.get(mt)
+    for s in specs if norm else []:
+        layer = s.prefix.rpartition(".")[0]  # the decoder layer the block sits in
+        names = sorted(n for n in ckpt.tensors if n.startswith(f"{layer}.{norm}."))
+        if names:
+            out.append(f"model_type={mt!r} layer {s.index}: tensor {names[0]!r} is a norm after the MoE block (transformers' "
+                       "block normalizes its own output; the checkpoint keeps the norm beside it), which moepack's layer "
+                       "does not apply")  # fmt: skip
+            break
+    how = config.get("shared_expert_combination_strategy")  # cohere2_moe: "sum" or "average"
+    if how not in (None, "sum") and any(s.shared for s in specs):
+        out.append(f"model_type={mt!r}: shared_expert_combination_strategy={how!r}: an averaged shared expert "
+                   "((routed + shared) / 2), where moepack adds the shared expert's output")  # fmt: skip
     for s in specs:
         left = block_leftovers(ckpt, s, consumed)
         if left:

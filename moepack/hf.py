@@ -86,6 +86,8 @@ FAMILIES: dict[str, Family] = {
     "jamba": Family("feed_forward", router_attr="router"),
     "hy_v3": Family("mlp", router_fp32=True, shared="shared_experts"),
     "hunyuan_v1_moe": Family("mlp", router_fp32=True, shared="shared_mlp"),
+    "afmoe": Family("mlp", router_attr="router", shared="shared_experts"),
+    "cohere2_moe": Family("mlp", shared="shared_experts"),
     "laguna": Family("mlp", shared="shared_experts"),
     "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
     "llama4_text": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,

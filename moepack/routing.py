@@ -217,6 +217,11 @@ SUPPORTED_MODEL_TYPES = (
     "hy_v3",  # sigmoid + correction bias, renormalized, x router_scaling_factor
     "laguna",  # the same, x moe_routed_scaling_factor
     "hunyuan_v1_moe",  # softmax top-k, renormalized
+    "axk1",  # noaux_tc
+    "axk2",
+    "afmoe",  # sigmoid + correction bias (expert_bias), renormalized, x route_scale
+    "flint",  # sigmoid top-k (no bias), norm_topk_prob
+    "cohere2_moe",  # expert_selection_fn: softmax over the top-k logits, or their sigmoid (norm_topk_prob)
 )
 # model_type -> (n_group, topk_group, routed_scaling_factor, norm_topk_prob) defaults of the noaux_tc families
 _NOAUX_DEFAULTS = {
@@ -224,6 +229,7 @@ _NOAUX_DEFAULTS = {
     "kimi_linear": (1, 1, 2.446, True), "deepseek_v32": (8, 4, 2.5, True), "glm4_moe_lite": (1, 1, 1.8, True),
     "glm_moe_dsa": (1, 1, 2.5, True), "solar_open": (1, 1, 1.0, True), "exaone_moe": (1, 1, 2.5, True),
     "dots1": (1, 1, 1.0, False), "beam": (8, 4, 2.5, True), "mimo_v2_flash": (1, 1, 1.0, True),
+    "axk1": (8, 4, 2.5, True), "axk2": (1, 1, 2.5, True),
 }  # fmt: skip
 # softmax families: model_type -> renormalize (True/False: always, as their router does; None: norm_topk_prob, default False)
 _SOFTMAX_RENORM = {"mixtral": True, "qwen2_moe": None, "qwen3_moe": None, "olmoe": None, "qwen3_next": None,
@@ -255,7 +261,7 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
               "llama4_text", "mellum", "minimax", "minimax_m2"):  # fmt: skip
         e = int(_need(config, mt, "num_local_experts", "num_experts"))
     elif mt in ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
-                "solar_open", "dots1", "mimo_v2_flash"):  # fmt: skip
+                "solar_open", "dots1", "mimo_v2_flash", "axk1", "axk2"):  # fmt: skip
         e = int(_need(config, mt, "n_routed_experts", "num_local_experts", "num_experts"))
     else:  # qwen2_moe, qwen3_moe, olmoe, kimi_linear, qwen3_next, qwen3_5_moe, flex_olmo, jamba, exaone_moe, beam
         e = int(_need(config, mt, "num_experts", "num_local_experts", "n_routed_experts"))
@@ -266,6 +272,19 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
         return cls("softmax", k, renormalize=renorm, num_experts=e, model_type=mt)
     if mt == "minimax_m2":  # sigmoid; top-k of sigmoid + correction bias; / sum
         return cls("sigmoid", k, renormalize=True, has_correction_bias=True, num_experts=e, model_type=mt)
+    if mt == "flint":  # sigmoid; top-k of the logits; / sum if norm_topk_prob
+        return cls("sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=True)), num_experts=e, model_type=mt)
+    if mt == "cohere2_moe":  # top-k of the logits; softmax over those k, or their sigmoid (/ sum if norm_topk_prob)
+        fn = _get(config, "expert_selection_fn", default="softmax")
+        if fn == "softmax":
+            return cls("topk_softmax", k, num_experts=e, model_type=mt)
+        if fn == "sigmoid":
+            return cls("sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=True)), num_experts=e,
+                       model_type=mt)  # fmt: skip
+        raise UnsupportedError(f"config.json cohere2_moe expert_selection_fn={fn!r}: expected softmax or sigmoid")
+    if mt == "afmoe":  # sigmoid; top-k of sigmoid + expert_bias; / sum; x route_scale
+        return cls("sigmoid", k, renormalize=True, has_correction_bias=True,
+                   routed_scaling_factor=float(_get(config, "route_scale", default=1.0)), num_experts=e, model_type=mt)  # fmt: skip
     if mt in ("hy_v3", "laguna"):  # sigmoid; top-k of sigmoid + correction bias; / sum; x the scaling factor
         if mt == "laguna":
             cap = _get(config, "moe_router_logit_softcapping", default=0.0)

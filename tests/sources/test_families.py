@@ -189,6 +189,30 @@ def test_a_block_part_moepack_does_not_pack_is_refused(tmp_path, names, feature)
     _refused(tmp_path, t, c, rf"model_type='qwen3_moe' layer 0: tensor '{p}.{names[0]}'.* is {feature}")
 
 
+def _shared(p: str) -> dict:
+    return {f"{p}.shared_experts.gate_proj.weight": _t(I, H), f"{p}.shared_experts.up_proj.weight": _t(I, H),
+            f"{p}.shared_experts.down_proj.weight": _t(H, I)}  # fmt: skip
+
+
+def test_an_averaged_shared_expert_is_refused(tmp_path):
+    """cohere2_moe's shared_expert_combination_strategy 'average' halves (routed + shared): moepack adds."""
+    t, c = _qwen3(extra=_shared("model.layers.0.mlp"), model_type="cohere2_moe", shared_expert_combination_strategy="average")
+    _refused(tmp_path, t, c, r"model_type='cohere2_moe': shared_expert_combination_strategy='average': an averaged shared expert")
+    c["shared_expert_combination_strategy"] = "sum"
+    moepack.convert(_write(tmp_path / "sum", t, c), tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=tmp_path / "sum", tokens=2).ok
+
+
+def test_a_norm_after_the_block_is_refused(tmp_path):
+    """axk1's block normalizes its output (post_mlp_layernorm), which its checkpoint stores beside the
+    block in the decoder layer: a pack without it would pass verify and compute another layer."""
+    p = "model.layers.0.mlp"
+    t, c = _qwen3(extra={f"{p}.gate.e_score_correction_bias": torch.zeros(E), "model.layers.0.post_mlp_layernorm.weight": _t(H)},
+                  model_type="axk1", n_routed_experts=E, n_group=1, topk_group=1)  # fmt: skip
+    _refused(tmp_path, t, c, r"model_type='axk1' layer 0: tensor 'model.layers.0.post_mlp_layernorm.weight' is a norm after "
+                             "the MoE block")  # fmt: skip
+
+
 def test_verify_fails_a_pack_that_leaves_out_a_part_of_the_block(tmp_path):
     """A pack made before the rule (or edited) whose source has a block part it lacks: verify --source
     names it (it used to pass: the reader did not see the part either)."""
