@@ -219,6 +219,7 @@ SUPPORTED_MODEL_TYPES = (
     "hunyuan_v1_moe",  # softmax top-k, renormalized
     "axk1",  # noaux_tc
     "axk2",
+    "bailing_hybrid",  # noaux_tc, its correction bias stored as gate.expert_bias
     "afmoe",  # sigmoid + correction bias (expert_bias), renormalized, x route_scale
     "flint",  # sigmoid top-k (no bias), norm_topk_prob
     "cohere2_moe",  # expert_selection_fn: softmax over the top-k logits, or their sigmoid (norm_topk_prob)
@@ -229,7 +230,7 @@ _NOAUX_DEFAULTS = {
     "kimi_linear": (1, 1, 2.446, True), "deepseek_v32": (8, 4, 2.5, True), "glm4_moe_lite": (1, 1, 1.8, True),
     "glm_moe_dsa": (1, 1, 2.5, True), "solar_open": (1, 1, 1.0, True), "exaone_moe": (1, 1, 2.5, True),
     "dots1": (1, 1, 1.0, False), "beam": (8, 4, 2.5, True), "mimo_v2_flash": (1, 1, 1.0, True),
-    "axk1": (8, 4, 2.5, True), "axk2": (1, 1, 2.5, True),
+    "axk1": (8, 4, 2.5, True), "axk2": (1, 1, 2.5, True), "bailing_hybrid": (8, 4, 2.5, True),
 }  # fmt: skip
 # softmax families: model_type -> renormalize (True/False: always, as their router does; None: norm_topk_prob, default False)
 _SOFTMAX_RENORM = {"mixtral": True, "qwen2_moe": None, "qwen3_moe": None, "olmoe": None, "qwen3_next": None,

@@ -365,8 +365,9 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
             base = c[: -len(".weight")]
             if f"{base}.bias" in ckpt.tensors:
                 s.router["bias"] = f"{base}.bias"
-            if f"{base}.e_score_correction_bias" in ckpt.tensors:
-                s.router["correction_bias"] = f"{base}.e_score_correction_bias"
+            for cb in ("e_score_correction_bias", "expert_bias"):  # expert_bias: bailing_hybrid
+                if f"{base}.{cb}" in ckpt.tensors:
+                    s.router["correction_bias"] = f"{base}.{cb}"
             break
     # some layouts keep it beside the gate (hy_v3 as expert_bias), laguna beside the experts
     for c in (f"{moe}.e_score_correction_bias", f"{moe}.expert_bias", f"{moe}.experts.e_score_correction_bias"):
