@@ -455,7 +455,7 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
         return
     if mt not in CONFIG_MAPPING:
         return
-    from .hf import _block_shapes, _decoder_layers, _moe_blocks, quiet_transformers
+    from .hf import _block_shapes, _decoder_layers, _moe_blocks, checkpoint_renames, quiet_transformers
 
     # the dtype does not change which parameters there are ("auto" and other words included)
     cfgd = {k: v for k, v in decode_special_floats(ckpt.config).items() if k not in ("model_type", "dtype", "torch_dtype")}
@@ -480,13 +480,16 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
                                        f"checkpoint's {(s.num_experts, s.hidden, s.intermediate)}")  # fmt: skip
     skip = tuple(f"model.layers.{i}.{fam.block_attr}." for i in blocks)
     names = ckpt.tensors
+    renamed = checkpoint_renames(mt, names)  # what transformers renames on load (load_model follows it too)
     for pname, p in model.named_parameters():  # tied parameters once, by their first name
         if pname.startswith(skip):
             continue
-        if pname in names:
-            if list(ckpt.info(pname).shape) != list(p.shape):
-                raise refuse("model_type", f"a {mt} model with this config has {pname} {list(p.shape)}, the checkpoint "
-                                           f"{list(ckpt.info(pname).shape)}")  # fmt: skip
+        stored = pname if pname in names else renamed.get(pname)
+        if stored is not None:
+            if list(ckpt.info(stored).shape) != list(p.shape):
+                where = "" if stored == pname else f"'s {stored}"
+                raise refuse("model_type", f"a {mt} model with this config has {pname} {list(p.shape)}, the checkpoint"
+                                           f"{where} {list(ckpt.info(stored).shape)}")  # fmt: skip
             continue
         mod = pname.rpartition(".")[0] + "."
         # a quantized linear stores other names under its module (qweight, weight_packed, ...)

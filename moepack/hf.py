@@ -87,6 +87,10 @@ FAMILIES: dict[str, Family] = {
     "hy_v3": Family("mlp", router_fp32=True, shared="shared_experts"),
     "hunyuan_v1_moe": Family("mlp", router_fp32=True, shared="shared_mlp"),
     "afmoe": Family("mlp", router_attr="router", shared="shared_experts"),
+    # their attention sinks (and axk2's gated query) are stored under the names transformers renames on load
+    "mimo_v2_flash": Family("mlp", router_fp32=True),
+    "flint": Family("mlp", router_fp32=True, shared="shared_expert"),  # an ungated shared expert
+    "axk2": Family("mlp", router_fp32=True, shared="shared_experts"),
     "cohere2_moe": Family("mlp", shared="shared_experts"),
     "laguna": Family("mlp", shared="shared_experts"),
     "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
@@ -366,6 +370,32 @@ def packed_blocks(model) -> list[PackedMoEBlock]:
 # --------------------------------------------------------------------------- load_model
 
 
+def checkpoint_renames(model_type: str, names) -> dict[str, str]:
+    """{model parameter name: the checkpoint tensor stored for it} for the names transformers'
+    own conversion mapping renames on load (its ``WeightRenaming`` rules, e.g. mimo_v2_flash's
+    ``self_attn.attention_sink_bias`` -> ``self_attn.sinks``): the same table transformers
+    loads these checkpoints with, not a second copy of it. Its ``WeightConverter`` rules (tensors
+    fused or split on load) are not followed: a parameter that needs one stays missing and
+    load_model refuses it by name. Empty without transformers or for a family with no mapping."""
+    import re
+
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:
+        return {}
+    rules = [(a, b) for c in get_checkpoint_conversion_mapping(model_type) or [] if isinstance(c, WeightRenaming)
+             for a, b in zip(c.source_patterns, c.target_patterns)]  # fmt: skip
+    out = {}
+    for n in names if rules else ():
+        m = n
+        for a, b in rules:
+            m = re.sub(a, b, m)
+        if m != n:
+            out.setdefault(m, n)
+    return out
+
+
 def _config_dict(pm) -> dict:
     from .sources.checkpoint import decode_special_floats
 
@@ -492,6 +522,7 @@ def load_model(packed_dir, dtype=None, *, strict: bool = False):
     qc = (pm.config or {}).get("quantization_config")
     names = pm._tensor_file
     report = _load_report(pm)
+    renamed = checkpoint_renames(model_type, names)
     tied = []
     for pname, p in list(model.named_parameters(remove_duplicate=False)):
         mod_name, _, leaf = pname.rpartition(".")
@@ -503,6 +534,8 @@ def load_model(packed_dir, dtype=None, *, strict: bool = False):
             report.quantized_bytes += report._sizes[mod_name]
         if t is None and pname in names:
             t = pm.tensor(pname)
+        elif t is None and pname in renamed:
+            t = pm.tensor(renamed[pname])
         if t is None:
             tied.append(pname)
             continue
@@ -659,5 +692,5 @@ def load_tokenizer(packed_dir):
         raise UnsupportedError(f"{path}: its tokenizer does not load offline ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-__all__ = ["FAMILIES", "LoadReport", "ModelMismatchError", "PackedMoEBlock", "check_compatible", "greedy_generate", "load_model",
+__all__ = ["FAMILIES", "LoadReport", "checkpoint_renames", "ModelMismatchError", "PackedMoEBlock", "check_compatible", "greedy_generate", "load_model",
            "load_tokenizer", "packed_blocks", "patch"]  # fmt: skip

@@ -263,3 +263,13 @@ def test_family(mt, tmp_path):
     else:
         assert got.startswith("refused at convert: ") and want in got, f"{mt}: expected a refusal naming {want!r}, got {got}"
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_checkpoint_renames_follow_transformers_own_mapping():
+    """load_model and convert's model check find a parameter transformers renames on load under its
+    stored name (mimo_v2_flash's sinks), by transformers' WeightRenaming rules; fused or split tensors
+    (its WeightConverters) and families without a mapping get nothing."""
+    names = ["model.layers.0.self_attn.attention_sink_bias", "model.layers.0.self_attn.q_proj.weight"]
+    assert hf.checkpoint_renames("mimo_v2_flash", names) == {"model.layers.0.self_attn.sinks": names[0]}
+    assert hf.checkpoint_renames("qwen3_moe", names) == {}
+    assert hf.checkpoint_renames("no_such_family", names) == {}
