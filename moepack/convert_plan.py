@@ -113,6 +113,8 @@ def _refuse_unknown_family(ckpt: Checkpoint) -> None:
 # decoder layer (transformers' conversion mapping moves it there): moepack's layer has no such step.
 _POST_BLOCK_NORMS = {"axk1": "post_mlp_layernorm"}
 
+_ZERO_EXPERT_KEYS = ("zero_expert_num", "num_zero_experts")  # longcat_flash
+
 _CLAMP_KEYS = ("swiglu_limit", "swiglu_clamp", "clamp_limit")
 
 
@@ -140,6 +142,11 @@ def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note:
                        "block normalizes its own output; the checkpoint keeps the norm beside it), which moepack's layer "
                        "does not apply")  # fmt: skip
             break
+    for key in _ZERO_EXPERT_KEYS:
+        v = config.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+            out.append(f"model_type={mt!r}: {key}={v!r}: identity (zero-computation) experts, which the router may pick "
+                       "and which return their input: moepack's experts are gated MLPs only")  # fmt: skip
     how = config.get("shared_expert_combination_strategy")  # cohere2_moe: "sum" or "average"
     if how not in (None, "sum") and any(s.shared for s in specs):
         out.append(f"model_type={mt!r}: shared_expert_combination_strategy={how!r}: an averaged shared expert "

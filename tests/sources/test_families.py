@@ -203,6 +203,13 @@ def test_an_averaged_shared_expert_is_refused(tmp_path):
     assert moepack.verify(tmp_path / "dst", source=tmp_path / "sum", tokens=2).ok
 
 
+def test_identity_experts_are_refused(tmp_path):
+    """longcat_flash routes among E real and zero_expert_num identity experts: a pack of the E would
+    route among fewer and never return the input."""
+    t, c = _qwen3(zero_expert_num=2)
+    _refused(tmp_path, t, c, r"model_type='qwen3_moe': zero_expert_num=2: identity \(zero-computation\) experts")
+
+
 def test_a_norm_after_the_block_is_refused(tmp_path):
     """axk1's block normalizes its output (post_mlp_layernorm), which its checkpoint stores beside the
     block in the decoder layer: a pack without it would pass verify and compute another layer."""
