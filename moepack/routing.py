@@ -258,47 +258,14 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
             f"(known: {', '.join(SUPPORTED_MODEL_TYPES)}); pass a RoutingConfig(method='custom') and a custom_fn"
         )
     k = int(_need(config, mt, "num_experts_per_tok", "num_experts_per_token", "moe_topk"))
-    if mt in ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss",
-              "llama4_text", "mellum", "minimax", "minimax_m2"):  # fmt: skip
-        e = int(_need(config, mt, "num_local_experts", "num_experts"))
-    elif mt in ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
-                "solar_open", "dots1", "mimo_v2_flash", "axk1", "axk2"):  # fmt: skip
-        e = int(_need(config, mt, "n_routed_experts", "num_local_experts", "num_experts"))
-    else:  # qwen2_moe, qwen3_moe, olmoe, kimi_linear, qwen3_next, qwen3_5_moe, flex_olmo, jamba, exaone_moe, beam
-        e = int(_need(config, mt, "num_experts", "num_local_experts", "n_routed_experts"))
+    e = int(_need(config, mt, *_EXPERT_KEYS.get(mt, ("num_experts", "num_local_experts", "n_routed_experts"))))
 
     if mt in _SOFTMAX_RENORM:  # softmax -> top-k (-> / sum: always, never, or if norm_topk_prob)
         renorm = _SOFTMAX_RENORM[mt]
         renorm = bool(_get(config, "norm_topk_prob", default=False)) if renorm is None else renorm
         return cls("softmax", k, renormalize=renorm, num_experts=e, model_type=mt)
-    if mt == "minimax_m2":  # sigmoid; top-k of sigmoid + correction bias; / sum
-        return cls("sigmoid", k, renormalize=True, has_correction_bias=True, num_experts=e, model_type=mt)
-    if mt == "flint":  # sigmoid; top-k of the logits; / sum if norm_topk_prob
-        return cls("sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=True)), num_experts=e, model_type=mt)
-    if mt == "cohere2_moe":  # top-k of the logits; softmax over those k, or their sigmoid (/ sum if norm_topk_prob)
-        fn = _get(config, "expert_selection_fn", default="softmax")
-        if fn == "softmax":
-            return cls("topk_softmax", k, num_experts=e, model_type=mt)
-        if fn == "sigmoid":
-            return cls("sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=True)), num_experts=e,
-                       model_type=mt)  # fmt: skip
-        raise UnsupportedError(f"config.json cohere2_moe expert_selection_fn={fn!r}: expected softmax or sigmoid")
-    if mt == "afmoe":  # sigmoid; top-k of sigmoid + expert_bias; / sum; x route_scale
-        return cls("sigmoid", k, renormalize=True, has_correction_bias=True,
-                   routed_scaling_factor=float(_get(config, "route_scale", default=1.0)), num_experts=e, model_type=mt)  # fmt: skip
-    if mt in ("hy_v3", "laguna"):  # sigmoid; top-k of sigmoid + correction bias; / sum; x the scaling factor
-        if mt == "laguna":
-            cap = _get(config, "moe_router_logit_softcapping", default=0.0)
-            if cap:
-                raise UnsupportedError(f"config.json laguna moe_router_logit_softcapping={cap!r}: moepack routes uncapped "
-                                       "logits only (0.0)")  # fmt: skip
-            if _get(config, "moe_apply_router_weight_on_input", default=False):
-                raise UnsupportedError("config.json laguna moe_apply_router_weight_on_input=True: moepack weights the "
-                                       "experts' outputs only (False)")  # fmt: skip
-        rsf = float(_get(config, "router_scaling_factor" if mt == "hy_v3" else "moe_routed_scaling_factor",
-                         default=2.826 if mt == "hy_v3" else 1.0))  # fmt: skip
-        return cls("sigmoid", k, renormalize=True, has_correction_bias=True, routed_scaling_factor=rsf, num_experts=e,
-                   model_type=mt)  # fmt: skip
+    if mt in _SIGMOID_FAMILIES:
+        return _sigmoid_family(cls, config, mt, k, e)
     if mt == "deepseek_v2":
         # transformers' DeepseekV2TopkRouter: softmax; greedy or group_limited_greedy (group score =
         # max); x routed_scaling_factor; it does not read norm_topk_prob (nor does moepack).
@@ -346,6 +313,53 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
             raise UnsupportedError(f"config.json phimoe num_experts_per_tok={k}: sparsemixer is defined for 2")
         eps = float(_get(config, "router_jitter_noise", default=0.01))
         return cls("sparsemixer", 2, sparsemixer_eps=eps, num_experts=e, model_type=mt)
+    raise AssertionError(mt)  # pragma: no cover
+
+
+# where each family states its expert count, in the order looked at (others: num_experts first)
+_EXPERT_KEYS = {
+    **dict.fromkeys(("mixtral", "phimoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss",
+                     "llama4_text", "mellum", "minimax", "minimax_m2"), ("num_local_experts", "num_experts")),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
+                     "solar_open", "dots1", "mimo_v2_flash", "axk1", "axk2"), ("n_routed_experts", "num_local_experts", "num_experts")),
+}  # fmt: skip
+
+# sigmoid-scored families (and cohere2_moe, which may be): _sigmoid_family
+_SIGMOID_FAMILIES = ("minimax_m2", "flint", "cohere2_moe", "afmoe", "hy_v3", "laguna")
+
+
+def _sigmoid_family(cls, config: Mapping[str, Any], mt: str, k: int, e: int) -> RoutingConfig:
+    """The routing of the families whose routers score with a sigmoid outside DeepSeek's groups
+    (minimax_m2, hy_v3, laguna, afmoe: top-k of sigmoid + correction bias, renormalized, x their
+    factor; flint: top-k of the logits; cohere2_moe: per expert_selection_fn)."""
+    if mt == "minimax_m2":  # sigmoid; top-k of sigmoid + correction bias; / sum
+        return cls("sigmoid", k, renormalize=True, has_correction_bias=True, num_experts=e, model_type=mt)
+    if mt == "flint":  # sigmoid; top-k of the logits; / sum if norm_topk_prob
+        return cls("sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=True)), num_experts=e, model_type=mt)
+    if mt == "cohere2_moe":  # top-k of the logits; softmax over those k, or their sigmoid (/ sum if norm_topk_prob)
+        fn = _get(config, "expert_selection_fn", default="softmax")
+        if fn == "softmax":
+            return cls("topk_softmax", k, num_experts=e, model_type=mt)
+        if fn == "sigmoid":
+            return cls("sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=True)), num_experts=e,
+                       model_type=mt)  # fmt: skip
+        raise UnsupportedError(f"config.json cohere2_moe expert_selection_fn={fn!r}: expected softmax or sigmoid")
+    if mt == "afmoe":  # sigmoid; top-k of sigmoid + expert_bias; / sum; x route_scale
+        return cls("sigmoid", k, renormalize=True, has_correction_bias=True,
+                   routed_scaling_factor=float(_get(config, "route_scale", default=1.0)), num_experts=e, model_type=mt)  # fmt: skip
+    if mt in ("hy_v3", "laguna"):  # sigmoid; top-k of sigmoid + correction bias; / sum; x the scaling factor
+        if mt == "laguna":
+            cap = _get(config, "moe_router_logit_softcapping", default=0.0)
+            if cap:
+                raise UnsupportedError(f"config.json laguna moe_router_logit_softcapping={cap!r}: moepack routes uncapped "
+                                       "logits only (0.0)")  # fmt: skip
+            if _get(config, "moe_apply_router_weight_on_input", default=False):
+                raise UnsupportedError("config.json laguna moe_apply_router_weight_on_input=True: moepack weights the "
+                                       "experts' outputs only (False)")  # fmt: skip
+        rsf = float(_get(config, "router_scaling_factor" if mt == "hy_v3" else "moe_routed_scaling_factor",
+                         default=2.826 if mt == "hy_v3" else 1.0))  # fmt: skip
+        return cls("sigmoid", k, renormalize=True, has_correction_bias=True, routed_scaling_factor=rsf, num_experts=e,
+                   model_type=mt)  # fmt: skip
     raise AssertionError(mt)  # pragma: no cover
 
 
