@@ -80,6 +80,7 @@ FAMILIES: dict[str, Family] = {
     "beam": Family("mlp", router_fp32=True),
     "qwen3_next": Family("mlp", shared="shared_expert"),
     "qwen3_5_moe_text": Family("mlp", shared="shared_expert"),
+    "qwen3_5_moe": Family("mlp", shared="shared_expert"),
     "mellum": Family("mlp"),
     "flex_olmo": Family("mlp"),
     "minimax_m2": Family("mlp"),
@@ -94,6 +95,8 @@ FAMILIES: dict[str, Family] = {
     "cohere2_moe": Family("mlp", shared="shared_experts"),
     "laguna": Family("mlp", shared="shared_experts"),
     "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
+    "llama4": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
+                     shared="shared_expert"),  # the multimodal config; its causal LM is the text model
     "llama4_text": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
                           shared="shared_expert"),  # fmt: skip
 }
