@@ -493,10 +493,12 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
             continue
         stored = pname if pname in names else renamed.get(pname)
         if stored is not None:
-            if list(ckpt.info(stored).shape) != list(p.shape):
+            parts = [ckpt.info(x).shape for x in ((stored,) if isinstance(stored, str) else stored)]
+            shape = [sum(x[0] for x in parts), *parts[0][1:]] if all(x[1:] == parts[0][1:] for x in parts) else None
+            if shape != list(p.shape):
                 where = "" if stored == pname else f"'s {stored}"
                 raise refuse("model_type", f"a {mt} model with this config has {pname} {list(p.shape)}, the checkpoint"
-                                           f"{where} {list(ckpt.info(stored).shape)}")  # fmt: skip
+                                           f"{where} {[list(x) for x in parts] if len(parts) > 1 else list(parts[0])}")  # fmt: skip
             continue
         mod = pname.rpartition(".")[0] + "."
         # a quantized linear stores other names under its module (qweight, weight_packed, ...)

@@ -92,6 +92,9 @@ FAMILIES: dict[str, Family] = {
     "mimo_v2_flash": Family("mlp", router_fp32=True),
     "flint": Family("mlp", router_fp32=True, shared="shared_expert"),  # an ungated shared expert
     "axk2": Family("mlp", router_fp32=True, shared="shared_experts"),
+    # their q/k/v conv1d weights are concatenated on load (a WeightConverter load_model follows)
+    "kimi_linear": Family("mlp", router_fp32=True, shared="shared_experts"),
+    "bailing_hybrid": Family("mlp", router_fp32=True, shared="shared_experts"),
     "cohere2_moe": Family("mlp", shared="shared_experts"),
     "laguna": Family("mlp", shared="shared_experts"),
     "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
@@ -373,29 +376,44 @@ def packed_blocks(model) -> list[PackedMoEBlock]:
 # --------------------------------------------------------------------------- load_model
 
 
-def checkpoint_renames(model_type: str, names) -> dict[str, str]:
-    """{model parameter name: the checkpoint tensor stored for it} for the names transformers'
-    own conversion mapping renames on load (its ``WeightRenaming`` rules, e.g. mimo_v2_flash's
-    ``self_attn.attention_sink_bias`` -> ``self_attn.sinks``): the same table transformers
-    loads these checkpoints with, not a second copy of it. Its ``WeightConverter`` rules (tensors
-    fused or split on load) are not followed: a parameter that needs one stays missing and
-    load_model refuses it by name. Empty without transformers or for a family with no mapping."""
+def checkpoint_renames(model_type: str, names) -> dict[str, str | tuple[str, ...]]:
+    """{model parameter name: the checkpoint tensor stored for it, or the tensors concatenated
+    along dim 0 into it} for the names transformers' own conversion mapping changes on load: its
+    ``WeightRenaming`` rules (mimo_v2_flash's ``self_attn.attention_sink_bias`` ->
+    ``self_attn.sinks``) and its ``WeightConverter`` rules that only concatenate along dim 0
+    (kimi_linear's q/k/v ``conv1d`` -> one ``conv1d``): the table transformers loads these
+    checkpoints with, not a second copy of it. Other converters (splits: lara_mini's ``in_proj``)
+    are not followed: such a parameter stays missing and load_model refuses it by name. Empty
+    without transformers or for a family with no mapping."""
     import re
 
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-        from transformers.core_model_loading import WeightRenaming
+        from transformers.core_model_loading import Concatenate, WeightConverter, WeightRenaming
     except ImportError:
         return {}
-    rules = [(a, b) for c in get_checkpoint_conversion_mapping(model_type) or [] if isinstance(c, WeightRenaming)
-             for a, b in zip(c.source_patterns, c.target_patterns)]  # fmt: skip
-    out = {}
-    for n in names if rules else ():
+    rules, concats = [], []
+    for c in get_checkpoint_conversion_mapping(model_type) or []:
+        if isinstance(c, WeightRenaming):
+            rules += list(zip(c.source_patterns, c.target_patterns))
+        elif (isinstance(c, WeightConverter) and len(c.target_patterns) == 1 and len(c.source_patterns) > 1
+              and len(c.operations) == 1 and isinstance(c.operations[0], Concatenate) and c.operations[0].dim == 0
+              and "*" not in "".join(c.source_patterns)):  # fmt: skip
+            concats.append((list(c.source_patterns), c.target_patterns[0]))
+    out, back = {}, {}
+    for n in names if rules or concats else ():
         m = n
         for a, b in rules:
             m = re.sub(a, b, m)
+        back[m] = n
         if m != n:
             out.setdefault(m, n)
+    for srcs, tgt in concats:
+        for m in list(back):
+            if re.search(srcs[0], m):
+                parts = [re.sub(srcs[0], x.replace("\\", ""), m) for x in srcs]
+                if all(x in back for x in parts):
+                    out.setdefault(re.sub(srcs[0], tgt.replace("\\", ""), m), tuple(back[x] for x in parts))
     return out
 
 
@@ -538,7 +556,8 @@ def load_model(packed_dir, dtype=None, *, strict: bool = False):
         if t is None and pname in names:
             t = pm.tensor(pname)
         elif t is None and pname in renamed:
-            t = pm.tensor(renamed[pname])
+            r = renamed[pname]  # stored under another name, or in parts transformers concatenates on load (a copy)
+            t = pm.tensor(r) if isinstance(r, str) else torch.cat([pm.tensor(x) for x in r], 0)
         if t is None:
             tied.append(pname)
             continue

@@ -267,9 +267,13 @@ def test_family(mt, tmp_path):
 
 def test_checkpoint_renames_follow_transformers_own_mapping():
     """load_model and convert's model check find a parameter transformers renames on load under its
-    stored name (mimo_v2_flash's sinks), by transformers' WeightRenaming rules; fused or split tensors
-    (its WeightConverters) and families without a mapping get nothing."""
+    stored name (mimo_v2_flash's sinks) or concatenates from parts (kimi_linear's conv1d), by
+    transformers' own rules; a split (lara_mini) and families without a mapping get nothing."""
     names = ["model.layers.0.self_attn.attention_sink_bias", "model.layers.0.self_attn.q_proj.weight"]
     assert hf.checkpoint_renames("mimo_v2_flash", names) == {"model.layers.0.self_attn.sinks": names[0]}
+    conv = [f"model.layers.0.self_attn.{x}_conv1d.weight" for x in "qkv"]
+    assert hf.checkpoint_renames("kimi_linear", conv)["model.layers.0.self_attn.conv1d.weight"] == tuple(conv)
+    split = ["model.layers.0.linear_attn.in_proj"]  # lara_mini splits it on load: not followed
+    assert hf.checkpoint_renames("lara_mini", split) == {}
     assert hf.checkpoint_renames("qwen3_moe", names) == {}
     assert hf.checkpoint_renames("no_such_family", names) == {}
