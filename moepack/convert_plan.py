@@ -462,7 +462,7 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
         return
     if mt not in CONFIG_MAPPING:
         return
-    from .hf import _block_shapes, _decoder_layers, _moe_blocks, checkpoint_renames, quiet_transformers
+    from .hf import SplitPart, _block_shapes, _decoder_layers, _moe_blocks, checkpoint_renames, quiet_transformers
 
     # the dtype does not change which parameters there are ("auto" and other words included)
     cfgd = {k: v for k, v in decode_special_floats(ckpt.config).items() if k not in ("model_type", "dtype", "torch_dtype")}
@@ -492,6 +492,13 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
         if pname.startswith(skip):
             continue
         stored = pname if pname in names else renamed.get(pname)
+        if isinstance(stored, SplitPart):  # rows of a stored tensor transformers splits on load: they must add up
+            total = sum(model.get_parameter(x).shape[0] for x in stored.targets)
+            got = list(ckpt.info(stored.source).shape)
+            if [total, *p.shape[1:]] != got:
+                raise refuse("model_type", f"a {mt} model with this config splits the checkpoint's {stored.source} {got} "
+                                           f"into {list(stored.targets)} of {total} rows")  # fmt: skip
+            continue
         if stored is not None:
             parts = [ckpt.info(x).shape for x in ((stored,) if isinstance(stored, str) else stored)]
             shape = [sum(x[0] for x in parts), *parts[0][1:]] if all(x[1:] == parts[0][1:] for x in parts) else None

@@ -94,6 +94,7 @@ FAMILIES: dict[str, Family] = {
     "axk2": Family("mlp", router_fp32=True, shared="shared_experts"),
     # their q/k/v conv1d weights are concatenated on load (a WeightConverter load_model follows)
     "kimi_linear": Family("mlp", router_fp32=True, shared="shared_experts"),
+    "lara_mini": Family("mlp", router_fp32=True, shared="shared_expert"),  # an ungated shared expert; in_proj split on load
     "bailing_hybrid": Family("mlp", router_fp32=True, shared="shared_experts"),
     "cohere2_moe": Family("mlp", shared="shared_experts"),
     "laguna": Family("mlp", shared="shared_experts"),
@@ -376,32 +377,37 @@ def packed_blocks(model) -> list[PackedMoEBlock]:
 # --------------------------------------------------------------------------- load_model
 
 
-def checkpoint_renames(model_type: str, names) -> dict[str, str | tuple[str, ...]]:
+def checkpoint_renames(model_type: str, names) -> dict[str, str | tuple[str, ...] | SplitPart]:
     """{model parameter name: the checkpoint tensor stored for it, or the tensors concatenated
     along dim 0 into it} for the names transformers' own conversion mapping changes on load: its
     ``WeightRenaming`` rules (mimo_v2_flash's ``self_attn.attention_sink_bias`` ->
     ``self_attn.sinks``) and its ``WeightConverter`` rules that only concatenate along dim 0
-    (kimi_linear's q/k/v ``conv1d`` -> one ``conv1d``): the table transformers loads these
-    checkpoints with, not a second copy of it. Other converters (splits: lara_mini's ``in_proj``)
+    (kimi_linear's q/k/v ``conv1d`` -> one ``conv1d``) or split one along dim 0 (lara_mini's
+    ``in_proj`` -> ``in_proj_{qkv,z,b,a}``: a ``SplitPart``, rows by the model's parameters): the
+    table transformers loads these checkpoints with, not a second copy of it. Other converters
     are not followed: such a parameter stays missing and load_model refuses it by name. Empty
     without transformers or for a family with no mapping."""
     import re
 
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-        from transformers.core_model_loading import Concatenate, WeightConverter, WeightRenaming
+        from transformers.core_model_loading import Concatenate, Split, WeightConverter, WeightRenaming
     except ImportError:
         return {}
-    rules, concats = [], []
+    rules, concats, splits = [], [], []
     for c in get_checkpoint_conversion_mapping(model_type) or []:
         if isinstance(c, WeightRenaming):
             rules += list(zip(c.source_patterns, c.target_patterns))
+        elif (isinstance(c, WeightConverter) and len(c.source_patterns) == 1 and len(c.target_patterns) > 1
+              and len(c.operations) == 1 and isinstance(c.operations[0], Split) and c.operations[0].dim == 0
+              and "*" not in c.source_patterns[0]):  # fmt: skip
+            splits.append((c.source_patterns[0], list(c.target_patterns)))
         elif (isinstance(c, WeightConverter) and len(c.target_patterns) == 1 and len(c.source_patterns) > 1
               and len(c.operations) == 1 and isinstance(c.operations[0], Concatenate) and c.operations[0].dim == 0
               and "*" not in "".join(c.source_patterns)):  # fmt: skip
             concats.append((list(c.source_patterns), c.target_patterns[0]))
     out, back = {}, {}
-    for n in names if rules or concats else ():
+    for n in names if rules or concats or splits else ():
         m = n
         for a, b in rules:
             m = re.sub(a, b, m)
@@ -414,7 +420,28 @@ def checkpoint_renames(model_type: str, names) -> dict[str, str | tuple[str, ...
                 parts = [re.sub(srcs[0], x.replace("\\", ""), m) for x in srcs]
                 if all(x in back for x in parts):
                     out.setdefault(re.sub(srcs[0], tgt.replace("\\", ""), m), tuple(back[x] for x in parts))
+    for src, tgts in splits:
+        for m in list(back):
+            if re.search(src, m):
+                whole = tuple(re.sub(src, x.replace("\\", ""), m) for x in tgts)
+                for i, x in enumerate(whole):
+                    out.setdefault(x, SplitPart(back[m], whole, i))
     return out
+
+
+@dataclass(frozen=True)
+class SplitPart:
+    """Part ``index`` of the stored tensor ``source``, which transformers splits along dim 0 on load
+    into ``targets``, each as many rows as that model parameter has (its ``Split`` operation)."""
+
+    source: str
+    targets: tuple
+    index: int
+
+    def rows(self, model) -> tuple[int, int]:
+        """(first row, row count) of this part, from the model's parameter shapes."""
+        sizes = [model.get_parameter(x).shape[0] for x in self.targets]
+        return sum(sizes[: self.index]), sizes[self.index]
 
 
 def _config_dict(pm) -> dict:
@@ -556,8 +583,11 @@ def load_model(packed_dir, dtype=None, *, strict: bool = False):
         if t is None and pname in names:
             t = pm.tensor(pname)
         elif t is None and pname in renamed:
-            r = renamed[pname]  # stored under another name, or in parts transformers concatenates on load (a copy)
-            t = pm.tensor(r) if isinstance(r, str) else torch.cat([pm.tensor(x) for x in r], 0)
+            r = renamed[pname]  # stored under another name, in parts concatenated on load (a copy), or split (a view)
+            if isinstance(r, SplitPart):
+                t = pm.tensor(r.source).narrow(0, *r.rows(model))
+            else:
+                t = pm.tensor(r) if isinstance(r, str) else torch.cat([pm.tensor(x) for x in r], 0)
         if t is None:
             tied.append(pname)
             continue
@@ -714,5 +744,5 @@ def load_tokenizer(packed_dir):
         raise UnsupportedError(f"{path}: its tokenizer does not load offline ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-__all__ = ["FAMILIES", "LoadReport", "checkpoint_renames", "ModelMismatchError", "PackedMoEBlock", "check_compatible", "greedy_generate", "load_model",
+__all__ = ["FAMILIES", "LoadReport", "SplitPart", "checkpoint_renames", "ModelMismatchError", "PackedMoEBlock", "check_compatible", "greedy_generate", "load_model",
            "load_tokenizer", "packed_blocks", "patch"]  # fmt: skip

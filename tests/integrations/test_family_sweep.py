@@ -66,7 +66,7 @@ OVERRIDES = {
     "dbrx": dict(attn_config=dict(kv_n_heads=1, rope_theta=10000.0),
                  ffn_config=dict(moe_num_experts=4, moe_top_k=2, ffn_hidden_size=32)),
 }  # fmt: skip
-# Model types the recipe cannot make tiny, each with why (test_unbuilt_families_are_what_they_say checks it).
+# Model types the recipe cannot make tiny, each with why (test_unbuilt_and_dense_model_types_are_what_they_say checks it).
 UNBUILT = {
     "dots3_note": "its config requires num_key_value_heads == num_attention_heads per layer of a per-layer config",
     "dots3_note_text": "the per-layer attention config keeps its full size (38M parameters at hidden 64)",
@@ -267,13 +267,15 @@ def test_family(mt, tmp_path):
 
 def test_checkpoint_renames_follow_transformers_own_mapping():
     """load_model and convert's model check find a parameter transformers renames on load under its
-    stored name (mimo_v2_flash's sinks) or concatenates from parts (kimi_linear's conv1d), by
-    transformers' own rules; a split (lara_mini) and families without a mapping get nothing."""
+    stored name (mimo_v2_flash's sinks), concatenates from parts (kimi_linear's conv1d) or splits
+    (lara_mini's in_proj), by transformers' own rules; families without a mapping get nothing."""
     names = ["model.layers.0.self_attn.attention_sink_bias", "model.layers.0.self_attn.q_proj.weight"]
     assert hf.checkpoint_renames("mimo_v2_flash", names) == {"model.layers.0.self_attn.sinks": names[0]}
     conv = [f"model.layers.0.self_attn.{x}_conv1d.weight" for x in "qkv"]
     assert hf.checkpoint_renames("kimi_linear", conv)["model.layers.0.self_attn.conv1d.weight"] == tuple(conv)
-    split = ["model.layers.0.linear_attn.in_proj"]  # lara_mini splits it on load: not followed
-    assert hf.checkpoint_renames("lara_mini", split) == {}
+    src = "model.layers.0.linear_attn.in_proj.weight"  # lara_mini splits it on load, by the parameters' rows
+    got = hf.checkpoint_renames("lara_mini", [src])
+    parts = [f"model.layers.0.linear_attn.in_proj_{x}.weight" for x in ("qkv", "z", "b", "a")]
+    assert got == {p: hf.SplitPart(src, tuple(parts), i) for i, p in enumerate(parts)}
     assert hf.checkpoint_renames("qwen3_moe", names) == {}
     assert hf.checkpoint_renames("no_such_family", names) == {}
