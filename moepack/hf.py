@@ -62,6 +62,7 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "mixtral": Family("mlp"),
+    "minimax": Family("mlp"),
     "phimoe": Family("mlp", router_attr="router"),
     "qwen2_moe": Family("mlp", shared="shared_expert"),
     "qwen3_moe": Family("mlp"),
@@ -488,6 +489,24 @@ def _quantized_weight(pm, prefix: str, qc: dict | None = None) -> torch.Tensor |
     return None
 
 
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside keep their parameters on the meta device (never allocated nor
+    initialized) and their buffers on the CPU, as accelerate's ``init_empty_weights`` does."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        register(self, name, param)
+        if param is not None and not param.is_meta:
+            self._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
 def _rebuild_buffers(model) -> None:
     """Non-persistent buffers (rotary ``inv_freq``) are computed, never saved: build each module
     that holds one on the meta device again, on the CPU, from the model config."""
@@ -495,14 +514,18 @@ def _rebuild_buffers(model) -> None:
         if not any(b is not None and b.is_meta for b in mod._buffers.values()):
             continue
         cfg = getattr(mod, "config", None) or model.config
-        try:
-            fresh = type(mod)(config=cfg)
-        except TypeError:
+        fresh, err = None, None
+        # (config) or (config, layer_idx): minimax's lightning attention computes per-layer decays
+        for args in ({"config": cfg}, (cfg,), (cfg, getattr(mod, "layer_idx", None))):
             try:
-                fresh = type(mod)(cfg)
-            except Exception as e:  # noqa: BLE001 - a module we cannot rebuild: name it
-                raise UnsupportedError(f"module {name} ({type(mod).__name__}): its buffers are not saved and it cannot be "
-                                       f"rebuilt from the config ({type(e).__name__})") from None  # fmt: skip
+                with _parameters_on_meta():  # only the buffers are wanted: no weight is allocated
+                    fresh = type(mod)(**args) if isinstance(args, dict) else type(mod)(*args)
+                break
+            except Exception as e:  # noqa: BLE001 - a module we cannot rebuild: named below
+                err = e
+        if fresh is None:
+            raise UnsupportedError(f"module {name} ({type(mod).__name__}): its buffers are not saved and it cannot be "
+                                   f"rebuilt from the config ({type(err).__name__})")  # fmt: skip
         for bname, b in mod._buffers.items():
             if b is not None and b.is_meta:
                 nb = fresh._buffers.get(bname)
