@@ -113,6 +113,9 @@ def _refuse_unknown_family(ckpt: Checkpoint) -> None:
 # decoder layer (transformers' conversion mapping moves it there): moepack's layer has no such step.
 _POST_BLOCK_NORMS = {"axk1": "post_mlp_layernorm"}
 
+# model_type -> the routed experts' fixed activation (aria's; its shared expert follows hidden_act)
+_ROUTED_ACTIVATION = {"aria_text": "silu", "aria": "silu"}
+
 _ZERO_EXPERT_KEYS = ("zero_expert_num", "num_zero_experts")  # longcat_flash
 
 _CLAMP_KEYS = ("swiglu_limit", "swiglu_clamp", "clamp_limit")
@@ -147,6 +150,11 @@ def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note:
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
             out.append(f"model_type={mt!r}: {key}={v!r}: identity (zero-computation) experts, which the router may pick "
                        "and which return their input: moepack's experts are gated MLPs only")  # fmt: skip
+    fixed = _ROUTED_ACTIVATION.get(mt)
+    acts = sorted({s.activation for s in specs})
+    if fixed and acts and acts != [fixed]:
+        out.append(f"model_type={mt!r}: hidden_act={config.get('hidden_act')!r}: its routed experts are always {fixed} "
+                   f"and only its shared expert follows hidden_act; moepack runs one activation per layer")  # fmt: skip
     how = config.get("shared_expert_combination_strategy")  # cohere2_moe: "sum" or "average"
     if how not in (None, "sum") and any(s.shared for s in specs):
         out.append(f"model_type={mt!r}: shared_expert_combination_strategy={how!r}: an averaged shared expert "

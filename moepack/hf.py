@@ -63,6 +63,7 @@ class Family:
 FAMILIES: dict[str, Family] = {
     "mixtral": Family("mlp"),
     "minimax": Family("mlp"),
+    "aria_text": Family("mlp", router_attr="router", in_major=True, shared="shared_experts"),
     "phimoe": Family("mlp", router_attr="router"),
     "qwen2_moe": Family("mlp", shared="shared_expert"),
     "qwen3_moe": Family("mlp"),

@@ -222,6 +222,7 @@ SUPPORTED_MODEL_TYPES = (
     "bailing_hybrid",  # noaux_tc, its correction bias stored as gate.expert_bias
     "afmoe",  # sigmoid + correction bias (expert_bias), renormalized, x route_scale
     "flint",  # sigmoid top-k (no bias), norm_topk_prob
+    "aria_text",  # top-k of the logits, softmax over those k
     "cohere2_moe",  # expert_selection_fn: softmax over the top-k logits, or their sigmoid (norm_topk_prob)
 )
 # model_type -> (n_group, topk_group, routed_scaling_factor, norm_topk_prob) defaults of the noaux_tc families
@@ -299,7 +300,7 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
         renorm = bool(_get(config, "norm_topk_prob", "moe_renormalize", default=defaults[3]))
         return cls("grouped_sigmoid", k, renormalize=renorm, num_expert_group=g, topk_group=tg,
                    routed_scaling_factor=rsf, has_correction_bias=True, num_experts=e, model_type=mt)  # fmt: skip
-    if mt in ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss"):
+    if mt in ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss", "aria_text"):
         # top-k of the logits, softmax over those k. gpt-oss's router Linear has a bias: it is part
         # of the logits the layer computes, not a routing parameter.
         return cls("topk_softmax", k, num_experts=e, model_type=mt)
@@ -320,6 +321,7 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
 _EXPERT_KEYS = {
     **dict.fromkeys(("mixtral", "phimoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss",
                      "llama4_text", "mellum", "minimax", "minimax_m2"), ("num_local_experts", "num_experts")),
+    "aria_text": ("moe_num_experts",),
     **dict.fromkeys(("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
                      "solar_open", "dots1", "mimo_v2_flash", "axk1", "axk2"), ("n_routed_experts", "num_local_experts", "num_experts")),
 }  # fmt: skip

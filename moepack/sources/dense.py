@@ -31,11 +31,12 @@ FLOAT_DTYPES = {"BF16", "F16", "F32"}
 # model_type -> (experts key, top-k key, expert intermediate key) in config.json
 _NUM_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _HIDDEN_KEYS = ("hidden_size", "d_model")  # d_model: DBRX
-_IN_MAJOR_FAMILIES = {"llama4", "llama4_text", "gpt_oss"}
+_IN_MAJOR_FAMILIES = {"llama4", "llama4_text", "gpt_oss", "aria", "aria_text"}
 _INTERLEAVED_FAMILIES = {"gpt_oss"}
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>weight|bias)$")
-_FUSED = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?(?:\.weight)?$")
+_FUSED = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|down_proj|fc1|fc2)(?P<bias>_bias)?(?:\.weight)?$")
+_FUSED_ALIAS = {"fc1": "gate_up_proj", "fc2": "down_proj"}  # aria's names (transformers renames them on load)
 _GRANITE = re.compile(r"^(?P<prefix>.+)\.(?P<proj>input_linear|output_linear)\.weight$")
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -211,7 +212,7 @@ def discover_layers(ckpt: Checkpoint, weights: tuple[set, str] = DENSE_WEIGHTS) 
             g = groups.setdefault(m["prefix"], {"kind": "fused", "t": {}})
             if g["kind"] != "fused":
                 raise SourceError(f"{name}: fused expert tensors mixed with per-expert tensors under {m['prefix']!r}")
-            g["t"][(m["proj"], "bias" if m["bias"] else "weight")] = name
+            g["t"][(_FUSED_ALIAS.get(m["proj"], m["proj"]), "bias" if m["bias"] else "weight")] = name
             continue
         m = _GRANITE.match(name)
         if m and ti.shape and len(ti.shape) == 3:

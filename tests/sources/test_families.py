@@ -91,13 +91,13 @@ def test_ernie_counts_its_experts_from_moe_num_experts(tmp_path):
 
 
 def test_a_moe_checkpoint_with_unread_expert_names_is_not_called_dense(tmp_path):
-    """aria stores ``experts.fc1.weight`` / ``fc2.weight``, inkling2 ``experts.w13_weight``: MoE
-    checkpoints whose names no reader knows, said as such (it used to be "not a MoE checkpoint")."""
-    p = "model.layers.0.mlp"
-    t = {f"{p}.router.weight": _t(E, H), f"{p}.experts.fc1.weight": _t(E, H, 2 * I), f"{p}.experts.fc2.weight": _t(E, I, H)}
-    ckpt, reader = open_source(_write(tmp_path, t, {"model_type": "aria_text", "hidden_size": H, "moe_num_experts": E}))
-    with pytest.raises(SourceError, match=r"model_type='aria_text' is a MoE model, but its expert tensors "
-                                          r"\('model.layers.0.mlp.experts.fc1.weight'"):  # fmt: skip
+    """inkling2 stores ``experts.w13_weight`` / ``w2_weight``: a MoE checkpoint whose names no reader
+    knows, said as such (it used to be "not a MoE checkpoint")."""
+    p = "model.llm.layers.0.mlp"
+    t = {f"{p}.gate.weight": _t(E, H), f"{p}.experts.w13_weight": _t(E, H, 2 * I), f"{p}.experts.w2_weight": _t(E, I, H)}
+    ckpt, reader = open_source(_write(tmp_path, t, {"model_type": "inkling2_text", "hidden_size": H, "n_routed_experts": E}))
+    with pytest.raises(SourceError, match=r"model_type='inkling2_text' is a MoE model, but its expert tensors "
+                                          r"\('model.llm.layers.0.mlp.experts.w13_weight'"):  # fmt: skip
         reader.layers(ckpt)
     dense = {"model.layers.0.mlp.up_proj.weight": _t(I, H)}
     ckpt, reader = open_source(_write(tmp_path / "dense", dense, {"model_type": "llama", "hidden_size": H}))
@@ -201,6 +201,25 @@ def test_an_averaged_shared_expert_is_refused(tmp_path):
     c["shared_expert_combination_strategy"] = "sum"
     moepack.convert(_write(tmp_path / "sum", t, c), tmp_path / "dst")
     assert moepack.verify(tmp_path / "dst", source=tmp_path / "sum", tokens=2).ok
+
+
+def _aria(hidden_act: str) -> tuple[dict, dict]:
+    p = "model.layers.0.mlp"
+    t = {f"{p}.router.weight": _t(E, H), f"{p}.experts.fc1.weight": _t(E, H, 2 * I), f"{p}.experts.fc2.weight": _t(E, I, H)}
+    return t, {"model_type": "aria_text", "hidden_size": H, "moe_num_experts": E, "moe_topk": 2, "intermediate_size": I,
+               "hidden_act": hidden_act, "num_hidden_layers": 1}  # fmt: skip
+
+
+def test_aria_reads_its_in_major_fc1_fc2_experts_and_refuses_another_activation(tmp_path):
+    """aria stores its fused experts input-major as experts.fc1 / fc2 (transformers renames them on
+    load); its routed experts are always silu and only the shared expert follows hidden_act."""
+    t, c = _aria("silu")
+    moepack.convert(_write(tmp_path / "src", t, c), tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=tmp_path / "src", tokens=2).ok
+    layer = moepack.open(tmp_path / "dst").layers[0]
+    assert (layer.num_experts, layer.hidden_size, layer.intermediate_size) == (E, H, I)
+    t, c = _aria("gelu")
+    _refused(tmp_path / "gelu", t, c, r"model_type='aria_text': hidden_act='gelu': its routed experts are always silu")
 
 
 def test_identity_experts_are_refused(tmp_path):
