@@ -56,6 +56,118 @@ def _routing_for(config: dict) -> tuple[dict | None, str]:
         return None, str(e)
 
 
+def _block_feature(name: str) -> str:
+    """What a tensor inside a MoE block that no packed or recorded part consumes is, in words."""
+    leaf = name.lower()
+    if "shared" in leaf:
+        return "a shared expert under names moepack does not read"
+    if "norm" in leaf:
+        return "a norm inside the MoE block"
+    if "bias" in leaf:
+        return "a bias moepack does not apply"
+    return "a part of the MoE block moepack does not run"
+
+
+def block_leftovers(ckpt: Checkpoint, spec: LayerSpec, consumed: set) -> list[str]:
+    """The source tensors inside ``spec``'s MoE block (``<prefix>.``) that neither the packed experts,
+    nor the router (weight, bias, correction bias) nor the shared expert and its gate account for:
+    a pack without them would not compute the block the source has."""
+    mods = set()
+    for n in [*spec.router.values(), *(v for k, v in spec.shared.items() if k in ("gate_proj", "up_proj", "down_proj", "gate"))]:
+        if isinstance(n, str) and n:
+            mods.add(n.rpartition(".")[0] + ".")  # the module: its quantization tensors (scales, zeros) belong to it
+    for m in spec.shared.get("modules") or []:
+        mods.add(m + ".")
+    out = []
+    for n in ckpt.tensors:
+        if not n.startswith(spec.prefix + ".") or n in consumed or any(n.startswith(m) for m in mods):
+            continue
+        out.append(n)
+    return sorted(out)
+
+
+def routing_problem(config: dict, note: str) -> str:
+    """The one line that says a family's routing cannot be run (convert's refusal, verify's problem)."""
+    from .routing import SUPPORTED_MODEL_TYPES
+
+    mt = config.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        return f"model_type={mt!r}: routing: moepack does not run this family's routing (it routes {', '.join(SUPPORTED_MODEL_TYPES)})"
+    return f"model_type={mt!r}: routing: {note}"
+
+
+def _refuse_unknown_family(ckpt: Checkpoint) -> None:
+    """A MoE family whose routing moepack does not run at all is refused first, naming it: its
+    tensors (other expert names, other shared experts) are then no reason to blame. A checkpoint
+    with no experts at all is left to the reader ("not a MoE checkpoint")."""
+    from .routing import SUPPORTED_MODEL_TYPES
+    from .sources.dense import looks_moe
+
+    config = text_config(ckpt.config)
+    routing, note = _routing_for(config)
+    if routing is None and config.get("model_type") not in SUPPORTED_MODEL_TYPES and looks_moe(ckpt):
+        raise ConvertError(f"refused at convert: {routing_problem(config, note)}")
+
+
+# model_type -> the norm its MoE block applies to its own output, stored beside the block in the
+# decoder layer (transformers' conversion mapping moves it there): moepack's layer has no such step.
+_POST_BLOCK_NORMS = {"axk1": "post_mlp_layernorm"}
+
+# model_type -> the routed experts' fixed activation (aria's; its shared expert follows hidden_act)
+_ROUTED_ACTIVATION = {"aria_text": "silu", "aria": "silu"}
+
+_ZERO_EXPERT_KEYS = ("zero_expert_num", "num_zero_experts")  # longcat_flash
+
+_CLAMP_KEYS = ("swiglu_limit", "swiglu_clamp", "clamp_limit")
+
+
+def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note: str | None, consumed: set) -> list[str]:
+    """Why the packed model would not compute what the source does, one line each naming the family,
+    the feature and its value (empty: it runs). Convert refuses on the first (nothing is written);
+    verify --source fails a pack on every one. ``routing_note``: None when the routing was derived,
+    else why it could not be."""
+    mt = config.get("model_type")
+    out = []
+    if routing_note is not None:
+        out.append(routing_problem(config, routing_note))
+    for key in _CLAMP_KEYS:
+        v = config.get(key)
+        acts = sorted({s.activation for s in specs if s.activation != "swigluoai"})
+        if v is not None and acts:
+            out.append(f"model_type={mt!r}: {key}={v!r} with {'/'.join(acts)} experts: a clamped SwiGLU, which moepack's "
+                       "kernels run for swigluoai (gpt-oss) experts only")  # fmt: skip
+    norm = _POST_BLOCK_NORMS.get(mt)
+    for s in specs if norm else []:
+        layer = s.prefix.rpartition(".")[0]  # the decoder layer the block sits in
+        names = sorted(n for n in ckpt.tensors if n.startswith(f"{layer}.{norm}."))
+        if names:
+            out.append(f"model_type={mt!r} layer {s.index}: tensor {names[0]!r} is a norm after the MoE block (transformers' "
+                       "block normalizes its own output; the checkpoint keeps the norm beside it), which moepack's layer "
+                       "does not apply")  # fmt: skip
+            break
+    for key in _ZERO_EXPERT_KEYS:
+        v = config.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+            out.append(f"model_type={mt!r}: {key}={v!r}: identity (zero-computation) experts, which the router may pick "
+                       "and which return their input: moepack's experts are gated MLPs only")  # fmt: skip
+    fixed = _ROUTED_ACTIVATION.get(mt)
+    acts = sorted({s.activation for s in specs})
+    if fixed and acts and acts != [fixed]:
+        out.append(f"model_type={mt!r}: hidden_act={config.get('hidden_act')!r}: its routed experts are always {fixed} "
+                   f"and only its shared expert follows hidden_act; moepack runs one activation per layer")  # fmt: skip
+    how = config.get("shared_expert_combination_strategy")  # cohere2_moe: "sum" or "average"
+    if how not in (None, "sum") and any(s.shared for s in specs):
+        out.append(f"model_type={mt!r}: shared_expert_combination_strategy={how!r}: an averaged shared expert "
+                   "((routed + shared) / 2), where moepack adds the shared expert's output")  # fmt: skip
+    for s in specs:
+        left = block_leftovers(ckpt, s, consumed)
+        if left:
+            more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
+            out.append(f"model_type={mt!r} layer {s.index}: tensor {left[0]!r}{more} is {_block_feature(left[0])}: "
+                       f"moepack packs the routed experts, the router and a gate/up/down shared expert of {s.prefix!r} only")  # fmt: skip
+    return out
+
+
 def _plan_layer_tensors(spec: LayerSpec, layout: PackedLayout, scheme: Scheme) -> list[tuple[str, torch.dtype, tuple]]:
     """(stored name, dtype, shape) of every packed tensor of one layer, in write order: the
     layout's tensor plan (moepack.layout.layout_tensor_plan) for the routed experts (+ biases,
@@ -189,6 +301,7 @@ class _Plan:
 def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: str | None = None) -> _Plan:
     """Stage 1: the source, the scheme and layout it packs into, every tensor and shard."""
     ckpt, reader = open_source(src)
+    _refuse_unknown_family(ckpt)  # before the layers: an unknown family's tensors are no reason to blame
     qscheme, options = parse_quantize(quantize)
     scheme = _target_scheme(lay, qscheme, reader)
     specs = reader.layers(ckpt)  # without the layers the reader skips (SourceReader.skipped: DeepSeek's MTP layers)
@@ -220,6 +333,9 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
     _check_top_k(config, specs)
     check_config_against_tensors(ckpt, config, specs)
     routing, routing_note = _routing_for(config)
+    problems = runnable_problems(ckpt, config, specs, None if routing is not None else routing_note, expert_names)
+    if problems:
+        raise ConvertError(f"refused at convert: {problems[0]}")
     pl = _Plan(
         src, ckpt, reader, scheme, lay, specs, options, config, layer_tensors, expert_shards,
         [f"experts-{i + 1:05d}-of-{ne:05d}.safetensors" for i in range(ne)], other_shards,
@@ -336,13 +452,15 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
     check_config_against_tensors); skipped without transformers or for a family moepack does not
     run whole (convert packs its experts all the same)."""
     from .hf import FAMILIES
+    from .sources.checkpoint import decode_special_floats
+    from .sources.dense import text_config_key
 
     mt = config.get("model_type")
     if not any(n.endswith("embed_tokens.weight") for n in ckpt.tensors):
         return  # experts only (no embedding): not a whole model, load_model could not build it anyway
     if any(_int_key(config, k) is None for k in ("vocab_size", "hidden_size", "num_hidden_layers")):
         return  # a partial config (test and tool checkpoints): transformers would fill in its own defaults
-    if mt not in FAMILIES or config is not ckpt.config and config.get("model_type") != ckpt.config.get("model_type"):
+    if mt not in FAMILIES or text_config_key(ckpt.config) is not None:
         return  # a nested (multimodal) config: load_model does not build those
     try:
         import transformers  # noqa: F401
@@ -352,10 +470,10 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
         return
     if mt not in CONFIG_MAPPING:
         return
-    from .hf import _block_shapes, _decoder_layers, _moe_blocks, quiet_transformers
+    from .hf import SplitPart, _block_shapes, _decoder_layers, _moe_blocks, checkpoint_renames, quiet_transformers
 
     # the dtype does not change which parameters there are ("auto" and other words included)
-    cfgd = {k: v for k, v in ckpt.config.items() if k not in ("model_type", "dtype", "torch_dtype")}
+    cfgd = {k: v for k, v in decode_special_floats(ckpt.config).items() if k not in ("model_type", "dtype", "torch_dtype")}
     try:
         with quiet_transformers():
             cfg = AutoConfig.for_model(mt, **cfgd)
@@ -377,13 +495,25 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
                                        f"checkpoint's {(s.num_experts, s.hidden, s.intermediate)}")  # fmt: skip
     skip = tuple(f"model.layers.{i}.{fam.block_attr}." for i in blocks)
     names = ckpt.tensors
+    renamed = checkpoint_renames(mt, names)  # what transformers renames on load (load_model follows it too)
     for pname, p in model.named_parameters():  # tied parameters once, by their first name
         if pname.startswith(skip):
             continue
-        if pname in names:
-            if list(ckpt.info(pname).shape) != list(p.shape):
-                raise refuse("model_type", f"a {mt} model with this config has {pname} {list(p.shape)}, the checkpoint "
-                                           f"{list(ckpt.info(pname).shape)}")  # fmt: skip
+        stored = pname if pname in names else renamed.get(pname)
+        if isinstance(stored, SplitPart):  # rows of a stored tensor transformers splits on load: they must add up
+            total = sum(model.get_parameter(x).shape[0] for x in stored.targets)
+            got = list(ckpt.info(stored.source).shape)
+            if [total, *p.shape[1:]] != got:
+                raise refuse("model_type", f"a {mt} model with this config splits the checkpoint's {stored.source} {got} "
+                                           f"into {list(stored.targets)} of {total} rows")  # fmt: skip
+            continue
+        if stored is not None:
+            parts = [ckpt.info(x).shape for x in ((stored,) if isinstance(stored, str) else stored)]
+            shape = [sum(x[0] for x in parts), *parts[0][1:]] if all(x[1:] == parts[0][1:] for x in parts) else None
+            if shape != list(p.shape):
+                where = "" if stored == pname else f"'s {stored}"
+                raise refuse("model_type", f"a {mt} model with this config has {pname} {list(p.shape)}, the checkpoint"
+                                           f"{where} {[list(x) for x in parts] if len(parts) > 1 else list(parts[0])}")  # fmt: skip
             continue
         mod = pname.rpartition(".")[0] + "."
         # a quantized linear stores other names under its module (qweight, weight_packed, ...)

@@ -62,6 +62,8 @@ class Family:
 
 FAMILIES: dict[str, Family] = {
     "mixtral": Family("mlp"),
+    "minimax": Family("mlp"),
+    "aria_text": Family("mlp", router_attr="router", in_major=True, shared="shared_experts"),
     "phimoe": Family("mlp", router_attr="router"),
     "qwen2_moe": Family("mlp", shared="shared_expert"),
     "qwen3_moe": Family("mlp"),
@@ -70,7 +72,37 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family("mlp", router_fp32=True, shared="shared_experts"),
     "glm4_moe": Family("mlp", router_fp32=True, shared="shared_experts"),
     "granitemoe": Family("block_sparse_moe", router_attr="router"),
+    # the shared MLP of these two sits beside the block in the decoder layer (``shared_mlp``): transformers runs it
+    "granitemoeshared": Family("block_sparse_moe", router_attr="router"),
+    "granitemoehybrid": Family("block_sparse_moe", router_attr="router"),
+    "granitemoe_swa": Family("block_sparse_moe", router_attr="router"),
+    # DeepSeek-V3's block (noaux_tc router kept in fp32, shared experts) under other names
+    **{mt: Family("mlp", router_fp32=True, shared="shared_experts")
+       for mt in ("deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "solar_open", "exaone_moe", "dots1")},
+    "beam": Family("mlp", router_fp32=True),
+    "qwen3_next": Family("mlp", shared="shared_expert"),
+    "qwen3_5_moe_text": Family("mlp", shared="shared_expert"),
+    "qwen3_5_moe": Family("mlp", shared="shared_expert"),
+    "mellum": Family("mlp"),
+    "flex_olmo": Family("mlp"),
+    "minimax_m2": Family("mlp"),
+    "jamba": Family("feed_forward", router_attr="router"),
+    "hy_v3": Family("mlp", router_fp32=True, shared="shared_experts"),
+    "hunyuan_v1_moe": Family("mlp", router_fp32=True, shared="shared_mlp"),
+    "afmoe": Family("mlp", router_attr="router", shared="shared_experts"),
+    # their attention sinks (and axk2's gated query) are stored under the names transformers renames on load
+    "mimo_v2_flash": Family("mlp", router_fp32=True),
+    "flint": Family("mlp", router_fp32=True, shared="shared_expert"),  # an ungated shared expert
+    "axk2": Family("mlp", router_fp32=True, shared="shared_experts"),
+    # their q/k/v conv1d weights are concatenated on load (a WeightConverter load_model follows)
+    "kimi_linear": Family("mlp", router_fp32=True, shared="shared_experts"),
+    "lara_mini": Family("mlp", router_fp32=True, shared="shared_expert"),  # an ungated shared expert; in_proj split on load
+    "bailing_hybrid": Family("mlp", router_fp32=True, shared="shared_experts"),
+    "cohere2_moe": Family("mlp", shared="shared_experts"),
+    "laguna": Family("mlp", shared="shared_experts"),
     "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
+    "llama4": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
+                     shared="shared_expert"),  # the multimodal config; its causal LM is the text model
     "llama4_text": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
                           shared="shared_expert"),  # fmt: skip
 }
@@ -347,8 +379,77 @@ def packed_blocks(model) -> list[PackedMoEBlock]:
 # --------------------------------------------------------------------------- load_model
 
 
+def checkpoint_renames(model_type: str, names) -> dict[str, str | tuple[str, ...] | SplitPart]:
+    """{model parameter name: the checkpoint tensor stored for it, or the tensors concatenated
+    along dim 0 into it} for the names transformers' own conversion mapping changes on load: its
+    ``WeightRenaming`` rules (mimo_v2_flash's ``self_attn.attention_sink_bias`` ->
+    ``self_attn.sinks``) and its ``WeightConverter`` rules that only concatenate along dim 0
+    (kimi_linear's q/k/v ``conv1d`` -> one ``conv1d``) or split one along dim 0 (lara_mini's
+    ``in_proj`` -> ``in_proj_{qkv,z,b,a}``: a ``SplitPart``, rows by the model's parameters): the
+    table transformers loads these checkpoints with, not a second copy of it. Other converters
+    are not followed: such a parameter stays missing and load_model refuses it by name. Empty
+    without transformers or for a family with no mapping."""
+    import re
+
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import Concatenate, Split, WeightConverter, WeightRenaming
+    except ImportError:
+        return {}
+    rules, concats, splits = [], [], []
+    for c in get_checkpoint_conversion_mapping(model_type) or []:
+        if isinstance(c, WeightRenaming):
+            rules += list(zip(c.source_patterns, c.target_patterns))
+        elif (isinstance(c, WeightConverter) and len(c.source_patterns) == 1 and len(c.target_patterns) > 1
+              and len(c.operations) == 1 and isinstance(c.operations[0], Split) and c.operations[0].dim == 0
+              and "*" not in c.source_patterns[0]):  # fmt: skip
+            splits.append((c.source_patterns[0], list(c.target_patterns)))
+        elif (isinstance(c, WeightConverter) and len(c.target_patterns) == 1 and len(c.source_patterns) > 1
+              and len(c.operations) == 1 and isinstance(c.operations[0], Concatenate) and c.operations[0].dim == 0
+              and "*" not in "".join(c.source_patterns)):  # fmt: skip
+            concats.append((list(c.source_patterns), c.target_patterns[0]))
+    out, back = {}, {}
+    for n in names if rules or concats or splits else ():
+        m = n
+        for a, b in rules:
+            m = re.sub(a, b, m)
+        back[m] = n
+        if m != n:
+            out.setdefault(m, n)
+    for srcs, tgt in concats:
+        for m in list(back):
+            if re.search(srcs[0], m):
+                parts = [re.sub(srcs[0], x.replace("\\", ""), m) for x in srcs]
+                if all(x in back for x in parts):
+                    out.setdefault(re.sub(srcs[0], tgt.replace("\\", ""), m), tuple(back[x] for x in parts))
+    for src, tgts in splits:
+        for m in list(back):
+            if re.search(src, m):
+                whole = tuple(re.sub(src, x.replace("\\", ""), m) for x in tgts)
+                for i, x in enumerate(whole):
+                    out.setdefault(x, SplitPart(back[m], whole, i))
+    return out
+
+
+@dataclass(frozen=True)
+class SplitPart:
+    """Part ``index`` of the stored tensor ``source``, which transformers splits along dim 0 on load
+    into ``targets``, each as many rows as that model parameter has (its ``Split`` operation)."""
+
+    source: str
+    targets: tuple
+    index: int
+
+    def rows(self, model) -> tuple[int, int]:
+        """(first row, row count) of this part, from the model's parameter shapes."""
+        sizes = [model.get_parameter(x).shape[0] for x in self.targets]
+        return sum(sizes[: self.index]), sizes[self.index]
+
+
 def _config_dict(pm) -> dict:
-    cfg = dict(pm.config or {})
+    from .sources.checkpoint import decode_special_floats
+
+    cfg = decode_special_floats(dict(pm.config or {}))  # {"__float__": "Infinity"} -> inf, as transformers reads config.json
     if not cfg.get("model_type"):
         raise UnsupportedError(f"{pm.path}: the manifest carries no model config (model.config.model_type)")
     cfg.pop("quantization_config", None)  # the experts are packed; other quantized linears are dequantized on load
@@ -389,6 +490,24 @@ def _quantized_weight(pm, prefix: str, qc: dict | None = None) -> torch.Tensor |
     return None
 
 
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Modules built inside keep their parameters on the meta device (never allocated nor
+    initialized) and their buffers on the CPU, as accelerate's ``init_empty_weights`` does."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(self, name, param):
+        register(self, name, param)
+        if param is not None and not param.is_meta:
+            self._parameters[name] = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
 def _rebuild_buffers(model) -> None:
     """Non-persistent buffers (rotary ``inv_freq``) are computed, never saved: build each module
     that holds one on the meta device again, on the CPU, from the model config."""
@@ -396,14 +515,18 @@ def _rebuild_buffers(model) -> None:
         if not any(b is not None and b.is_meta for b in mod._buffers.values()):
             continue
         cfg = getattr(mod, "config", None) or model.config
-        try:
-            fresh = type(mod)(config=cfg)
-        except TypeError:
+        fresh, err = None, None
+        # (config) or (config, layer_idx): minimax's lightning attention computes per-layer decays
+        for args in ({"config": cfg}, (cfg,), (cfg, getattr(mod, "layer_idx", None))):
             try:
-                fresh = type(mod)(cfg)
-            except Exception as e:  # noqa: BLE001 - a module we cannot rebuild: name it
-                raise UnsupportedError(f"module {name} ({type(mod).__name__}): its buffers are not saved and it cannot be "
-                                       f"rebuilt from the config ({type(e).__name__})") from None  # fmt: skip
+                with _parameters_on_meta():  # only the buffers are wanted: no weight is allocated
+                    fresh = type(mod)(**args) if isinstance(args, dict) else type(mod)(*args)
+                break
+            except Exception as e:  # noqa: BLE001 - a module we cannot rebuild: named below
+                err = e
+        if fresh is None:
+            raise UnsupportedError(f"module {name} ({type(mod).__name__}): its buffers are not saved and it cannot be "
+                                   f"rebuilt from the config ({type(err).__name__})")  # fmt: skip
         for bname, b in mod._buffers.items():
             if b is not None and b.is_meta:
                 nb = fresh._buffers.get(bname)
@@ -471,6 +594,7 @@ def load_model(packed_dir, dtype=None, *, strict: bool = False):
     qc = (pm.config or {}).get("quantization_config")
     names = pm._tensor_file
     report = _load_report(pm)
+    renamed = checkpoint_renames(model_type, names)
     tied = []
     for pname, p in list(model.named_parameters(remove_duplicate=False)):
         mod_name, _, leaf = pname.rpartition(".")
@@ -482,6 +606,12 @@ def load_model(packed_dir, dtype=None, *, strict: bool = False):
             report.quantized_bytes += report._sizes[mod_name]
         if t is None and pname in names:
             t = pm.tensor(pname)
+        elif t is None and pname in renamed:
+            r = renamed[pname]  # stored under another name, in parts concatenated on load (a copy), or split (a view)
+            if isinstance(r, SplitPart):
+                t = pm.tensor(r.source).narrow(0, *r.rows(model))
+            else:
+                t = pm.tensor(r) if isinstance(r, str) else torch.cat([pm.tensor(x) for x in r], 0)
         if t is None:
             tied.append(pname)
             continue
@@ -638,5 +768,5 @@ def load_tokenizer(packed_dir):
         raise UnsupportedError(f"{path}: its tokenizer does not load offline ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
 
 
-__all__ = ["FAMILIES", "LoadReport", "ModelMismatchError", "PackedMoEBlock", "check_compatible", "greedy_generate", "load_model",
+__all__ = ["FAMILIES", "LoadReport", "SplitPart", "checkpoint_renames", "ModelMismatchError", "PackedMoEBlock", "check_compatible", "greedy_generate", "load_model",
            "load_tokenizer", "packed_blocks", "patch"]  # fmt: skip

@@ -193,7 +193,51 @@ SUPPORTED_MODEL_TYPES = (
     "llama4",
     "llama4_text",
     "phimoe",
+    # DeepseekV3TopkRouter's copies (noaux_tc: grouped sigmoid + correction bias), transformers 5.24
+    "deepseek_v32",
+    "glm4_moe_lite",
+    "glm_moe_dsa",
+    "solar_open",
+    "exaone_moe",
+    "dots1",
+    "beam",  # its routed_scaling_factor multiplies the combined output: the same, the experts being linear in it
+    # Qwen-style softmax top-k
+    "qwen3_next",
+    "qwen3_5_moe",
+    "qwen3_5_moe_text",
+    "mellum",
+    "flex_olmo",
+    "minimax",
+    "jamba",
+    # sigmoid + correction bias, renormalized (MiniMaxM2TopKRouter)
+    "minimax_m2",
+    "granitemoe_swa",
+    "mimo_v2_flash",
+    "lara_mini",
+    "hy_v3",  # sigmoid + correction bias, renormalized, x router_scaling_factor
+    "laguna",  # the same, x moe_routed_scaling_factor
+    "hunyuan_v1_moe",  # softmax top-k, renormalized
+    "axk1",  # noaux_tc
+    "axk2",
+    "bailing_hybrid",  # noaux_tc, its correction bias stored as gate.expert_bias
+    "afmoe",  # sigmoid + correction bias (expert_bias), renormalized, x route_scale
+    "flint",  # sigmoid top-k (no bias), norm_topk_prob
+    "aria_text",  # top-k of the logits, softmax over those k
+    "cohere2_moe",  # expert_selection_fn: softmax over the top-k logits, or their sigmoid (norm_topk_prob)
 )
+# model_type -> (n_group, topk_group, routed_scaling_factor, norm_topk_prob) defaults of the noaux_tc families
+_NOAUX_DEFAULTS = {
+    "deepseek_v3": (8, 4, 2.5, True), "kimi_k2": (8, 4, 2.5, True), "glm4_moe": (1, 1, 1.0, True),
+    "kimi_linear": (1, 1, 2.446, True), "deepseek_v32": (8, 4, 2.5, True), "glm4_moe_lite": (1, 1, 1.8, True),
+    "glm_moe_dsa": (1, 1, 2.5, True), "solar_open": (1, 1, 1.0, True), "exaone_moe": (1, 1, 2.5, True),
+    "dots1": (1, 1, 1.0, False), "beam": (8, 4, 2.5, True), "mimo_v2_flash": (1, 1, 1.0, True),
+    "axk1": (8, 4, 2.5, True), "axk2": (1, 1, 2.5, True), "bailing_hybrid": (8, 4, 2.5, True),
+}  # fmt: skip
+# softmax families: model_type -> renormalize (True/False: always, as their router does; None: norm_topk_prob, default False)
+_SOFTMAX_RENORM = {"mixtral": True, "qwen2_moe": None, "qwen3_moe": None, "olmoe": None, "qwen3_next": None,
+                   "qwen3_5_moe": True, "qwen3_5_moe_text": True, "mellum": None, "flex_olmo": None, "minimax": True,
+                   "jamba": False, "lara_mini": None,
+                   "hunyuan_v1_moe": True}  # fmt: skip
 
 
 def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
@@ -214,19 +258,15 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
             f"config.json model_type={mt!r}: moepack does not know how this family routes "
             f"(known: {', '.join(SUPPORTED_MODEL_TYPES)}); pass a RoutingConfig(method='custom') and a custom_fn"
         )
-    k = int(_need(config, mt, "num_experts_per_tok", "num_experts_per_token"))
-    if mt in ("mixtral", "phimoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "gpt_oss", "llama4_text"):
-        e = int(_need(config, mt, "num_local_experts", "num_experts"))
-    elif mt in ("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe"):
-        e = int(_need(config, mt, "n_routed_experts", "num_local_experts", "num_experts"))
-    else:  # qwen2_moe, qwen3_moe, olmoe, kimi_linear
-        e = int(_need(config, mt, "num_experts", "num_local_experts", "n_routed_experts"))
+    k = int(_need(config, mt, "num_experts_per_tok", "num_experts_per_token", "moe_topk"))
+    e = int(_need(config, mt, *_EXPERT_KEYS.get(mt, ("num_experts", "num_local_experts", "n_routed_experts"))))
 
-    if mt == "mixtral":  # softmax -> top-k -> / sum
-        return cls("softmax", k, renormalize=True, num_experts=e, model_type=mt)
-    if mt in ("qwen2_moe", "qwen3_moe", "olmoe"):  # softmax -> top-k (-> / sum if norm_topk_prob)
-        return cls("softmax", k, renormalize=bool(_get(config, "norm_topk_prob", default=False)), num_experts=e,
-                   model_type=mt)  # fmt: skip
+    if mt in _SOFTMAX_RENORM:  # softmax -> top-k (-> / sum: always, never, or if norm_topk_prob)
+        renorm = _SOFTMAX_RENORM[mt]
+        renorm = bool(_get(config, "norm_topk_prob", default=False)) if renorm is None else renorm
+        return cls("softmax", k, renormalize=renorm, num_experts=e, model_type=mt)
+    if mt in _SIGMOID_FAMILIES:
+        return _sigmoid_family(cls, config, mt, k, e)
     if mt == "deepseek_v2":
         # transformers' DeepseekV2TopkRouter: softmax; greedy or group_limited_greedy (group score =
         # max); x routed_scaling_factor; it does not read norm_topk_prob (nor does moepack).
@@ -243,7 +283,7 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
             return cls("grouped_softmax", k, num_expert_group=g, topk_group=tg, routed_scaling_factor=rsf,
                        num_experts=e, model_type=mt)  # fmt: skip
         raise UnsupportedError(f"config.json deepseek_v2 topk_method={method!r}: expected greedy or group_limited_greedy")
-    if mt in ("deepseek_v3", "kimi_k2", "glm4_moe", "kimi_linear"):
+    if mt in _NOAUX_DEFAULTS:
         # noaux_tc: sigmoid + e_score_correction_bias (selection only), group score = sum of the
         # top-2, renormalize if norm_topk_prob, x routed_scaling_factor. transformers' router does
         # this whatever topk_method / scoring_func say; moepack refuses a config that says otherwise.
@@ -253,15 +293,14 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
         tm = _get(config, "topk_method", default="noaux_tc")
         if tm != "noaux_tc":
             raise UnsupportedError(f"config.json {mt} topk_method={tm!r}: this family routes with noaux_tc")
-        defaults = {"deepseek_v3": (8, 4, 2.5, True), "kimi_k2": (8, 4, 2.5, True), "glm4_moe": (1, 1, 1.0, True),
-                    "kimi_linear": (1, 1, 2.446, True)}[mt]  # fmt: skip
+        defaults = _NOAUX_DEFAULTS[mt]
         g = int(_get(config, "n_group", "num_expert_group", default=defaults[0]))
         tg = int(_get(config, "topk_group", default=defaults[1]))
         rsf = float(_get(config, "routed_scaling_factor", default=defaults[2]))
         renorm = bool(_get(config, "norm_topk_prob", "moe_renormalize", default=defaults[3]))
         return cls("grouped_sigmoid", k, renormalize=renorm, num_expert_group=g, topk_group=tg,
                    routed_scaling_factor=rsf, has_correction_bias=True, num_experts=e, model_type=mt)  # fmt: skip
-    if mt in ("granitemoe", "granitemoeshared", "granitemoehybrid", "gpt_oss"):
+    if mt in ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss", "aria_text"):
         # top-k of the logits, softmax over those k. gpt-oss's router Linear has a bias: it is part
         # of the logits the layer computes, not a routing parameter.
         return cls("topk_softmax", k, num_experts=e, model_type=mt)
@@ -275,6 +314,54 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
             raise UnsupportedError(f"config.json phimoe num_experts_per_tok={k}: sparsemixer is defined for 2")
         eps = float(_get(config, "router_jitter_noise", default=0.01))
         return cls("sparsemixer", 2, sparsemixer_eps=eps, num_experts=e, model_type=mt)
+    raise AssertionError(mt)  # pragma: no cover
+
+
+# where each family states its expert count, in the order looked at (others: num_experts first)
+_EXPERT_KEYS = {
+    **dict.fromkeys(("mixtral", "phimoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss",
+                     "llama4_text", "mellum", "minimax", "minimax_m2"), ("num_local_experts", "num_experts")),
+    "aria_text": ("moe_num_experts",),
+    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
+                     "solar_open", "dots1", "mimo_v2_flash", "axk1", "axk2"), ("n_routed_experts", "num_local_experts", "num_experts")),
+}  # fmt: skip
+
+# sigmoid-scored families (and cohere2_moe, which may be): _sigmoid_family
+_SIGMOID_FAMILIES = ("minimax_m2", "flint", "cohere2_moe", "afmoe", "hy_v3", "laguna")
+
+
+def _sigmoid_family(cls, config: Mapping[str, Any], mt: str, k: int, e: int) -> RoutingConfig:
+    """The routing of the families whose routers score with a sigmoid outside DeepSeek's groups
+    (minimax_m2, hy_v3, laguna, afmoe: top-k of sigmoid + correction bias, renormalized, x their
+    factor; flint: top-k of the logits; cohere2_moe: per expert_selection_fn)."""
+    if mt == "minimax_m2":  # sigmoid; top-k of sigmoid + correction bias; / sum
+        return cls("sigmoid", k, renormalize=True, has_correction_bias=True, num_experts=e, model_type=mt)
+    if mt == "flint":  # sigmoid; top-k of the logits; / sum if norm_topk_prob
+        return cls("sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=True)), num_experts=e, model_type=mt)
+    if mt == "cohere2_moe":  # top-k of the logits; softmax over those k, or their sigmoid (/ sum if norm_topk_prob)
+        fn = _get(config, "expert_selection_fn", default="softmax")
+        if fn == "softmax":
+            return cls("topk_softmax", k, num_experts=e, model_type=mt)
+        if fn == "sigmoid":
+            return cls("sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=True)), num_experts=e,
+                       model_type=mt)  # fmt: skip
+        raise UnsupportedError(f"config.json cohere2_moe expert_selection_fn={fn!r}: expected softmax or sigmoid")
+    if mt == "afmoe":  # sigmoid; top-k of sigmoid + expert_bias; / sum; x route_scale
+        return cls("sigmoid", k, renormalize=True, has_correction_bias=True,
+                   routed_scaling_factor=float(_get(config, "route_scale", default=1.0)), num_experts=e, model_type=mt)  # fmt: skip
+    if mt in ("hy_v3", "laguna"):  # sigmoid; top-k of sigmoid + correction bias; / sum; x the scaling factor
+        if mt == "laguna":
+            cap = _get(config, "moe_router_logit_softcapping", default=0.0)
+            if cap:
+                raise UnsupportedError(f"config.json laguna moe_router_logit_softcapping={cap!r}: moepack routes uncapped "
+                                       "logits only (0.0)")  # fmt: skip
+            if _get(config, "moe_apply_router_weight_on_input", default=False):
+                raise UnsupportedError("config.json laguna moe_apply_router_weight_on_input=True: moepack weights the "
+                                       "experts' outputs only (False)")  # fmt: skip
+        rsf = float(_get(config, "router_scaling_factor" if mt == "hy_v3" else "moe_routed_scaling_factor",
+                         default=2.826 if mt == "hy_v3" else 1.0))  # fmt: skip
+        return cls("sigmoid", k, renormalize=True, has_correction_bias=True, routed_scaling_factor=rsf, num_experts=e,
+                   model_type=mt)  # fmt: skip
     raise AssertionError(mt)  # pragma: no cover
 
 

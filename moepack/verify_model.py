@@ -27,7 +27,7 @@ def _check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | No
     Returns one line per difference (empty: the same model); ``notes`` gets what passed but must
     be reported (a layer run in a deliberate ``--act-mode`` other than the source's meaning)."""
     notes = notes if notes is not None else []
-    from .convert_plan import _routing_for, _swiglu_params
+    from .convert_plan import _routing_for, _swiglu_params, runnable_problems
     from .sources import text_config
 
     out = []
@@ -70,6 +70,9 @@ def _check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | No
                 out.append(f"layer {idx} {what}: pack {got!r}, source {src!r}")
         out += _check_act_mode(idx, s, e, lay, scheme, m.get("act_mode_option"), notes, "act_mode_option" not in m)
     src_routing, note = _routing_for(config)
+    consumed = {n for sp in specs.values() for n in sp.expert_tensors}
+    # what the pack cannot compute that the source has: its routing, a clamp, a block part (convert refuses each)
+    out += runnable_problems(ckpt, config, list(specs.values()), None if src_routing is not None else note, consumed)
     try:
         pack_routing = _norm_routing(m["routing"])
     except MoepackError as ex:  # unreachable after the schema; kept so that verify never crashes on it

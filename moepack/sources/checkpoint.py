@@ -35,6 +35,27 @@ if hasattr(torch, "float8_e8m0fnu"):
     ST_DTYPES["F8_E8M0"] = torch.float8_e8m0fnu
 MAX_HEADER = 100_000_000
 
+# transformers writes the floats JSON cannot hold as {"__float__": "Infinity"} (configuration_utils'
+# _encode_special_floats); config.json is stored as written, and these are decoded where a value is used.
+_FLOAT_TAG = "__float__"
+_FLOAT_TAGS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def decode_special_floats(obj, where: str = "config.json"):
+    """``obj`` with every ``{"__float__": "Infinity" | "-Infinity" | "NaN"}`` replaced by its float
+    (transformers' encoding of the floats JSON cannot hold). Any other tag is refused naming the key."""
+    if isinstance(obj, dict):
+        if _FLOAT_TAG in obj and len(obj) == 1:
+            tag = obj[_FLOAT_TAG]
+            if tag not in _FLOAT_TAGS:
+                raise SourceError(f"{where}={obj!r}: a {{'__float__': ...}} value must be 'Infinity', '-Infinity' or 'NaN' "
+                                  "(transformers' encoding of the floats JSON cannot hold)")  # fmt: skip
+            return _FLOAT_TAGS[tag]
+        return {k: decode_special_floats(v, f"{where}: {k}" if where == "config.json" else f"{where}.{k}") for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_special_floats(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+    return obj
+
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -97,6 +118,7 @@ class Checkpoint:
             raise SourceError(f"{cfg_path}: not valid JSON ({e})") from None
         if not isinstance(self.config, dict):
             raise SourceError(f"{cfg_path}: must hold a JSON object")
+        decode_special_floats(self.config)  # an unknown {"__float__": ...} tag is refused here, naming the key
         self.files = self._find_files()
         self.tensors: dict[str, TensorInfo] = {}
         for f in self.files:

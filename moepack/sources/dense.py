@@ -24,17 +24,19 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SourceError
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, decode_special_floats
 
 FLOAT_DTYPES = {"BF16", "F16", "F32"}
 
 # model_type -> (experts key, top-k key, expert intermediate key) in config.json
-_NUM_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-_IN_MAJOR_FAMILIES = {"llama4", "llama4_text", "gpt_oss"}
+_NUM_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+_HIDDEN_KEYS = ("hidden_size", "d_model")  # d_model: DBRX
+_IN_MAJOR_FAMILIES = {"llama4", "llama4_text", "gpt_oss", "aria", "aria_text"}
 _INTERLEAVED_FAMILIES = {"gpt_oss"}
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>weight|bias)$")
-_FUSED = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)(?P<bias>_bias)?(?:\.weight)?$")
+_FUSED = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|down_proj|fc1|fc2)(?P<bias>_bias)?(?:\.weight)?$")
+_FUSED_ALIAS = {"fc1": "gate_up_proj", "fc2": "down_proj"}  # aria's names (transformers renames them on load)
 _GRANITE = re.compile(r"^(?P<prefix>.+)\.(?P<proj>input_linear|output_linear)\.weight$")
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -88,17 +90,24 @@ def _cfg(config: dict, *keys, default=None):
 
 
 def text_config(config: dict) -> dict:
-    """The language-model part of a config (multimodal configs nest it)."""
+    """The language-model part of a config (multimodal configs nest it), with transformers'
+    ``{"__float__": "Infinity"}`` values decoded to floats (checkpoint.decode_special_floats)."""
+    config = decode_special_floats(config)
+    key = text_config_key(config)
+    if key is None:
+        return config
+    merged = dict(config[key])
+    merged.setdefault("model_type", config.get("model_type"))
+    return merged
+
+
+def text_config_key(config: dict) -> str | None:
+    """The key of the nested language-model config a multimodal config.json holds, or None."""
     for key in ("text_config", "language_config"):
         sub = config.get(key)
         if isinstance(sub, dict) and any(k in sub for k in _NUM_EXPERTS_KEYS):
-            merged = dict(sub)
-            merged.setdefault("model_type", config.get("model_type"))
-            return merged
-    return config
-
-
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+            return key
+    return None
 
 
 def mtp_skipped(ckpt) -> tuple[list, str]:
@@ -135,6 +144,37 @@ def activation_of(config: dict) -> str:
     return table[act]
 
 
+def num_experts_of(config: dict):
+    """The routed expert count config.json states (DBRX keeps it in ``ffn_config.moe_num_experts``), or None."""
+    n = _cfg(config, *_NUM_EXPERTS_KEYS)
+    ffn = config.get("ffn_config")
+    if n is None and isinstance(ffn, dict):
+        n = ffn.get("moe_num_experts")
+    return n
+
+
+_EXPERTISH = re.compile(r"(?:^|\.)(?:experts?|expert_\w+|moe)\.")
+
+
+def looks_moe(ckpt: Checkpoint) -> bool:
+    """Whether the checkpoint is a MoE model by its config (an expert count) or its tensor names."""
+    n = num_experts_of(text_config(ckpt.config))
+    return (isinstance(n, int) and n > 0) or any(_EXPERTISH.search(x) for x in ckpt.tensors)
+
+
+def _no_expert_groups(ckpt: Checkpoint, model_type, num_experts) -> str:
+    """Why no expert group was found: a checkpoint whose tensors do look like experts (or whose config
+    counts experts) stores them under names no reader here knows; else it is no MoE checkpoint."""
+    looks = sorted(n for n in ckpt.tensors if _EXPERTISH.search(n))
+    known = "'...experts.<e>.{gate,up,down}_proj.weight' / '.{w1,w3,w2}.weight', '...experts.{gate_up,down}_proj', " \
+            "'...{input,output}_linear.weight'"  # fmt: skip
+    if looks or (isinstance(num_experts, int) and num_experts > 0):
+        shown = ", ".join(repr(n) for n in looks[:3]) if looks else "none named '...experts...'"
+        return (f"source {ckpt.path}: model_type={model_type!r} is a MoE model, but its expert tensors ({shown}) are stored "
+                f"under names moepack does not read (it reads {known})")  # fmt: skip
+    return f"source {ckpt.path}: not a MoE checkpoint (model_type={model_type!r}): no expert tensors ({known}) were found"
+
+
 def _layer_index(prefix: str) -> int:
     m = _LAYER_INDEX.search(prefix)
     if not m:
@@ -152,10 +192,11 @@ def discover_layers(ckpt: Checkpoint, weights: tuple[set, str] = DENSE_WEIGHTS) 
     allowed safetensors dtypes of expert (and shared-expert) weights and the rule's wording."""
     config = text_config(ckpt.config)
     model_type = config.get("model_type", "?")
-    hidden = _cfg(config, "hidden_size")
-    num_experts = _cfg(config, *_NUM_EXPERTS_KEYS)
+    hidden = _cfg(config, *_HIDDEN_KEYS)
+    num_experts = num_experts_of(config)
     if not isinstance(hidden, int) or hidden <= 0:
-        raise SourceError(f"config.json: hidden_size={hidden!r} must be a positive integer")
+        key = next((k for k in _HIDDEN_KEYS if k in config), "hidden_size")
+        raise SourceError(f"config.json: {key}={hidden!r} must be a positive integer")
 
     groups: dict[str, dict] = {}
     for name, ti in ckpt.tensors.items():
@@ -171,19 +212,16 @@ def discover_layers(ckpt: Checkpoint, weights: tuple[set, str] = DENSE_WEIGHTS) 
             g = groups.setdefault(m["prefix"], {"kind": "fused", "t": {}})
             if g["kind"] != "fused":
                 raise SourceError(f"{name}: fused expert tensors mixed with per-expert tensors under {m['prefix']!r}")
-            g["t"][(m["proj"], "bias" if m["bias"] else "weight")] = name
+            g["t"][(_FUSED_ALIAS.get(m["proj"], m["proj"]), "bias" if m["bias"] else "weight")] = name
             continue
         m = _GRANITE.match(name)
         if m and ti.shape and len(ti.shape) == 3:
             g = groups.setdefault(m["prefix"], {"kind": "granite", "t": {}})
             g["t"][(m["proj"], "weight")] = name
     if not groups:
-        raise SourceError(
-            f"source {ckpt.path}: not a MoE checkpoint (model_type={model_type!r}): no expert tensors "
-            "('...experts.<e>.{gate,up,down}_proj.weight', '...experts.gate_up_proj', ...) were found"
-        )
+        raise SourceError(_no_expert_groups(ckpt, model_type, num_experts))
     if num_experts is not None and (not isinstance(num_experts, int) or isinstance(num_experts, bool)):
-        key = next(k for k in _NUM_EXPERTS_KEYS if _cfg(config, k) is not None)
+        key = next((k for k in _NUM_EXPERTS_KEYS if _cfg(config, k) is not None), "ffn_config.moe_num_experts")
         raise SourceError(f"config.json: {key}={num_experts!r} ({type(num_experts).__name__}) must be an integer (the number of routed experts)")
     if not isinstance(num_experts, int) or num_experts <= 0:
         raise SourceError(f"config.json: number of experts ({'/'.join(_NUM_EXPERTS_KEYS)}) is missing or not positive")
@@ -319,19 +357,24 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
     """Router and shared-expert tensor names next to the experts (carried over unchanged)."""
     parent = s.prefix
     moe = parent
-    cands_w = [f"{moe}.gate.weight", f"{moe}.router.weight", f"{moe}.router.layer.weight"]
+    # (hy_v3 stores its router as router.gate, hunyuan_v1_moe as gate.wg)
+    cands_w = [f"{moe}.gate.weight", f"{moe}.router.weight", f"{moe}.router.layer.weight", f"{moe}.router.gate.weight",
+               f"{moe}.gate.wg.weight"]  # fmt: skip
     for c in cands_w:
         if c in ckpt.tensors:
             s.router["weight"] = c
             base = c[: -len(".weight")]
             if f"{base}.bias" in ckpt.tensors:
                 s.router["bias"] = f"{base}.bias"
-            if f"{base}.e_score_correction_bias" in ckpt.tensors:
-                s.router["correction_bias"] = f"{base}.e_score_correction_bias"
+            for cb in ("e_score_correction_bias", "expert_bias"):  # expert_bias: bailing_hybrid
+                if f"{base}.{cb}" in ckpt.tensors:
+                    s.router["correction_bias"] = f"{base}.{cb}"
             break
-    if f"{moe}.e_score_correction_bias" in ckpt.tensors:  # some layouts keep it beside the gate
-        s.router["correction_bias"] = f"{moe}.e_score_correction_bias"
-    for sub in ("shared_expert", "shared_experts"):
+    # some layouts keep it beside the gate (hy_v3 as expert_bias), laguna beside the experts
+    for c in (f"{moe}.e_score_correction_bias", f"{moe}.expert_bias", f"{moe}.experts.e_score_correction_bias"):
+        if c in ckpt.tensors:
+            s.router["correction_bias"] = c
+    for sub in ("shared_expert", "shared_experts", "shared_mlp"):  # shared_mlp: hy_v3, hunyuan_v1_moe
         names = {p: f"{moe}.{sub}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
         present = [n for n in names.values() if n in ckpt.tensors]
         if not present:

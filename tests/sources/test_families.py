@@ -1,0 +1,258 @@
+"""Families as convert reads them (issue 48): the misleading messages replaced by the true reason,
+transformers' encoded floats decoded, and every family or block part moepack cannot run refused at
+convert in one line (nothing written), which verify --source also names for a pack made without it.
+
+The checkpoints here are hand-written safetensors files of a few tensors (H 16, I 8, E 4): what the
+named families store, cut to what each rule reads. tests/integrations/test_family_sweep.py runs the
+same rules over every family transformers ships.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import moepack
+from moepack.errors import ConvertError, MoepackError, SourceError
+from moepack.sources import open_source, text_config
+from moepack.sources.checkpoint import Checkpoint, decode_special_floats
+
+H, I, E = 16, 8, 4
+BF16 = torch.bfloat16
+
+
+def _t(*shape, seed=0):
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * 0.2).to(BF16)
+
+
+def _write(d: Path, tensors: dict, config: dict) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    (d / "config.json").write_text(json.dumps(config))
+    return d
+
+
+def _qwen3(prefix: str = "model.layers.0.mlp", layers=(0,), extra: dict | None = None, **cfg) -> tuple[dict, dict]:
+    """A qwen3_moe-style checkpoint of fused out-major experts under ``prefix`` (``{i}`` = the layer)."""
+    t = {}
+    for i in layers:
+        p = prefix.format(i=i)
+        t[f"{p}.gate.weight"] = _t(E, H, seed=i)
+        t[f"{p}.experts.gate_up_proj"] = _t(E, 2 * I, H, seed=10 + i)
+        t[f"{p}.experts.down_proj"] = _t(E, H, I, seed=20 + i)
+    t.update(extra or {})
+    config = {"model_type": "qwen3_moe", "hidden_size": H, "num_experts": E, "num_experts_per_tok": 2,
+              "moe_intermediate_size": I, "hidden_act": "silu", "num_hidden_layers": len(layers), **cfg}  # fmt: skip
+    return t, config
+
+
+# --------------------------------------------------------------------------------------------
+# the misleading messages
+
+
+def test_experts_directly_under_a_decoder_layer_have_its_index(tmp_path):
+    """gemma4 / mistral_large4 keep the experts at ``model.layers.<i>.experts``: the layer index is
+    read from a prefix that ends with it (dense.py defined its pattern twice, the second needing a dot)."""
+    t, cfg = _qwen3("model.layers.{i}", layers=(0, 1))
+    ckpt, reader = open_source(_write(tmp_path / "src", t, cfg))
+    specs = reader.layers(ckpt)
+    assert [(s.index, s.prefix) for s in specs] == [(0, "model.layers.0"), (1, "model.layers.1")]
+    moepack.convert(tmp_path / "src", tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=tmp_path / "src", tokens=2).ok
+
+
+def test_dbrx_is_named_by_its_expert_names_not_a_missing_hidden_size(tmp_path):
+    """DBRX states H as ``d_model`` and E as ``ffn_config.moe_num_experts``; its experts are
+    ``ffn.experts.mlp.{w1,v1,w2}`` [E*I, H]: the reader says so (it used to say hidden_size=None)."""
+    p = "transformer.blocks.0.ffn"
+    t = {f"{p}.router.layer.weight": _t(E, H), f"{p}.experts.mlp.w1": _t(E * I, H), f"{p}.experts.mlp.v1": _t(E * I, H),
+         f"{p}.experts.mlp.w2": _t(E * I, H)}  # fmt: skip
+    cfg = {"model_type": "dbrx", "d_model": H, "n_layers": 1, "ffn_config": {"moe_num_experts": E, "moe_top_k": 2}}
+    ckpt, reader = open_source(_write(tmp_path, t, cfg))
+    with pytest.raises(SourceError) as ei:
+        reader.layers(ckpt)
+    msg = str(ei.value)
+    assert "model_type='dbrx' is a MoE model" in msg and "'transformer.blocks.0.ffn.experts.mlp.v1'" in msg
+    assert "names moepack does not read" in msg and "hidden_size" not in msg and "not a MoE checkpoint" not in msg
+
+
+def test_ernie_counts_its_experts_from_moe_num_experts(tmp_path):
+    """ernie4_5_moe (and aria) state E as ``moe_num_experts`` (it used to be "number of experts missing")."""
+    t, cfg = _qwen3()
+    del cfg["num_experts"]
+    cfg.update(model_type="ernie4_5_moe", moe_num_experts=E)
+    ckpt, reader = open_source(_write(tmp_path, t, cfg))
+    assert [s.num_experts for s in reader.layers(ckpt)] == [E]
+
+
+def test_a_moe_checkpoint_with_unread_expert_names_is_not_called_dense(tmp_path):
+    """inkling2 stores ``experts.w13_weight`` / ``w2_weight``: a MoE checkpoint whose names no reader
+    knows, said as such (it used to be "not a MoE checkpoint")."""
+    p = "model.llm.layers.0.mlp"
+    t = {f"{p}.gate.weight": _t(E, H), f"{p}.experts.w13_weight": _t(E, H, 2 * I), f"{p}.experts.w2_weight": _t(E, I, H)}
+    ckpt, reader = open_source(_write(tmp_path, t, {"model_type": "inkling2_text", "hidden_size": H, "n_routed_experts": E}))
+    with pytest.raises(SourceError, match=r"model_type='inkling2_text' is a MoE model, but its expert tensors "
+                                          r"\('model.llm.layers.0.mlp.experts.w13_weight'"):  # fmt: skip
+        reader.layers(ckpt)
+    dense = {"model.layers.0.mlp.up_proj.weight": _t(I, H)}
+    ckpt, reader = open_source(_write(tmp_path / "dense", dense, {"model_type": "llama", "hidden_size": H}))
+    with pytest.raises(SourceError, match=r"not a MoE checkpoint \(model_type='llama'\)"):
+        reader.layers(ckpt)
+
+
+# --------------------------------------------------------------------------------------------
+# transformers' encoded floats
+
+
+def test_encoded_floats_are_decoded_and_an_unknown_tag_is_refused(tmp_path):
+    cfg = {"a": {"__float__": "Infinity"}, "b": [0.0, {"__float__": "-Infinity"}], "c": {"d": {"__float__": "NaN"}}}
+    got = decode_special_floats(cfg)
+    assert got["a"] == math.inf and got["b"] == [0.0, -math.inf] and math.isnan(got["c"]["d"])
+    assert cfg["a"] == {"__float__": "Infinity"}  # the stored config is left as written
+    t, c = _qwen3(time_step_limit={"__float__": "Infinite"})
+    with pytest.raises(SourceError, match=r"config.json: time_step_limit=\{'__float__': 'Infinite'\}: .* must be 'Infinity'"):
+        Checkpoint(_write(tmp_path, t, c))
+
+
+def test_an_encoded_infinity_reaches_the_rules_as_a_float(tmp_path):
+    """routed_scaling_factor {"__float__": "Infinity"} is refused by the routing rule for what it is
+    (a raw dict used to reach float() and the rules as an object)."""
+    t, c = _qwen3()
+    c.update(model_type="deepseek_v3", n_routed_experts=E, routed_scaling_factor={"__float__": "Infinity"}, n_group=1, topk_group=1)
+    src = _write(tmp_path / "src", t, c)
+    assert text_config(Checkpoint(src).config)["routed_scaling_factor"] == math.inf
+    with pytest.raises(ConvertError, match=r"refused at convert: model_type='deepseek_v3': routing: .*routed_scaling_factor.*inf"):
+        moepack.convert(src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_load_model_gets_the_decoded_config(tmp_path):
+    """A carried config value transformers encoded is decoded before transformers builds the model
+    from the pack (as its own from_pretrained does): load_model's config holds the float."""
+    pytest.importorskip("transformers", reason="host lacks: transformers")
+    from tests.support.ckpt_edit import copy_checkpoint, edit_config
+    from tests.support.fixtures_util import fixture_dir
+
+    src = copy_checkpoint(fixture_dir("qwen3_moe"), tmp_path / "src")
+    edit_config(src, lambda c: c.update(moepack_test_limit=[0.0, {"__float__": "Infinity"}]))
+    moepack.convert(src, tmp_path / "dst")
+    model = moepack.load_model(tmp_path / "dst")
+    assert model.config.moepack_test_limit == [0.0, math.inf]
+
+
+# --------------------------------------------------------------------------------------------
+# refused at convert: what moepack cannot run
+
+
+def _refused(tmp_path: Path, t: dict, cfg: dict, pattern: str) -> None:
+    src = _write(tmp_path / "src", t, cfg)
+    with pytest.raises(ConvertError, match=pattern) as ei:
+        moepack.convert(src, tmp_path / "dst")
+    assert "\n" not in str(ei.value)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_a_family_whose_routing_moepack_lacks_is_refused_before_its_tensors(tmp_path):
+    """nemotron_h's non-gated experts used to be refused as "expert 0 has no gate weight": the family's
+    routing is the first thing convert cannot run, and the refusal says so."""
+    p = "backbone.layers.0.mixer"
+    t = {f"{p}.gate.weight": _t(E, H), **{f"{p}.experts.{e}.up_proj.weight": _t(I, H) for e in range(E)},
+         **{f"{p}.experts.{e}.down_proj.weight": _t(H, I) for e in range(E)}}  # fmt: skip
+    _refused(tmp_path, t, {"model_type": "nemotron_h", "hidden_size": H, "n_routed_experts": E, "num_experts_per_tok": 2},
+             r"^refused at convert: model_type='nemotron_h': routing: moepack does not run this family's routing")
+
+
+def test_a_clamped_swiglu_on_silu_experts_is_refused(tmp_path):
+    """swiglu_limit on silu experts (deepseek_v4, glm5_next, bailing_hybrid): the silu kernels do not
+    clamp, so the pack would compute another function."""
+    t, c = _qwen3(swiglu_limit=7.0)
+    _refused(tmp_path, t, c, r"model_type='qwen3_moe': swiglu_limit=7.0 with silu experts: a clamped SwiGLU")
+
+
+@pytest.mark.parametrize("names,feature", [
+    (("shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight"), "a shared expert under names moepack does not read"),
+    (("shared_experts.w1.weight", "shared_experts.w2.weight", "shared_experts.w3.weight"), "a shared expert under names"),
+    (("post_moe_norm.weight",), "a norm inside the MoE block"),
+    (("moe_statics.e_score_correction_bias",), "a bias moepack does not apply"),
+])  # fmt: skip
+def test_a_block_part_moepack_does_not_pack_is_refused(tmp_path, names, feature):
+    """Every tensor inside the MoE block must be packed or recorded (experts, router, a gate/up/down
+    shared expert and its gate): hunyuan's ``shared_mlp``, deepseek_v4's ``shared_experts.w1/w2/w3``,
+    a norm inside the block, ernie's ``moe_statics`` would otherwise be dropped without a word."""
+    p = "model.layers.0.mlp"
+    t, c = _qwen3(extra={f"{p}.{n}": _t(H, H) for n in names})
+    _refused(tmp_path, t, c, rf"model_type='qwen3_moe' layer 0: tensor '{p}.{names[0]}'.* is {feature}")
+
+
+def _shared(p: str) -> dict:
+    return {f"{p}.shared_experts.gate_proj.weight": _t(I, H), f"{p}.shared_experts.up_proj.weight": _t(I, H),
+            f"{p}.shared_experts.down_proj.weight": _t(H, I)}  # fmt: skip
+
+
+def test_an_averaged_shared_expert_is_refused(tmp_path):
+    """cohere2_moe's shared_expert_combination_strategy 'average' halves (routed + shared): moepack adds."""
+    t, c = _qwen3(extra=_shared("model.layers.0.mlp"), model_type="cohere2_moe", shared_expert_combination_strategy="average")
+    _refused(tmp_path, t, c, r"model_type='cohere2_moe': shared_expert_combination_strategy='average': an averaged shared expert")
+    c["shared_expert_combination_strategy"] = "sum"
+    moepack.convert(_write(tmp_path / "sum", t, c), tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=tmp_path / "sum", tokens=2).ok
+
+
+def _aria(hidden_act: str) -> tuple[dict, dict]:
+    p = "model.layers.0.mlp"
+    t = {f"{p}.router.weight": _t(E, H), f"{p}.experts.fc1.weight": _t(E, H, 2 * I), f"{p}.experts.fc2.weight": _t(E, I, H)}
+    return t, {"model_type": "aria_text", "hidden_size": H, "moe_num_experts": E, "moe_topk": 2, "intermediate_size": I,
+               "hidden_act": hidden_act, "num_hidden_layers": 1}  # fmt: skip
+
+
+def test_aria_reads_its_in_major_fc1_fc2_experts_and_refuses_another_activation(tmp_path):
+    """aria stores its fused experts input-major as experts.fc1 / fc2 (transformers renames them on
+    load); its routed experts are always silu and only the shared expert follows hidden_act."""
+    t, c = _aria("silu")
+    moepack.convert(_write(tmp_path / "src", t, c), tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=tmp_path / "src", tokens=2).ok
+    layer = moepack.open(tmp_path / "dst").layers[0]
+    assert (layer.num_experts, layer.hidden_size, layer.intermediate_size) == (E, H, I)
+    t, c = _aria("gelu")
+    _refused(tmp_path / "gelu", t, c, r"model_type='aria_text': hidden_act='gelu': its routed experts are always silu")
+
+
+def test_identity_experts_are_refused(tmp_path):
+    """longcat_flash routes among E real and zero_expert_num identity experts: a pack of the E would
+    route among fewer and never return the input."""
+    t, c = _qwen3(zero_expert_num=2)
+    _refused(tmp_path, t, c, r"model_type='qwen3_moe': zero_expert_num=2: identity \(zero-computation\) experts")
+
+
+def test_a_norm_after_the_block_is_refused(tmp_path):
+    """axk1's block normalizes its output (post_mlp_layernorm), which its checkpoint stores beside the
+    block in the decoder layer: a pack without it would pass verify and compute another layer."""
+    p = "model.layers.0.mlp"
+    t, c = _qwen3(extra={f"{p}.gate.e_score_correction_bias": torch.zeros(E), "model.layers.0.post_mlp_layernorm.weight": _t(H)},
+                  model_type="axk1", n_routed_experts=E, n_group=1, topk_group=1)  # fmt: skip
+    _refused(tmp_path, t, c, r"model_type='axk1' layer 0: tensor 'model.layers.0.post_mlp_layernorm.weight' is a norm after "
+                             "the MoE block")  # fmt: skip
+
+
+def test_verify_fails_a_pack_that_leaves_out_a_part_of_the_block(tmp_path):
+    """A pack made before the rule (or edited) whose source has a block part it lacks: verify --source
+    names it (it used to pass: the reader did not see the part either)."""
+    t, c = _qwen3()
+    src = _write(tmp_path / "src", t, c)
+    moepack.convert(src, tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=src, tokens=2).ok
+    t["model.layers.0.mlp.shared_mlp.input_linear.weight"] = _t(2 * I, H)
+    _write(src, t, c)
+    rep = moepack.verify(tmp_path / "dst", source=src, tokens=2)
+    assert not rep.ok
+    assert any("tensor 'model.layers.0.mlp.shared_mlp.input_linear.weight' is a shared expert under names moepack does not read"
+               in line for line in rep.model), rep.model
+    c.update(swiglu_limit=7.0)
+    _write(src, {k: v for k, v in t.items() if "shared_mlp" not in k}, c)
+    rep = moepack.verify(tmp_path / "dst", source=src, tokens=2)
+    assert any("swiglu_limit=7.0 with silu experts" in line for line in rep.model), rep.model
