@@ -520,9 +520,13 @@ def test_bench_smoke():
     import subprocess
     import sys
 
-    tool = pathlib.Path(__file__).resolve().parents[2] / "tools" / "bench_routing.py"
+    import os
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    tool = root / "tools" / "bench_routing.py"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))  # this checkout
     r = subprocess.run([sys.executable, str(tool), "--calls", "3", "--repeats", "1"], capture_output=True, text=True,
-                       timeout=300)  # fmt: skip
+                       timeout=300, env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "grouped_sigmoid E=256" in r.stdout and "sparsemixer E=16" in r.stdout
 
