@@ -345,6 +345,10 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
                 inp = _module_of(s.names[(e, role, "weight")]) + ".input_scale"
                 if inp in view.tensors:  # static FP8 activations: moepack runs them in 16 bits; consumed, unused
                     s.expert_tensors.append(inp)
+                zp = _module_of(s.names[(e, role, "weight")]) + ".weight_zero_point"
+                if zp in view.tensors:  # FP8 weights are symmetric: a zero point must be 0 (then consumed)
+                    _check_zero_points(ckpt, zp)
+                    s.expert_tensors.append(zp)
         s.expert_tensors.sort()
         if s.activation == "swigluoai":  # gpt-oss, linearized: gate/up de-interleaved; re-interleave
             s.interleaved = True
@@ -380,6 +384,17 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
 def _read_scale(ckpt: Checkpoint, name: str) -> torch.Tensor:
     """A scale tensor as fp32, or a SourceError naming its first NaN / Inf / zero / negative value."""
     return check_scales(name, ckpt.read(name), E4M3_LARGEST, "e4m3fn's largest code")
+
+
+def _check_zero_points(ckpt: Checkpoint, name: str) -> None:
+    """A stored FP8 ``weight_zero_point`` must be all zero (FP8 weights are symmetric: the value is
+    ``e4m3fn(q) * scale``); the first nonzero one is refused by name and value."""
+    z = ckpt.read(name)
+    nz = (z.float() != 0) if z.is_floating_point() or z.dtype.is_floating_point else (z != 0)
+    if bool(nz.any()):
+        idx = [int(i) for i in nz.nonzero()[0]]
+        raise SourceError(f"tensor {name!r}{idx} = {z.float()[tuple(idx)].item()!r}: FP8 weights have no zero point "
+                          "(symmetric: value = e4m3fn code x scale); a stored one must be 0")  # fmt: skip
 
 
 def _read_codes(ckpt: Checkpoint, name: str) -> torch.Tensor:

@@ -505,3 +505,30 @@ def test_config_leaving_the_fused_experts_in_float_is_refused(tmp_path, fp8_sour
     assert "'model.layers.1.mlp.experts' (the experts, as transformers fuses them) unquantized" in msg, msg
     assert f"({entry!r})" in msg and "\n" not in msg
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+@pytest.mark.parametrize("value", [0, 3])
+def test_ct_fp8_expert_zero_point_must_be_zero(tmp_path, fp8_sources, value):
+    """A compressed-tensors FP8 expert carrying a ``weight_zero_point``: all zero is consumed (the
+    same pack as without it, not carried); a nonzero one was accepted and silently dropped, and is
+    now refused naming the tensor, the index and the value, nothing written (issue 49)."""
+    base = fp8_sources("ct_FP8_DYNAMIC")
+    src = copy_checkpoint(base, tmp_path / "src")
+    mod = "model.layers.0.mlp.experts.1.up_proj"
+    n = load_file(str(base / "model.safetensors"))[mod + ".weight"].shape[0]
+
+    def add(sd):
+        z = torch.zeros(n, 1, dtype=torch.int8)
+        z[2, 0] = value
+        sd[mod + ".weight_zero_point"] = z
+
+    edit_tensors(src, add)
+    if value:
+        with pytest.raises(MoepackError, match=re.escape(f"tensor '{mod}.weight_zero_point'[2, 0] = 3.0: FP8 weights have no zero point")):
+            moepack.convert(src, tmp_path / "dst")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+        return
+    moepack.convert(src, tmp_path / "dst")
+    moepack.convert(base, tmp_path / "ref")
+    m, ref = (json.loads((tmp_path / d / "moepack.json").read_text())["tensors"] for d in ("dst", "ref"))
+    assert m.keys() == ref.keys() and all(m[k]["sha256"] == ref[k]["sha256"] for k in m)
