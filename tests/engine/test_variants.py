@@ -134,10 +134,12 @@ def test_tuner_never_keeps_a_slow_variant(tmp_path, monkeypatch):
 
 
 def test_tuner_keeps_the_faster_variant(tmp_path, monkeypatch):
-    """With a deliberately slow default (the default arms run stage 2 five times), the plain kernel is the
-    faster candidate, and the tuner keeps it, writes it and applies it."""
+    """With a deliberately slow default (the default arms run stage 2 nine times), the plain kernel is the
+    faster candidate, and the tuner keeps it, writes it and applies it. (slow=4, five times, gave a
+    0.39 ratio that the tuner rightly declined once on this 2-core VM while a vLLM suite ran beside
+    it: the two default runs differed by more than 0.6, its noise bar.)"""
     monkeypatch.setenv("MOEPACK_TUNE_CACHE", str(tmp_path / "tune.json"))
-    results, rec, path = run_tune(_cfg(tmp_path, only=["walk=static"], base="slow=4"))
+    results, rec, path = run_tune(_cfg(tmp_path, only=["walk=static"], base="slow=8"))
     (r,) = results
     assert r.pick == "walk=static", (r.ratios, r.note)
     assert r.gain > 1.05
