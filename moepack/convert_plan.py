@@ -130,11 +130,11 @@ def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note:
     out = []
     if routing_note is not None:
         out.append(routing_problem(config, routing_note))
+    unclamped = sorted({s.activation for s in specs if s.activation != "swigluoai"})
     for key in _CLAMP_KEYS:
         v = config.get(key)
-        acts = sorted({s.activation for s in specs if s.activation != "swigluoai"})
-        if v is not None and acts:
-            out.append(f"model_type={mt!r}: {key}={v!r} with {'/'.join(acts)} experts: a clamped SwiGLU, which moepack's "
+        if v is not None and unclamped:
+            out.append(f"model_type={mt!r}: {key}={v!r} with {'/'.join(unclamped)} experts: a clamped SwiGLU, which moepack's "
                        "kernels run for swigluoai (gpt-oss) experts only")  # fmt: skip
     norm = _POST_BLOCK_NORMS.get(mt)
     for s in specs if norm else []:
@@ -501,7 +501,7 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
             continue
         stored = pname if pname in names else renamed.get(pname)
         if isinstance(stored, SplitPart):  # rows of a stored tensor transformers splits on load: they must add up
-            total = sum(model.get_parameter(x).shape[0] for x in stored.targets)
+            total = sum(stored.sizes(model))
             got = list(ckpt.info(stored.source).shape)
             if [total, *p.shape[1:]] != got:
                 raise refuse("model_type", f"a {mt} model with this config splits the checkpoint's {stored.source} {got} "

@@ -440,9 +440,13 @@ class SplitPart:
     targets: tuple
     index: int
 
+    def sizes(self, model) -> list[int]:
+        """Every target's row count, from the model's parameter shapes (their sum: the stored rows)."""
+        return [model.get_parameter(x).shape[0] for x in self.targets]
+
     def rows(self, model) -> tuple[int, int]:
-        """(first row, row count) of this part, from the model's parameter shapes."""
-        sizes = [model.get_parameter(x).shape[0] for x in self.targets]
+        """(first row, row count) of this part."""
+        sizes = self.sizes(model)
         return sum(sizes[: self.index]), sizes[self.index]
 
 

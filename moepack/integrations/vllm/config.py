@@ -395,13 +395,19 @@ def check_engine(model: dict, settings, where: str) -> None:
                                "(torch RoPE)")  # fmt: skip
 
 
+def vllm_has_op(name: str) -> bool:
+    """Whether the vLLM kernel library loaded for this CPU registers ``torch.ops._C.<name>``
+    (vLLM 0.32's CPU wheel loads an AVX-512 or an AVX2 library; the AVX2 one has fewer ops)."""
+    import vllm._custom_ops  # noqa: F401  (loads vLLM's kernel library for this CPU)
+
+    return hasattr(torch.ops._C, name)
+
+
 def vllm_has_shm_communicator() -> bool:
     """Whether this CPU's vLLM kernel library has its shared-memory communicator (vLLM's CPU
     communicator uses it for tensor parallel all-reduces when ``init_shm_manager`` exists, else
     torch.distributed). vLLM 0.32's CPU wheel builds it into its AVX-512 libraries only."""
-    import vllm._custom_ops  # noqa: F401  (loads vLLM's kernel library for this CPU)
-
-    return hasattr(torch.ops._C, "init_shm_manager")
+    return vllm_has_op("init_shm_manager")
 
 
 def check_tensor_parallel(tp: int, settings, where: str, has_shm=vllm_has_shm_communicator) -> None:
@@ -454,11 +460,7 @@ def check_inner_kernels(manifest: dict, where: str) -> None:
     torch.compile. Refused when the model is built (after the dtype check), naming the tensor and the op."""
     packed = [n for n, e in (manifest.get("tensors") or {}).items()
               if not n.startswith("moepack.") and _PACKED_4BIT.search(n)]  # fmt: skip
-    if not packed:
-        return
-    import vllm._custom_ops  # noqa: F401  (loads vLLM's kernel library for this CPU)
-
-    if not hasattr(torch.ops._C, "cpu_gemm_wna16"):
+    if packed and not vllm_has_op("cpu_gemm_wna16"):
         raise UnsupportedError(
             f"{where}: the source's 4-bit non-expert linears ({sorted(packed)[0]} and {len(packed) - 1} more) are run by "
             "vLLM's CPUWNA16 kernel, and this vLLM build has no cpu_gemm_wna16 op on this CPU (vLLM's CPU wheel loads "
