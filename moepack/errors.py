@@ -31,3 +31,11 @@ class PackedDirError(MoepackError, ValueError):
 
 class ContainerError(MoepackError, ValueError):
     """A safetensors file or packed directory is malformed, truncated, or not what was planned."""
+
+
+class NoSuchLayerError(MoepackError, KeyError):
+    """``PackedModel.layers[i]`` for an index the pack has no MoE layer at (a KeyError, so that dict
+    idioms keep working), with a message that names the pack and the layers it has."""
+
+    def __str__(self) -> str:  # KeyError's own __str__ prints the repr of its argument
+        return str(self.args[0]) if self.args else ""

@@ -15,7 +15,7 @@ import torch
 
 from .._ops import kernel_choice
 from ..container.reader import open_shard
-from ..errors import MoepackError, PackedDirError, UnsupportedError
+from ..errors import MoepackError, NoSuchLayerError, PackedDirError, UnsupportedError
 from ..isa import host_isa
 from ..layout import layout_get
 # the version constants are re-exported: convert_dir and older callers import them from here
@@ -198,6 +198,19 @@ def _like(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return weight.to("meta") if x.device.type == "meta" else weight
 
 
+class _Layers(dict):
+    """The MoE layers by decoder-layer index; an index without one is refused naming those there are."""
+
+    def __init__(self, path: Path):
+        super().__init__()
+        self.path = path
+
+    def __missing__(self, key):
+        have = ", ".join(str(i) for i in sorted(self)) or "none"
+        raise NoSuchLayerError(f"{self.path}: no MoE layer at index {key!r} (the pack's MoE layers: {have}; dense "
+                               "layers and layers outside the model are not in .layers)")
+
+
 class PackedModel:
     """A packed directory opened for inference."""
 
@@ -209,7 +222,7 @@ class PackedModel:
         self.config = manifest["model"].get("config") or {}
         self.routing = manifest.get("routing")
         self._tensor_file = {n: e["file"] for n, e in manifest["tensors"].items()}
-        self.layers: dict[int, PackedMoELayer] = {}
+        self.layers: dict[int, PackedMoELayer] = _Layers(path)
         for entry in manifest["layers"]:
             self.layers[int(entry["index"])] = PackedMoELayer(self, entry, self._experts_of(entry))
 

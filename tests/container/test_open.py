@@ -74,6 +74,21 @@ def test_open_gives_the_model(gpt_oss):
     assert moepack.open(gpt_oss, strict=True).layers[0].kernel == model.layers[0].kernel
 
 
+def test_a_layer_the_pack_lacks_is_named(gpt_oss):
+    """``layers[i]`` for an index without an MoE layer: one line naming the pack and its layers (a
+    KeyError still, so ``in`` / ``.get`` / ``except KeyError`` keep working), not a bare ``KeyError: 99``."""
+    from moepack.errors import MoepackError
+
+    layers = moepack.open(gpt_oss).layers
+    assert 99 not in layers and layers.get(99) is None
+    for idx in (99, -1, "0"):
+        with pytest.raises(KeyError) as e:
+            layers[idx]
+        assert isinstance(e.value, MoepackError)
+        assert str(e.value) == (f"{gpt_oss}: no MoE layer at index {idx!r} (the pack's MoE layers: 0, 1; dense layers and "
+                                "layers outside the model are not in .layers)")  # fmt: skip
+
+
 def test_tensors_are_zero_copy_views_of_the_shards(gpt_oss):
     model = moepack.open(gpt_oss)
     m = model.manifest
