@@ -127,10 +127,21 @@ def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fnam
     }
 
 
+_NAN_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def _write_other(pl: _Plan, fname: str, names: list, w: ShardWriter, tensors: dict, report) -> None:
-    """Stage 3, one shard: its non-expert tensors, unchanged (names and bytes)."""
+    """Stage 3, one shard: its non-expert tensors, unchanged (names and bytes). A NaN in a float one
+    (16 or 32 bits; FP8 Linears are checked with their scales, ``_check_carried_values``) is refused
+    naming the tensor and the first index: a damaged checkpoint, which would otherwise run and give
+    NaN far from its cause (an embedding row's NaN surfaces as the next router's logits)."""
     for n in names:
         t = pl.ckpt.read(n)
+        if t.dtype in _NAN_CHECKED and bool(torch.isnan(t).any()):
+            idx = torch.isnan(t).nonzero()[0].tolist()
+            raise ConvertError(f"source tensor {n!r} ({str(t.dtype).replace('torch.', '')} {list(t.shape)}) has a NaN at "
+                               f"{idx}: the tensors convert carries must not hold NaN (the checkpoint is damaged; nothing "
+                               "was written)")  # fmt: skip
         tensors[n] = {"file": fname, "dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape), "sha256": w.write(n, t)}
         report.other_bytes += t.numel() * t.element_size()
         del t

@@ -297,3 +297,25 @@ def test_verify_names_an_output_that_overflows(fp8_src, tmp_path):
     r = _cli("verify", d, "--source", src)
     assert r.exit_code == 1 and "output is not finite" in r.stdout, r.stdout
     assert not any(line.rstrip().endswith("layer 1:") for line in r.stdout.splitlines()), r.stdout
+
+
+@pytest.mark.parametrize("name, idx", [("model.embed_tokens.weight", (3, 5)), ("model.norm.weight", (7,)),
+                                       ("model.layers.0.self_attn.q_proj.weight", (0, 0))])  # fmt: skip
+def test_a_nan_in_a_carried_float_tensor_is_refused_naming_it(tmp_path, name, idx):
+    """A NaN in a float tensor that convert carries (an embedding row, a norm, attention) is a
+    damaged checkpoint: refused naming the tensor and the first index, nothing written (before,
+    the pack converted and verified, and generate later blamed the router's logits)."""
+    from tests.support.ckpt_edit import copy_with_tensor
+
+    def poison(t):
+        t[idx] = float("nan")
+        return t
+
+    src = copy_with_tensor(fixture_dir("qwen3_moe"), tmp_path / "src", name, poison)
+    t = load_file(str(src / "model.safetensors"))[name]
+    with pytest.raises(ConvertError) as e:
+        moepack.convert(src, tmp_path / "dst")
+    assert str(e.value) == (f"source tensor {name!r} ({str(t.dtype).replace('torch.', '')} {list(t.shape)}) has a NaN at "
+                            f"{list(idx)}: the tensors convert carries must not hold NaN (the checkpoint is damaged; "
+                            "nothing was written)")  # fmt: skip
+    assert not (tmp_path / "dst").exists() and [p.name for p in tmp_path.iterdir()] == ["src"]
