@@ -81,12 +81,15 @@ test:
 	$(MAKE) --no-print-directory -j3 --output-sync=target build provide vllm-venv-or-reason
 	$(MAKE) --no-print-directory test-only
 
-# PYTEST_ARGS: a selection (e.g. PYTEST_ARGS='-m "not vllm"'); make test runs everything.
+# Every test: the vLLM and ARM suites (about one core each) in the background beside the rest
+# (tools/test_suites.py: their logs in build/test-vllm.log, build/test-arm.log, printed at the end;
+# one status). PYTEST_ARGS: a selection instead (e.g. PYTEST_ARGS='-m "not vllm"'), one pytest run.
 PYTEST_ARGS ?=
 test-only:
 	$(PYTHON) tools/gen_layouts.py --check
 	$(PYTHON) tools/gen_isa.py --check
-	$(PYTHON) -m pytest -q -rs --durations=25 $(PYTEST_ARGS)
+	@if [ -n '$(subst ','\'',$(PYTEST_ARGS))' ]; then set -x; $(PYTHON) -m pytest -q -rs --durations=25 $(PYTEST_ARGS); \
+	else set -x; $(PYTHON) tools/test_suites.py; fi
 	@if $(IS_CI) && [ -n "$$(ls $(MISSING) 2>/dev/null)" ]; then \
 	  echo "ERROR (CI=true): the Makefile could not provide:"; for f in $(MISSING)/*; do echo "  $$(basename $$f): $$(cat $$f)"; done; exit 1; fi
 

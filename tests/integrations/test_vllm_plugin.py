@@ -7,8 +7,10 @@ when it exists. The tests that run vLLM are marked ``vllm`` (``make test-vllm``;
 elsewhere, which fails the run too (tests/conftest.py). The fixtures (tiny seeded
 transformers models that vLLM's CPU attention accepts: head_dim 64) are made and converted
 here, with this interpreter's transformers and moepack; ``moepack.load_model`` gives the
-reference greedy tokens here; vLLM runs in a subprocess, one engine at a time (each start costs
-about a minute of CPU: the machine these ran on has 2 cores).
+reference greedy tokens here. vLLM runs in its venv's interpreter, one engine at a time: the
+engines in one long-lived process (``VllmSession``: vLLM imported once, the engine core
+in-process, a tensor parallel engine's workers spawned as a user's are), the OpenAI server
+test in a `vllm serve` of its own.
 
 The plugin is found through its ``vllm.general_plugins`` entry point: the venv's installed
 moepack when it has one, else an entry-point-only dist-info written into a temporary directory
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import select
 import socket
 import subprocess
 import sys
@@ -56,6 +59,12 @@ VLLM_NO_WNA16 = "this vLLM build has no cpu_gemm_wna16 op on this CPU"
 VLLM_SHM = torch.cpu._is_avx512_supported()
 VLLM_NO_TP_COMPILED = "tensor_parallel_size=2 under vLLM's compiled CPU graph (enforce_eager=False) without"
 TP_EAGER = {} if VLLM_SHM else {"eager": True}
+# vLLM's compiled graph (its default: Dynamo capture, Inductor off on CPU, so the same kernels
+# run as eagerly) costs 20-30 s of warm-up per engine on a 2-core machine. The plugin's op under
+# that graph is tested once per weight scheme (bf16, int8, int4, mxfp4) and under TP; the runs
+# whose point is something else run eager: vLLM's own engine as a baseline, a shape, a family
+# whose routing differs (Mixtral).
+BASELINE = {"eager": True}
 
 
 def _cpuinfo_flags() -> set[str]:
@@ -75,36 +84,8 @@ def _cpuinfo_flags() -> set[str]:
 _X86 = bool(_cpuinfo_flags()) and "avx2" in _cpuinfo_flags()
 VLLM_EXACT_INT8_LINEAR = not _X86 or bool({"avx512_vnni", "avx_vnni"} & _cpuinfo_flags())
 
-# run in the vLLM venv: one engine, greedy tokens of token-id prompts (no tokenizer)
-DRIVER = r'''
-import json, sys, time
-
-
-def main(args):
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    kw = dict(skip_tokenizer_init=True, max_model_len=64, dtype=args.get("dtype", "bfloat16"), enforce_eager=args.get("eager", False),
-              tensor_parallel_size=args.get("tp", 1), max_num_seqs=4, seed=0)
-    if args.get("quant"):
-        kw["quantization"] = args["quant"]
-    if args.get("cc"):
-        kw["compilation_config"] = args["cc"]
-    t0 = time.time()
-    try:
-        llm = LLM(args["model"], **kw)
-    except Exception as e:  # the line a user sees, for the error tests
-        print("ERROR " + json.dumps(f"{type(e).__name__}: {e}"), flush=True)
-        raise
-    t1 = time.time()
-    sp = SamplingParams(temperature=0.0, max_tokens=args["n"], detokenize=False, ignore_eos=True)
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in args["prompts"]], sp)
-    print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "load_s": t1 - t0}), flush=True)
-
-
-if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
-'''
+# runs in the vLLM venv: many engines in one process (VllmSession)
+DRIVER = Path(__file__).with_name("vllm_driver.py")
 
 # a quick check inside the venv, no engine: registration is idempotent, versions are checked
 REGISTER = r'''
@@ -282,27 +263,114 @@ def _env(tmp: Path) -> dict:
     return env
 
 
+class VllmSession:
+    """One vLLM process (tests/integrations/vllm_driver.py) that builds the tests' engines one after
+    the other, its engine core in-process (a tensor parallel engine spawns its workers, as a
+    user's does): vLLM is imported once, and no engine-core process is spawned per engine. After
+    ``MAX_REQUESTS`` engines (torch.compile's per-code caches) and when the process died or hung,
+    the next request gets a fresh process, started at once so that its import overlaps the
+    test's own work. A refusal (an engine that failed to build) does not restart it: the driver
+    tears vLLM's distributed state down after every request, as vLLM's own tests do between
+    engines; but should a later engine of that process fail, it is run again in a fresh process
+    (``_vllm``), so that state a refusal left behind can never fail a test. Each request's
+    output (vLLM's log, moepack's lines) is in its own file."""
+
+    MAX_REQUESTS = 8
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.ready = False
+        self.served = 0
+        self.dir: Path | None = None
+
+    def _spawn(self) -> None:
+        env = _env(self.dir)
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self.log = self.dir / f"vllm-session-{time.time_ns()}.log"
+        with open(self.log, "w") as err:
+            self.proc = subprocess.Popen([VLLM_PY, str(DRIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                         text=True, env=env, start_new_session=True)  # fmt: skip
+        self.ready, self.served, self.refused = False, 0, False
+
+    def _answer(self, timeout: float) -> str | None:
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        return line.strip() or None
+
+    def close(self) -> None:
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+            self.proc = None
+
+    def restart(self) -> None:
+        self.close()
+        self._spawn()
+
+    def run(self, tmp: Path, args: dict, env: dict, timeout: float = 900) -> tuple[dict | None, str]:
+        """(the driver's answer, the request's log); the answer is None when the process died."""
+        self.dir = self.dir or tmp
+        if self.proc is None or self.proc.poll() is not None or self.served >= self.MAX_REQUESTS:
+            self.restart()
+        if not self.ready:
+            assert self._answer(600) == "READY", f"the vLLM session did not start:\n{self.log.read_text()[-6000:]}"
+            self.ready = True
+        log = tmp / f"vllm-{time.time_ns()}.log"
+        self.proc.stdin.write(json.dumps({**args, "env": env, "log": str(log)}) + "\n")
+        self.proc.stdin.flush()
+        self.served += 1
+        self.refused_before = self.refused
+        ans = self._answer(timeout)
+        text = log.read_text() if log.exists() else ""
+        if ans is None:  # died or hung: the session log says why
+            text += "\n--- session log ---\n" + self.log.read_text()[-6000:]
+            self.restart()
+            return None, text
+        res = json.loads(ans)
+        if "error" in res:
+            self.refused = True
+        return res, text
+
+
+SESSION = VllmSession()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_session():
+    yield
+    SESSION.close()
+
+
 def _vllm(tmp: Path, model: Path, *, quant: str | None = "moepack", tp: int = 1, expect_ok: bool = True,
           extra_env: dict | None = None, eager: bool = False, cc: dict | None = None, dtype: str = "bfloat16") -> dict:  # fmt: skip
-    drv = tmp / "vllm_driver.py"
-    drv.write_text(DRIVER)
-    env = _env(tmp)
-    env.update(extra_env or {})
+    """vLLM's greedy tokens of PROMPTS on ``model`` ({"tokens": ...}) in the shared ``SESSION``, or,
+    with ``expect_ok`` False, its refusal ({"error": the exception's line or None, "log": what it
+    printed})."""
+    env = dict(extra_env or {})
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
     args = {"model": str(model), "prompts": PROMPTS, "n": NEW, "tp": tp, "quant": quant, "eager": eager, "cc": cc,
             "dtype": dtype}
-    p = subprocess.run([VLLM_PY, str(drv), json.dumps(args)], capture_output=True, text=True, env=env, timeout=900)
-    out = p.stdout + p.stderr
-    for line in p.stdout.splitlines():
-        if line.startswith("RESULT "):
-            assert expect_ok, f"vLLM loaded {model}, expected a refusal"
-            return json.loads(line[7:])
-        if line.startswith("ERROR ") and not expect_ok:
-            return {"error": json.loads(line[6:]), "log": out}
+    res, out = SESSION.run(tmp, args, env)
+    if expect_ok and res is not None and "error" in res and SESSION.refused_before:
+        SESSION.restart()  # not a refusal's leftovers: the same engine in a fresh process decides
+        res, out = SESSION.run(tmp, args, env)
+    if res is not None and "tokens" in res:
+        assert expect_ok, f"vLLM loaded {model}, expected a refusal"
+        return res
     if not expect_ok:
-        return {"error": None, "log": out}
-    raise AssertionError(f"vLLM run on {model} failed (rc {p.returncode}):\n{out[-6000:]}")
+        return {"error": res["error"] if res else None, "log": out}
+    raise AssertionError(f"vLLM run on {model} failed:\n{out[-6000:]}")
+
+
+def _vllm_code(tmp: Path, code: str) -> str:
+    """What ``code`` printed, run in the vLLM session (no engine); a failure raises with its log."""
+    res, out = SESSION.run(tmp, {"code": code}, {})
+    assert res is not None and res.get("ok"), out[-4000:]
+    return out
 
 
 def _tiny_qwen3_moe(path: Path, hidden: int, inter: int, seed: int = 0) -> Path:
@@ -511,7 +579,7 @@ def _assert_vllm_own_int8_experts(tmp_path: Path, ct: Path, pack: Path, ref: lis
     """vLLM's own engine on the compressed-tensors int8 checkpoint: on a CPU with AMX its greedy
     tokens == ``ref`` (load_model on moepack's pack; ``exact`` or up to a near-tie); without AMX
     vLLM 0.32 has no int8 MoE backend and refuses the checkpoint, saying so (VLLM_OWN_INT8_MOE)."""
-    own = _vllm(tmp_path, ct, quant=None, expect_ok=VLLM_OWN_INT8_MOE)
+    own = _vllm(tmp_path, ct, quant=None, expect_ok=VLLM_OWN_INT8_MOE, **BASELINE)
     if not VLLM_OWN_INT8_MOE:
         assert VLLM_NO_INT8_MOE in own["log"], own["log"][-3000:]
     elif exact:
@@ -612,7 +680,7 @@ def test_olmoe_bf16_equals_vllm_own_experts(family_packs, tmp_path):
     above the next: vLLM's non-expert path, not the experts, since vLLM's own experts make the same
     choice; docs/VLLM.md "Families".)"""
     got = _vllm(tmp_path, family_packs["olmoe_bf16"])["tokens"]
-    own = _vllm(tmp_path, family_packs["olmoe_src"], quant=None)["tokens"]
+    own = _vllm(tmp_path, family_packs["olmoe_src"], quant=None, **BASELINE)["tokens"]
     _assert_same_up_to_near_tie(family_packs["olmoe_bf16"], got, own)
     assert got[1] == _greedy(family_packs["olmoe_bf16"])[1]
 
@@ -625,7 +693,7 @@ def test_gpt_oss_bf16_equals_vllm_own_experts(family_packs, tmp_path):
     second new token, on the second at its last; the difference is in vLLM's non-expert path,
     docs/VLLM.md "Families".)"""
     got = _vllm(tmp_path, family_packs["gpt_oss_bf16"])["tokens"]
-    own = _vllm(tmp_path, family_packs["gpt_oss_src"], quant=None)["tokens"]
+    own = _vllm(tmp_path, family_packs["gpt_oss_src"], quant=None, **BASELINE)["tokens"]
     assert got == own
 
 
@@ -680,9 +748,8 @@ def test_deepseek_v3_rope_refusal_premise(tmp_path):
     latent-projection key view that DeepSeek's MLA passes it, misses vLLM's own torch RoPE by
     whole units (bf16 inputs of unit scale), while on the 2-D contiguous layout it is within
     bf16 rounding. If a vLLM 0.32.x fixes the kernel this fails: lift the refusal then."""
-    p = subprocess.run([VLLM_PY, "-c", ROPE], capture_output=True, text=True, env=_env(tmp_path), timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    got = {ln.split(" ", 1)[0]: [float(v) for v in ln.split()[2::2]] for ln in p.stdout.splitlines() if ln[:3] in ("MLA", "2D ")}
+    out = _vllm_code(tmp_path, ROPE)
+    got = {ln.split(" ", 1)[0]: [float(v) for v in ln.split()[2::2]] for ln in out.splitlines() if ln[:3] in ("MLA", "2D ")}
     assert max(got["2D"]) < 0.05, got  # bf16 rounding of values up to ~4
     assert min(got["MLA"]) > 1.0, got
 
@@ -712,9 +779,8 @@ def test_version_range_here():
 
 @needs_vllm
 def test_registration_idempotent_and_version_range(tmp_path):
-    p = subprocess.run([VLLM_PY, "-c", REGISTER], capture_output=True, text=True, env=_env(tmp_path), timeout=600)
-    assert p.returncode == 0, p.stderr[-4000:]
-    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in p.stdout.splitlines() if " " in ln}
+    out = _vllm_code(tmp_path, REGISTER)
+    lines = {ln.split(" ", 1)[0]: ln.split(" ", 1)[1] for ln in out.splitlines() if " " in ln}
     assert lines["OLD"] == ("vllm 0.31.2: the moepack vLLM plugin supports vllm>=0.32.0,<0.33.0 "
                             "(install the pinned one: pip install 'moepack[vllm]')")  # fmt: skip
     assert lines["NEW"].startswith("vllm 0.33.0: the moepack vLLM plugin supports vllm>=0.32.0,<0.33.0")
@@ -815,7 +881,7 @@ def test_bf16_equals_load_model_and_vllm_own_experts(packs, tmp_path):
     ref = _greedy(packs["bf16"])
     got = _vllm(tmp_path, packs["bf16"])
     assert got["tokens"] == ref
-    own = _vllm(tmp_path, packs["src64"], quant=None)
+    own = _vllm(tmp_path, packs["src64"], quant=None, **BASELINE)
     assert own["tokens"] == ref
 
 
@@ -824,7 +890,7 @@ def test_shapes_vllm_refuses_on_its_own(packs, tmp_path):
     """hidden 72, moe_intermediate 40: vLLM's unquantized CPU experts refuse the source; the
     plugin runs the pack."""
     ref = _greedy(packs["h72"])
-    assert _vllm(tmp_path, packs["h72"])["tokens"] == ref
+    assert _vllm(tmp_path, packs["h72"], **BASELINE)["tokens"] == ref
 
 
 @needs_vllm
@@ -835,7 +901,7 @@ def test_quantized_equals_load_model(packs, tmp_path, scheme):
 
 @needs_vllm
 def test_mixtral_equals_load_model(packs, tmp_path):
-    assert _vllm(tmp_path, packs["mixtral"])["tokens"] == _greedy(packs["mixtral"])
+    assert _vllm(tmp_path, packs["mixtral"], **BASELINE)["tokens"] == _greedy(packs["mixtral"])
 
 
 @needs_vllm
