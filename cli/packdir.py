@@ -130,6 +130,9 @@ def convert(
         "quant_error": report.quant_error,  # ||dequant(q) - w|| / ||w|| of the weights quantized here
         "quant_error_worst_layer": list(report.quant_error_worst) if report.quant_error_worst else None,
         "act_modes": report.act_modes,
+        "shared_float_layers": report.shared_float,  # a quantized source's float shared experts, kept float
+        "shared_layout": report.shared_layout or None,
+        "shared_quantizer": report.shared_quantize,  # --quantize on those float shared experts
         "expert_bytes": report.experts_bytes,
         "other_bytes": report.other_bytes,
         "seconds": round(report.seconds, 3),
@@ -147,6 +150,11 @@ def convert(
     t.add_row("act mode", ", ".join(report.act_modes) or "-")
     if report.quantize:
         t.add_row("quantized", report.quantize)
+    if report.shared_float:
+        t.add_row("shared experts", f"float in the source: kept float, layout {report.shared_layout} (layers "
+                  f"{', '.join(map(str, report.shared_float))}); --quantize {report.scheme} would quantize them")  # fmt: skip
+    if report.shared_quantize:
+        t.add_row("shared experts", f"float in the source: quantized as asked ({report.shared_quantize})")
     if report.quant_error is not None:
         worst = report.quant_error_worst
         t.add_row("weight error", f"{report.quant_error:.3g} (||dequant - w|| / ||w||"
@@ -295,6 +303,16 @@ def inspect(
                 "quantized": get_scheme(p.layout).quantized,
                 "scheme_source": layer.entry.get("scheme_source"),
                 "quantizer": layer.entry.get("quantizer"),  # the quantizer convert ran on float weights, with its options
+                # the shared expert: the layer's layout, or its own (a quantized checkpoint's float one, kept float)
+                "shared": None if layer.shared is None else {
+                    "layout": layer.shared.layout.name,
+                    "scheme": get_scheme(layer.shared.layout).name,
+                    "own_layout": layer.shared.layout is not p.layout,
+                    "scheme_source": (layer.entry.get("shared") or {}).get("scheme_source"),
+                    "quantizer": (layer.entry.get("shared") or {}).get("quantizer"),
+                    "bytes": layer.shared.nbytes,
+                    "kernel": moepack.kernel_choice(layer.shared.layout, layer.shared_act_mode(None)).isa,
+                },
                 "bytes": p.nbytes,
                 "kernel": isa,
                 "reason": reason,
@@ -351,6 +369,14 @@ def inspect(
         console.print(f"act-order (w13_perm): layers {', '.join(act_order)}", highlight=False)
     for note in sorted({x["scheme_source"] for x in layers if x["scheme_source"] and x["quantized"]}):
         console.print(f"weights: {note}", highlight=False)
+    own = {}  # shared experts in their own layout: float ones of a quantized checkpoint, kept float
+    for x in layers:
+        if x["shared"] and x["shared"]["own_layout"]:
+            own.setdefault((x["shared"]["layout"], x["shared"]["scheme_source"], x["shared"]["kernel"]), []).append(str(x["index"]))
+    for (lname, note, isa), which in sorted(own.items()):
+        console.print(f"shared experts: layout {lname} ({note}): layers {', '.join(which)}; kernel {isa}", highlight=False)
+    for q in sorted({x["shared"]["quantizer"] for x in layers if x["shared"] and x["shared"]["quantizer"]}):
+        console.print(f"shared experts: quantizer {q} (--quantize, on the checkpoint's float shared experts)", highlight=False)
     skipped = m["source"].get("skipped")
     if isinstance(skipped, dict) and skipped.get("tensors"):
         console.print(f"skipped: {len(skipped['tensors'])} source tensors ({skipped.get('why')})", highlight=False)

@@ -37,7 +37,7 @@ import torch
 
 from .container.atomic import atomic_directory, os_reason
 from .container.writer import ShardWriter
-from .convert_plan import _check_carried_values, _nbytes, _Options, _plan, expert_tensor_name, parse_quantize
+from .convert_plan import _check_carried_values, check_float_shared_values, _nbytes, _Options, _plan, expert_tensor_name, parse_quantize
 from .convert_resume import _Resume, _resume_key
 from .convert_stages import _manifest, _write_layer, _write_other
 from .errors import ConvertError, LayoutError, MoepackError
@@ -61,6 +61,9 @@ class ConvertReport:
     quant_error: float | None = None  # ||dequant(q) - w|| / ||w|| over every weight quantized from float
     quant_error_worst: tuple | None = None  # (layer index, its relative error) of the layer quantized worst
     act_modes: list = field(default_factory=list)  # the act modes recorded as the layers' defaults
+    shared_float: list = field(default_factory=list)  # layers whose float shared expert (quantized source) stays float
+    shared_layout: str = ""  # the layout those shared experts are packed in
+    shared_quantize: str | None = None  # --quantize on a quantized source's float shared experts: the quantizer
     layers: int = 0
     experts_bytes: int = 0
     other_bytes: int = 0
@@ -284,10 +287,12 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
     notify = progress or (lambda *a, **k: None)
     pl = _plan(src, lay, opts.quantize, opts.shard_bytes, opts.act_mode)
     _check_carried_values(pl)  # before anything is written
+    check_float_shared_values(pl)  # likewise: a float shared expert kept float must have an exact bf16 form
     notify("plan", layers=len(pl.specs), expert_files=len(pl.expert_files), other_files=len(pl.other_files),
            other_tensors=sum(len(x) for x in pl.other_shards))  # fmt: skip
     report = ConvertReport(dst=dst, layout=pl.layout.name, act_modes=sorted(set(pl.act_modes.values())), scheme=pl.scheme.name,
-                           quantize=pl.quantizer)  # fmt: skip
+                           quantize=pl.quantizer, shared_float=sorted(pl.shared_layouts), shared_quantize=pl.shared_quantizer,
+                           shared_layout=", ".join(sorted({x.name for x in pl.shared_layouts.values()})))  # fmt: skip
     error = QuantError()
     tensors: dict[str, dict] = {}
     layers = []

@@ -20,8 +20,9 @@ from .container.plan import ShardPlan
 from .errors import ConvertError, LayoutError, MoepackError
 from .errors import UnsupportedError
 from .layout import PackedLayout, layout_tensor_plan
-from .schemes import Scheme, get_scheme, schemes
+from .schemes import Scheme, float_scheme, get_scheme, schemes
 from .sources import Checkpoint, LayerSpec, SourceReader, open_source, text_config
+from .sources.dense import FLOAT_DTYPES
 from .sources.linears import CarriedView, check_linear, find_linears
 
 
@@ -168,15 +169,28 @@ def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note:
     return out
 
 
-def _plan_layer_tensors(spec: LayerSpec, layout: PackedLayout, scheme: Scheme) -> list[tuple[str, torch.dtype, tuple]]:
+def float_shared_dtype(ckpt: Checkpoint, spec: LayerSpec) -> str | None:
+    """The stored dtype of the layer's shared expert when the checkpoint keeps it in float (BF16,
+    F16, F32: a quantized checkpoint's ``ignore`` / ``modules_to_not_convert``); None when the
+    layer has none or it is quantized (a reader names a quantized one by its code tensor)."""
+    if not spec.shared:
+        return None
+    dt = ckpt.info(spec.shared["gate_proj"]).dtype_str
+    return dt if dt in FLOAT_DTYPES else None
+
+
+def _plan_layer_tensors(spec: LayerSpec, layout: PackedLayout, scheme: Scheme,
+                        shared_layout: PackedLayout | None = None) -> list[tuple[str, torch.dtype, tuple]]:  # fmt: skip
     """(stored name, dtype, shape) of every packed tensor of one layer, in write order: the
     layout's tensor plan (moepack.layout.layout_tensor_plan) for the routed experts (+ biases,
-    + the act-order w13_perm), then the shared expert's."""
+    + the act-order w13_perm), then the shared expert's (in ``shared_layout`` when it has its
+    own: a float shared expert of a quantized checkpoint, kept float)."""
     plan = layout_tensor_plan(layout, spec.num_experts, spec.hidden, spec.intermediate, bias=spec.has_bias,
                               perm=scheme.has_perm(spec))  # fmt: skip
     if spec.shared:
-        plan += layout_tensor_plan(layout, 1, spec.hidden, spec.shared["intermediate"], perm=scheme.has_perm(spec, True),
-                                   prefix="shared_")  # fmt: skip
+        own = shared_layout is not None and shared_layout is not layout
+        plan += layout_tensor_plan(shared_layout if own else layout, 1, spec.hidden, spec.shared["intermediate"],
+                                   perm=False if own else scheme.has_perm(spec, True), prefix="shared_")  # fmt: skip
     return [(expert_tensor_name(spec.index, t.name), getattr(torch, t.dtype), t.shape) for t in plan]
 
 
@@ -288,6 +302,12 @@ class _Plan:
     skipped: tuple = ([], "")  # (source tensors left out deliberately, why): SourceReader.skipped
     # quantized Linears among the carried tensors (attention, dense MLPs): prefix -> CarriedLinear
     carried_linears: dict = field(default_factory=dict)
+    # layer index -> the float layout its shared expert is packed in: a quantized source's float
+    # shared expert stays float (convert never quantizes unasked; only --quantize does)
+    shared_layouts: dict = field(default_factory=dict)
+    # the quantizer (its options spelled out) that --quantize ran on a quantized source's float
+    # shared experts (the routed experts keep their codes), recorded in each such shared entry
+    shared_quantizer: str | None = None
 
     @property
     def quantizer(self) -> str | None:
@@ -325,7 +345,8 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
         raise ConvertError(f"act_mode={act_mode!r}: layout {lay.name} (scheme {lay.scheme}) runs with "
                            f"{' or '.join(lay.act_modes)} activations only")  # fmt: skip
     act_modes = {s.index: act_mode or scheme.default_act_mode(s, lay) for s in specs}
-    layer_tensors = {s.index: _plan_layer_tensors(s, lay, scheme) for s in specs}
+    shared_layouts, shared_quantizer = _float_shared_plan(ckpt, specs, scheme, reader, lay, quantize)
+    layer_tensors = {s.index: _plan_layer_tensors(s, lay, scheme, shared_layouts.get(s.index)) for s in specs}
     expert_shards = _split_shards(specs, lambda s: sum(_nbytes(d, sh) for _, d, sh in layer_tensors[s.index]), shard_bytes)
     other_shards = _split_shards(other, lambda n: ckpt.info(n).nbytes, shard_bytes) if other else []
     ne, no = len(expert_shards), len(other_shards)
@@ -343,6 +364,7 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
     )  # fmt: skip
     pl.skipped = skipped
     pl.carried_linears = carried_linears
+    pl.shared_layouts, pl.shared_quantizer = shared_layouts, shared_quantizer
     for fname, shard_specs in zip(pl.expert_files, pl.expert_shards):
         shard = pl.shard_plans[fname] = ShardPlan()
         for s in shard_specs:
@@ -354,6 +376,56 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
             ti = ckpt.info(n)
             shard.add(n, ti.dtype, ti.shape)
     return pl
+
+
+def _float_shared_plan(ckpt: Checkpoint, specs: list, scheme: Scheme, reader: SourceReader, lay: PackedLayout,
+                       quantize) -> tuple[dict, str | None]:  # fmt: skip
+    """Where a quantized source's float shared experts go: ({layer index: the float scheme's
+    layout of ``lay``'s family}, None) without ``quantize`` (kept float, packed beside the
+    routed experts' codes), or ({}, the quantizer spelled out) with ``quantize`` naming the
+    source's own scheme (moepack quantizes them, as asked). A float source has none to decide:
+    its shared expert goes where its routed experts go (float, or ``quantize``d with them)."""
+    if not (scheme.quantized and scheme.keeps_source(reader)):
+        return {}, None
+    floats = [s for s in specs if float_shared_dtype(ckpt, s)]
+    if not floats:
+        return {}, None
+    if quantize is not None:
+        o = scheme.options(())
+        if o is not None and hasattr(o, "resolved"):
+            o = o.resolved(lay)
+        return {}, o.key() if o is not None else scheme.name
+    try:
+        flt = float_scheme().layout_for(lay.family)
+    except UnsupportedError as e:
+        raise ConvertError(f"layer {floats[0].index}: its shared expert is float ({float_shared_dtype(ckpt, floats[0])}) and "
+                           f"stays float, but {e}") from None  # fmt: skip
+    return {s.index: flt for s in floats}, None
+
+
+def check_float_shared_values(pl: _Plan) -> None:
+    """A float shared expert kept float is packed in the float layout, whose values are bf16: a
+    BF16 one exactly; an F16 / F32 one only when every value has a bf16 form (rounding it would
+    change the model unasked). The first value without one is refused naming the tensor, the
+    element and the rule, before anything is written (reads those shared experts once)."""
+    for s in pl.specs:
+        if s.index not in pl.shared_layouts:
+            continue
+        dt = float_shared_dtype(pl.ckpt, s)
+        if dt == "BF16":
+            continue
+        for p in ("gate_proj", "up_proj", "down_proj"):
+            name = s.shared[p]
+            t = pl.ckpt.read(name)
+            bad = (t.to(torch.bfloat16).to(t.dtype) != t) & torch.isfinite(t)
+            if bool(bad.any()):
+                idx = bad.nonzero()[0].tolist()
+                raise ConvertError(
+                    f"layer {s.index}: shared-expert tensor {name!r} is {dt} and its value {t[tuple(idx)].item()!r} at "
+                    f"{idx} has no bf16 form: a quantized checkpoint's float shared expert is kept float, packed as "
+                    f"bf16 exactly, never rounded unasked (--quantize {pl.scheme.name} quantizes it with the routed "
+                    "experts' scheme instead)"
+                )  # fmt: skip
 
 
 def _check_carried_values(pl: _Plan) -> None:

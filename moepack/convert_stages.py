@@ -21,9 +21,11 @@ from .container.writer import ShardWriter
 from .convert_plan import _Plan, expert_tensor_name
 from .errors import ConvertError, LayoutError
 from .layout import layout_expert_shapes, layout_tensor_plan
+from .manifest import SHARED_LAYOUT_FORMAT_VERSION
 from .runtime.model import FORMAT_VERSION, PERM_FORMAT_VERSION
-from .schemes import LayerSource, QuantError
+from .schemes import LayerSource, QuantError, get_scheme
 from .sources import LayerSpec
+from .sources.dense import FLOAT_DTYPES
 
 
 def _source_element(s: LayerSpec, role: str, e: int, idx: list[int]) -> tuple[str, list[int]]:
@@ -85,16 +87,27 @@ def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fnam
         entry_tensors[t.name] = name
         report.experts_bytes += shard.entry(name).nbytes
     shared_entry = None
-    sp = packer.shared() if s.shared else None
+    slay = pl.shared_layouts.get(s.index)  # a float shared expert of a quantized source: its own (float) layout
+    sscheme = scheme if slay is None else get_scheme(slay)
+    if slay is not None:
+        sp = sscheme.layer_packer(LayerSource(ckpt, reader, s, slay, checked, None, error)).shared()
+    else:
+        sp = packer.shared() if s.shared else None
     if sp is not None:
+        sdt = ckpt.info(s.shared["gate_proj"]).dtype_str
         shared_entry = {
             "intermediate": s.shared["intermediate"],
             "padded_intermediate": sp.padded_intermediate,
             "gate": s.shared.get("gate"),
             "source_tensors": [s.shared[p] for p in ("gate_proj", "up_proj", "down_proj")],
-            "scheme_source": scheme.source_note(ckpt.info(s.shared["gate_proj"]).dtype_str, reader, pl.options),
+            "scheme_source": sscheme.source_note(sdt, reader, pl.options),
         }
-        shared_plan = layout_tensor_plan(lay, 1, s.hidden, s.shared["intermediate"], perm=scheme.has_perm(s, True))
+        if slay is not None:  # format version 5 (docs/PACKED_FORMAT.md §7): the shared expert's own layout
+            shared_entry["layout_id"] = slay.id
+        elif pl.shared_quantizer is not None and sdt in FLOAT_DTYPES:  # --quantize on a quantized source's float one
+            shared_entry["quantizer"] = pl.shared_quantizer
+        shared_plan = layout_tensor_plan(slay or lay, 1, s.hidden, s.shared["intermediate"],
+                                         perm=False if slay is not None else scheme.has_perm(s, True))  # fmt: skip
         for role in (t.name for t in shared_plan):  # plan order
             t = sp.tensors[role]
             name = expert_tensor_name(s.index, "shared_" + role)
@@ -154,8 +167,11 @@ def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, 
         "format": "moepack",
         # version 3 only where it is needed: a layer with an act-order w13_perm, which a version-2
         # reader would ignore and so run wrongly (docs/PACKED_FORMAT.md §7)
-        "format_version": PERM_FORMAT_VERSION if any("w13_perm" in x["tensors"] or "w13_perm" in (x["shared"] or {})
-                                                      for x in layers) else FORMAT_VERSION,  # fmt: skip
+        # version 5 only where a shared expert has its own layout (a quantized source's float shared
+        # expert kept float), which a version 2-4 reader would read in the layer's layout
+        "format_version": SHARED_LAYOUT_FORMAT_VERSION if any("layout_id" in (x["shared"] or {}) for x in layers)
+        else PERM_FORMAT_VERSION if any("w13_perm" in x["tensors"] or "w13_perm" in (x["shared"] or {})
+                                        for x in layers) else FORMAT_VERSION,  # fmt: skip
         "created_by": f"moepack {__version__}",
         "created_at": created_at,  # when the convert started (a resumed one: the first run's start)
         "source": {
@@ -169,7 +185,9 @@ def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, 
         "model": {"model_type": pl.config.get("model_type"), "hidden_size": pl.config.get("hidden_size"), "config": pl.ckpt.config},
         "routing": pl.routing,
         "routing_note": pl.routing_note,
-        "layouts": {str(pl.layout.id): pl.layout.to_dict()},
+        # the layers' layout, then the float layout of shared experts kept float (version 5), if any
+        "layouts": {str(x.id): x.to_dict()
+                    for x in [pl.layout, *sorted({*pl.shared_layouts.values()} - {pl.layout}, key=lambda y: y.id)]},
         "layers": layers,
         "files": {f: {"size": (tmp / f).stat().st_size} for f in report.files},
         "tensors": tensors,

@@ -1,7 +1,7 @@
 """The schema of ``moepack.json``, checked once before anything reads the manifest.
 
 docs/PACKED_FORMAT.md §4 describes every field; this module is the same description as code.
-``check_manifest(path, m)`` walks the whole manifest (every version still readable: 1, 2, 3)
+``check_manifest(path, m)`` walks the whole manifest (every version still readable: 1 to 5)
 and refuses the first field that breaks a rule with ONE ``ManifestError`` line that names the
 file, the field's path, its value and the rule::
 
@@ -22,7 +22,8 @@ fuzzes that). Rules, beyond each field's type:
   ``padded_intermediate`` equal to it, ``routing.num_experts`` equal to every layer's, a
   correction bias exactly where the routing has one, router and gate tensors of the shapes the
   layer multiplies them with, every tensor's file listed in ``files``, file names plain names of
-  the directory (never a path out of it), ``w13_perm`` only in version 3 and int4_group layers.
+  the directory (never a path out of it), ``w13_perm`` only in version 3 and int4_group layers,
+  a shared expert's own ``layout_id`` (of the layer's family) only in version 5.
 
 Keys the schema does not know are ignored (§7), except inside ``routing``, which is a
 ``RoutingConfig`` exactly (a routing key this moepack does not know would change routing).
@@ -52,7 +53,12 @@ PERM_FORMAT_VERSION = 3
 # layer's ``tp``, whose tensors hold tp*E slice experts of intermediate I/tp (moepack/tp.py);
 # written only by --tp packs (a version-3 reader would run the slices as E experts, wrongly).
 TP_FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# 5: version 4 plus a shared expert in its own layout (``layers[].shared.layout_id``: a quantized
+# checkpoint's float shared expert kept float, in the float layout beside the routed experts'
+# codes); written only by directories that have one (a version-4 reader would read its tensors in
+# the layer's layout).
+SHARED_LAYOUT_FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 SOURCE_KINDS = ("per_expert", "fused_out", "fused_in", "granite")
@@ -388,10 +394,25 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
             c.fail(f"{at}.num_experts", e, f"must equal routing.num_experts={routing.num_experts}")
         if k > e:
             c.fail("routing.top_k", k, f"must be in 1..{e} (layer {idx} has num_experts={e})")
-    for what, group in (("", names), ("shared.", sh or {})):
+    slay = lay  # the shared expert's layout: the layer's, or its own (version 5: a float one kept float)
+    if sh and "layout_id" in sh:
+        sid = c.val(sh, "layout_id", f"{at}.shared.layout_id", "int")
+        if str(sid) not in m["layouts"]:
+            c.fail(f"{at}.shared.layout_id", sid, f"is not described in the manifest's 'layouts' ({sorted(m['layouts'])}): "
+                                                  "every layout a layer uses must be")  # fmt: skip
+        slay = layout_get(sid)
+        if slay.family != lay.family:
+            c.fail(f"{at}.shared.layout_id", sid, f"layout {slay.name} is of the {slay.family} family, the layer's "
+                                                  f"{lay.name} of {lay.family}: a layer's experts run on one family")  # fmt: skip
+        if sid != lid and version < SHARED_LAYOUT_FORMAT_VERSION:
+            c.fail(f"{at}.shared.layout_id", sid, f"a shared expert in a layout other than its layer's ({lay.name}) needs "
+                                                  f"format_version {SHARED_LAYOUT_FORMAT_VERSION} (the file says {version})")  # fmt: skip
+    if sh:
+        c.val(sh, "quantizer", f"{at}.shared.quantizer", "str", required=False, null=True)
+    for what, group, glay in (("", names, lay), ("shared.", sh or {}, slay)):
         if "w13_perm" in group:
-            if lay.scheme not in PERM_SCHEMES:
-                c.fail(f"{at}.{what}w13_perm", group["w13_perm"], f"layout {lay.name} (scheme {lay.scheme}) carries no "
+            if glay.scheme not in PERM_SCHEMES:
+                c.fail(f"{at}.{what}w13_perm", group["w13_perm"], f"layout {glay.name} (scheme {glay.scheme}) carries no "
                                                                   f"act-order permutation: only {' / '.join(PERM_SCHEMES)} layouts do")  # fmt: skip
             if version < PERM_FORMAT_VERSION:
                 c.fail(f"{at}.{what}w13_perm", group["w13_perm"], f"needs format_version {PERM_FORMAT_VERSION} "
@@ -409,20 +430,21 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
             c.fail(f"{at}.tp", tp, str(ex))
     sets = [("", names, layout_tensor_plan(lay, e * tp, h, i // tp, bias=True, perm="w13_perm" in names),
              layout_padded_i(lay, i // tp), entry)]  # fmt: skip
-    if sh:  # a one-expert set of the same layout
+    if sh:  # a one-expert set of the layer's layout, or of its own (shared.layout_id)
         si = c.val(sh, "intermediate", f"{at}.shared.intermediate", "int", lo=1)
         c.val(sh, "padded_intermediate", f"{at}.shared.padded_intermediate", "int", lo=1)
         c.val(sh, "source_tensors", f"{at}.shared.source_tensors", "strs", required=False)
         c.val(sh, "scheme_source", f"{at}.shared.scheme_source", "str", required=False, null=True)
-        sets.append(("shared ", sh, layout_tensor_plan(lay, 1, h, si, perm="w13_perm" in sh), layout_padded_i(lay, si), sh))
-    for what, group, plan, want_ip, holder in sets:
+        sets.append(("shared ", sh, layout_tensor_plan(slay, 1, h, si, perm="w13_perm" in sh), layout_padded_i(slay, si), sh, slay))
+    sets[0] = (*sets[0], lay)
+    for what, group, plan, want_ip, holder, glay in sets:
         fg = f"{at}.{'shared' if what else 'tensors'}"
         for t in plan:
             if t.name not in group:
                 if t.role == "bias":
                     continue
                 raise ManifestError(f"{c.path}: {MANIFEST}: {fg}.{t.name} is missing: layer {idx}: {what}tensor role "
-                                    f"{t.name!r} (layout {lay.name}) must name its tensor")  # fmt: skip
+                                    f"{t.name!r} (layout {glay.name}) must name its tensor")  # fmt: skip
             tname = c.val(group, t.name, f"{fg}.{t.name}", "str")
             got = m["tensors"].get(tname)
             if got is None:
@@ -432,7 +454,7 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
                                     f"{got['dtype']} {got['shape']}, layout math says {t.dtype} {list(t.shape)}")  # fmt: skip
         if holder["padded_intermediate"] != want_ip:
             c.fail(f"{at}.{what.strip() + '.' if what else ''}padded_intermediate", holder["padded_intermediate"],
-                   f"layout math says {want_ip} (layout {lay.name})")  # fmt: skip
+                   f"layout math says {want_ip} (layout {glay.name})")  # fmt: skip
     router = c.obj(entry, "router", f"{at}.router", required=False, null=True) or {}
     refs = [("weight", [e, h]), ("bias", [e]), ("correction_bias", [e])]
     for key, shape in refs:
@@ -491,5 +513,5 @@ def _no_constant(name: str):
     raise _Constant(f"{name} is not JSON: numbers must be finite")
 
 
-__all__ = ["MANIFEST", "FORMAT_VERSION", "PERM_FORMAT_VERSION", "TP_FORMAT_VERSION", "READABLE_VERSIONS", "ManifestError", "check_manifest",
-           "load_manifest", "MoepackError"]  # fmt: skip
+__all__ = ["MANIFEST", "FORMAT_VERSION", "PERM_FORMAT_VERSION", "TP_FORMAT_VERSION", "SHARED_LAYOUT_FORMAT_VERSION",
+           "READABLE_VERSIONS", "ManifestError", "check_manifest", "load_manifest", "MoepackError"]  # fmt: skip

@@ -359,7 +359,7 @@ def reshard_dir(whole: str | os.PathLike, dst: str | os.PathLike, tp: int, *, ov
         for name in m.get("carried_files") or []:
             _link_or_copy(whole / name, tmp / name)
         m["tp"] = tp
-        m["format_version"] = TP_FORMAT_VERSION
+        m["format_version"] = max(TP_FORMAT_VERSION, int(m["format_version"]))  # 5 stays 5 (a shared expert's own layout)
         m["files"] = {f: {"size": (tmp / f).stat().st_size} for f in m["files"]}
         (tmp / MANIFEST).write_text(json.dumps(m, indent=1))
         del pm, lay_of

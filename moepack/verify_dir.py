@@ -195,10 +195,13 @@ def _rank_check(model: PackedModel, name: str, info, p, role: str) -> list[str]:
 def _codes_of(model: PackedModel, sum_name: str):
     """The codes tensor an int8 column-sum tensor belongs to, and its layout."""
     for layer in model.layers.values():
-        for group in (layer.entry["tensors"], layer.entry.get("shared") or {}):
+        groups = [(layer.entry["tensors"], layer.packed.layout)]
+        if layer.shared is not None:
+            groups.append((layer.entry.get("shared") or {}, layer.shared.layout))
+        for group, lay in groups:
             for role, n in group.items():
                 if n == sum_name and role.endswith("_colsum"):
-                    return group.get(role[: -len("_colsum")]), layer.packed.layout
+                    return group.get(role[: -len("_colsum")]), lay
     return None, None
 
 

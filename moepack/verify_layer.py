@@ -181,8 +181,8 @@ def _check_shared(ckpt, reader, spec, layer, results: dict, problems: list, opti
         problems.append(f"the {have} has a shared expert ({', '.join(map(repr, names))}), the {lack} has none")
         results.update(dict.fromkeys(names, False))
         return None, None
-    scheme = get_scheme(layer.packed.layout)
-    want = _shared_want(ckpt, reader, spec, scheme, layer.packed.layout, options)
+    scheme = get_scheme(layer.shared.layout)  # the layer's, or a float shared expert's own (kept float)
+    want = _shared_want(ckpt, reader, spec, scheme, layer.shared.layout, options)
     if not _compare(layer.shared, sh, want, "shared expert", results, problems, scheme):
         return None, None
     gate = ckpt.read(spec.shared["gate"]) if spec.shared.get("gate") else None
@@ -347,10 +347,21 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
         sid = torch.zeros(x.shape[0], 1, dtype=torch.int32)
         out = out + layer.shared_expert(x, act_mode=mode)
         ref32 = ref32 + moe_reference(x, shared.w13, shared.w2, sw, sid)
-        r, f = scheme.reference(x, shared.canonical, sw, sid, **rkw)
+        slay = layer.shared.layout  # its own layout (a float shared expert kept float) runs its own mode
+        smode = layer.shared_act_mode(mode)
+        r, f = get_scheme(slay).reference(x, shared.canonical, sw, sid, **(dict(act_mode=smode) if len(slay.act_modes) > 1 else {}))
         ref, flip = ref + r, max(flip, f)
-    dtypes = {spec.dtype} | ({ckpt.info(spec.shared["gate_proj"]).dtype_str} if shared is not None else set())
+    sdt = ckpt.info(spec.shared["gate_proj"]).dtype_str if shared is not None else None
+    dtypes = {spec.dtype} | ({sdt} if sdt is not None else set())
     orule = scheme.output_rule(dtypes)
+    if sdt is not None and get_scheme(layer.shared.layout).quantized:
+        # a float shared expert quantized as asked (--quantize) beside the source's own codes: the
+        # fp32 check against the source's floats allows that quantization's error, as for a float source
+        own = get_scheme(layer.shared.layout).output_rule({sdt}).fp32_tol
+        if own is not None and sdt != spec.dtype and (orule.fp32_tol is None or own > orule.fp32_tol):
+            from dataclasses import replace
+
+            orule = replace(orule, fp32_tol=own)
     # norms in float64: outputs near float32's range must not overflow them into a false pass
     norm = float(ref.double().norm().clamp_min(1e-30))
     rel = float((out.double() - ref.double()).norm()) / norm

@@ -68,6 +68,8 @@ def _check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | No
         for what, (src, got) in want.items():
             if src != got:
                 out.append(f"layer {idx} {what}: pack {got!r}, source {src!r}")
+        if s.shared and sh and model.layers[idx].shared is not None:
+            out += _check_shared_scheme(idx, s, e, model.layers[idx].shared.layout, lay, ckpt, reader)
         out += _check_act_mode(idx, s, e, lay, scheme, m.get("act_mode_option"), notes, "act_mode_option" not in m)
     src_routing, note = _routing_for(config)
     consumed = {n for sp in specs.values() for n in sp.expert_tensors}
@@ -89,6 +91,31 @@ def _check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | No
     out += _check_carried(model, ckpt, specs, set(reader.skipped(ckpt)[0]))
     out += _check_carried_files(model, ckpt)
     return out
+
+
+def _check_shared_scheme(idx: int, spec, entry: dict, slay, lay, ckpt, reader) -> list[str]:
+    """The scheme the layer's shared expert is packed in against the source's: a quantized one
+    keeps its scheme; a float one stays float (convert never quantizes unasked) unless the pack
+    records the quantizer ``--quantize`` ran on it (the layer's ``quantizer``: a float source
+    quantized whole; the shared entry's: a quantized source's float shared expert)."""
+    from .convert_plan import float_shared_dtype
+    from .schemes import float_scheme
+
+    sh = entry.get("shared") or {}
+    got = get_scheme(slay)
+    dt = float_shared_dtype(ckpt, spec)
+    if dt is None:  # quantized in the source: the reader's scheme, in the layer's layout
+        if got.name != reader.scheme or slay is not lay:
+            return [f"layer {idx} shared expert: pack {got.name!r} (layout {slay.name}), source {reader.scheme!r} in the "
+                    f"layer's layout {lay.name}: a quantized shared expert is packed as stored"]  # fmt: skip
+        return []
+    asked = entry.get("quantizer") or sh.get("quantizer")
+    if not got.quantized or asked:
+        return []
+    return [f"layer {idx} shared expert: the source's is float ({dt}: {spec.shared['gate_proj']!r}), the pack's is "
+            f"{got.name} (layout {slay.name}) with no quantizer recorded: convert keeps a float shared expert "
+            f"{float_scheme().name} unless --quantize asks (a pack of an older moepack quantized it unasked: convert "
+            "the checkpoint again)"]  # fmt: skip
 
 
 def act_mode_meaning(scheme, spec, lay) -> str:

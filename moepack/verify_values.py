@@ -130,15 +130,17 @@ def roles_of(model, roles: tuple | None = None):
     """(tensor name, role) of every packed expert tensor of ``model`` (a PackedModel), routed and
     shared, whose layout role is in ``roles`` (None: every role)."""
     for layer in model.layers.values():
-        lay = layer.packed.layout
-        # an fp8 layout's codes have their own rule (no NaN code); other one-byte codes have none;
-        # e8m0 scales (exponent bytes) have theirs (no 255), not the float scales' rule
-        f8 = lay.scheme == "fp8_block"
-        e8 = lay.scale_dtype == "e8m0"
-        kinds = {t.name: ("f8codes" if f8 and t.role == "codes" else "e8m0" if e8 and t.role == "scale"
-                          else "f8scale" if f8 and t.role == "scale" else t.role)
-                 for t in _plan_roles(lay)}  # fmt: skip
-        for group in (layer.entry["tensors"], (layer.entry.get("shared") or {})):
+        groups = [(layer.entry["tensors"], layer.packed.layout)]
+        if layer.shared is not None:  # in the layer's layout, or its own (a float one kept float)
+            groups.append((layer.entry.get("shared") or {}, layer.shared.layout))
+        for group, lay in groups:
+            # an fp8 layout's codes have their own rule (no NaN code); other one-byte codes have none;
+            # e8m0 scales (exponent bytes) have theirs (no 255), not the float scales' rule
+            f8 = lay.scheme == "fp8_block"
+            e8 = lay.scale_dtype == "e8m0"
+            kinds = {t.name: ("f8codes" if f8 and t.role == "codes" else "e8m0" if e8 and t.role == "scale"
+                              else "f8scale" if f8 and t.role == "scale" else t.role)
+                     for t in _plan_roles(lay)}  # fmt: skip
             for r, name in group.items():
                 role = kinds.get(r)
                 if role is not None and isinstance(name, str) and (roles is None or role in roles):

@@ -61,15 +61,18 @@ class PackedMoELayer(torch.nn.Module):
         self.shared_gate = None  # Qwen2-MoE: sigmoid(x . gate) scales the shared expert
         sh = entry.get("shared")
         if sh:
+            # the layer's layout, or its own (format version 5: a quantized checkpoint's float shared
+            # expert kept float), which then runs in its own layout's act mode
+            slay = layout_get(int(sh["layout_id"])) if "layout_id" in sh else experts.layout
             self.shared = PackedExperts(
-                layout=experts.layout,
+                layout=slay,
                 num_experts=1,
                 hidden=experts.hidden,
                 intermediate=int(sh["intermediate"]),
                 padded_intermediate=int(sh["padded_intermediate"]),
                 interleaved=False,
-                tensors=model.declared_tensors(sh, experts.layout, bias=False),
-                act_mode=experts.act_mode,
+                tensors=model.declared_tensors(sh, slay, bias=False),
+                act_mode=experts.act_mode if slay is experts.layout else None,
             )
             if sh.get("gate"):
                 self.shared_gate = model.tensor(sh["gate"])
@@ -90,6 +93,20 @@ class PackedMoELayer(torch.nn.Module):
         choice = kernel_choice(self.packed.layout, self.act_mode)
         if (self._model.strict or _strict_env()) and choice.is_fallback:
             raise UnsupportedError(f"layer {self.index}: strict mode refuses a fallback: {choice.reason}")
+        if self.shared is not None and self.shared.layout is not self.packed.layout:
+            choice = kernel_choice(self.shared.layout, self.shared_act_mode(None))
+            if (self._model.strict or _strict_env()) and choice.is_fallback:
+                raise UnsupportedError(f"layer {self.index}: strict mode refuses a fallback (its shared expert, layout "
+                                       f"{self.shared.layout.name}): {choice.reason}")  # fmt: skip
+
+    def shared_act_mode(self, act_mode: str | None) -> str:
+        """The activation mode the shared expert runs in for a call in ``act_mode`` (None: the
+        layer's own): that mode, or, for a shared expert in its own layout that lacks it (a float
+        one kept float beside int4 / mxfp4 codes runs a16 only), its layout's."""
+        lay = self.shared.layout
+        if lay is self.packed.layout:
+            return resolve_act_mode(lay, act_mode, self.shared.act_mode)
+        return resolve_act_mode(lay, act_mode if act_mode in lay.act_modes else None, None)
 
     def router_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The router's logits ``[T, E]`` in fp32 from this layer's router weight (and bias)."""
@@ -181,7 +198,7 @@ class PackedMoELayer(torch.nn.Module):
         else:
             sw = torch.ones(t, 1, dtype=torch.float32, device=dev)
         ids = torch.zeros(t, 1, dtype=torch.int32, device=dev)
-        return run_experts(self.shared, hidden_states, sw.contiguous(), ids, act_mode=act_mode)
+        return run_experts(self.shared, hidden_states, sw.contiguous(), ids, act_mode=self.shared_act_mode(act_mode))
 
     def extra_repr(self) -> str:
         return (

@@ -229,8 +229,18 @@ class LayerPacker:
             raise KeyError(f"layer {s.index}: no tensor {name!r} in layout {lay.name}'s plan")
 
 
+def float_scheme() -> Scheme:
+    """The scheme whose packed values are the float weights themselves (``quantized`` False):
+    where convert keeps a float weight float (a float source, a quantized checkpoint's float
+    shared expert), generic code asks for it here instead of naming it."""
+    found = [x for x in schemes() if not x.quantized]
+    if len(found) != 1:
+        raise UnsupportedError(f"this build has {len(found)} float schemes ({', '.join(x.name for x in found)}): exactly one is expected")
+    return found[0]
+
+
 # The scheme modules register themselves on import.
 from . import dense, int8, int4, fp8, mxfp4  # noqa: E402,F401
 
-__all__ = ["Scheme", "OutputRule", "BenchInfo", "LayerSource", "LayerPacker", "QuantError", "get_scheme", "register",
+__all__ = ["Scheme", "float_scheme", "OutputRule", "BenchInfo", "LayerSource", "LayerPacker", "QuantError", "get_scheme", "register",
            "schemes"]  # fmt: skip

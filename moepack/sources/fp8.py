@@ -30,9 +30,10 @@ that disagree with the block and the weight shape, block widths other than 128, 
 in FP8.
 
 Expert discovery is the dense reader's (``experts.<e>.{gate,up,down}_proj``, Mixtral's
-``w1/w3/w2``); shared experts may be FP8 or float (a float one is quantized by the scheme like
-any float weight). DeepSeek-V3's multi-token-prediction layers (``num_nextn_predict_layers``:
-``model.layers.<i>`` with i >= ``num_hidden_layers``) are not part of the model's forward pass:
+``w1/w3/w2``); shared experts may be FP8 or float (a float one stays float: convert packs it in
+the float layout unless ``--quantize fp8`` asks, docs/FORMATS.md "Float shared experts").
+DeepSeek-V3's multi-token-prediction layers (``num_nextn_predict_layers``: ``model.layers.<i>``
+with i >= ``num_hidden_layers``) are not part of the model's forward pass:
 every tensor under them is skipped, deliberately, and the manifest's ``source.skipped`` lists
 them with the reason.
 """

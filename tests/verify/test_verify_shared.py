@@ -256,7 +256,8 @@ def test_the_output_check_includes_the_shared_expert(tmp_root, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------
 # compressed-tensors int8 sources with a shared expert: int8 codes packed as they are, or a
-# float shared expert quantized by moepack
+# float shared expert kept float (the float layout beside the int8 codes: docs/FORMATS.md "Float
+# shared experts")
 
 
 @pytest.mark.parametrize("shared_dtype", ["I8", "BF16"])
@@ -280,12 +281,21 @@ def test_compressed_tensors_source_with_a_shared_expert(tmp_path, shared_dtype):
     report = moepack.verify(tmp_path / "dst", source=src)
     assert report.ok, report.failures()
     c = report.layers[1]
-    assert c.shared_exact is True and len(c.shared_tensors) == 6 and report.layers[0].shared_exact is None
+    # int8: codes, scales and column sums of w13 and w2; float: shared_w13 / shared_w2 (bf16)
+    assert c.shared_exact is True and len(c.shared_tensors) == (6 if shared_dtype == "I8" else 2)
+    assert report.layers[0].shared_exact is None
+    entry = json.loads((tmp_path / "dst" / MANIFEST).read_text())["layers"][1]
+    assert ("layout_id" in entry["shared"]) == (shared_dtype == "BF16")
 
-    rule = "the source's own int8 codes and scales" if shared_dtype == "I8" else "quantize_int8_per_channel of the source"
-    rewrite_tensor(tmp_path / "dst", "moepack.layers.1.shared_w2_scale", set_element((0, 5), 0.5))
-    (msg,) = moepack.verify(tmp_path / "dst", source=src).failures()
-    assert f"tensor 'moepack.layers.1.shared_w2_scale' [expert 0, row 5] is 0.5, {rule} gives" in msg, msg
+    if shared_dtype == "I8":
+        rewrite_tensor(tmp_path / "dst", "moepack.layers.1.shared_w2_scale", set_element((0, 5), 0.5))
+        (msg,) = moepack.verify(tmp_path / "dst", source=src).failures()
+        want = "tensor 'moepack.layers.1.shared_w2_scale' [expert 0, row 5] is 0.5, the source's own int8 codes and scales gives"
+        assert want in msg, msg
+    else:
+        rewrite_tensor(tmp_path / "dst", "moepack.layers.1.shared_w2", set_element((0, 5, 3), 0.5))
+        (msg,) = moepack.verify(tmp_path / "dst", source=src).failures()
+        assert "tensor 'moepack.layers.1.shared_w2' [expert 0, row " in msg and "is 0.5, the source rounded to bf16 gives" in msg, msg
 
 
 @pytest.mark.parametrize(

@@ -216,8 +216,9 @@ def test_mixtral_names_w1_w3_w2(tmp_path, fp8_sources):
 
 
 def test_float_shared_expert_in_an_fp8_source(tmp_path, fp8_sources):
-    """A shared expert the checkpoint keeps in BF16 (modules_to_not_convert) is quantized by
-    moepack like any float weight; the routed experts keep their own codes."""
+    """A shared expert the checkpoint keeps in BF16 (modules_to_not_convert) stays BF16: packed in
+    the float layout beside the routed experts' own codes (format version 5), exact in verify;
+    ``--quantize fp8`` quantizes it, as asked, and records the quantizer."""
     src = tmp_path / "src"
     shutil.copytree(fp8_sources("deepseek_v3_f32"), src)
     sd = load_file(str(src / "model.safetensors"))
@@ -232,8 +233,15 @@ def test_float_shared_expert_in_an_fp8_source(tmp_path, fp8_sources):
     m = json.loads((tmp_path / "p" / "moepack.json").read_text())
     (x,) = m["layers"]
     assert "activations run in 16 bits" in x["scheme_source"]
-    assert x["shared"]["scheme_source"].startswith("quantized by moepack from BF16")
+    assert x["shared"]["scheme_source"] == "BF16 weights packed as bf16" and m["format_version"] == 5
+    assert moepack.layout_get(x["shared"]["layout_id"]).name == "bf16_n32k2_x86" and "quantizer" not in x["shared"]
     report = moepack.verify(tmp_path / "p", source=src)
+    assert report.ok and report.layers[0].shared_exact, report.failures()
+    moepack.convert(src, tmp_path / "q", quantize="fp8")  # asked: quantized by moepack's quantizer, recorded
+    (y,) = json.loads((tmp_path / "q" / "moepack.json").read_text())["layers"]
+    assert y["shared"]["scheme_source"].startswith("quantized by moepack from BF16") and "layout_id" not in y["shared"]
+    assert y["shared"]["quantizer"] == "fp8_block:g128" and y["quantizer"] is None
+    report = moepack.verify(tmp_path / "q", source=src)
     assert report.ok and report.layers[0].shared_exact, report.failures()
 
 
