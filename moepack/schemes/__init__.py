@@ -230,7 +230,7 @@ class LayerPacker:
 
 
 # The scheme modules register themselves on import.
-from . import dense, int8, int4, fp8, mxfp4  # noqa: E402,F401
+from . import dense, int8, int4, fp8, mxfp4, nvfp4  # noqa: E402,F401
 
 __all__ = ["Scheme", "OutputRule", "BenchInfo", "LayerSource", "LayerPacker", "QuantError", "get_scheme", "register",
            "schemes"]  # fmt: skip
