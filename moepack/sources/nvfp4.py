@@ -1,4 +1,4 @@
-"""NVFP4 checkpoints (scheme nvfp4; docs/FORMATS.md §3.5 and §6): compressed-tensors
+"""NVFP4 checkpoints (scheme nvfp4; docs/FORMATS.md §3.4 and §5.5): compressed-tensors
 ``nvfp4-pack-quantized`` and NVIDIA ModelOpt NVFP4 (``quant_algo: NVFP4``).
 
 Both store, per quantized Linear ``P`` (N outputs, K inputs), a 4-bit e2m1 code per weight packed
@@ -52,9 +52,10 @@ SCHEME = "nvfp4"
 NVFP4 = "NVFP4"  # LayerSpec.dtype of NVFP4 experts (stand-in dtype of the packed weights)
 CT_FORMAT = "nvfp4-pack-quantized"
 MODELOPT = "modelopt"
+_ACTS = "; activations run in 16 bits (int8 with --act-mode a8), never in FP4"
 CT_NOTE = ("compressed-tensors nvfp4-pack-quantized (e2m1 codes, one e4m3 weight_scale per 16 K values, fp32 "
-           "weight_global_scale dividing)")  # fmt: skip
-MODELOPT_NOTE = "ModelOpt NVFP4 (e2m1 codes, one e4m3 weight_scale per 16 K values, fp32 weight_scale_2 multiplying)"
+           "weight_global_scale dividing)" + _ACTS)  # fmt: skip
+MODELOPT_NOTE = "ModelOpt NVFP4 (e2m1 codes, one e4m3 weight_scale per 16 K values, fp32 weight_scale_2 multiplying)" + _ACTS
 _SCALE_DTYPES = {"F8_E4M3"}
 _ROLES = ("gate", "up", "down")
 # per format: (codes suffix, global suffix, optional activation-scale suffix)

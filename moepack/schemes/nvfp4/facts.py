@@ -14,7 +14,7 @@ class Nvfp4Facts:
 
     ``format``: "nvfp4-pack-quantized" (compressed-tensors ``weight_packed`` / ``weight_scale`` /
     ``weight_global_scale``, a divisor) or "modelopt" (NVIDIA ModelOpt ``weight`` / ``weight_scale``
-    / ``weight_scale_2``, a multiplier), FORMATS.md §3.5 / §6; ``input_activations``: what the
+    / ``weight_scale_2``, a multiplier), FORMATS.md §3.4 / §5.5; ``input_activations``: what the
     checkpoint meant its activations to be (compressed-tensors' arguments, or ModelOpt's NVFP4
     activations), or None; moepack runs them in 16 bits (or int8 with ``--act-mode a8``), never
     in FP4; ``shared``: the same facts for a quantized shared expert, or None. The group is always

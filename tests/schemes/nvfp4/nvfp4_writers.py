@@ -5,7 +5,7 @@
   the weight and its group scales from each group's amax through ``calculate_qparams``, then its
   ``ModelCompressor`` (the ``nvfp4-pack-quantized`` compressor) and its config;
 * ``write_modelopt_nvfp4``: ModelOpt's NVFP4 tensors and config written per its formula
-  (FORMATS.md §6: ``weight_scale_2 = amax / (6 * 448)``, the block scale ``amax_g / (6 *
+  (FORMATS.md §5.5: ``weight_scale_2 = amax / (6 * 448)``, the block scale ``amax_g / (6 *
   weight_scale_2)`` in e4m3, codes ``w / (e4m3 * weight_scale_2)`` rounded to e2m1; packed two a
   byte, low nibble the even k), an ``hf_quant_config.json`` and ``exclude_modules``;
 * ``modelopt_decode``: the ModelOpt formula in vLLM's order (``dequantize_to_dtype``): fp32(e4m3 *

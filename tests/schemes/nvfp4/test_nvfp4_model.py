@@ -82,6 +82,7 @@ def test_whole_nvfp4_model(tmp_path, dirs, flavour, key, attn):
     assert report.layout == "nv4g16_n32k8_x86"
     man = json.loads((tmp_path / "out" / "moepack.json").read_text())
     assert all(e["scheme"] == "nvfp4" and e["act_mode"] == "a16" for e in man["layers"])
+    assert all("activations run in 16 bits" in e["scheme_source"] for e in man["layers"])  # never in FP4
     v = moepack.verify(tmp_path / "out", source=src)
     assert v.ok, v.failures()
     assert all(x.weights_exact for x in v.layers)

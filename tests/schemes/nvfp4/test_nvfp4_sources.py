@@ -1,11 +1,11 @@
 """The NVFP4 source readers (moepack/sources/nvfp4.py) against independent oracles.
 
-* compressed-tensors ``nvfp4-pack-quantized`` (FORMATS.md §3.5): a tiny qwen2_moe (routed and
+* compressed-tensors ``nvfp4-pack-quantized`` (FORMATS.md §3.4, §5.5): a tiny qwen2_moe (routed and
   shared experts, attention) compressed by compressed-tensors 0.20.1 itself (nvfp4_writers.py):
   the reader's canonical tensors decoded by moepack equal the library's own decompression bit for
   bit (its bf16 ``decompress`` and its fp32 ``dequantize``), experts, shared expert and the carried
   attention Linears (moepack/sources/linears.py) alike;
-* ModelOpt NVFP4 (§6): the same model written per ModelOpt's formula with ``exclude_modules``:
+* ModelOpt NVFP4 (§5.5): the same model written per ModelOpt's formula with ``exclude_modules``:
   equal to the formula in vLLM's order; the config in hf_quant_config.json or in config.json;
 * every refusal: NaN and negative e4m3 scales with their index, a zero / negative / NaN global
   scale, a group size other than 16, shapes that disagree, formats that are not NVFP4, experts
