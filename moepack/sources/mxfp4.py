@@ -235,14 +235,14 @@ class _View:
     of dtype E2M1 and its logical shape (``stand``: name -> (real tensor, shape)); the packed
     tensors are hidden."""
 
-    def __init__(self, ckpt: Checkpoint, stand: dict, hidden: set):
+    def __init__(self, ckpt: Checkpoint, stand: dict, hidden: set, what: str = "MXFP4", tag: str = E2M1):
         self.path, self.config = ckpt.path, ckpt.config
         self.tensors = {n: ti for n, ti in ckpt.tensors.items() if n not in hidden}
         for name, (real, shape) in stand.items():
             if name in self.tensors:
-                raise SourceError(f"tensor {name!r} is present next to the MXFP4 {real!r}: a weight is either float or MXFP4")
+                raise SourceError(f"tensor {name!r} is present next to the {what} {real!r}: a weight is either float or {what}")
             ref = ckpt.info(real)
-            self.tensors[name] = TensorInfo(name, ref.file, E2M1, tuple(shape), ref.offset, ref.nbytes)
+            self.tensors[name] = TensorInfo(name, ref.file, tag, tuple(shape), ref.offset, ref.nbytes)
 
     def info(self, name: str) -> TensorInfo:
         try:
@@ -251,13 +251,13 @@ class _View:
             raise SourceError(f"tensor {name!r} is missing from {self.path}") from None
 
 
-def _discover(ckpt, view, rule: str, stand: dict) -> list[LayerSpec]:
+def _discover(ckpt, view, rule: str, stand: dict, what: str = "MXFP4", tag: str = E2M1) -> list[LayerSpec]:
     try:
-        return discover_layers(view, (FLOAT_DTYPES | {E2M1}, rule))
+        return discover_layers(view, (FLOAT_DTYPES | {tag}, rule))
     except SourceError as err:  # name the real tensors, not the view's stand-ins
         msg = str(err)
         for name, (real, _) in stand.items():
-            msg = msg.replace(repr(name), f"{real!r} (as MXFP4)")
+            msg = msg.replace(repr(name), f"{real!r} (as {what})")
         raise SourceError(msg) from None
 
 
