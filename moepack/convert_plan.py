@@ -481,6 +481,9 @@ class _LogicalShapes:
         ti = self._ckpt.info(name)
         return dataclasses.replace(ti, shape=self._shapes[name]) if name in self._shapes else ti
 
+    def __getattr__(self, name: str):  # everything else (files, read, ...) is the checkpoint's
+        return getattr(self._ckpt, name)
+
 
 def check_config_against_tensors(ckpt: Checkpoint, config: dict, specs: list) -> None:
     """config.json must describe the tensors it comes with (issue 29: a config whose
