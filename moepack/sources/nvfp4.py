@@ -46,7 +46,8 @@ from ..schemes.nvfp4.quantize import check_e4m3_scales
 from .checkpoint import Checkpoint
 from .compressed_tensors import config_groups, ct_strategy, quantization_config
 from .dense import CanonicalLayer, LayerSpec, read_biases as dense_read_biases, text_config
-from .mxfp4 import _View, _check_dtype, _check_shape, _check_router, _discover, _interleave, _re_match, unpack_e2m1
+from .mxfp4 import (_View, _check_dtype, _check_router, _check_shape, _discover, _interleave, _re_match, claim_expert_modules,
+                    unpack_e2m1)
 
 SCHEME = "nvfp4"
 NVFP4 = "NVFP4"  # LayerSpec.dtype of NVFP4 experts (stand-in dtype of the packed weights)
@@ -246,25 +247,11 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
     view = _View(ckpt, stand, hidden, "NVFP4", NVFP4)
     rule = f"{fmt} expert weights must be NVFP4 (codes, e4m3 weight_scale and a global scale; shared experts may be float)"
     specs = _discover(ckpt, view, rule, stand, "NVFP4", NVFP4)
+    flavour = "compressed-tensors" if fmt == CT_FORMAT else "ModelOpt"
     for s in specs:
-        if s.kind != "per_expert":
-            raise SourceError(f"layer {s.prefix!r}: expert tensors are fused ({s.kind}, {s.names.get('gate_up')!r}); NVFP4 "
-                              "experts are per-expert Linear weights")  # fmt: skip
-        if s.dtype != NVFP4:
-            name = s.names[(0, "gate", "weight")]
-            raise SourceError(f"tensor {name!r} has dtype {s.dtype}: {rule}")
-        used = []
-        for e in range(s.num_experts):
-            for role in _ROLES:
-                p = s.names[(e, role, "weight")][: -len(".weight")]
-                why = _left_in_float(cfg, p)
-                if why is not None:
-                    raise SourceError(f"tensor {p + codes_sfx!r} is NVFP4, but the config leaves {p!r} unquantized "
-                                      f"({why!r}): the config and the weights disagree")  # fmt: skip
-                s.names[(e, role, "module")] = p
-                used += [p + codes_sfx, p + ".weight_scale", p + glob_sfx] + ([p + act_sfx] if p + act_sfx in ckpt.tensors else [])
-        s.expert_tensors = sorted(set(s.expert_tensors) - {s.names[(e, r, "weight")] for e in range(s.num_experts) for r in _ROLES}
-                                  | set(used))  # fmt: skip
+        claim_expert_modules(s, rule, "NVFP4", NVFP4, flavour, lambda p: _left_in_float(cfg, p), codes_sfx,
+                             lambda p: [p + codes_sfx, p + ".weight_scale", p + glob_sfx]
+                             + ([p + act_sfx] if p + act_sfx in ckpt.tensors else []))  # fmt: skip
         if s.activation == "swigluoai":  # gpt-oss, linearized: gate/up de-interleaved; re-interleave
             s.interleaved = True
         _check_router(view, s)
