@@ -121,10 +121,10 @@ def bench(
     threads: int = typer.Option(2, "--threads", help="torch.set_num_threads, and the machine probe's threads (1..1024)."),
     dtype: str = typer.Option("bf16", "--dtype", help="Activation dtype: bf16, fp32 or fp16 (weights are bf16)."),
     scheme: Optional[str] = typer.Option(
-        None, "--scheme", help="Packed experts (default: dense): dense (alias bf16), int8_channel (alias int8; W8A8: the bf16 weights quantized per channel; GB/s of int8 bytes, GOP/s), int4_group (alias int4: symmetric group 128; GB/s of packed int4 bytes), fp8_block (alias fp8: e4m3fn, 128x128 blocks; GB/s of codes and scales), or mxfp4 (OCP MX e2m1 + e8m0 per 32, round to nearest even; GB/s of codes and scales)."
+        None, "--scheme", help="Packed experts (default: dense): dense (alias bf16), int8_channel (alias int8; W8A8: the bf16 weights quantized per channel; GB/s of int8 bytes, GOP/s), int4_group (alias int4: symmetric group 128; GB/s of packed int4 bytes), fp8_block (alias fp8: e4m3fn, 128x128 blocks; GB/s of codes and scales), mxfp4 (OCP MX e2m1 + e8m0 per 32, round to nearest even; GB/s of codes and scales), or nvfp4 (e2m1 + e4m3 per 16 + fp32 global, compressed-tensors' rule; GB/s of codes, scales and globals)."
     ),
     act_mode: Optional[str] = typer.Option(
-        None, "--act-mode", help="Schemes with two activation modes (int4, mxfp4): a16 (default, W4A16) or a8 (W4A8)."
+        None, "--act-mode", help="Schemes with two activation modes (int4, mxfp4, nvfp4): a16 (default, W4A16) or a8 (W4A8)."
     ),
     skip_torch: bool = typer.Option(False, "--skip-torch", help="Time only moepack (no torch loop baseline)."),
     json_path: Optional[Path] = typer.Option(None, "--json", help="Write all rows and machine info to this JSON file (format: docs/BENCH.md)."),

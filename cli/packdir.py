@@ -46,7 +46,7 @@ def convert(
     asym: bool = typer.Option(False, "--asym", help="--quantize int4: asymmetric (scale and zero point from each group's "
                               "min and max, as W4A16_ASYM / AWQ) instead of symmetric (zero point 8)."),
     act_mode: Optional[str] = typer.Option(
-        None, "--act-mode", help="Every layer's default activation mode: a16 or a8 (layouts that serve it: int4, mxfp4). "
+        None, "--act-mode", help="Every layer's default activation mode: a16 or a8 (layouts that serve it: int4, mxfp4, nvfp4). "
         "Default: a16 (the checkpoint's meaning), a8 for a compressed-tensors W4A8 checkpoint."
     ),
     threads: Optional[int] = typer.Option(None, "--threads", help="Threads for packing, 1..1024 (default: torch's)."),

@@ -352,7 +352,7 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
     ne, no = len(expert_shards), len(other_shards)
     alpha, limit = _swiglu_params(config)  # before transformers reads them (check_config_against_tensors)
     _check_top_k(config, specs)
-    check_config_against_tensors(ckpt, config, specs)
+    check_config_against_tensors(_LogicalShapes(ckpt, carried_linears), config, specs)
     routing, routing_note = _routing_for(config)
     problems = runnable_problems(ckpt, config, specs, None if routing is not None else routing_note, expert_names)
     if problems:
@@ -464,6 +464,25 @@ _LAYER_OF = None  # compiled on first use: "layers.<i>." in a tensor name
 def _int_key(config: dict, key: str):
     v = config.get(key)
     return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+class _LogicalShapes:
+    """``ckpt`` with each carried Linear whose packed codes keep the name ``.weight`` (ModelOpt NVFP4:
+    U8 [N, K/2]) seen at its logical [N, K], for the config check (the others' codes have other names)."""
+
+    def __init__(self, ckpt: Checkpoint, carried_linears: dict):
+        self._ckpt, self.path, self.config, self.tensors = ckpt, ckpt.path, ckpt.config, ckpt.tensors
+        self._shapes = {lin.tensors["weight"]: (lin.n, lin.k) for lin in carried_linears.values()
+                        if lin.codec == "nvfp4" and lin.tensors["weight"].endswith(".weight")}  # fmt: skip
+
+    def info(self, name: str):
+        import dataclasses
+
+        ti = self._ckpt.info(name)
+        return dataclasses.replace(ti, shape=self._shapes[name]) if name in self._shapes else ti
+
+    def __getattr__(self, name: str):  # everything else (files, read, ...) is the checkpoint's
+        return getattr(self._ckpt, name)
 
 
 def check_config_against_tensors(ckpt: Checkpoint, config: dict, specs: list) -> None:

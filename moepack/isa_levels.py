@@ -339,7 +339,7 @@ def doc_rows() -> list[tuple[str, str, str, str]]:
         else:
             family = arch(lv.arch).layout_family
             names = {"i8": "int8", "u4:a8": "int4 (A8)", "u4:a16": "int4 (A16)", "u4": "int4",
-                     "e2m1:a8": "mxfp4 (A8)", "e2m1:a16": "mxfp4 (A16)"}
+                     "e2m1:a8": "mxfp4/nvfp4 (A8)", "e2m1:a16": "mxfp4/nvfp4 (A16)"}
             kinds = ", ".join(names.get(k, k) for k in lv.serves) if lv.serves else family
             serves = f"{kinds} layouts"
         rows.append((lv.name, needs, serves, lv.cpus))

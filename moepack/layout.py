@@ -36,17 +36,17 @@ FAMILIES = ("x86", "arm")
 # Element type of the stored codes/values -> bits per element. Sub-byte codes (4 bits) are stored
 # two to a byte in a uint8 tensor (TensorSpec.dtype), low nibble first.
 WEIGHT_DTYPES = {"bf16": 16, "f32": 32, "i8": 8, "u4": 4, "f8e4m3": 8, "e2m1": 4}
-SCALE_DTYPES = ("none", "f32", "bf16", "e8m0")
+SCALE_DTYPES = ("none", "f32", "bf16", "e8m0", "e4m3")
 ZERO_KINDS = ("none", "u4", "bf16")
 # The packed weight schemes (docs/SEMANTICS.md §3): one name everywhere (CLI, manifest, Python
 # API, docs); moepack/schemes/ has one module per scheme.
-SCHEMES = ("dense", "int8_channel", "int4_group", "fp8_block", "mxfp4")
+SCHEMES = ("dense", "int8_channel", "int4_group", "fp8_block", "mxfp4", "nvfp4")
 # Activation modes a layout serves (docs/SEMANTICS.md §3): a16 = activations in their own dtype,
 # a8 = per-token dynamic int8.
 ACT_MODES = ("a16", "a8")
 
 # The tensors one packed weight consists of (PackedLayout.tensors), and their vocabulary:
-TENSOR_ROLES = ("codes", "scale", "zero", "sum")  # what the driver hands a micro-kernel
+TENSOR_ROLES = ("codes", "scale", "zero", "sum", "global")  # what the driver hands a micro-kernel
 TENSOR_DTYPES = {"bfloat16": 2, "int8": 1, "uint8": 1, "float32": 4, "int32": 4}  # torch names -> bytes
 # How a tensor's shape follows from one expert matrix [N, K] padded to [Np, Kp]:
 #   packed   [E, Np, Kp * weight_bits / (8 * element bytes)]   the codes, block-interleaved
@@ -199,7 +199,7 @@ MAX_LAYOUT_TENSORS = 4
 RESERVED_SUFFIXES = ("_bias", "_perm")
 PERM_SCHEMES = ("int4_group",)  # the schemes whose layers may carry a w13_perm
 CODES_DTYPES = {"bf16": "bfloat16", "f32": "float32", "i8": "int8", "u4": "uint8", "f8e4m3": "uint8", "e2m1": "uint8"}  # weight_dtype -> codes tensor
-SCALE_TENSOR_DTYPES = {"f32": "float32", "bf16": "bfloat16", "e8m0": "uint8"}
+SCALE_TENSOR_DTYPES = {"f32": "float32", "bf16": "bfloat16", "e8m0": "uint8", "e4m3": "uint8"}
 ZERO_TENSOR_DTYPES = {"u4": "uint8", "bf16": "bfloat16"}
 # The fields of a layout descriptor in a format-version-1 manifest (before layouts declared their
 # tensors); moepack.runtime compares only these for such a manifest.
@@ -299,6 +299,34 @@ def _mx4_layout(id_: int, family: str = "x86", block_n: int = 32) -> "PackedLayo
 
 MX4_GROUP = 32  # OCP MX: one e8m0 scale per 32 K values
 
+
+# nvfp4 (SEMANTICS.md §3 "nvfp4"): the e2m1 codes exactly where the mx4 layouts put theirs (k_pack
+# 8, U4_CODE_ORDER), one float8 e4m3fn scale byte per (K group of 16, output channel) as stored
+# ([E, Kp/16, Np] uint8, 1/8 of the codes' bytes: 4.5 bits a weight) and one fp32 per output channel,
+# the tensor-wide ("global") scale of the source Linear the channel came from, kept apart from the
+# byte scales because folding it into them is not exact: g > 0 is compressed-tensors'
+# weight_global_scale, a divisor (the group's scale is fp32(e4m3 / g)); g <= 0 is ModelOpt's
+# weight_scale_2 negated, a multiplier (fp32(e4m3 * -g)). Either way the group's scale is the
+# source's own fp32 rounding of it, and w = e2m1(q) * that scale. Padding codes 0, padding scale
+# bytes 0 and padding globals 0 (a multiplier of 0): a padded weight is 0.
+def _nv4_layout(id_: int, family: str = "x86", block_n: int = 32) -> "PackedLayout":
+    return PackedLayout(
+        id=id_, name=f"nv4g16_n{block_n}k8_{family}", weight_dtype="e2m1", weight_bits=4, group_size=16, block_n=block_n,
+        k_pack=8, scale_dtype="e4m3", zero_kind="none", family=family, i_align=32, scheme="nvfp4",
+        act_modes=("a16", "a8"), code_order=U4_CODE_ORDER,
+        tensors=(
+            TensorSpec("codes", "", "uint8", "packed", note="e2m1 codes, two per byte (U4_NIBBLE_ORDER)"),
+            TensorSpec("scale", "_scale", "uint8", "group",
+                       note="float8 e4m3fn scale byte per (K group of 16, output channel), never negative or NaN; 0 in padding"),
+            TensorSpec("global", "_global", "float32", "channel",
+                       note="fp32 global scale of the channel's source Linear: > 0 divides (compressed-tensors), "
+                            "<= 0 multiplies by its negation (ModelOpt); 0 in padding"),
+        ),
+    )  # fmt: skip
+
+
+NV4_GROUP = 16  # NVFP4: one e4m3 scale per 16 K values
+
 LAYOUTS: tuple[PackedLayout, ...] = (
     PackedLayout(
         id=1,
@@ -384,6 +412,10 @@ LAYOUTS: tuple[PackedLayout, ...] = (
     # `& 0x0f` K k..k+3, `>> 4` k+4..k+7), one e8m0 byte per (K group of 32, column) like
     # mx4g32_n32k8_x86; a 16-entry `tbl` turns a nibble into its bf16 bytes (A16) or 2 * e2m1 (A8).
     _mx4_layout(18, "arm", 16),
+    # nvfp4: the mxfp4 blockings (x86 n32k8, arm n16k8) with one e4m3 byte per 16 K and a per-channel
+    # fp32 global scale.
+    _nv4_layout(19),
+    _nv4_layout(20, "arm", 16),
 )
 
 _BY_ID = {layout.id: layout for layout in LAYOUTS}
@@ -395,6 +427,7 @@ INT8_LAYOUT = _BY_NAME["i8_n32k4_x86"]
 INT4_LAYOUT = _BY_NAME["u4g128_n32k8_x86"]  # pack_experts' int4 default (symmetric, group 128)
 FP8_LAYOUT = _BY_NAME["f8g128_n32k2_x86"]  # DeepSeek-style 128 x 128 blocks
 MXFP4_LAYOUT = _BY_NAME["mx4g32_n32k8_x86"]
+NVFP4_LAYOUT = _BY_NAME["nv4g16_n32k8_x86"]
 ARM_LAYOUT = _BY_NAME["bf16_n16k4_arm"]  # the arm family's dense layout
 
 

@@ -21,6 +21,10 @@ AVX-512 levels). By role (moepack.layout's TensorSpec.role):
 * ``e8m0`` (the ``scale`` of a layout whose scales are e8m0 exponent bytes, mxfp4's): 0..252,
   the scales 2^(e - 127) (0 also in padding): 255 is the e8m0 NaN, and from 253 up 6 (e2m1's
   largest code) x 2^(e - 127) overflows float32 (convert refuses them);
+* ``e4m3`` (the ``scale`` of a layout whose scales are e4m3fn bytes, nvfp4's): never NaN (0x7F /
+  0xFF) nor negative (sign bit set; 0 also in padding): convert refuses them;
+* ``global`` (nvfp4's per-channel fp32 global scales): finite (0 only in padding; the sign says
+  divisor or multiplier);
 * ``sum`` (int8 column sums): equal to the sum of the channel's codes (only verify checks it:
   it needs every code, see ``colsum_problem``).
 
@@ -38,7 +42,7 @@ from .schemes.mxfp4.codec import E8M0_LARGEST
 from .sources.fp8_codec import E4M3_LARGEST
 
 # the roles open checks (their tensors are small next to the codes)
-OPEN_ROLES = ("scale", "f8scale", "e8m0", "zero", "perm")
+OPEN_ROLES = ("scale", "f8scale", "e8m0", "e4m3", "global", "zero", "perm")
 
 
 def _at(mask: torch.Tensor) -> tuple[list[int], int]:
@@ -67,6 +71,10 @@ def value_problem(name: str, role: str, t: torch.Tensor, *, offset: int | None =
         rule = (f"e8m0 scale 255 is NaN (scales are 2^(e - 127), e = 0..{E8M0_LARGEST}; convert refuses it)" if first == 255
                 else f"e8m0 scales must be 0..{E8M0_LARGEST}: from 253 up 6 (e2m1's largest code) x 2^(e - 127) overflows "
                 "float32 (convert refuses them)")  # fmt: skip
+    elif role == "e4m3":
+        bad, rule = t >= 0x7F, "nvfp4 e4m3 scale bytes 0x7F / 0xFF are NaN and 0x80 up negative (convert refuses them)"
+    elif role == "global":
+        bad, rule = ~torch.isfinite(t), "nvfp4 global scales must be finite (convert refuses others)"
     elif role == "f8scale":
         bad = ~(torch.isfinite(t) & (t >= 0) & torch.isfinite(t * E4M3_LARGEST))
         rule = (f"scales must be finite and >= 0, and fp8 scales <= {torch.finfo(torch.float32).max / E4M3_LARGEST:.4g} "
@@ -84,7 +92,7 @@ def value_problem(name: str, role: str, t: torch.Tensor, *, offset: int | None =
     else:
         where = str(idx)
     v = t[tuple(_at(bad)[0])].item()
-    if role == "f8codes":
+    if role in ("f8codes", "e4m3"):
         v = f"0x{v:02X}"
         return f"tensor {name!r} {where} = {v}: {rule} ({n} bad value(s){' in this piece' if offset is not None else ''})"
     return f"tensor {name!r} {where} = {v!r}: {rule} ({n} bad value(s){' in this piece' if offset is not None else ''})"
@@ -103,6 +111,11 @@ def _fast_ok(role: str, t: torch.Tensor) -> bool:
         return not bool(((t & 0x7F) == 0x7F).any())
     if role == "e8m0":
         return int(t.max()) <= E8M0_LARGEST
+    if role == "e4m3":
+        return int(t.max()) < 0x7F
+    if role == "global":
+        lo, hi = torch.aminmax(t)
+        return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
     if role == "f8scale":
         lo, hi = torch.aminmax(t)
         return bool(lo >= 0) and bool(torch.isfinite(hi * E4M3_LARGEST))
@@ -135,11 +148,14 @@ def roles_of(model, roles: tuple | None = None):
             groups.append((layer.entry.get("shared") or {}, layer.shared.layout))
         for group, lay in groups:
             # an fp8 layout's codes have their own rule (no NaN code); other one-byte codes have none;
-            # e8m0 scales (exponent bytes) have theirs (no 255), not the float scales' rule
+            # e8m0 scales (exponent bytes) have theirs (no 255), e4m3 scales (nvfp4) theirs, not the
+            # float scales' rule
             f8 = lay.scheme == "fp8_block"
             e8 = lay.scale_dtype == "e8m0"
+            e4 = lay.scale_dtype == "e4m3"
             kinds = {t.name: ("f8codes" if f8 and t.role == "codes" else "e8m0" if e8 and t.role == "scale"
-                              else "f8scale" if f8 and t.role == "scale" else t.role)
+                              else "e4m3" if e4 and t.role == "scale" else "f8scale" if f8 and t.role == "scale"
+                              else t.role)
                      for t in _plan_roles(lay)}  # fmt: skip
             for r, name in group.items():
                 role = kinds.get(r)

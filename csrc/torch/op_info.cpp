@@ -62,15 +62,16 @@ at::Tensor dot_u4_block_cpu(const at::Tensor& rows, const at::Tensor& block, int
 // exactly `isa`'s grouped-decode path (int4_group, fp8_block, mxfp4) in `act_mode`, as the fused
 // kernel's stage GEMM runs it. codes: the block's bytes [block_n * kp * bits / 8]; scale: [ng,
 // block_n] in the layout's scale dtype (ng K groups of group_size over kp; 1 per channel); zero:
-// [ng, block_n] uint8 where the layout has zero points. a16: rows float32 / bfloat16 / float16 [m,
+// [ng, block_n] uint8 where the layout has zero points (nvfp4: its float32 [block_n] globals). a16: rows float32 / bfloat16 / float16 [m,
 // kp] (stored for the level in its row format); a8: rows int8 [m, kp] and row_scales float32 [m].
 // -> float32 [m, block_n].
 at::Tensor grouped_block_cpu(const at::Tensor& rows, const at::Tensor& codes, const at::Tensor& scale,
                              const std::optional<at::Tensor>& zero, const std::optional<at::Tensor>& row_scales,
                              int64_t layout, std::string_view isa, std::string_view act_mode) {
   const LayoutDesc& L = layout_or_throw(layout);
-  TORCH_CHECK_VALUE(L.scheme == kScheme_int4_group || L.scheme == kScheme_fp8_block || L.scheme == kScheme_mxfp4, "layout ",
-                    L.name, " is not a grouped-decode layout (int4_group, fp8_block, mxfp4)");
+  TORCH_CHECK_VALUE(L.scheme == kScheme_int4_group || L.scheme == kScheme_fp8_block || L.scheme == kScheme_mxfp4 ||
+                        L.scheme == kScheme_nvfp4,
+                    "layout ", L.name, " is not a grouped-decode layout (int4_group, fp8_block, mxfp4, nvfp4)");
   const int32_t mode = parse_act_mode(L, act_mode);
   TORCH_CHECK_VALUE(rows.dim() == 2 && rows.size(1) % L.k_pack == 0 && rows.size(1) <= kMaxI8K, "rows has shape ",
                     shape_str(rows), ": must be [m, kp] with kp a multiple of k_pack=", L.k_pack, " and <= ", kMaxI8K);
@@ -86,10 +87,12 @@ at::Tensor grouped_block_cpu(const at::Tensor& rows, const at::Tensor& codes, co
   }();
   TORCH_CHECK_VALUE(si >= 0, "layout ", L.name, " declares no scale tensor");
   check_exact(scale, "scale", scalar_type_of(L.tensors[si].dtype), {ng, L.block_n}, "[groups, block_n] of the block");
-  const bool has_zero = L.zero_kind != kZeroKind_none;
+  const bool nv4 = L.scheme == kScheme_nvfp4;  // `zero` carries the block's fp32 globals [block_n]
+  const bool has_zero = L.zero_kind != kZeroKind_none || nv4;
   TORCH_CHECK_VALUE(has_zero == zero.has_value(), "zero is ", zero ? "given" : "missing", ": layout ", L.name,
-                    has_zero ? " has" : " has no", " zero points");
-  if (zero) check_exact(*zero, "zero", at::kByte, {ng, L.block_n}, "uint8 [groups, block_n] of the block");
+                    nv4 ? " takes its per-column fp32 globals there" : has_zero ? " has zero points" : " has no zero points");
+  if (zero && nv4) check_exact(*zero, "zero", at::kFloat, {L.block_n}, "float32 [block_n]: the block's nvfp4 globals");
+  if (zero && !nv4) check_exact(*zero, "zero", at::kByte, {ng, L.block_n}, "uint8 [groups, block_n] of the block");
   DType dt = DType::f32;
   at::Tensor vals;
   if (mode == kAct_a8) {

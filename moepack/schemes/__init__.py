@@ -240,7 +240,7 @@ def float_scheme() -> Scheme:
 
 
 # The scheme modules register themselves on import.
-from . import dense, int8, int4, fp8, mxfp4  # noqa: E402,F401
+from . import dense, int8, int4, fp8, mxfp4, nvfp4  # noqa: E402,F401
 
 __all__ = ["Scheme", "float_scheme", "OutputRule", "BenchInfo", "LayerSource", "LayerPacker", "QuantError", "get_scheme", "register",
            "schemes"]  # fmt: skip

@@ -132,6 +132,19 @@ def _mxfp4_readers() -> list[SourceReader]:
             reader("compressed-tensors-mxfp4-pack-quantized", mxfp4.detect_ct, mxfp4.CT_NOTE)]  # fmt: skip
 
 
+def _nvfp4_readers() -> list[SourceReader]:
+    from . import nvfp4
+
+    def reader(name, detect, note):
+        return SourceReader(name, detect, nvfp4.layers, nvfp4.read_layer, nvfp4.read_expert_w13, nvfp4.read_expert_w2,
+                            nvfp4.read_biases, nvfp4.read_shared, scheme=nvfp4.SCHEME,
+                            read_expert_canonical=nvfp4.read_expert_canonical, read_shared_canonical=nvfp4.read_shared_canonical,
+                            weights_note=note)  # fmt: skip
+
+    return [reader("compressed-tensors-nvfp4-pack-quantized", nvfp4.detect_ct, nvfp4.CT_NOTE),
+            reader("modelopt-nvfp4", nvfp4.detect_modelopt, nvfp4.MODELOPT_NOTE)]  # fmt: skip
+
+
 def _int4_readers() -> list[SourceReader]:
     from . import awq, ct_pack_quantized, gptq
 
@@ -143,6 +156,7 @@ READERS: list[SourceReader] = [
     *_int4_readers(),  # scheme int4_group (sources/int4_common.py): compressed-tensors pack-quantized, GPTQ, AWQ GEMM
     *_fp8_readers(),  # scheme fp8_block (sources/fp8.py): DeepSeek/Qwen block FP8, compressed-tensors float-quantized
     *_mxfp4_readers(),  # scheme mxfp4 (sources/mxfp4.py): gpt-oss MXFP4, compressed-tensors mxfp4-pack-quantized
+    *_nvfp4_readers(),  # scheme nvfp4 (sources/nvfp4.py): compressed-tensors nvfp4-pack-quantized, ModelOpt NVFP4
     SourceReader("dense", _detect_dense, discover_layers, read_layer, read_expert_w13, read_expert_w2, read_biases, read_shared),
 ]
 
@@ -165,6 +179,7 @@ _CLAIMS = {
     ("compressed-tensors", "pack-quantized"): "compressed-tensors-pack-quantized",
     ("compressed-tensors", "float-quantized"): "compressed-tensors-float-quantized",
     ("compressed-tensors", "mxfp4-pack-quantized"): "compressed-tensors-mxfp4-pack-quantized",
+    ("compressed-tensors", "nvfp4-pack-quantized"): "compressed-tensors-nvfp4-pack-quantized",
     ("gptq", None): "gptq",
     ("awq", None): "awq",
     ("fp8", None): "fp8-block",
@@ -172,8 +187,7 @@ _CLAIMS = {
 }
 # Formats moepack recognises and does not read yet: (quant_method, format) -> what they are.
 _NOT_YET = {
-    ("compressed-tensors", "nvfp4-pack-quantized"): "compressed-tensors format 'nvfp4-pack-quantized': NVFP4",
-    ("nvfp4", None): "quant_method='nvfp4': NVFP4",
+    ("nvfp4", None): "quant_method='nvfp4': NVFP4 (moepack reads compressed-tensors 'nvfp4-pack-quantized' and ModelOpt NVFP4)",
 }
 
 
@@ -184,9 +198,10 @@ def _claim(ckpt: Checkpoint) -> tuple[str | None, str | None, str]:
     algo = _modelopt_algo(ckpt)
     if algo is None and isinstance(qc, dict) and qc.get("quant_method") == "modelopt":
         algo = qc.get("quant_algo", "?")
-    if algo is not None:  # NVIDIA ModelOpt: quant_algo NVFP4, FP8, W4A8_AWQ, ...
-        what = "NVFP4" if str(algo).upper() == "NVFP4" else "a ModelOpt checkpoint"
-        return None, f"ModelOpt quant_algo={algo!r}: {what}", ""
+    if algo is not None:  # NVIDIA ModelOpt: quant_algo NVFP4 (read), FP8, W4A8_AWQ, ...
+        if str(algo).upper() == "NVFP4":
+            return "modelopt-nvfp4", None, f"ModelOpt quant_algo {algo!r}"
+        return None, f"ModelOpt quant_algo={algo!r}: a ModelOpt checkpoint", ""
     if not isinstance(qc, dict):
         return (None, None, "") if qc else ("dense", None, "no quantization_config")
     method = qc.get("quant_method")

@@ -56,7 +56,7 @@ class CarriedLinear:
     """One quantized Linear outside the experts, as found in the headers (no value read)."""
 
     prefix: str
-    codec: str  # "int4", "int8", "fp8" or "mxfp4"
+    codec: str  # "int4", "int8", "fp8", "mxfp4" or "nvfp4"
     n: int
     k: int
     tensors: dict = field(default_factory=dict)  # role -> tensor name
@@ -183,9 +183,11 @@ def _ct_mxfp4(view, qc: dict) -> dict[str, CarriedLinear]:
         p = name[: -len(".weight_packed")]
         g = _ct_group(qc, p)
         fmt = (g or {}).get("format") or qc.get("format")
+        if fmt == "nvfp4-pack-quantized":  # _nvfp4 finds these
+            continue
         if fmt != CT_FORMAT:
             raise SourceError(f"tensor {name!r} is U8 (packed FP4) but its config group's format is {fmt!r}: moepack reads "
-                              f"FP4 Linears as {CT_FORMAT!r} (NVFP4 is not read)")  # fmt: skip
+                              f"FP4 Linears as {CT_FORMAT!r} or 'nvfp4-pack-quantized'")  # fmt: skip
         if len(ti.shape) != 2:
             raise SourceError(f"tensor {name!r} has shape {list(ti.shape)}: expected a 2-D [N, K/2] weight")
         n, k = ti.shape[0], 2 * ti.shape[1]
@@ -206,10 +208,30 @@ def _ct_mxfp4(view, qc: dict) -> dict[str, CarriedLinear]:
     return out
 
 
+def _nvfp4(view, fmt: str, qc: dict | None = None) -> dict[str, CarriedLinear]:
+    """The NVFP4 Linears (compressed-tensors ``nvfp4-pack-quantized``: U8 ``weight_packed``, F8_E4M3
+    ``weight_scale`` [N, K/16], F32 ``weight_global_scale``; ModelOpt: U8 ``weight``, ``weight_scale``,
+    ``weight_scale_2``; FORMATS.md §3.5, §6), through the expert reader's header checks."""
+    from .nvfp4 import _NAMES, CT_FORMAT, nvfp4_modules
+
+    codes_sfx, glob_sfx, act_sfx = _NAMES[fmt]
+    out = {}
+    for p, (n, k) in nvfp4_modules(view, fmt).items():
+        if qc is not None and ((_ct_group(qc, p) or {}).get("format") or qc.get("format")) != CT_FORMAT:
+            continue
+        t = {"weight": p + codes_sfx, "scale": p + ".weight_scale", "global": p + glob_sfx}
+        if p + act_sfx in view.tensors:
+            t["input_scale"] = p + act_sfx
+        out[p] = CarriedLinear(p, "nvfp4", n, k, t, cfg={"format": fmt})
+    return out
+
+
 def _compressed_tensors(view, qc: dict) -> dict[str, CarriedLinear]:
     from . import ct_pack_quantized as ctpq
 
     out = _ct_mxfp4(view, qc)
+    if any(((g or {}).get("format") or qc.get("format")) == "nvfp4-pack-quantized" for g in (qc.get("config_groups") or {}).values()):
+        out.update(_nvfp4(view, "nvfp4-pack-quantized", qc))
     if out:  # the int4 scan below sees the pack-quantized (I32) Linears only
         view = CarriedView(view, [n for n in view.tensors if n not in {t for lin in out.values() for t in lin.tensors.values()}])
     if any(n.endswith(".weight_packed") for n in view.tensors):
@@ -297,6 +319,8 @@ def find_linears(view) -> dict[str, CarriedLinear]:
     qc = _qc(view) or {}
     if method == "compressed-tensors":
         return _compressed_tensors(view, qc)
+    if method == "modelopt" or (view.path / "hf_quant_config.json").is_file():
+        return _nvfp4(view, "modelopt")
     if method == "fp8":
         return _fp8(view, qc)
     return {}
@@ -355,7 +379,17 @@ def _mxfp4_values(view, lin: CarriedLinear, dequant: bool = True) -> torch.Tenso
     return dequantize_mxfp4(unpack_e2m1(view.read(lin.tensors["weight"])), s)
 
 
+def _nvfp4_values(view, lin: CarriedLinear, dequant: bool = True) -> torch.Tensor | None:
+    from ..schemes.nvfp4.codec import dequantize_nvfp4
+    from .nvfp4 import nvfp4_linear
+
+    q, s, g = nvfp4_linear(view, lin.prefix, lin.cfg["format"])  # checks the scales and the global
+    return dequantize_nvfp4(q, s, g) if dequant else None
+
+
 def _values(view, lin: CarriedLinear, dequant: bool) -> torch.Tensor | None:
+    if lin.codec == "nvfp4":
+        return _nvfp4_values(view, lin, dequant)
     if lin.codec == "mxfp4":
         return _mxfp4_values(view, lin, dequant)
     if lin.codec == "int4":

@@ -235,14 +235,14 @@ class _View:
     of dtype E2M1 and its logical shape (``stand``: name -> (real tensor, shape)); the packed
     tensors are hidden."""
 
-    def __init__(self, ckpt: Checkpoint, stand: dict, hidden: set):
+    def __init__(self, ckpt: Checkpoint, stand: dict, hidden: set, what: str = "MXFP4", tag: str = E2M1):
         self.path, self.config = ckpt.path, ckpt.config
         self.tensors = {n: ti for n, ti in ckpt.tensors.items() if n not in hidden}
         for name, (real, shape) in stand.items():
             if name in self.tensors:
-                raise SourceError(f"tensor {name!r} is present next to the MXFP4 {real!r}: a weight is either float or MXFP4")
+                raise SourceError(f"tensor {name!r} is present next to the {what} {real!r}: a weight is either float or {what}")
             ref = ckpt.info(real)
-            self.tensors[name] = TensorInfo(name, ref.file, E2M1, tuple(shape), ref.offset, ref.nbytes)
+            self.tensors[name] = TensorInfo(name, ref.file, tag, tuple(shape), ref.offset, ref.nbytes)
 
     def info(self, name: str) -> TensorInfo:
         try:
@@ -251,13 +251,39 @@ class _View:
             raise SourceError(f"tensor {name!r} is missing from {self.path}") from None
 
 
-def _discover(ckpt, view, rule: str, stand: dict) -> list[LayerSpec]:
+def claim_expert_modules(s: LayerSpec, rule: str, what: str, tag: str, flavour: str, left_in_float, codes_sfx: str,
+                         tensors_of) -> None:  # fmt: skip
+    """A layer of per-expert quantized Linears (compressed-tensors MXFP4, NVFP4 of either flavour):
+    refuses fused expert tensors, experts not stored as ``tag``, and an expert module the config
+    leaves in float (``left_in_float(module)``: the reason, or None); records each expert's module
+    (``names[(e, role, "module")]``) and puts its stored tensors (``tensors_of(module)``) in place of
+    the stand-in ``.weight`` names among the layer's ``expert_tensors``."""
+    if s.kind != "per_expert":
+        raise SourceError(f"layer {s.prefix!r}: expert tensors are fused ({s.kind}, {s.names.get('gate_up')!r}); {flavour} "
+                          f"{what} experts are per-expert Linear weights")  # fmt: skip
+    if s.dtype != tag:
+        raise SourceError(f"tensor {s.names[(0, 'gate', 'weight')]!r} has dtype {s.dtype}: {rule}")
+    used = []
+    for e in range(s.num_experts):
+        for role in _ROLES:
+            p = s.names[(e, role, "weight")][: -len(".weight")]
+            why = left_in_float(p)
+            if why is not None:
+                raise SourceError(f"tensor {p + codes_sfx!r} is {what}, but the config leaves {p!r} unquantized "
+                                  f"({why!r}): the config and the weights disagree")  # fmt: skip
+            s.names[(e, role, "module")] = p
+            used += tensors_of(p)
+    stand = {s.names[(e, r, "weight")] for e in range(s.num_experts) for r in _ROLES}
+    s.expert_tensors = sorted(set(s.expert_tensors) - stand | set(used))
+
+
+def _discover(ckpt, view, rule: str, stand: dict, what: str = "MXFP4", tag: str = E2M1) -> list[LayerSpec]:
     try:
-        return discover_layers(view, (FLOAT_DTYPES | {E2M1}, rule))
+        return discover_layers(view, (FLOAT_DTYPES | {tag}, rule))
     except SourceError as err:  # name the real tensors, not the view's stand-ins
         msg = str(err)
         for name, (real, _) in stand.items():
-            msg = msg.replace(repr(name), f"{real!r} (as MXFP4)")
+            msg = msg.replace(repr(name), f"{real!r} (as {what})")
         raise SourceError(msg) from None
 
 
@@ -396,24 +422,8 @@ def _ct_layers(ckpt: Checkpoint, cfg: dict) -> list[LayerSpec]:
     rule = f"{CT_FORMAT} expert weights must be MXFP4 (weight_packed + weight_scale; shared experts may be float)"
     specs = _discover(ckpt, view, rule, stand)
     for s in specs:
-        if s.kind != "per_expert":
-            raise SourceError(f"layer {s.prefix!r}: expert tensors are fused ({s.kind}, {s.names.get('gate_up')!r}); compressed-"
-                              "tensors experts are per-expert Linear weights")  # fmt: skip
-        if s.dtype != E2M1:
-            name = s.names[(0, "gate", "weight")]
-            raise SourceError(f"tensor {name!r} has dtype {s.dtype}: {rule}")
-        used = []
-        for e in range(s.num_experts):
-            for role in _ROLES:
-                p = s.names[(e, role, "weight")][: -len(".weight")]
-                why = _left_in_float(cfg, p)
-                if why is not None:
-                    raise SourceError(f"tensor {p + '.weight_packed'!r} is MXFP4, but the config leaves {p!r} unquantized "
-                                      f"({why!r}): the config and the weights disagree")  # fmt: skip
-                s.names[(e, role, "module")] = p
-                used += [p + ".weight_packed", p + ".weight_scale"]
-        s.expert_tensors = sorted(set(s.expert_tensors) - {s.names[(e, r, "weight")] for e in range(s.num_experts) for r in _ROLES}
-                                  | set(used))  # fmt: skip
+        claim_expert_modules(s, rule, "MXFP4", E2M1, "compressed-tensors", lambda p: _left_in_float(cfg, p), ".weight_packed",
+                             lambda p: [p + ".weight_packed", p + ".weight_scale"])  # fmt: skip
         if s.activation == "swigluoai":  # gpt-oss, linearized: gate/up de-interleaved; re-interleave
             s.interleaved = True
         _check_router(view, s)

@@ -86,6 +86,7 @@ bool g_quick = false;
 #include "kt_mx4.inc"
 #include "kt_mx4_simd.inc"
 #include "kt_mx4_arm.inc"
+#include "kt_nvfp4.inc"
 #include "kt_seam.inc"
 #include "kt_nan.inc"
 
@@ -128,6 +129,9 @@ int main(int argc, char** argv) {
   test_mx4_fused(runnable_registrars());
   test_mx4_simd(runnable_registrars());
   test_mx4_arm(runnable_registrars());
+  test_nv4_tables();
+  test_nv4_block(runnable_registrars());
+  test_nv4_fused(runnable_registrars());
   test_swiglu_nan();
 
   const Activation acts[4] = {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::swigluoai};

@@ -122,9 +122,9 @@ def test_layout_table_invariants():
     assert len({x.id for x in LAYOUTS}) == len(LAYOUTS) and len({x.name for x in LAYOUTS}) == len(LAYOUTS)
     for x in LAYOUTS:
         # grouped schemes name their group (g<G>, or ch per channel); the f8 layouts' names say f8 (e4m3fn
-        # is the one fp8 they hold), the mxfp4 ones mx4 (e2m1 codes, OCP MX)
-        tag = (f"g{x.group_size}" if x.group_size else "ch") if x.scheme in ("int4_group", "fp8_block", "mxfp4") else ""
-        short = {"f8e4m3": "f8", "e2m1": "mx4"}.get(x.weight_dtype, x.weight_dtype)
+        # is the one fp8 they hold), the mxfp4 ones mx4 (e2m1 codes, OCP MX), the nvfp4 ones nv4
+        tag = (f"g{x.group_size}" if x.group_size else "ch") if x.scheme in ("int4_group", "fp8_block", "mxfp4", "nvfp4") else ""
+        short = {"f8e4m3": "f8", "e2m1": "nv4" if x.scheme == "nvfp4" else "mx4"}.get(x.weight_dtype, x.weight_dtype)
         assert x.name == f"{short}{tag}_n{x.block_n}k{x.k_pack}_{x.family}"
         assert x.i_align % x.block_n == 0
         assert x.weight_bits == lay.WEIGHT_DTYPES[x.weight_dtype] == 8 * x.elem_bytes

@@ -71,7 +71,7 @@ def test_every_scheme_is_a_package_with_its_parts():
         if s.quantized:  # dense has no quantizer of its own; its pack and reference are in __init__
             for part in ("quantize.py", "pack.py", "reference.py"):
                 assert (pkg / part).exists(), (s.name, part)
-    assert [s.name for s in schemes()] == ["dense", "int8_channel", "int4_group", "fp8_block", "mxfp4"]
+    assert [s.name for s in schemes()] == ["dense", "int8_channel", "int4_group", "fp8_block", "mxfp4", "nvfp4"]
 
 
 @pytest.mark.parametrize("path", GENERIC)

@@ -2,8 +2,9 @@
 ``ignore``, ``modules_to_not_convert``, a GPTQ / AWQ file whose quantizer skipped them): convert
 never changes the model unasked, so the shared expert stays float.
 
-For an FP8 (compressed-tensors FP8_BLOCK), an int4 (compressed-tensors W4A16 and GPTQ) and an
-MXFP4 (compressed-tensors MXFP4A16) checkpoint of one tiny qwen2_moe, written by the libraries'
+For an FP8 (compressed-tensors FP8_BLOCK), an int4 (compressed-tensors W4A16 and GPTQ), an
+MXFP4 (compressed-tensors MXFP4A16) and an NVFP4 (compressed-tensors nvfp4-pack-quantized)
+checkpoint of one tiny qwen2_moe, written by the libraries'
 own compressors (tests/support/ct_writer.py) or tools/int4_packers.py, with the shared experts
 kept BF16:
 
@@ -70,7 +71,24 @@ SOURCES = {
     "ct_w4a16": ("W4A16", "int4_group", "u4g128_n32k8_x86"),
     "ct_mxfp4": ("MXFP4A16", "mxfp4", "mx4g32_n32k8_x86"),
     "gptq": ("gptq", "int4_group", "u4g128_n32k8_x86"),
+    "ct_nvfp4": ("nvfp4", "nvfp4", "nv4g16_n32k8_x86"),
 }
+
+
+def _float_shared_nvfp4(src: Path, d: Path) -> None:
+    """compressed-tensors' own nvfp4-pack-quantized checkpoint of ``src`` (tests/schemes/nvfp4/
+    nvfp4_writers.py), then its shared experts put back as the float source stores them and named
+    in the recipe's ``ignore``, as a recipe that left them float writes it."""
+    from tests.schemes.nvfp4.nvfp4_writers import write_ct_nvfp4
+
+    write_ct_nvfp4(src, d)
+    fsd = load_file(str(src / "model.safetensors"))
+    sd = {n: t for n, t in load_file(str(d / "model.safetensors")).items() if ".shared_expert." not in n}
+    sd.update({n: t for n, t in fsd.items() if ".shared_expert." in n})
+    save_file({k: sd[k] for k in sorted(sd)}, str(d / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = list(cfg["quantization_config"].get("ignore") or []) + IGNORE
+    (d / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
 def _float_shared_gptq(src: Path, d: Path) -> None:
@@ -102,6 +120,8 @@ def sources(tmp_path_factory):
                 float_checkpoint(d, "qwen2_moe", seed=5, **SHAPE)
             elif name == "gptq":
                 _float_shared_gptq(get("bf16"), d)
+            elif name == "ct_nvfp4":
+                _float_shared_nvfp4(get("bf16"), d)
             else:
                 preset = SOURCES[name][0]
                 write_ct_checkpoint(get("bf16"), d, preset, _amax(preset), keep=KEEP_SHARED, ignore=IGNORE)

@@ -40,7 +40,7 @@ def _ct_nvfp4(cfg):
     qc["format"] = "nvfp4-pack-quantized"
     for g in qc["config_groups"].values():
         g["format"] = "nvfp4-pack-quantized"
-        g["weights"].update(num_bits=4, type="float", strategy="tensor_group", group_size=16)
+        g["weights"].update(num_bits=4, type="float", strategy="tensor_group", group_size=32)
 
 
 def _ct_int8_per_tensor(cfg):
@@ -50,9 +50,14 @@ def _ct_int8_per_tensor(cfg):
 
 CASES = {  # fixture, config edit, the first line's words (after "source <path>: "), a word it must not hold
     "compressed-tensors NVFP4": ("qwen3_moe_w8a8", _ct_nvfp4,
-                                 "compressed-tensors format 'nvfp4-pack-quantized': NVFP4 is not supported yet", "W8A8"),
-    "ModelOpt NVFP4": ("qwen3_moe", lambda c: c.update(quantization_config={"quant_method": "modelopt", "quant_algo": "NVFP4"}),
-                       "ModelOpt quant_algo='NVFP4': NVFP4 is not supported yet", "gptq"),
+                                 "compressed-tensors-nvfp4-pack-quantized, the reader of quantization_config format "
+                                 "'nvfp4-pack-quantized': config group 'group_0' weights group_size=32: NVFP4", "W8A8"),
+    "ModelOpt NVFP4": ("qwen3_moe", lambda c: c.update(quantization_config={"quant_method": "modelopt", "quant_algo": "NVFP4",
+                                                                            "group_size": 32}),
+                       "modelopt-nvfp4, the reader of ModelOpt quant_algo 'NVFP4': config.json quantization_config "
+                       "group_size=32: NVFP4", "gptq"),
+    "ModelOpt FP8": ("qwen3_moe", lambda c: c.update(quantization_config={"quant_method": "modelopt", "quant_algo": "FP8"}),
+                     "ModelOpt quant_algo='FP8': a ModelOpt checkpoint is not supported yet", "gptq"),
     "compressed-tensors W8A8 per tensor": ("qwen3_moe_w8a8", _ct_int8_per_tensor,
                                            "compressed-tensors, the reader of quantization_config format 'int-quantized': ",
                                            "awq"),
@@ -89,9 +94,10 @@ def test_modelopt_hf_quant_config_is_recognised_without_a_quantization_config(tm
     src = _src(tmp_path, "qwen3_moe", lambda c: None)
     (src / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"},
                                                           "quantization": {"quant_algo": "NVFP4", "group_size": 16}}))  # fmt: skip
-    with pytest.raises(SourceError) as ei:
-        open_source(src)
-    assert str(ei.value).startswith(f"source {src}: ModelOpt quant_algo='NVFP4': NVFP4 is not supported yet")
+    ckpt, reader = open_source(src)  # ModelOpt NVFP4's reader; these weights are float, not NVFP4
+    assert reader.name == "modelopt-nvfp4"
+    with pytest.raises(SourceError, match=r"an NVFP4 \(modelopt\) config but no '\*\.weight' U8 tensors"):
+        reader.layers(ckpt)
 
 
 def test_an_unclaimed_format_still_lists_every_reader(tmp_path):

@@ -6,11 +6,11 @@
 namespace moepack {
 
 enum Family : int32_t { kFamily_x86 = 0, kFamily_arm = 1 };
-enum ScaleDtype : int32_t { kScaleDtype_none = 0, kScaleDtype_f32 = 1, kScaleDtype_bf16 = 2, kScaleDtype_e8m0 = 3 };
+enum ScaleDtype : int32_t { kScaleDtype_none = 0, kScaleDtype_f32 = 1, kScaleDtype_bf16 = 2, kScaleDtype_e8m0 = 3, kScaleDtype_e4m3 = 4 };
 enum ZeroKind : int32_t { kZeroKind_none = 0, kZeroKind_u4 = 1, kZeroKind_bf16 = 2 };
 enum WeightDtype : int32_t { kWeight_bf16 = 0, kWeight_f32 = 1, kWeight_i8 = 2, kWeight_u4 = 3, kWeight_f8e4m3 = 4, kWeight_e2m1 = 5 };
-enum Scheme : int32_t { kScheme_dense = 0, kScheme_int8_channel = 1, kScheme_int4_group = 2, kScheme_fp8_block = 3, kScheme_mxfp4 = 4 };
-enum TensorRole : int32_t { kRole_codes = 0, kRole_scale = 1, kRole_zero = 2, kRole_sum = 3 };
+enum Scheme : int32_t { kScheme_dense = 0, kScheme_int8_channel = 1, kScheme_int4_group = 2, kScheme_fp8_block = 3, kScheme_mxfp4 = 4, kScheme_nvfp4 = 5 };
+enum TensorRole : int32_t { kRole_codes = 0, kRole_scale = 1, kRole_zero = 2, kRole_sum = 3, kRole_global = 4 };
 enum TensorDtype : int32_t { kTensor_bfloat16 = 0, kTensor_int8 = 1, kTensor_uint8 = 2, kTensor_float32 = 3, kTensor_int32 = 4 };
 enum TensorShape : int32_t { kShape_packed = 0, kShape_channel = 1, kShape_group = 2 };
 enum ActMode : int32_t { kAct_a16 = 1, kAct_a8 = 2 };  // bits of LayoutDesc::act_modes
@@ -157,9 +157,19 @@ constexpr int32_t kLayoutId_mx4g32_n16k8_arm = 18;
 static_assert(kLayout_mx4g32_n16k8_arm.k_pack * kLayout_mx4g32_n16k8_arm.weight_bits % 8 == 0, "mx4g32_n16k8_arm: a column's run of k_pack codes is whole bytes");
 static_assert(kLayout_mx4g32_n16k8_arm.code_order_len == kLayout_mx4g32_n16k8_arm.k_pack, "mx4g32_n16k8_arm: code_order covers k_pack");
 static_assert(kLayout_mx4g32_n16k8_arm.i_align % kLayout_mx4g32_n16k8_arm.block_n == 0, "mx4g32_n16k8_arm: i_align");
+constexpr LayoutDesc kLayout_nv4g16_n32k8_x86 = {19, "nv4g16_n32k8_x86", kWeight_e2m1 /*5*/, 4, 16, 32, 8, kScaleDtype_e4m3, kZeroKind_none, kFamily_x86, 32, kScheme_nvfp4, kAct_a16 | kAct_a8, 3, {{kRole_codes, "", kTensor_uint8, kShape_packed, "e2m1 codes, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_uint8, kShape_group, "float8 e4m3fn scale byte per (K group of 16, output channel), never negative or NaN; 0 in padding"}, {kRole_global, "_global", kTensor_float32, kShape_channel, "fp32 global scale of the channel's source Linear: > 0 divides (compressed-tensors), <= 0 multiplies by its negation (ModelOpt); 0 in padding"}}, 8, {0, 2, 4, 6, 1, 3, 5, 7}};
+constexpr int32_t kLayoutId_nv4g16_n32k8_x86 = 19;
+static_assert(kLayout_nv4g16_n32k8_x86.k_pack * kLayout_nv4g16_n32k8_x86.weight_bits % 8 == 0, "nv4g16_n32k8_x86: a column's run of k_pack codes is whole bytes");
+static_assert(kLayout_nv4g16_n32k8_x86.code_order_len == kLayout_nv4g16_n32k8_x86.k_pack, "nv4g16_n32k8_x86: code_order covers k_pack");
+static_assert(kLayout_nv4g16_n32k8_x86.i_align % kLayout_nv4g16_n32k8_x86.block_n == 0, "nv4g16_n32k8_x86: i_align");
+constexpr LayoutDesc kLayout_nv4g16_n16k8_arm = {20, "nv4g16_n16k8_arm", kWeight_e2m1 /*5*/, 4, 16, 16, 8, kScaleDtype_e4m3, kZeroKind_none, kFamily_arm, 32, kScheme_nvfp4, kAct_a16 | kAct_a8, 3, {{kRole_codes, "", kTensor_uint8, kShape_packed, "e2m1 codes, two per byte (U4_NIBBLE_ORDER)"}, {kRole_scale, "_scale", kTensor_uint8, kShape_group, "float8 e4m3fn scale byte per (K group of 16, output channel), never negative or NaN; 0 in padding"}, {kRole_global, "_global", kTensor_float32, kShape_channel, "fp32 global scale of the channel's source Linear: > 0 divides (compressed-tensors), <= 0 multiplies by its negation (ModelOpt); 0 in padding"}}, 8, {0, 2, 4, 6, 1, 3, 5, 7}};
+constexpr int32_t kLayoutId_nv4g16_n16k8_arm = 20;
+static_assert(kLayout_nv4g16_n16k8_arm.k_pack * kLayout_nv4g16_n16k8_arm.weight_bits % 8 == 0, "nv4g16_n16k8_arm: a column's run of k_pack codes is whole bytes");
+static_assert(kLayout_nv4g16_n16k8_arm.code_order_len == kLayout_nv4g16_n16k8_arm.k_pack, "nv4g16_n16k8_arm: code_order covers k_pack");
+static_assert(kLayout_nv4g16_n16k8_arm.i_align % kLayout_nv4g16_n16k8_arm.block_n == 0, "nv4g16_n16k8_arm: i_align");
 
-constexpr int32_t kMaxLayoutId = 18;
-constexpr int32_t kNumLayouts = 18;
-constexpr LayoutDesc kLayouts[kNumLayouts] = {kLayout_bf16_n32k2_x86, kLayout_i8_n32k4_x86, kLayout_u4g32_n32k8_x86, kLayout_u4g64_n32k8_x86, kLayout_u4g128_n32k8_x86, kLayout_u4ch_n32k8_x86, kLayout_f8g128_n32k2_x86, kLayout_f8ch_n32k2_x86, kLayout_mx4g32_n32k8_x86, kLayout_bf16_n16k4_arm, kLayout_i8_n16k8_arm, kLayout_u4g128_n16k8_arm, kLayout_u4g32_n16k8_arm, kLayout_u4g64_n16k8_arm, kLayout_u4ch_n16k8_arm, kLayout_f8g128_n16k4_arm, kLayout_f8ch_n16k4_arm, kLayout_mx4g32_n16k8_arm};
+constexpr int32_t kMaxLayoutId = 20;
+constexpr int32_t kNumLayouts = 20;
+constexpr LayoutDesc kLayouts[kNumLayouts] = {kLayout_bf16_n32k2_x86, kLayout_i8_n32k4_x86, kLayout_u4g32_n32k8_x86, kLayout_u4g64_n32k8_x86, kLayout_u4g128_n32k8_x86, kLayout_u4ch_n32k8_x86, kLayout_f8g128_n32k2_x86, kLayout_f8ch_n32k2_x86, kLayout_mx4g32_n32k8_x86, kLayout_bf16_n16k4_arm, kLayout_i8_n16k8_arm, kLayout_u4g128_n16k8_arm, kLayout_u4g32_n16k8_arm, kLayout_u4g64_n16k8_arm, kLayout_u4ch_n16k8_arm, kLayout_f8g128_n16k4_arm, kLayout_f8ch_n16k4_arm, kLayout_mx4g32_n16k8_arm, kLayout_nv4g16_n32k8_x86, kLayout_nv4g16_n16k8_arm};
 
 }  // namespace moepack

@@ -308,8 +308,8 @@ def test_unsupported_configs_are_refused_with_the_reason(tmp_path, case):
 
 
 def test_quantize_option_is_checked(tmp_path):
-    with pytest.raises(MoepackError, match="quantize='nvfp4'"):
-        moepack.convert(fixture_dir("qwen3_moe"), tmp_path / "dst", quantize="nvfp4")
+    with pytest.raises(MoepackError, match="quantize='fp6'"):
+        moepack.convert(fixture_dir("qwen3_moe"), tmp_path / "dst", quantize="fp6")
     assert not (tmp_path / "dst").exists()
 
 

@@ -583,7 +583,7 @@ def _g(c):
 
 CT_BAD_CONFIGS = {
     "nvfp4 format": (lambda c: (c["quantization_config"].update(format="nvfp4-pack-quantized"), _g(c).pop("format", None)),
-                     ["format 'nvfp4-pack-quantized': NVFP4"]),
+                     ["the reader of quantization_config format 'nvfp4-pack-quantized'", "group_size=32: NVFP4 has one e4m3 scale"]),
     "group of 16": (lambda c: _g(c)["weights"].update(group_size=16), ["group_size=16: MXFP4 has one scale per group of 32"]),
     "8-bit": (lambda c: _g(c)["weights"].update(num_bits=8), ["num_bits=8, type='float': MXFP4 weights are 4-bit float"]),
     "float scales": (lambda c: _g(c)["weights"].update(scale_dtype="torch.bfloat16"), ["scale_dtype='torch.bfloat16'"]),
