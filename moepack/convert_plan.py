@@ -467,13 +467,14 @@ def _int_key(config: dict, key: str):
 
 
 class _LogicalShapes:
-    """``ckpt`` with each carried Linear whose packed codes keep the name ``.weight`` (ModelOpt NVFP4:
-    U8 [N, K/2]) seen at its logical [N, K], for the config check (the others' codes have other names)."""
+    """``ckpt`` with each carried Linear whose packed codes keep the name ``.weight`` at another shape
+    than the Linear's (ModelOpt NVFP4: U8 [N, K/2]) seen at its logical [N, K], for the config check
+    (the other formats' codes have other names, or the logical shape)."""
 
     def __init__(self, ckpt: Checkpoint, carried_linears: dict):
         self._ckpt, self.path, self.config, self.tensors = ckpt, ckpt.path, ckpt.config, ckpt.tensors
-        self._shapes = {lin.tensors["weight"]: (lin.n, lin.k) for lin in carried_linears.values()
-                        if lin.codec == "nvfp4" and lin.tensors["weight"].endswith(".weight")}  # fmt: skip
+        self._shapes = {w: (lin.n, lin.k) for lin in carried_linears.values() for w in [lin.tensors.get("weight")]
+                        if w is not None and w.endswith(".weight") and tuple(ckpt.info(w).shape) != (lin.n, lin.k)}  # fmt: skip
 
     def info(self, name: str):
         import dataclasses

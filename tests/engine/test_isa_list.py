@@ -47,8 +47,8 @@ EDITS = {
     "list": (LIST, 'cpu("AVX512_BF16", "avx512_bf16")', 'cpu("AVX512 BF16", "avx512_bf16")', [HEADER, KERNELS_MD]),
     "no header": (HEADER, None, None, [HEADER]),
     # the layouts decide the (scheme, mode) kernels each level registers: mxfp4 without A8
-    "layouts": (pathlib.Path("moepack/layout.py"), 'act_modes=("a16", "a8"), code_order=U4_CODE_ORDER,',
-                'act_modes=("a16",), code_order=U4_CODE_ORDER,', [HEADER]),
+    "layouts": (pathlib.Path("moepack/layout.py"), 'scheme="mxfp4",\n        act_modes=("a16", "a8"), code_order=U4_CODE_ORDER,',
+                'scheme="mxfp4",\n        act_modes=("a16",), code_order=U4_CODE_ORDER,', [HEADER]),
 }
 
 
