@@ -472,7 +472,7 @@ class _LogicalShapes:
     (the other formats' codes have other names, or the logical shape)."""
 
     def __init__(self, ckpt: Checkpoint, carried_linears: dict):
-        self._ckpt, self.path, self.config, self.tensors = ckpt, ckpt.path, ckpt.config, ckpt.tensors
+        self._ckpt = ckpt
         self._shapes = {w: (lin.n, lin.k) for lin in carried_linears.values() for w in [lin.tensors.get("weight")]
                         if w is not None and w.endswith(".weight") and tuple(ckpt.info(w).shape) != (lin.n, lin.k)}  # fmt: skip
 

@@ -256,7 +256,13 @@ def _left_in_float(cfg: _Cfg, module: str) -> str | None:
     for key in cfg.not_converted:
         if _names_module(key, module):
             return key
-    for t in cfg.ignore:
+    return ignore_entry(cfg.ignore, module)
+
+
+def ignore_entry(ignore, module: str) -> str | None:
+    """The entry of a compressed-tensors ``ignore`` list that names ``module`` (its exact name, or a
+    ``re:`` pattern matching it), or None."""
+    for t in ignore:
         if (t.startswith("re:") and _re_match(t[3:], module, f"quantization_config ignore entry {t!r}")) or t == module:
             return t
     return None

@@ -49,7 +49,7 @@ from ..schemes.mxfp4.facts import Mxfp4Facts
 from .checkpoint import Checkpoint, TensorInfo
 from .compressed_tensors import config_groups, ct_strategy, quantization_config
 from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, read_biases as dense_read_biases, text_config
-from .fp8 import _names_module, _re_match
+from .fp8 import _names_module, ignore_entry
 
 SCHEME = "mxfp4"
 E2M1 = "E2M1"  # LayerSpec.dtype of MXFP4 experts (4-bit e2m1 codes; safetensors stores them packed in U8)
@@ -221,10 +221,7 @@ def _left_in_float(cfg: dict, module: str) -> str | None:
     for key in cfg["not_converted"]:
         if _names_module(key, module):
             return key
-    for t in cfg["ignore"]:
-        if (t.startswith("re:") and _re_match(t[3:], module, f"quantization_config ignore entry {t!r}")) or t == module:
-            return t
-    return None
+    return ignore_entry(cfg["ignore"], module)
 
 
 # --------------------------------------------------------------------------- views for discover_layers

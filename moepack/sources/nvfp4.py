@@ -46,8 +46,8 @@ from ..schemes.nvfp4.quantize import check_e4m3_scales
 from .checkpoint import Checkpoint
 from .compressed_tensors import config_groups, ct_strategy, quantization_config
 from .dense import CanonicalLayer, LayerSpec, read_biases as dense_read_biases, text_config
-from .mxfp4 import (_View, _check_dtype, _check_router, _check_shape, _discover, _interleave, _re_match, claim_expert_modules,
-                    unpack_e2m1)
+from .fp8 import ignore_entry
+from .mxfp4 import _View, _check_dtype, _check_router, _check_shape, _discover, _interleave, claim_expert_modules, unpack_e2m1
 
 SCHEME = "nvfp4"
 NVFP4 = "NVFP4"  # LayerSpec.dtype of NVFP4 experts (stand-in dtype of the packed weights)
@@ -195,10 +195,7 @@ def _left_in_float(cfg: dict, module: str) -> str | None:
     for pat in cfg["exclude"]:
         if fnmatch.fnmatchcase(module, pat):
             return pat
-    for t in cfg["ignore"]:
-        if (t.startswith("re:") and _re_match(t[3:], module, f"quantization_config ignore entry {t!r}")) or t == module:
-            return t
-    return None
+    return ignore_entry(cfg["ignore"], module)
 
 
 # --------------------------------------------------------------------------- layers

@@ -76,7 +76,7 @@ def serve() -> None:
                         res = run(req)
                 except BaseException as e:  # generate failed after the engine was built
                     traceback.print_exc()
-                    res = {"error": f"{type(e).__name__}: {e}", "crashed": True}
+                    res = {"error": f"{type(e).__name__}: {e}"}
                 finally:
                     cleanup_dist_env_and_memory()
             finally:
