@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from .errors import ExtensionError
+from .errors import ExtensionError, LayoutError
 from .layout import DEFAULT_LAYOUT, PackedLayout, layout_get
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
@@ -52,6 +52,19 @@ def _weight_list(name: str, w) -> list[torch.Tensor]:
     raise TypeError(f"{name} is a {type(w).__name__}: must be a tensor or a list of the layout's tensors")
 
 
+def _check_devices(hidden_states: torch.Tensor, named: list) -> None:
+    """Every tensor of a call on hidden_states' device. The dispatcher picks the Meta kernel when
+    any argument is a meta tensor, and that kernel only allocates the output on hidden_states'
+    device: CPU hidden states with meta routes returned uninitialized memory (issue 49). Meta
+    hidden states trace shapes (FakeTensor, torch.compile), whatever the weights' device."""
+    if hidden_states.device.type == "meta":
+        return
+    for name, t in named:
+        if isinstance(t, torch.Tensor) and t.device != hidden_states.device:
+            raise LayoutError(f"{name} is on {t.device}, hidden_states on {hidden_states.device}: every tensor of a call "
+                              "must be on hidden_states' device (meta hidden states trace shapes only)")  # fmt: skip
+
+
 def fused_experts(
     hidden_states: torch.Tensor,
     w13: torch.Tensor | Sequence[torch.Tensor],
@@ -85,10 +98,15 @@ def fused_experts(
     kernel feeds it ``x[t][w13_perm[e]]``. Returns [T, H] in the input dtype."""
     if interleaved is None:
         interleaved = activation == "swigluoai"
+    w13, w2 = _weight_list("w13", w13), _weight_list("w2", w2)
+    _check_devices(hidden_states, [*(("w13" if len(w13) == 1 else f"w13[{i}]", t) for i, t in enumerate(w13)),
+                                   *(("w2" if len(w2) == 1 else f"w2[{i}]", t) for i, t in enumerate(w2)),
+                                   ("topk_weights", topk_weights), ("topk_ids", topk_ids), ("w13_bias", w13_bias),
+                                   ("w2_bias", w2_bias), ("expert_map", expert_map), ("w13_perm", w13_perm)])  # fmt: skip
     return ops().fused_experts(
         hidden_states,
-        _weight_list("w13", w13),
-        _weight_list("w2", w2),
+        w13,
+        w2,
         topk_weights,
         topk_ids,
         layout_get(layout).id,

@@ -182,3 +182,27 @@ def test_run_experts_refuses_in_one_line_not_a_torch_dump(case):
     assert words in str(ei.value) and "\n" not in str(ei.value), str(ei.value)
     # the same call with the argument as it should be runs, and the TP pack run whole equals the pack
     assert torch.allclose(moepack.run_experts(pt, x, w, ids), moepack.run_experts(p, x, w, ids), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("case", ["meta ids", "meta weights", "meta ids, tp pack", "meta expert_map"])
+def test_a_meta_tensor_beside_cpu_hidden_states_is_refused(case):
+    """A meta topk_ids or topk_weights beside CPU hidden states made the dispatcher pick the
+    Meta kernel, which returned the output uninitialized on the CPU: garbage, no error (issue
+    49, "a meta-tensor input"). One line naming the argument and both devices; meta hidden
+    states still trace the output's shape."""
+    inp, p, pt = _tp_and_whole()
+    x, w, ids = inp.x, inp.topk_weights, inp.topk_ids
+    meta = lambda t: t.to("meta")  # noqa: E731
+    call, kw, name = {
+        "meta ids": ((p, x, w, meta(ids)), {}, "topk_ids"),
+        "meta weights": ((p, x, meta(w), ids), {}, "topk_weights"),
+        "meta ids, tp pack": ((pt, x, w, meta(ids)), {}, "topk_ids"),
+        "meta expert_map": ((p, x, w, ids), {"expert_map": meta(torch.arange(4, dtype=torch.int32))}, "expert_map"),
+    }[case]
+    with pytest.raises(LayoutError) as ei:
+        moepack.run_experts(*call, **kw)
+    msg = str(ei.value)
+    assert msg.startswith(f"{name} is on meta, hidden_states on cpu: every tensor of a call must be on hidden_states' device")
+    assert "\n" not in msg
+    out = moepack.run_experts(p, meta(x), meta(w), meta(ids))
+    assert out.device.type == "meta" and out.shape == x.shape
