@@ -226,8 +226,8 @@ def verify(
             )
             for line in report.model:
                 console.print(f"  [red]DIFFERS[/] {escape(line)}", highlight=False)
-            for line in report.notes:
-                console.print(f"  [yellow]note:[/] {escape(line)}", highlight=False)
+        for line in report.notes:  # a deliberate --act-mode, an unsealed (older) manifest
+            console.print(f"  [yellow]note:[/] {escape(line)}", highlight=False)
         if report.layers:
             if report.fingerprint_match is False:
                 err_console.print("[yellow]note:[/] the source's fingerprint differs from the one recorded at convert time")

@@ -39,9 +39,10 @@ from .container.atomic import atomic_directory, os_reason
 from .container.writer import ShardWriter
 from .convert_plan import _check_carried_values, check_float_shared_values, _nbytes, _Options, _plan, expert_tensor_name, parse_quantize
 from .convert_resume import _Resume, _resume_key
-from .convert_stages import _manifest, _write_layer, _write_other
+from .convert_stages import _manifest, _write_layer, _write_other, check_draft_manifest
 from .errors import ConvertError, LayoutError, MoepackError
 from .layout import DEFAULT_LAYOUT, PackedLayout, layout_get
+from .manifest import write_manifest
 from .runtime.model import FORMAT_VERSION, MANIFEST
 from .schemes import QuantError
 from .sources import Checkpoint
@@ -288,6 +289,7 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
     pl = _plan(src, lay, opts.quantize, opts.shard_bytes, opts.act_mode)
     _check_carried_values(pl)  # before anything is written
     check_float_shared_values(pl)  # likewise: a float shared expert kept float must have an exact bf16 form
+    check_draft_manifest(pl, dst, opts.act_mode)  # likewise: the manifest as planned, through open's own schema
     notify("plan", layers=len(pl.specs), expert_files=len(pl.expert_files), other_files=len(pl.other_files),
            other_tensors=sum(len(x) for x in pl.other_shards))  # fmt: skip
     report = ConvertReport(dst=dst, layout=pl.layout.name, act_modes=sorted(set(pl.act_modes.values())), scheme=pl.scheme.name,
@@ -354,7 +356,7 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
             journal.finish(tmp)
             manifest = _manifest(pl, tmp, layers, tensors, carried, report, journal.created_at, carried_sha, opts.act_mode)
             what = dst / MANIFEST
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+            write_manifest(tmp, manifest, dst)  # sealed, and checked by open's own schema before it is written
         except OSError as e:
             raise ConvertError(f"{what}: cannot write: {os_reason(e)}") from None
     report.seconds = time.perf_counter() - t0

@@ -21,8 +21,7 @@ from .container.writer import ShardWriter
 from .convert_plan import _Plan, expert_tensor_name
 from .errors import ConvertError, LayoutError
 from .layout import layout_expert_shapes, layout_tensor_plan
-from .manifest import SHARED_LAYOUT_FORMAT_VERSION
-from .runtime.model import FORMAT_VERSION, PERM_FORMAT_VERSION
+from .manifest import FORMAT_VERSION
 from .schemes import LayerSource, QuantError, get_scheme
 from .sources import LayerSpec
 from .sources.dense import FLOAT_DTYPES
@@ -72,32 +71,21 @@ def _pack_checked(pack: Callable, t: torch.Tensor, s: LayerSpec, role: str, e: i
         ) from None
 
 
-def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fname: str, tensors: dict, report,
-                 error: QuantError) -> dict:  # fmt: skip
-    """Stage 2, one layer: the scheme's streaming packer writes the layer's tensors in plan order,
-    one expert at a time (peak memory is one expert, not one layer); returns its manifest entry."""
-    lay, scheme, ckpt, reader = pl.layout, pl.scheme, pl.ckpt, pl.reader
-    checked = lambda pack, t, role, e: _pack_checked(pack, t, s, role, e)  # noqa: E731
-    packer = scheme.layer_packer(LayerSource(ckpt, reader, s, lay, checked, pl.options, error))
-    entry_tensors = {}
-    for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias, perm=scheme.has_perm(s)):
-        name = expert_tensor_name(s.index, t.name)
-        digest = w.write_parts(name, packer.parts(t.name))
-        tensors[name] = {"file": fname, "dtype": t.dtype, "shape": list(t.shape), "sha256": digest}
-        entry_tensors[t.name] = name
-        report.experts_bytes += shard.entry(name).nbytes
+def layer_entry(pl: _Plan, s: LayerSpec) -> dict:
+    """One layer's manifest entry as the plan states it, every tensor named but none written:
+    what ``_write_layer`` returns, and what ``draft_manifest`` checks before anything is written."""
+    lay, scheme, reader = pl.layout, pl.scheme, pl.reader
+    entry_tensors = {t.name: expert_tensor_name(s.index, t.name)
+                     for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias,
+                                                 perm=scheme.has_perm(s))}  # fmt: skip
     shared_entry = None
     slay = pl.shared_layouts.get(s.index)  # a float shared expert of a quantized source: its own (float) layout
-    sscheme = scheme if slay is None else get_scheme(slay)
-    if slay is not None:
-        sp = sscheme.layer_packer(LayerSource(ckpt, reader, s, slay, checked, None, error)).shared()
-    else:
-        sp = packer.shared() if s.shared else None
-    if sp is not None:
-        sdt = ckpt.info(s.shared["gate_proj"]).dtype_str
+    if s.shared:
+        sscheme = scheme if slay is None else get_scheme(slay)
+        sdt = pl.ckpt.info(s.shared["gate_proj"]).dtype_str
         shared_entry = {
             "intermediate": s.shared["intermediate"],
-            "padded_intermediate": sp.padded_intermediate,
+            "padded_intermediate": layout_expert_shapes(slay or lay, 1, s.hidden, s.shared["intermediate"]).padded_intermediate,
             "gate": s.shared.get("gate"),
             "source_tensors": [s.shared[p] for p in ("gate_proj", "up_proj", "down_proj")],
             "scheme_source": sscheme.source_note(sdt, reader, pl.options),
@@ -106,15 +94,8 @@ def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fnam
             shared_entry["layout_id"] = slay.id
         elif pl.shared_quantizer is not None and sdt in FLOAT_DTYPES:  # --quantize on a quantized source's float one
             shared_entry["quantizer"] = pl.shared_quantizer
-        shared_plan = layout_tensor_plan(slay or lay, 1, s.hidden, s.shared["intermediate"],
-                                         perm=False if slay is not None else scheme.has_perm(s, True))  # fmt: skip
-        for role in (t.name for t in shared_plan):  # plan order
-            t = sp.tensors[role]
-            name = expert_tensor_name(s.index, "shared_" + role)
-            dt = str(t.dtype).replace("torch.", "")
-            tensors[name] = {"file": fname, "dtype": dt, "shape": list(t.shape), "sha256": w.write(name, t)}
-            shared_entry[role] = name
-            report.experts_bytes += t.numel() * t.element_size()
+        for t in _shared_plan(pl, s):  # plan order
+            shared_entry[t.name] = expert_tensor_name(s.index, "shared_" + t.name)
     return {
         "index": s.index,
         "prefix": s.prefix,
@@ -140,6 +121,46 @@ def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fnam
     }
 
 
+def _shared_plan(pl: _Plan, s: LayerSpec):
+    """The shared expert's tensor plan (one expert), in its own layout when it has one."""
+    slay = pl.shared_layouts.get(s.index)
+    return layout_tensor_plan(slay or pl.layout, 1, s.hidden, s.shared["intermediate"],
+                              perm=False if slay is not None else pl.scheme.has_perm(s, True))  # fmt: skip
+
+
+def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fname: str, tensors: dict, report,
+                 error: QuantError) -> dict:  # fmt: skip
+    """Stage 2, one layer: the scheme's streaming packer writes the layer's tensors in plan order,
+    one expert at a time (peak memory is one expert, not one layer); returns its manifest entry
+    (``layer_entry``)."""
+    lay, scheme, ckpt, reader = pl.layout, pl.scheme, pl.ckpt, pl.reader
+    entry = layer_entry(pl, s)
+    checked = lambda pack, t, role, e: _pack_checked(pack, t, s, role, e)  # noqa: E731
+    packer = scheme.layer_packer(LayerSource(ckpt, reader, s, lay, checked, pl.options, error))
+    for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias, perm=scheme.has_perm(s)):
+        name = entry["tensors"][t.name]
+        digest = w.write_parts(name, packer.parts(t.name))
+        tensors[name] = {"file": fname, "dtype": t.dtype, "shape": list(t.shape), "sha256": digest}
+        report.experts_bytes += shard.entry(name).nbytes
+    slay = pl.shared_layouts.get(s.index)  # a float shared expert of a quantized source: its own (float) layout
+    if slay is not None:
+        sp = get_scheme(slay).layer_packer(LayerSource(ckpt, reader, s, slay, checked, None, error)).shared()
+    else:
+        sp = packer.shared() if s.shared else None
+    if sp is not None:
+        sh = entry["shared"]
+        if sp.padded_intermediate != sh["padded_intermediate"]:
+            raise ConvertError(f"layer {s.index}: the shared expert packed with padded intermediate {sp.padded_intermediate}, "
+                               f"the layout math says {sh['padded_intermediate']} (a packer bug; nothing was written)")  # fmt: skip
+        for t in _shared_plan(pl, s):  # plan order
+            p = sp.tensors[t.name]
+            name = sh[t.name]
+            dt = str(p.dtype).replace("torch.", "")
+            tensors[name] = {"file": fname, "dtype": dt, "shape": list(p.shape), "sha256": w.write(name, p)}
+            report.experts_bytes += p.numel() * p.element_size()
+    return entry
+
+
 _NAN_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -160,18 +181,41 @@ def _write_other(pl: _Plan, fname: str, names: list, w: ShardWriter, tensors: di
         del t
 
 
-def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, report, created_at: str,
-              carried_sha: dict | None = None, act_mode_option: str | None = None) -> dict:  # fmt: skip
-    """Stage 4: the manifest (docs/PACKED_FORMAT.md §4)."""
+_UNWRITTEN = "0" * 64  # the sha256 of a tensor or file in the draft manifest, before it is written
+
+
+def check_draft_manifest(pl: _Plan, dst: Path, act_mode_option: str | None) -> None:
+    """Before convert writes anything: the manifest it will write, every field as the plan states
+    it (checksums not yet known), through the one schema ``moepack.open`` runs
+    (``moepack.manifest.check_manifest``); a field that breaks a rule is refused here, naming it,
+    instead of a finished pack that open refuses. The written manifest is checked again
+    (``write_manifest``), with its checksums, before it is written."""
+    from .manifest import ManifestError, check_manifest, seal_manifest
+
+    tensors = {e.name: {"file": f, "dtype": str(e.torch_dtype).replace("torch.", ""), "shape": list(e.shape), "sha256": _UNWRITTEN}
+               for f, shard in pl.shard_plans.items() for e in shard.entries if not e.is_filler}  # fmt: skip
+    carried = [p.name for p in pl.ckpt.carried_files()]
+    draft = _manifest(pl, None, [layer_entry(pl, s) for s in pl.specs], tensors, carried, None, "",
+                      dict.fromkeys(carried, _UNWRITTEN), act_mode_option,
+                      files={f: {"size": shard.nbytes} for f, shard in pl.shard_plans.items()})  # fmt: skip
+    try:
+        check_manifest(dst, seal_manifest(draft))
+    except ManifestError as e:
+        raise ConvertError(f"{e} (the manifest convert would write; nothing was written)") from None
+
+
+def _manifest(pl: _Plan, tmp: Path | None, layers: list, tensors: dict, carried: list, report, created_at: str,
+              carried_sha: dict | None = None, act_mode_option: str | None = None, files: dict | None = None) -> dict:  # fmt: skip
+    """Stage 4: the manifest (docs/PACKED_FORMAT.md §4); ``files`` the shards' sizes (default:
+    ``report.files`` as written in ``tmp``)."""
+    if files is None:
+        files = {f: {"size": (tmp / f).stat().st_size} for f in report.files}
     return {
         "format": "moepack",
-        # version 3 only where it is needed: a layer with an act-order w13_perm, which a version-2
-        # reader would ignore and so run wrongly (docs/PACKED_FORMAT.md §7)
-        # version 5 only where a shared expert has its own layout (a quantized source's float shared
-        # expert kept float), which a version 2-4 reader would read in the layer's layout
-        "format_version": SHARED_LAYOUT_FORMAT_VERSION if any("layout_id" in (x["shared"] or {}) for x in layers)
-        else PERM_FORMAT_VERSION if any("w13_perm" in x["tensors"] or "w13_perm" in (x["shared"] or {})
-                                        for x in layers) else FORMAT_VERSION,  # fmt: skip
+        # version 6 for every directory (docs/PACKED_FORMAT.md §7): the manifest is sealed
+        # (manifest_sha256, set by moepack.manifest.write_manifest); its w13_perm (3), --tp (4)
+        # and shared-layout (5) features are all part of 6
+        "format_version": FORMAT_VERSION,
         "created_by": f"moepack {__version__}",
         "created_at": created_at,  # when the convert started (a resumed one: the first run's start)
         "source": {
@@ -189,7 +233,7 @@ def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, 
         "layouts": {str(x.id): x.to_dict()
                     for x in [pl.layout, *sorted({*pl.shared_layouts.values()} - {pl.layout}, key=lambda y: y.id)]},
         "layers": layers,
-        "files": {f: {"size": (tmp / f).stat().st_size} for f in report.files},
+        "files": files,
         "tensors": tensors,
         "carried_files": carried,
         "carried_sha256": dict(carried_sha or {}),  # verify re-hashes every carried file (config.json, tokenizer)

@@ -1,7 +1,7 @@
 """The schema of ``moepack.json``, checked once before anything reads the manifest.
 
 docs/PACKED_FORMAT.md §4 describes every field; this module is the same description as code.
-``check_manifest(path, m)`` walks the whole manifest (every version still readable: 1 to 5)
+``check_manifest(path, m)`` walks the whole manifest (every version still readable: 1 to 6)
 and refuses the first field that breaks a rule with ONE ``ManifestError`` line that names the
 file, the field's path, its value and the rule::
 
@@ -23,7 +23,9 @@ fuzzes that). Rules, beyond each field's type:
   correction bias exactly where the routing has one, router and gate tensors of the shapes the
   layer multiplies them with, every tensor's file listed in ``files``, file names plain names of
   the directory (never a path out of it), ``w13_perm`` only in version 3 and int4_group layers,
-  a shared expert's own ``layout_id`` (of the layer's family) only in version 5.
+  a shared expert's own ``layout_id`` (of the layer's family) only in version 5;
+* the seal (version 6): ``manifest_sha256`` equal to ``manifest_digest`` of the other fields,
+  checked last, so that a field edited to a value the rules above accept is still refused.
 
 Keys the schema does not know are ignored (§7), except inside ``routing``, which is a
 ``RoutingConfig`` exactly (a routing key this moepack does not know would change routing).
@@ -41,13 +43,12 @@ from typing import Any
 from .errors import MoepackError, PackedDirError
 
 MANIFEST = "moepack.json"
-# The manifest's format version (docs/PACKED_FORMAT.md §7). 2: layouts in the manifest declare their
+# The manifest's format versions (docs/PACKED_FORMAT.md §7). 2: layouts in the manifest declare their
 # tensors (scheme, act_modes, tensors). Version 1 directories (before that) still open: their
 # layouts are the same table entries, compared on the fields version 1 had.
 # 3: version 2 plus the act-order permutation w13_perm of int4_group layers; written only by
 # directories that have one (a version-2 reader would ignore the tensor and run such a layer
-# wrongly), every other directory is still written as version 2.
-FORMAT_VERSION = 2
+# wrongly); before version 6 every other directory was written as version 2.
 PERM_FORMAT_VERSION = 3
 # 4: version 3 plus tensor-parallel slices (``convert --tp N``): the top-level ``tp`` and each
 # layer's ``tp``, whose tensors hold tp*E slice experts of intermediate I/tp (moepack/tp.py);
@@ -58,7 +59,15 @@ TP_FORMAT_VERSION = 4
 # codes); written only by directories that have one (a version-4 reader would read its tensors in
 # the layer's layout).
 SHARED_LAYOUT_FORMAT_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# 6: every manifest is sealed: ``manifest_sha256``, the sha256 of all its other fields
+# (``manifest_digest``), and ``act_mode_option`` and ``carried_sha256`` always present, so that a
+# field edited after convert (a layer's ``act_mode`` together with ``act_mode_option``, an
+# activation, a routing field) is refused by open and verify instead of read. convert writes
+# version 6 for every directory (its perm, tp and shared-layout features included); versions 1-5
+# still open without a seal (verify says so in its notes).
+SEALED_FORMAT_VERSION = 6
+FORMAT_VERSION = SEALED_FORMAT_VERSION  # what convert writes
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 SOURCE_KINDS = ("per_expert", "fused_out", "fused_in", "granite")
@@ -186,14 +195,15 @@ def check_manifest(path: str | os.PathLike, m: Any) -> None:
         )
     for key in ("created_by", "created_at", "routing_note"):
         c.val(m, key, key, "str", required=False, null=True)
-    carried = c.val(m, "carried_files", "carried_files", "strs", required=False) or []
+    sealed = version >= SEALED_FORMAT_VERSION  # every key below convert writes is then required, and the seal
+    carried = c.val(m, "carried_files", "carried_files", "strs", required=sealed) or []
     for pos, name in enumerate(carried):
         if name in carried[:pos]:
             c.fail(f"carried_files[{pos}]", name, "is listed twice: every carried file once")
         if not _plain_name(name):
             c.fail("carried_files", name, "every entry must be the plain name of a file in the directory (no folder, not "
                                           "hidden, not moepack.json)")  # fmt: skip
-    sums = c.obj(m, "carried_sha256", "carried_sha256", required=False)
+    sums = c.obj(m, "carried_sha256", "carried_sha256", required=sealed)
     if sums is not None:
         if set(sums) != set(carried):
             extra = sorted(set(sums) ^ set(carried))[0]
@@ -201,7 +211,11 @@ def check_manifest(path: str | os.PathLike, m: Any) -> None:
         for name, sha in sums.items():
             if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
                 c.fail(f"carried_sha256[{name!r}]", sha, "must be 64 lowercase hex digits")
-    c.val(m, "act_mode_option", "act_mode_option", "str", required=False, null=True, choices=("a16", "a8"),
+    seal = c.val(m, "manifest_sha256", "manifest_sha256", "str", required=sealed,
+                 why=f" (the sha256 of every other field; format_version {SEALED_FORMAT_VERSION} on)")
+    if seal is not None and not _SHA256.fullmatch(seal):
+        c.fail("manifest_sha256", seal, "must be 64 lowercase hex digits (docs/PACKED_FORMAT.md §3)")
+    c.val(m, "act_mode_option", "act_mode_option", "str", required=sealed, null=True, choices=("a16", "a8"),
           why=" (the --act-mode convert was given; null: each layer's own meaning)")
     source = c.obj(m, "source", "source")
     for key in ("path", "reader", "fingerprint"):
@@ -282,6 +296,40 @@ def check_manifest(path: str | os.PathLike, m: Any) -> None:
                                                              "every MoE layer has its own source prefix")  # fmt: skip
         prefixes[entry["prefix"]] = idx
         c.ctx = ""
+    # last: every field above is well-formed, so an edit to a bad value is named by its own rule;
+    # an edit to a good value (act_mode and act_mode_option, an activation) is named here
+    if seal is not None and seal != manifest_digest(m):
+        c.fail("manifest_sha256", seal, f"differs from the sha256 of the manifest's other fields ({manifest_digest(m)[:16]}…): "
+                                        "a field was edited after convert (packs are never edited in place: convert the "
+                                        "checkpoint again)")  # fmt: skip
+
+
+def manifest_digest(m: dict) -> str:
+    """The seal of a manifest (``manifest_sha256``, format version 6, docs/PACKED_FORMAT.md §3):
+    the sha256 of the UTF-8 bytes of every field but the seal itself, as JSON with keys sorted and
+    no whitespace (``json.dumps(sort_keys=True, separators=(",", ":"), ensure_ascii=False)``), so
+    it does not depend on how the file is indented or its keys ordered."""
+    import hashlib
+
+    body = {k: v for k, v in m.items() if k != "manifest_sha256"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def seal_manifest(m: dict) -> dict:
+    """``m`` with its ``manifest_sha256`` set to its digest (the writers call it last)."""
+    m["manifest_sha256"] = manifest_digest(m)
+    return m
+
+
+def write_manifest(path: str | os.PathLike, m: dict, display: str | os.PathLike | None = None) -> None:
+    """Seal ``m``, check it with the one schema ``moepack.open`` runs (``check_manifest``), and only
+    then write it as ``path/moepack.json``: a writer (convert, --tp) cannot write a manifest that
+    open refuses. ``path`` is the writer's temporary directory; an error names ``display`` (the
+    directory's final name), else ``path``."""
+    seal_manifest(m)
+    check_manifest(display if display is not None else path, m)
+    (Path(path) / MANIFEST).write_text(json.dumps(m, indent=1, sort_keys=False, allow_nan=False) + "\n")
 
 
 # Layout fields added after a format version was released: a manifest written before a field
@@ -514,4 +562,5 @@ def _no_constant(name: str):
 
 
 __all__ = ["MANIFEST", "FORMAT_VERSION", "PERM_FORMAT_VERSION", "TP_FORMAT_VERSION", "SHARED_LAYOUT_FORMAT_VERSION",
-           "READABLE_VERSIONS", "ManifestError", "check_manifest", "load_manifest", "MoepackError"]  # fmt: skip
+           "SEALED_FORMAT_VERSION", "READABLE_VERSIONS", "ManifestError", "check_manifest", "load_manifest", "manifest_digest",
+           "seal_manifest", "write_manifest", "MoepackError"]  # fmt: skip

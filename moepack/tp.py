@@ -307,7 +307,7 @@ def reshard_dir(whole: str | os.PathLike, dst: str | os.PathLike, tp: int, *, ov
     from .container.atomic import atomic_directory
     from .container.plan import ShardPlan
     from .container.writer import ShardWriter
-    from .manifest import MANIFEST, TP_FORMAT_VERSION
+    from .manifest import MANIFEST, TP_FORMAT_VERSION, write_manifest
     from .runtime.model import open_packed
 
     whole, dst = Path(whole), Path(dst)
@@ -359,9 +359,9 @@ def reshard_dir(whole: str | os.PathLike, dst: str | os.PathLike, tp: int, *, ov
         for name in m.get("carried_files") or []:
             _link_or_copy(whole / name, tmp / name)
         m["tp"] = tp
-        m["format_version"] = max(TP_FORMAT_VERSION, int(m["format_version"]))  # 5 stays 5 (a shared expert's own layout)
+        m["format_version"] = max(TP_FORMAT_VERSION, int(m["format_version"]))  # 6 (sealed) stays 6
         m["files"] = {f: {"size": (tmp / f).stat().st_size} for f in m["files"]}
-        (tmp / MANIFEST).write_text(json.dumps(m, indent=1))
+        write_manifest(tmp, m, dst)  # sealed again (shapes, checksums and tp changed), checked as open checks it
         del pm, lay_of
     return m
 

@@ -9,7 +9,8 @@
    bias zero on ranks > 0, every other copy equal to rank 0's, moepack.tp's
    ``rank_copy_problem``): a hostile pack with consistent checksums is named;
    every carried file (config.json, tokenizer files) present and equal to the manifest's
-   ``carried_sha256``.
+   ``carried_sha256``. The manifest's own fields are sealed by ``manifest_sha256`` (format
+   version 6; step 1 checks it, as open does); an older, unsealed manifest is named in the notes.
 3. With the source: every layer's packed weights unpacked equal the source's weights rounded
    to bf16, exactly, padding included (zero); and the packed layer's output on seeded random
    tokens matches ``moepack.reference`` run on the source's own weights.
@@ -251,6 +252,10 @@ def verify(
     notify = progress or (lambda *a, **k: None)
     model = open_packed(dst, check_values=False)  # verify names every bad value itself (_check_tensors)
     report = VerifyReport(path=Path(dst))
+    if "manifest_sha256" not in model.manifest:  # open refuses a version-6 manifest without it
+        report.notes.append(f"moepack.json has no manifest_sha256 (format_version {model.manifest['format_version']}, written "
+                            "before moepack sealed its manifests): a field edited to a value the schema accepts cannot be "
+                            "told from convert's")  # fmt: skip
     _check_tensors(model, report, notify)
     _check_files(model, report, notify)
     if source is not None:

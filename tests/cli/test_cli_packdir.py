@@ -158,11 +158,11 @@ def test_inspect_names_the_kernel_and_why(packed):
     assert r.exit_code == 0, r.stderr
     out = flat(r.stdout)
     assert flat(f"kernel for {layer.packed.layout.name}: {reason}") in out
-    assert "deepseek_v3" in out and "format v2" in out and "grouped_sigmoid" in out
+    assert "deepseek_v3" in out and "format v6" in out and "grouped_sigmoid" in out
     r = cli("inspect", packed, "--json")
     assert r.exit_code == 0
     j = json.loads(r.stdout)
-    assert j["format_version"] == 2 and j["model_type"] == "deepseek_v3" and j["routing"]["method"] == "grouped_sigmoid"
+    assert j["format_version"] == 6 and j["model_type"] == "deepseek_v3" and j["routing"]["method"] == "grouped_sigmoid"
     (lj,) = j["layers"]
     assert lj["index"] == 1 and lj["kernel"] == isa and lj["reason"] == reason
     assert (lj["experts"], lj["hidden"], lj["intermediate"], lj["activation"]) == (8, 72, 40, "silu")

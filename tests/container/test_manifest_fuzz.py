@@ -16,6 +16,7 @@ import pytest
 import moepack
 from tests.support.fixtures_util import fixture_dir
 from tests.support.manifest_fuzz import fuzz, make_target
+from tests.support.packdir_edit import reseal
 
 FIXTURES = ("deepseek_v3", "gpt_oss", "qwen2_moe", "qwen3_moe_w8a8", "qwen2_moe_w4a16", "qwen2_moe_w4a16@a8")  # @a8: --act-mode a8
 CASES = 480  # about 20 s (verify --source runs on every case whose model config changed)
@@ -60,6 +61,6 @@ def test_the_fuzzer_sees_a_silent_change(targets, tmp_path):
     d = manifest_fuzz.case_dir(t, tmp_path)
     m = json.loads(t.text)
     m["layers"][0]["activation"] = "gelu"
-    (d / "moepack.json").write_text(json.dumps(m))
+    (d / "moepack.json").write_text(json.dumps(reseal(m)))
     assert manifest_fuzz._classify(t, d, lambda: blind(m)).cls == "silent"
     assert manifest_fuzz._classify(t, d, lambda: manifest_fuzz.meaning(m)).cls == "other_model"

@@ -30,6 +30,7 @@ from moepack.runtime.model import PackedModel, PackedMoELayer
 from tests.support.fixtures_util import fixture_dir
 from tests.support.synthetic import SYNTH, mib
 from tests.support import skips
+from tests.support.packdir_edit import reseal
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -138,7 +139,7 @@ def test_manifest_without_routing_still_runs_experts(gpt_oss, tmp_path):
     shutil.copytree(gpt_oss, d)
     m = json.loads((d / MANIFEST).read_text())
     m["routing"], m["routing_note"] = None, "this family's routing is not supported"
-    (d / MANIFEST).write_text(json.dumps(m))
+    (d / MANIFEST).write_text(json.dumps(reseal(m)))
     layer = moepack.open(d).layers[1]
     ref = moepack.open(gpt_oss).layers[1]
     x, logits = routed(layer)

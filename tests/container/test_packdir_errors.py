@@ -29,6 +29,7 @@ from moepack import convert_plan
 from moepack.convert_dir import MANIFEST
 from moepack.errors import MoepackError, PackedDirError
 from tests.support.fixtures_util import fixture_dir
+from tests.support.packdir_edit import reseal
 
 # ---------------------------------------------------------------------------------------------
 # helpers
@@ -432,7 +433,7 @@ OTHER = "model-00001-of-00001.safetensors"
 def edit_manifest(d: Path, fn) -> None:
     m = json.loads((d / MANIFEST).read_text())
     fn(m)
-    (d / MANIFEST).write_text(json.dumps(m, indent=1))
+    (d / MANIFEST).write_text(json.dumps(reseal(m), indent=1))
 
 
 def assert_open_refused(d: Path, *needles: str) -> None:
@@ -466,8 +467,8 @@ def test_manifest_wrong_format(damaged):
 
 
 def test_manifest_wrong_format_version(damaged):
-    edit_manifest(damaged, lambda m: m.update(format_version=6))
-    assert_open_refused(damaged, "format_version=6", "this moepack reads versions 1, 2, 3, 4, 5", "moepack convert SRC DST --overwrite")
+    edit_manifest(damaged, lambda m: m.update(format_version=7))
+    assert_open_refused(damaged, "format_version=7", "this moepack reads versions 1, 2, 3, 4, 5, 6", "moepack convert SRC DST --overwrite")
 
 
 def test_manifest_layout_descriptor_differs_from_this_build(damaged):

@@ -11,6 +11,7 @@ import pytest
 from moepack.errors import LayoutError
 from moepack.layout import LAYOUTS, U4_CODE_ORDER, PackedLayout, layout_code_position, layout_element_offset, layout_get
 from moepack.manifest import IMPLIED_LAYOUT_FIELDS
+from tests.support.packdir_edit import reseal
 
 
 def test_u4_code_order_is_the_documented_nibble_order():
@@ -67,9 +68,9 @@ def test_a_manifest_without_code_order_still_opens(tmp_path):
     (desc,) = m["layouts"].values()
     assert desc["code_order"] == list(U4_CODE_ORDER)
     del desc["code_order"]
-    mpath.write_text(json.dumps(m))
+    mpath.write_text(json.dumps(reseal(m)))
     moepack.open(dst)  # no error: the id implies the order
     desc["code_order"] = list(range(8))
-    mpath.write_text(json.dumps(m))
+    mpath.write_text(json.dumps(reseal(m)))
     with pytest.raises(ManifestError, match=r"code_order=\[0, 1, 2, 3, 4, 5, 6, 7\], this build has code_order=\[0, 2, 4, 6, 1, 3, 5, 7\]"):
         moepack.open(dst)

@@ -31,6 +31,7 @@ import moepack.hf as hf  # noqa: E402
 from moepack.errors import MoepackError, UnsupportedError  # noqa: E402
 from moepack.schemes.int8 import dequantize_int8, quantize_int8_per_channel  # noqa: E402
 from tests.support.fixtures_util import fixture_dir, fixture_info, fixture_names, load_hf_model, saved_dtype  # noqa: E402
+from tests.support.packdir_edit import reseal  # noqa: E402
 
 DENSE = [n for n in fixture_names() if n != "mixtral_sharded"]  # mixtral_sharded: mixtral's weights in 3 shards
 QUANTIZED = ["qwen3_moe_w8a8", "qwen2_moe_w4a16", "qwen2_moe_w4a16_asym", "qwen3_moe_w4a16_channel"]
@@ -339,7 +340,7 @@ def _edited_pack(src: Path, dst: Path, edit) -> Path:
     shutil.copytree(src, dst)
     m = json.loads((dst / "moepack.json").read_text())
     edit(m)
-    (dst / "moepack.json").write_text(json.dumps(m))
+    (dst / "moepack.json").write_text(json.dumps(reseal(m)))
     return dst
 
 

@@ -25,6 +25,7 @@ import torch
 
 import moepack
 from moepack.convert_dir import MANIFEST
+from moepack.manifest import manifest_digest
 from tests.support.fixtures_util import fixture_dir, fixture_info, fixture_names, moe_block, route
 from tests.reference.tolerances import TOL, assert_close
 from tests.support.synthetic import SYNTH, mib, peak_rss_child
@@ -140,7 +141,7 @@ def test_manifest_describes_the_fixture(packed, name):
     info = fixture_info(name)
     dst = packed[name]
     m = json.loads((dst / MANIFEST).read_text())
-    assert m["format"] == "moepack" and m["format_version"] == 2
+    assert m["format"] == "moepack" and m["format_version"] == 6 and m["manifest_sha256"] == manifest_digest(m)
     assert m["source"]["reader"] == "dense" and m["source"]["path"] == str(fixture_dir(name).resolve())
     assert m["model"]["model_type"] == info["routing_config"]["model_type"]
     assert [e["index"] for e in m["layers"]] == info["moe_layers"]

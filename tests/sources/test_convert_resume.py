@@ -4,7 +4,7 @@
   reference path (``pipeline=False``), for dense and int8 packs.
 * A convert stopped by SIGTERM or SIGHUP leaves nothing; a SIGKILLed one leaves its temporary
   directory, which the next run continues (same plan) or deletes (different plan); the resumed
-  result is byte-identical to an uninterrupted convert (manifest: all but ``created_at``).
+  result is byte-identical to an uninterrupted convert (manifest: all but ``created_at`` and the seal over it).
 * A second convert to a DST that a live run is writing is refused and touches nothing.
 * Refusals name the thing: top_k > experts, a string expert count, a shard that is a folder or
   FIFO, a full disk, a read-only destination.
@@ -52,6 +52,7 @@ def _files(d: Path) -> dict[str, str]:
 def _manifest(d: Path) -> dict:
     m = json.loads((d / "moepack.json").read_text())
     m.pop("created_at")
+    m.pop("manifest_sha256")  # the seal covers created_at; it is a function of the rest, compared here
     return m
 
 

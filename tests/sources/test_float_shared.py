@@ -42,6 +42,7 @@ from tests.reference.tolerances import TOL, assert_close
 from tests.schemes.mxfp4.test_mxfp4_sources import float_checkpoint
 from tests.support.ct_writer import CT_KEEP, write_ct_checkpoint
 from tests.support.fixtures_util import moe_block, route
+from tests.support.packdir_edit import reseal
 
 F32 = torch.float32
 SHAPE = dict(hidden_size=128, moe_intermediate_size=128, shared_expert_intermediate_size=128, intermediate_size=128,
@@ -203,7 +204,7 @@ def test_float_shared_expert_stays_float(sources, packed, name):
     src, dst = sources(name), packed(name)
     _, scheme, layout = SOURCES[name]
     m = json.loads((dst / "moepack.json").read_text())
-    assert m["format_version"] == 5
+    assert m["format_version"] == 6  # (sealed; version 5 brought the shared layout)
     sd = _state(src)
     pm = moepack.open(dst)
     for x in m["layers"]:
@@ -244,7 +245,7 @@ def test_layer_equals_the_checkpoint_meaning_and_quantize_is_the_one_way(sources
     for x in m["layers"]:
         assert "layout_id" not in x["shared"] and x["shared"]["quantizer"].split(":")[0] == scheme
         assert x["shared"]["scheme_source"].startswith("quantized by moepack from BF16")
-    assert m["format_version"] in (2, 3)
+    assert m["format_version"] == 6
     report = moepack.verify(q, source=src)
     assert report.ok, report.failures()
     model = _meaning(src)
@@ -296,7 +297,7 @@ def test_an_older_pack_that_quantized_it_unasked_fails_verify(sources, packed, t
     m = json.loads((d / "moepack.json").read_text())
     for x in m["layers"]:
         del x["shared"]["quantizer"]
-    (d / "moepack.json").write_text(json.dumps(m, indent=1))
+    (d / "moepack.json").write_text(json.dumps(reseal(m), indent=1))
     report = moepack.verify(d, source=src)
     assert not report.ok
     fails = " ".join(report.failures())
@@ -335,7 +336,7 @@ def test_a_quantized_shared_expert_keeps_its_scheme(tmp_path, sources):
     write_ct_checkpoint(sources("bf16"), d, "W4A16", _amax("W4A16"))
     moepack.convert(d, tmp_path / "p")
     m = json.loads((tmp_path / "p" / "moepack.json").read_text())
-    assert m["format_version"] == 2
+    assert m["format_version"] == 6
     for x in m["layers"]:
         assert "layout_id" not in x["shared"] and "w13_scale" in x["shared"] and "quantizer" not in x["shared"]
     report = moepack.verify(tmp_path / "p", source=d)
@@ -360,7 +361,7 @@ def _edit(src: Path, d: Path, fn) -> Path:
     shutil.copytree(src, d)
     m = json.loads((d / "moepack.json").read_text())
     fn(m)
-    (d / "moepack.json").write_text(json.dumps(m, indent=1))
+    (d / "moepack.json").write_text(json.dumps(reseal(m), indent=1))
     return d
 
 
@@ -388,10 +389,10 @@ def test_the_manifest_rules_of_a_shared_layout(packed, tmp_path, what, edit, wor
 
 def test_a_tp_pack_keeps_the_float_shared_expert_and_version_5(sources, packed, tmp_path):
     """``convert --tp 2``: the routed experts sliced, the float shared expert whole in its own
-    layout, format version 5 kept; each layer equals the whole pack's."""
+    layout, format version 6 (5 brought the shared layout); each layer equals the whole pack's."""
     moepack.convert(sources("ct_mxfp4"), tmp_path / "tp", tp=2)
     m = json.loads((tmp_path / "tp" / "moepack.json").read_text())
-    assert m["format_version"] == 5 and m["tp"] == 2
+    assert m["format_version"] == 6 and m["tp"] == 2
     assert all(moepack.layout_get(x["shared"]["layout_id"]).name == "bf16_n32k2_x86" for x in m["layers"])
     whole, tp = moepack.open(packed("ct_mxfp4")), moepack.open(tmp_path / "tp")
     x = torch.randn(7, 128, generator=torch.Generator().manual_seed(2))

@@ -23,10 +23,11 @@ import torch
 import moepack
 from moepack.errors import ConvertError, LayoutError, PackedDirError
 from moepack.layout import layout_get
-from moepack.manifest import MANIFEST, TP_FORMAT_VERSION
+from moepack.manifest import FORMAT_VERSION, MANIFEST
 from moepack.pack import pack_experts, unpack_codes
 from moepack.runtime.experts import run_experts
 from moepack.tp import expand_routes, rank_experts, tp_slice, tp_slice_size, tp_unslice
+from tests.support.packdir_edit import reseal
 
 # (layout, I): I/2 a multiple of the layout's i_align and group size
 CASES = [("bf16_n32k2_x86", 64), ("i8_n32k4_x86", 64), ("u4g32_n32k8_x86", 64), ("u4ch_n32k8_x86", 64),
@@ -185,7 +186,7 @@ def test_convert_tp2(src, tmp_path, quantize):
     moepack.convert(src, whole, quantize=quantize)
     moepack.convert(src, tp2, quantize=quantize, tp=2)
     m = json.loads((tp2 / MANIFEST).read_text())
-    assert m["format_version"] == TP_FORMAT_VERSION and m["tp"] == 2
+    assert m["format_version"] == FORMAT_VERSION == 6 and m["tp"] == 2
     assert all(x["tp"] == 2 and x["padded_intermediate"] == 32 for x in m["layers"])
     assert not list(tmp_path.glob(".*")), "convert left a temporary directory"
     a, b = moepack.open(whole), moepack.open(tp2)
@@ -224,12 +225,12 @@ def test_a_hand_edited_tp_is_refused(src, tmp_path):
     moepack.convert(src, d, tp=2)
     m = json.loads((d / MANIFEST).read_text())
     m["layers"][1]["tp"] = 1
-    (d / MANIFEST).write_text(json.dumps(m))
+    (d / MANIFEST).write_text(json.dumps(reseal(m)))
     with pytest.raises(PackedDirError, match=r"layers\[1\]\.tp=1 \(layer 1\): must equal the top-level tp=2"):
         moepack.open(d)
     m["layers"][1]["tp"] = 2
     m["format_version"] = 3
-    (d / MANIFEST).write_text(json.dumps(m))
+    (d / MANIFEST).write_text(json.dumps(reseal(m)))
     with pytest.raises(PackedDirError, match=r"tp=2: needs format_version 4 \(the file says 3\)"):
         moepack.open(d)
 
@@ -283,6 +284,7 @@ def _tp_files(d) -> dict:
 def _tp_manifest(d) -> dict:
     m = json.loads((d / MANIFEST).read_text())
     m.pop("created_at")
+    m.pop("manifest_sha256")  # the seal covers created_at; it is a function of the rest, compared here
     return m
 
 

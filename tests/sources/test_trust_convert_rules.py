@@ -30,7 +30,7 @@ import moepack
 from moepack.errors import ConvertError, MoepackError, PackedDirError
 from moepack.manifest import MANIFEST, swiglu_param_problem
 from tests.support.fixtures_util import fixture_dir
-from tests.support.packdir_edit import rewrite_tensor
+from tests.support.packdir_edit import rewrite_tensor, reseal
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -104,7 +104,7 @@ def test_open_refuses_the_same_values_in_a_manifest(gpt_oss_pack, tmp_path, fiel
     shutil.copytree(gpt_oss_pack, d)
     m = json.loads((d / MANIFEST).read_text())
     m["layers"][0][field] = value
-    (d / MANIFEST).write_text(json.dumps(m))
+    (d / MANIFEST).write_text(json.dumps(reseal(m)))
     with pytest.raises(PackedDirError) as ei:
         moepack.open(d)
     assert f"layers[0].{field}={value!r} (layer 0): {swiglu_param_problem(field, value)}" in str(ei.value), str(ei.value)
@@ -132,7 +132,7 @@ def test_random_swiglu_values_get_one_verdict(gpt_oss_pack, tmp_path):
         for f in gpt_oss_pack.iterdir():
             (d / f.name).symlink_to(f)
         (d / MANIFEST).unlink()
-        (d / MANIFEST).write_text(json.dumps(m))
+        (d / MANIFEST).write_text(json.dumps(reseal(m)))
         try:
             moepack.open(d)
             open_ok = True

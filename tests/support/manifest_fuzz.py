@@ -362,6 +362,10 @@ def _classify(t: Target, d: Path, new_meaning, new_facts=None) -> Outcome:
     return Outcome("silent", "outputs differ, meaning equal")
 
 
+def _canon(m) -> str:
+    return json.dumps(m, sort_keys=True)
+
+
 def case_dir(t: Target, work: Path) -> Path:
     """A scratch copy of the target (shards symlinked for manifest cases)."""
     d = work / "case"
@@ -375,11 +379,28 @@ def case_dir(t: Target, work: Path) -> Path:
 
 
 def run_manifest_case(t: Target, work: Path, seed: int, i: int) -> tuple[Outcome, list[str]]:
+    """One bent manifest. Nine cases in ten model an editor who also recomputes the seal
+    (``manifest_sha256``, format version 6; unless an edit took the seal itself), so that the
+    schema's rules are what refuses them; the tenth leaves the seal as it was, and then any edit
+    that changes the manifest must be refused (an unsealed edit that opens is ``missed``)."""
+    from moepack.manifest import manifest_digest
+
     rng = random.Random(seed * 1_000_003 + i)
     m = json.loads(t.text)
     edits = mutate_manifest(rng, m)
+    reseal = rng.random() >= 0.1
+    if reseal and "manifest_sha256" in m and not any("'manifest_sha256'" in x for x in edits):
+        try:
+            m["manifest_sha256"] = manifest_digest(m)
+        except (TypeError, ValueError):  # an edit JSON cannot hold (a NaN): left unsealed
+            reseal = False
     d = case_dir(t, work)
     (d / MANIFEST).write_text(json.dumps(m))
+    if not reseal and _canon(m) != _canon(json.loads(t.text)):
+        o = _classify(t, d, lambda: None)
+        if o.cls not in ("refused", "crash"):
+            o = Outcome("missed", f"an edit left unsealed was not refused ({o.cls})")
+        return o, edits + ["(unsealed)"]
 
     def new_meaning():
         try:
@@ -405,6 +426,9 @@ def run_header_case(t: Target, work: Path, seed: int, i: int) -> tuple[Outcome, 
     (d / fname).write_bytes(data)
     m = json.loads(t.text)
     m["files"][fname]["size"] = len(data)  # so that the header itself is what open judges
+    from moepack.manifest import manifest_digest
+
+    m["manifest_sha256"] = manifest_digest(m)  # (the seal too)
     (d / MANIFEST).write_text(json.dumps(m))
     return _classify(t, d, lambda: None), [f"{fname}: {desc}"]
 

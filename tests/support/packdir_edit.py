@@ -1,6 +1,8 @@
 """Edits of a packed directory's tensors for the verify tests (tests/verify/test_verify_shared.py,
 tests/verify/test_verify_biases.py; not a test module): change elements of a packed tensor in place and
 keep the manifest's sha256 consistent, so that only a comparison with the source can tell.
+``reseal`` is the same for a manifest edit: the seal (``manifest_sha256``, format version 6)
+recomputed, as a hostile writer would, so that the schema's own rules (or verify) must tell.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import moepack
 from moepack.container import read_safetensors_header
 from moepack.convert_dir import MANIFEST
+from moepack.manifest import manifest_digest
 from moepack.pack import pack_weight_reference, unpack_weight_reference
 from moepack.verify_dir import tensor_sha256
 
@@ -33,7 +36,18 @@ def rewrite_tensor(d: Path, name: str, edit) -> None:
         f.seek(info.file_offset)
         f.write(raw)
     m["tensors"][name]["sha256"] = tensor_sha256(t)
-    (d / MANIFEST).write_text(json.dumps(m, indent=1))
+    (d / MANIFEST).write_text(json.dumps(reseal(m), indent=1))
+
+
+def reseal(m: dict) -> dict:
+    """``m`` with its seal recomputed (a manifest without one, older than version 6, is left so):
+    an edited manifest as a writer that also fixes the checksums writes it."""
+    if isinstance(m, dict) and isinstance(m.get("manifest_sha256"), str):
+        try:
+            m["manifest_sha256"] = manifest_digest(m)
+        except ValueError:  # a NaN or Infinity: not JSON, refused when the file is read, before any seal
+            pass
+    return m
 
 
 def set_unpacked(layout, idx: tuple, value):
@@ -63,5 +77,5 @@ def edited(packs: dict, tmp_path: Path, fixture: str, fn) -> Path:
     shutil.copytree(packs[fixture], d)
     m = json.loads((d / MANIFEST).read_text())
     fn(m)
-    (d / MANIFEST).write_text(json.dumps(m, indent=1))
+    (d / MANIFEST).write_text(json.dumps(reseal(m), indent=1))
     return d

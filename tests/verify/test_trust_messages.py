@@ -19,6 +19,7 @@ from moepack.convert_dir import MANIFEST
 from moepack.errors import MoepackError, UnsupportedError
 from tests.support.fixtures_util import fixture_dir
 from tests.container.test_packdir_errors import cli
+from tests.support.packdir_edit import reseal
 
 import transformers  # noqa: F401
 
@@ -78,7 +79,7 @@ def test_a_config_transformers_cannot_build_is_moepacks_error(pack, tmp_path):
     shutil.copytree(pack, d)
     m = json.loads((d / MANIFEST).read_text())
     m["model"]["config"]["rope_parameters"] = {"rope_type": "no-such-rope"}
-    (d / MANIFEST).write_text(json.dumps(m))
+    (d / MANIFEST).write_text(json.dumps(reseal(m)))
     with pytest.raises(MoepackError) as ei:
         moepack.load_model(d)
     assert len(str(ei.value).splitlines()) == 1 and "model.config" in str(ei.value)
@@ -96,7 +97,7 @@ def test_generate_prompt_with_a_deleted_tokenizer_file_names_it(pack, tmp_path):
     (d / "tokenizer.json").write_text("{}")
     m = json.loads((d / MANIFEST).read_text())
     m["carried_files"].append("tokenizer.json")
-    (d / MANIFEST).write_text(json.dumps(m))
+    (d / MANIFEST).write_text(json.dumps(reseal(m)))
     (d / "tokenizer.json").unlink()
     r = cli("generate", d, "--prompt", "hello")
     assert r.exit_code == 2 and "tokenizer file tokenizer.json is listed in carried_files but missing" in r.stderr

@@ -18,7 +18,7 @@ from moepack.convert_dir import MANIFEST
 from moepack.errors import PackedDirError
 from moepack.manifest import ManifestError
 from tests.support.fixtures_util import fixture_dir
-from tests.support.packdir_edit import edited, rewrite_tensor, set_element, set_unpacked
+from tests.support.packdir_edit import edited, rewrite_tensor, set_element, set_unpacked, reseal
 from tests.container.test_packdir_errors import cli
 
 W4A16 = "qwen2_moe_w4a16"
@@ -94,12 +94,16 @@ def test_deliberate_act_mode_erased_fails_verify(packs, tmp_path):
 
 def test_an_older_manifest_without_act_mode_option_is_reported_not_failed(packs, tmp_path):
     """A pack written before convert recorded act_mode_option (no key at all) cannot tell a
-    deliberate --act-mode from an edit: verify reports the other mode instead of failing it."""
-    d = edited(packs, tmp_path, "w4a16_a8", lambda m: m.pop("act_mode_option"))
+    deliberate --act-mode from an edit: verify reports the other mode instead of failing it.
+    Such a manifest is older than version 6, which requires the key (and seals it)."""
+    d = edited(packs, tmp_path, "w4a16_a8", lambda m: [m.pop("act_mode_option"), m.pop("manifest_sha256"), m.update(format_version=5)])
     report = moepack.verify(d, source=fixture_dir(W4A16))
     assert report.ok, report.failures()
     assert {c.act_mode for c in report.layers} == {"a8"}
-    assert len(report.notes) == len(report.layers) and all("predates act_mode_option" in n for n in report.notes)
+    modes = [n for n in report.notes if "no manifest_sha256" not in n]
+    assert len(modes) == len(report.layers) and all("predates act_mode_option" in n for n in modes), report.notes
+    with pytest.raises(ManifestError, match="act_mode_option is missing"):  # version 6 requires it
+        moepack.open(edited(packs, tmp_path / "v6", "w4a16_a8", lambda m: m.pop("act_mode_option")))
 
 
 def test_verify_runs_the_manifests_mode_not_the_environments(packs, monkeypatch):
@@ -166,7 +170,7 @@ def test_a_carried_file_and_its_checksum_edited_together_fail_against_the_source
     (d / "generation_config.json").write_text("{}\n")
     m = json.loads((d / MANIFEST).read_text())
     m["carried_sha256"]["generation_config.json"] = hashlib.sha256(b"{}\n").hexdigest()
-    (d / MANIFEST).write_text(json.dumps(m))
+    (d / MANIFEST).write_text(json.dumps(reseal(m)))
     _fails_with_source(d, "qwen3_moe", "carried file 'generation_config.json': its sha256 in the manifest differs from the "
                                        "source file's")  # fmt: skip
 

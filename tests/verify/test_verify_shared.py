@@ -27,7 +27,7 @@ import moepack
 from moepack.convert_dir import MANIFEST
 from moepack.runtime.model import PackedMoELayer
 from tests.support.fixtures_util import fixture_dir, fixture_info
-from tests.support.packdir_edit import rewrite_tensor, set_element, set_unpacked
+from tests.support.packdir_edit import rewrite_tensor, set_element, set_unpacked, reseal
 
 QUANT_ROLES = ("w13_scale", "w2_scale", "w13_colsum", "w2_colsum")
 
@@ -222,7 +222,7 @@ def test_without_the_sha256_update_both_checks_name_the_tensor(tmp_root, tmp_pat
     rewrite_tensor(d, tensor, set_unpacked(moepack.open(d).layers[1].packed.layout, (0, 3, 4), 0.125))
     m = json.loads((d / MANIFEST).read_text())
     m["tensors"][tensor]["sha256"] = sha  # as a flipped byte on disk leaves it
-    (d / MANIFEST).write_text(json.dumps(m, indent=1))
+    (d / MANIFEST).write_text(json.dumps(reseal(m), indent=1))
     report = moepack.verify(d, source=fixture_dir("deepseek_v3"))
     f = report.failures()
     assert len(f) == 2 and f[0].startswith(f"tensor {tensor!r} in ") and "sha256" in f[0]
@@ -233,7 +233,7 @@ def test_shared_expert_missing_from_the_manifest(tmp_root, tmp_path):
     d = copy_of(tmp_root, "deepseek_v3", None, tmp_path)
     m = json.loads((d / MANIFEST).read_text())
     m["layers"][0]["shared"] = None
-    (d / MANIFEST).write_text(json.dumps(m, indent=1))
+    (d / MANIFEST).write_text(json.dumps(reseal(m), indent=1))
     report = moepack.verify(d, source=fixture_dir("deepseek_v3"))
     (c,) = report.layers
     assert not report.ok and c.weights_exact and c.shared_exact is False
@@ -313,7 +313,7 @@ def test_open_checks_the_shared_expert_against_layout_math(tmp_root, tmp_path, f
     d = copy_of(tmp_root, "deepseek_v3", None, tmp_path)
     m = json.loads((d / MANIFEST).read_text())
     m["layers"][0]["shared"][field] = value
-    (d / MANIFEST).write_text(json.dumps(m, indent=1))
+    (d / MANIFEST).write_text(json.dumps(reseal(m), indent=1))
     with pytest.raises(PackedDirError) as ei:
         moepack.verify(d, source=fixture_dir("deepseek_v3"))
     for w in words:

@@ -233,7 +233,7 @@ def test_float_shared_expert_in_an_fp8_source(tmp_path, fp8_sources):
     m = json.loads((tmp_path / "p" / "moepack.json").read_text())
     (x,) = m["layers"]
     assert "activations run in 16 bits" in x["scheme_source"]
-    assert x["shared"]["scheme_source"] == "BF16 weights packed as bf16" and m["format_version"] == 5
+    assert x["shared"]["scheme_source"] == "BF16 weights packed as bf16" and m["format_version"] == 6
     assert moepack.layout_get(x["shared"]["layout_id"]).name == "bf16_n32k2_x86" and "quantizer" not in x["shared"]
     report = moepack.verify(tmp_path / "p", source=src)
     assert report.ok and report.layers[0].shared_exact, report.failures()

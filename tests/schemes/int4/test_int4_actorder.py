@@ -271,7 +271,7 @@ def test_gptq_act_order_converts_verifies_and_runs(tmp_path, version, sym, group
     moepack.convert(src, dst)
     m = json.loads((dst / "moepack.json").read_text())
     entry = m["layers"][0]
-    assert m["format_version"] == 3 and entry["act_mode"] == "a16"
+    assert m["format_version"] == 6 and entry["act_mode"] == "a16"
     assert "w13_perm" in entry["tensors"] and "w13_perm" in entry["shared"]
     report = moepack.verify(dst, source=src)
     assert report.ok, report.failures()

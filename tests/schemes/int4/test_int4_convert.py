@@ -26,7 +26,7 @@ import moepack
 from moepack.errors import ConvertError, MoepackError
 from moepack.sources import open_source
 from tests.support.fixtures_util import fixture_dir, moe_block, route
-from tests.support.packdir_edit import rewrite_tensor
+from tests.support.packdir_edit import rewrite_tensor, reseal
 from tests.reference.tolerances import TOL, assert_close, assert_close_int8
 
 F32 = torch.float32
@@ -132,7 +132,7 @@ def test_fixture_converts_verifies_and_matches_transformers(tmp_path, name):
     src, dst = fixture_dir(name), tmp_path / "packed"
     moepack.convert(src, dst)
     m = json.loads((dst / "moepack.json").read_text())
-    assert m["format_version"] == 2 and all(x["act_mode"] == "a16" and "w13_perm" not in x["tensors"] for x in m["layers"])
+    assert m["format_version"] == 6 and all(x["act_mode"] == "a16" and "w13_perm" not in x["tensors"] for x in m["layers"])
     report = moepack.verify(dst, source=src)
     assert report.ok, report.failures()
     _check_vs_transformers(dst, src, None, name)
@@ -145,7 +145,7 @@ def test_written_checkpoint_converts_verifies_and_matches_transformers(tmp_path,
     moepack.convert(src, dst)
     m = json.loads((dst / "moepack.json").read_text())
     act = WRITTEN[name].get("act_order", False)
-    assert m["format_version"] == (3 if act else 2)
+    assert m["format_version"] == 6
     assert all(("w13_perm" in x["tensors"]) == act and x["act_mode"] == "a16" for x in m["layers"])
     assert moepack.layout_get(m["layers"][0]["layout_id"]).group_size == WRITTEN[name]["group_size"]
     report = moepack.verify(dst, source=src)
@@ -210,13 +210,13 @@ def test_act_mode_refusals_and_w4a8_default(tmp_path):
     # a manifest act_mode the layout does not serve is refused at open; absent = the layout's default
     m = json.loads((tmp_path / "p8" / "moepack.json").read_text())
     m["layers"][0]["act_mode"] = "a4"
-    (tmp_path / "p8" / "moepack.json").write_text(json.dumps(m))
+    (tmp_path / "p8" / "moepack.json").write_text(json.dumps(reseal(m)))
     with pytest.raises(MoepackError, match=r"layers\[0\]\.act_mode='a4' \(layer 0\): must be one of 'a16', 'a8' \(layout u4g32_n32k8_x86 runs with a16 or a8 "
                                               r"activations\)"):
         moepack.open(tmp_path / "p8")
     for x in m["layers"]:
         del x["act_mode"]
-    (tmp_path / "p8" / "moepack.json").write_text(json.dumps(m))
+    (tmp_path / "p8" / "moepack.json").write_text(json.dumps(reseal(m)))
     assert all(x.act_mode == "a16" for x in moepack.open(tmp_path / "p8").layers.values())
 
 
