@@ -10,7 +10,9 @@ here, and import that module in cli/main.py (importing registers it)::
         ...
 
 ``command`` turns the errors a user can cause (``MoepackError``, ``ValueError``, ``OSError``)
-into one line on stderr and exit status 2; ``moepack --debug ...`` shows the traceback instead.
+into one line on stderr and exit status 2; ``moepack --verbose ...`` adds the error's notes after
+it (e.g. the other source readers' reasons when none reads a checkpoint), one ``note:`` line each;
+``moepack --debug ...`` shows the traceback instead.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ err_console = Console(stderr=True)  # stderr: progress, warnings, errors
 
 class _State:
     debug: bool = False
+    verbose: bool = False
 
 
 state = _State()
@@ -83,8 +86,11 @@ state = _State()
 @app.callback()
 def _main(
     debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error instead of one line."),
+    verbose: bool = typer.Option(False, "--verbose", help="After an error's line, its notes (e.g. why each other source "
+                                                          "reader does not read the checkpoint)."),
 ) -> None:
     state.debug = debug
+    state.verbose = verbose
     if debug:  # moepack.hf.quiet_transformers lets transformers' own warnings through
         import os
 
@@ -125,6 +131,9 @@ def command(*args, **kwargs) -> Callable:
                 if state.debug:
                     raise
                 typer.echo(f"moepack: error: {error_line(e)}", err=True)
+                if state.verbose:
+                    for note in getattr(e, "__notes__", ()):
+                        typer.echo(f"moepack: note: {' '.join(str(note).split())}", err=True)
                 raise typer.Exit(EXIT_USER_ERROR) from None
 
         app.command(*args, **kwargs)(wrapper)

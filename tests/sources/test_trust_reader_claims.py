@@ -1,6 +1,7 @@
 """When no reader handles a checkpoint, the reader its quantization_config names (or the format
 moepack recognises and does not read yet) speaks first and alone on the one line a user sees;
-the other readers' reasons are a note on the error, which moepack --debug's traceback shows (issue 49:
+the other readers' reasons are a note on the error, which ``moepack --verbose`` prints after the line
+and moepack --debug's traceback shows (issue 49:
 33 refusals listed every reader's reason in 580-1050 characters, a compressed-tensors NVFP4
 checkpoint's first reason was about W8A8 and a ModelOpt NVFP4 refusal never said NVFP4)."""
 
@@ -85,6 +86,11 @@ def test_the_reader_that_recognises_the_format_speaks_alone(tmp_path, case):
     assert not dst.exists()
     r = _cli("--debug", "convert", src, dst)  # --debug: the traceback, the other readers' reasons with it
     assert isinstance(r.exception, SourceError) and r.exception.__notes__ == notes
+    r = _cli("--verbose", "convert", src, dst)  # --verbose: the line, then the other readers' reasons as a note
+    lines = r.stderr.splitlines()
+    assert r.exit_code == 2 and lines[0] == f"moepack: error: {first}" and len(lines) == 2, r.stderr
+    assert lines[1].startswith("moepack: note: the other readers: ") and absent in lines[1], lines[1]
+    assert not dst.exists()
     with pytest.raises(SourceError):
         moepack.convert(src, dst)
 
