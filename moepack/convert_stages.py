@@ -18,10 +18,10 @@ import torch
 from ._version import __version__
 from .container.plan import ShardPlan
 from .container.writer import ShardWriter
-from .convert_plan import _Plan, expert_tensor_name
+from .convert_plan import _Plan, expert_tensor_name, silu_limit_of
 from .errors import ConvertError, LayoutError
 from .layout import layout_expert_shapes, layout_tensor_plan
-from .manifest import SHARED_LAYOUT_FORMAT_VERSION
+from .manifest import SHARED_LAYOUT_FORMAT_VERSION, SILU_LIMIT_FORMAT_VERSION
 from .runtime.model import FORMAT_VERSION, PERM_FORMAT_VERSION
 from .schemes import LayerSource, QuantError, get_scheme
 from .sources import LayerSpec
@@ -127,6 +127,7 @@ def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fnam
         "activation": s.activation,
         "alpha": pl.alpha,
         "limit": pl.limit,
+        **({"silu_limit": sl} if (sl := silu_limit_of(pl.config, s)) is not None else {}),  # format version 6
         "interleaved": s.interleaved,
         "layout_id": lay.id,
         "act_mode": pl.act_modes[s.index],
@@ -169,7 +170,10 @@ def _manifest(pl: _Plan, tmp: Path, layers: list, tensors: dict, carried: list, 
         # reader would ignore and so run wrongly (docs/PACKED_FORMAT.md §7)
         # version 5 only where a shared expert has its own layout (a quantized source's float shared
         # expert kept float), which a version 2-4 reader would read in the layer's layout
-        "format_version": SHARED_LAYOUT_FORMAT_VERSION if any("layout_id" in (x["shared"] or {}) for x in layers)
+        # version 6 only where a layer has a silu_limit or a hash router (DeepSeek-V4), which a version
+        # 2-5 reader would ignore (run unclamped, route by the logits)
+        "format_version": SILU_LIMIT_FORMAT_VERSION if any("silu_limit" in x or (x["router"] or {}).get("hash") for x in layers)
+        else SHARED_LAYOUT_FORMAT_VERSION if any("layout_id" in (x["shared"] or {}) for x in layers)
         else PERM_FORMAT_VERSION if any("w13_perm" in x["tensors"] or "w13_perm" in (x["shared"] or {})
                                         for x in layers) else FORMAT_VERSION,  # fmt: skip
         "created_by": f"moepack {__version__}",

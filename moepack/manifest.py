@@ -1,7 +1,7 @@
 """The schema of ``moepack.json``, checked once before anything reads the manifest.
 
 docs/PACKED_FORMAT.md §4 describes every field; this module is the same description as code.
-``check_manifest(path, m)`` walks the whole manifest (every version still readable: 1 to 5)
+``check_manifest(path, m)`` walks the whole manifest (every version still readable: 1 to 6)
 and refuses the first field that breaks a rule with ONE ``ManifestError`` line that names the
 file, the field's path, its value and the rule::
 
@@ -23,7 +23,8 @@ fuzzes that). Rules, beyond each field's type:
   correction bias exactly where the routing has one, router and gate tensors of the shapes the
   layer multiplies them with, every tensor's file listed in ``files``, file names plain names of
   the directory (never a path out of it), ``w13_perm`` only in version 3 and int4_group layers,
-  a shared expert's own ``layout_id`` (of the layer's family) only in version 5.
+  a shared expert's own ``layout_id`` (of the layer's family) only in version 5, a layer's
+  ``silu_limit`` (silu layers) and ``router.hash`` (an integer [vocab, k] table) only in version 6.
 
 Keys the schema does not know are ignored (§7), except inside ``routing``, which is a
 ``RoutingConfig`` exactly (a routing key this moepack does not know would change routing).
@@ -58,7 +59,13 @@ TP_FORMAT_VERSION = 4
 # codes); written only by directories that have one (a version-4 reader would read its tensors in
 # the layer's layout).
 SHARED_LAYOUT_FORMAT_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+# 6: version 5 plus two DeepSeek-V4 features: a layer's ``silu_limit`` (a clamped SwiGLU on silu
+# experts, routed and shared) and its ``router.hash`` (a token id -> expert ids table: the layer
+# selects by token id); written only by directories that have one (a version-5 reader would
+# ignore both and run such a layer unclamped, or route it by its logits).
+SILU_LIMIT_FORMAT_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+INT_DTYPES = ("int64", "int32")
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 SOURCE_KINDS = ("per_expert", "fused_out", "fused_in", "granite")
@@ -374,6 +381,15 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
         rule = None if v is _MISSING else swiglu_param_problem(k, v)
         if rule:
             c.fail(f"{at}.{k}", v, rule)
+    sl = entry.get("silu_limit", _MISSING)
+    if sl is not _MISSING:
+        if version < SILU_LIMIT_FORMAT_VERSION:
+            c.fail(f"{at}.silu_limit", sl, f"needs format_version {SILU_LIMIT_FORMAT_VERSION} (the file says {version})")
+        rule = silu_limit_problem(sl)
+        if rule:
+            c.fail(f"{at}.silu_limit", sl, rule)
+        if entry["activation"] != "silu":
+            c.fail(f"{at}.silu_limit", sl, f"is an option of silu experts only (this layer's activation is {entry['activation']!r})")
     c.val(entry, "interleaved", f"{at}.interleaved", "bool")
     lid = c.val(entry, "layout_id", f"{at}.layout_id", "int")
     if str(lid) not in m["layouts"]:
@@ -458,13 +474,19 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
     router = c.obj(entry, "router", f"{at}.router", required=False, null=True) or {}
     refs = [("weight", [e, h]), ("bias", [e]), ("correction_bias", [e])]
     for key, shape in refs:
+        cb = m["tensors"].get(router.get(key) or "") if key == "correction_bias" else None
+        if cb is not None and list(cb["shape"]) == [1, e]:  # ernie4_5_moe stores it as [1, E] (carried as stored)
+            shape = [1, e]
         _check_ref(c, m, router, key, f"{at}.router.{key}", shape, idx)
     if sh:
         _check_ref(c, m, sh, "gate", f"{at}.shared.gate", [1, h], idx)
-    if routing is not None and routing.method != "custom" and bool(router.get("correction_bias")) != routing.has_correction_bias:
+    hashed = _check_hash(c, m, router, f"{at}.router.hash", routing, version)
+    # a hash layer selects by token id: no correction bias (DeepseekV4HashRouter has none)
+    if (routing is not None and routing.method != "custom"
+            and bool(router.get("correction_bias")) != (routing.has_correction_bias and not hashed)):  # fmt: skip
         c.fail(f"{at}.router.correction_bias", router.get("correction_bias"),
                f"routing.has_correction_bias={routing.has_correction_bias}: a layer has a correction bias exactly when "
-               "its routing uses one")  # fmt: skip
+               "its routing uses one and it does not route by token id (router.hash)")  # fmt: skip
     return idx
 
 
@@ -479,6 +501,32 @@ def _check_ref(c: _Check, m: dict, holder: dict, key: str, field: str, shape: li
         c.fail(field, name, "names a tensor that 'tensors' does not list")
     if list(got["shape"]) != shape or got["dtype"] not in FLOAT_DTYPES:
         c.fail(field, name, f"is {got['dtype']} {got['shape']}, must be a float tensor of shape {shape}")
+
+
+def silu_limit_problem(v: Any) -> str | None:
+    """The rule of a silu layer's ``silu_limit`` (the manifest, open) and of the config value convert
+    records there (``swiglu_limit``), so convert cannot write a pack that open refuses: a finite
+    number > 0 that float32 holds. None when ``v`` keeps it."""
+    if not _is_num(v) or abs(v) > FLOAT32_MAX or not v > 0:
+        return "must be a finite number > 0 that float32 holds: the gate is clamped to <= it, the up to [-it, it]"
+    return None
+
+
+def _check_hash(c: _Check, m: dict, router: dict, field: str, routing, version: int) -> bool:
+    """``router.hash``: null or absent, or an integer tensor [vocab, top_k] of expert ids (the
+    layer routes token t to hash[t]; DeepSeek-V4's ``gate.tid2eid``), version 6. True when present."""
+    name = c.val(router, "hash", field, "str", required=False, null=True)
+    if not name:
+        return False
+    if version < SILU_LIMIT_FORMAT_VERSION:
+        c.fail(field, name, f"needs format_version {SILU_LIMIT_FORMAT_VERSION} (the file says {version})")
+    got = m["tensors"].get(name)
+    if got is None:
+        c.fail(field, name, "names a tensor that 'tensors' does not list")
+    k = routing.top_k if routing is not None else None
+    if len(got["shape"]) != 2 or got["dtype"] not in INT_DTYPES or (k is not None and got["shape"][1] != k):
+        c.fail(field, name, f"is {got['dtype']} {got['shape']}, must be an int64 / int32 tensor [vocab, top_k={k}]")
+    return True
 
 
 def load_manifest(path: str | os.PathLike) -> dict:
@@ -514,4 +562,5 @@ def _no_constant(name: str):
 
 
 __all__ = ["MANIFEST", "FORMAT_VERSION", "PERM_FORMAT_VERSION", "TP_FORMAT_VERSION", "SHARED_LAYOUT_FORMAT_VERSION",
+           "SILU_LIMIT_FORMAT_VERSION", "silu_limit_problem",
            "READABLE_VERSIONS", "ManifestError", "check_manifest", "load_manifest", "MoepackError"]  # fmt: skip
