@@ -104,6 +104,7 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v4": Family("mlp", shared="shared_experts"),
     # its correction bias in moe_statics ([1, E]); the router kept in fp32
     "ernie4_5_moe": Family("mlp", router_fp32=True, shared="shared_experts"),
+    "lfm2_moe": Family("feed_forward"),  # its expert_bias beside the gate; short conv layers are transformers' own
     "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
     "llama4": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
                      shared="shared_expert"),  # the multimodal config; its causal LM is the text model

@@ -228,6 +228,7 @@ SUPPORTED_MODEL_TYPES = (
     "cohere2_moe",  # expert_selection_fn: softmax over the top-k logits, or their sigmoid (norm_topk_prob)
     "deepseek_v4",  # sqrt(softplus) + correction bias, renormalized, x routed_scaling_factor; hash layers by token id
     "ernie4_5_moe",  # softmax; top-k of softmax + correction bias (moe_statics); / max(sum, moe_norm_min)
+    "lfm2_moe",  # sigmoid; top-k of sigmoid + expert_bias (use_expert_bias); / (sum + 1e-6) if norm_topk_prob; x rsf
 )
 # model_type -> (n_group, topk_group, routed_scaling_factor, norm_topk_prob) defaults of the noaux_tc families
 _NOAUX_DEFAULTS = {
@@ -352,7 +353,7 @@ _EXPERT_KEYS = {
 }  # fmt: skip
 
 # sigmoid-scored families (and cohere2_moe, which may be): _sigmoid_family
-_SIGMOID_FAMILIES = ("minimax_m2", "flint", "cohere2_moe", "afmoe", "hy_v3", "laguna")
+_SIGMOID_FAMILIES = ("minimax_m2", "flint", "cohere2_moe", "afmoe", "hy_v3", "laguna", "lfm2_moe")
 
 
 def _sigmoid_family(cls, config: Mapping[str, Any], mt: str, k: int, e: int) -> RoutingConfig:
@@ -374,6 +375,13 @@ def _sigmoid_family(cls, config: Mapping[str, Any], mt: str, k: int, e: int) -> 
     if mt == "afmoe":  # sigmoid; top-k of sigmoid + expert_bias; / sum; x route_scale
         return cls("sigmoid", k, renormalize=True, has_correction_bias=True,
                    routed_scaling_factor=float(_get(config, "route_scale", default=1.0)), num_experts=e, model_type=mt)  # fmt: skip
+    if mt == "lfm2_moe":  # Lfm2MoeTopKRouter: sigmoid; top-k of sigmoid (+ expert_bias); / (sum + 1e-6); x rsf
+        # its renormalization adds 1e-6 where moepack adds 1e-20: weights differ by a factor
+        # sum / (sum + 1e-6), at most 1e-6 / sum relative (docs/ROUTING.md, "differs on purpose")
+        return cls("sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=True)),
+                   has_correction_bias=bool(_get(config, "use_expert_bias", default=True)),
+                   routed_scaling_factor=float(_get(config, "routed_scaling_factor", default=1.0)), num_experts=e,
+                   model_type=mt)  # fmt: skip
     if mt in ("hy_v3", "laguna"):  # sigmoid; top-k of sigmoid + correction bias; / sum; x the scaling factor
         if mt == "laguna":
             cap = _get(config, "moe_router_logit_softcapping", default=0.0)
