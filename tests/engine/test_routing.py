@@ -673,6 +673,29 @@ def test_route_by_token_matches_transformers_hash_router(scoring):
     assert torch.equal(route_by_token(logits, cfg, table.int(), tok[0])[1], ids)
 
 
+def test_ernie_and_lfm2_routers_match_transformers():
+    """ernie4_5_moe (softmax + moe_statics correction bias, / max(sum, 1e-12)) and lfm2_moe (sigmoid +
+    expert_bias, / (sum + 1e-6), x rsf) through from_hf_config against transformers' own routers:
+    the same ids, weights within 1e-6 (lfm2's 1e-6 in the denominator is at most 1e-6 / sum relative)."""
+    e, k = 16, 4
+    g = torch.Generator().manual_seed(11)
+    x = _hf_logits(31, e, seed=9)
+    bias = torch.randn(e, generator=g) * 0.05
+    ernie = _hf_router("ernie4_5_moe", "Ernie4_5_MoeTopKRouter", num_experts=e, num_experts_per_tok=k, moe_norm_min=1e-12)
+    ernie.moe_statics.e_score_correction_bias.data.copy_(bias[None])
+    with torch.no_grad():
+        logits, hf_w, hf_ids = ernie(x)
+    cfg = RoutingConfig.from_hf_config({"model_type": "ernie4_5_moe", "moe_num_experts": e, "moe_k": k})
+    assert_same_routing(*route(logits, cfg, bias), hf_w.float(), hf_ids, what="ernie4_5_moe")
+    lfm = _hf_router("lfm2_moe", "Lfm2MoeTopKRouter", num_experts=e, num_experts_per_tok=k, norm_topk_prob=True,
+                     routed_scaling_factor=2.0, use_expert_bias=True)  # fmt: skip
+    with torch.no_grad():
+        logits, hf_w, hf_ids = lfm(x, bias)
+    cfg = RoutingConfig.from_hf_config({"model_type": "lfm2_moe", "num_experts": e, "num_experts_per_tok": k,
+                                        "routed_scaling_factor": 2.0})  # fmt: skip
+    assert_same_routing(*route(logits, cfg, bias), hf_w.float(), hf_ids, scale=2.0, what="lfm2_moe")
+
+
 def test_route_by_token_refusals():
     from moepack.routing import route_by_token
 
