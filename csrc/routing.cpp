@@ -8,7 +8,8 @@
 //      bias), keep the topk_group best groups;
 //   4. top-k of the keys over the kept experts, in descending key order; equal keys: the lower
 //      expert id wins (a strict total order, so the result is deterministic);
-//   5. weights from the unbiased scores of the chosen experts; renormalize divides by
+//   5. weights from the unbiased scores of the chosen experts (softmax, sigmoid, or DeepSeek-V4's
+//      sqrt(softplus)); renormalize divides by
 //      (sum + 1e-20); the routed_scaling_factor multiplies last.
 // Keys are logits (not scores) when there is no bias: softmax and sigmoid are monotone, so this
 // is the same top-k, except where fp32 scores saturate to equal values (sigmoid = 1.0 for
@@ -128,6 +129,15 @@ void sigmoid_row(const float* in, float* out, int64_t n) {
   int64_t i = 0;
   for (; i + 4 <= n; i += 4) store4(out + i, 1.0f / (1.0f + exp4(-load4(in + i, 4))), 4);
   if (i < n) store4(out + i, 1.0f / (1.0f + exp4(-load4(in + i, n - i))), n - i);
+}
+
+// out[i] = sqrt(softplus(in[i])), softplus as torch's (beta 1, threshold 20: the value itself
+// above 20, else log1p(exp(x))): 0 at -inf. DeepSeek-V4's router score (scalar libm: E <= 384).
+void sqrtsoftplus_row(const float* in, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float x = in[i];
+    out[i] = std::sqrt(x > 20.0f ? x : std::log1p(std::exp(x)));
+  }
 }
 
 // a ranks before b: larger key, then lower id.
@@ -273,6 +283,7 @@ void route_one(const RouteArgs& a, Scratch& s, const float* x, float mx, float* 
   const float* key = x;
   if (a.bias) {
     if (soft) softmax_row(x, E, mx, score);
+    else if (m == RouteMethod::sqrtsoftplus) sqrtsoftplus_row(x, score, E);
     else sigmoid_row(x, score, E);
     float* kb = s.key.data();
     for (int64_t e = 0; e < E; ++e) kb[e] = score[e] + a.bias[e];
@@ -344,6 +355,15 @@ void route_one(const RouteArgs& a, Scratch& s, const float* x, float mx, float* 
         sigmoid_row(t, w, k);
       }
       break;
+    case RouteMethod::sqrtsoftplus:
+      if (a.bias)
+        for (int64_t j = 0; j < k; ++j) w[j] = score[ids[j]];
+      else {
+        float* t = s.tmp.data();
+        for (int64_t j = 0; j < k; ++j) t[j] = x[ids[j]];
+        sqrtsoftplus_row(t, w, k);
+      }
+      break;
     case RouteMethod::topk_softmax: {
       const float top = x[ids[0]];  // the largest chosen logit
       if (top == -kInf) {
@@ -408,6 +428,7 @@ const char* route_method_name(RouteMethod m) {
     case RouteMethod::topk_softmax: return "topk_softmax";
     case RouteMethod::llama4: return "llama4";
     case RouteMethod::sparsemixer: return "sparsemixer";
+    case RouteMethod::sqrtsoftplus: return "sqrtsoftplus";
   }
   return "?";
 }

@@ -82,6 +82,7 @@ def fused_experts(
     expert_map: torch.Tensor | None = None,
     act_mode: str | None = None,
     w13_perm: torch.Tensor | None = None,
+    silu_limit: float | None = None,
 ) -> torch.Tensor:
     """Run the experts of one MoE layer on packed weights (docs/SEMANTICS.md §2).
 
@@ -95,7 +96,9 @@ def fused_experts(
     in layouts that serve both (int4_group, mxfp4); None: the layout's default (its first act mode).
     ``w13_perm`` [E, H] int32 (int4_group layouts of act-order checkpoints,
     ``PackedExperts.w13_perm``): column j of expert e's w13 is input channel w13_perm[e, j]; the
-    kernel feeds it ``x[t][w13_perm[e]]``. Returns [T, H] in the input dtype."""
+    kernel feeds it ``x[t][w13_perm[e]]``. ``silu_limit`` (silu experts only; None or 0: none): a
+    clamped SwiGLU, ``silu(min(gate, L)) * clamp(up, -L, L)`` (DeepSeek-V4's ``swiglu_limit``,
+    docs/SEMANTICS.md §2). Returns [T, H] in the input dtype."""
     if interleaved is None:
         interleaved = activation == "swigluoai"
     w13, w2 = _weight_list("w13", w13), _weight_list("w2", w2)
@@ -119,6 +122,7 @@ def fused_experts(
         expert_map=expert_map,
         act_mode=act_mode or "",
         w13_perm=w13_perm,
+        silu_limit=float(silu_limit or 0.0),
     )
 
 

@@ -120,6 +120,26 @@ _ROUTED_ACTIVATION = {"aria_text": "silu", "aria": "silu"}
 _ZERO_EXPERT_KEYS = ("zero_expert_num", "num_zero_experts")  # longcat_flash
 
 _CLAMP_KEYS = ("swiglu_limit", "swiglu_clamp", "clamp_limit")
+# model_type -> the config key of its silu experts' clamped SwiGLU (gate <= L, up in [-L, L], then
+# silu(gate) * up, routed and shared experts alike: DeepseekV4Experts._apply_gate, DeepseekV4MLP),
+# which convert records as each layer's ``silu_limit`` (format version 6). A clamp key of another
+# family stays refused: its clamp is not known to be this one.
+_SILU_CLAMP = {"deepseek_v4": "swiglu_limit"}
+
+
+def silu_limit_of(config: dict, spec) -> float | None:
+    """The ``silu_limit`` convert records for ``spec``'s layer (None: none): the family's clamp key
+    (``_SILU_CLAMP``) on silu experts. A value the manifest would refuse is refused here, naming it."""
+    from .manifest import silu_limit_problem
+
+    key = _SILU_CLAMP.get(config.get("model_type"))
+    v = config.get(key) if key else None
+    if v is None or spec.activation != "silu":
+        return None
+    rule = silu_limit_problem(v)
+    if rule:
+        raise ConvertError(f"config.json: {key}={v!r}: {rule}")
+    return float(v)
 
 
 def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note: str | None, consumed: set) -> list[str]:
@@ -131,12 +151,13 @@ def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note:
     out = []
     if routing_note is not None:
         out.append(routing_problem(config, routing_note))
-    unclamped = sorted({s.activation for s in specs if s.activation != "swigluoai"})
+    own = _SILU_CLAMP.get(mt)  # the family's clamp that silu layers record (silu_limit)
     for key in _CLAMP_KEYS:
         v = config.get(key)
+        unclamped = sorted({s.activation for s in specs if s.activation != "swigluoai" and not (key == own and s.activation == "silu")})
         if v is not None and unclamped:
             out.append(f"model_type={mt!r}: {key}={v!r} with {'/'.join(unclamped)} experts: a clamped SwiGLU, which moepack's "
-                       "kernels run for swigluoai (gpt-oss) experts only")  # fmt: skip
+                       f"kernels run for swigluoai (gpt-oss) experts and the silu experts of {', '.join(_SILU_CLAMP)} only")  # fmt: skip
     norm = _POST_BLOCK_NORMS.get(mt)
     for s in specs if norm else []:
         layer = s.prefix.rpartition(".")[0]  # the decoder layer the block sits in
@@ -357,6 +378,8 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
     problems = runnable_problems(ckpt, config, specs, None if routing is not None else routing_note, expert_names)
     if problems:
         raise ConvertError(f"refused at convert: {problems[0]}")
+    for s in specs:
+        silu_limit_of(config, s)  # a clamp the manifest would refuse: refused before anything is written
     pl = _Plan(
         src, ckpt, reader, scheme, lay, specs, options, config, layer_tensors, expert_shards,
         [f"experts-{i + 1:05d}-of-{ne:05d}.safetensors" for i in range(ne)], other_shards,

@@ -18,7 +18,7 @@ import torch
 from ._version import __version__
 from .container.plan import ShardPlan
 from .container.writer import ShardWriter
-from .convert_plan import _Plan, expert_tensor_name
+from .convert_plan import _Plan, expert_tensor_name, silu_limit_of
 from .errors import ConvertError, LayoutError
 from .layout import layout_expert_shapes, layout_tensor_plan
 from .manifest import FORMAT_VERSION
@@ -108,6 +108,7 @@ def layer_entry(pl: _Plan, s: LayerSpec) -> dict:
         "activation": s.activation,
         "alpha": pl.alpha,
         "limit": pl.limit,
+        **({"silu_limit": sl} if (sl := silu_limit_of(pl.config, s)) is not None else {}),  # format version 6
         "interleaved": s.interleaved,
         "layout_id": lay.id,
         "act_mode": pl.act_modes[s.index],

@@ -100,6 +100,11 @@ FAMILIES: dict[str, Family] = {
     "bailing_hybrid": Family("mlp", router_fp32=True, shared="shared_experts"),
     "cohere2_moe": Family("mlp", shared="shared_experts"),
     "laguna": Family("mlp", shared="shared_experts"),
+    # sqrt(softplus) routing, hash layers routed by the decoder's input_ids, a clamped SwiGLU (silu_limit)
+    "deepseek_v4": Family("mlp", shared="shared_experts"),
+    # its correction bias in moe_statics ([1, E]); the router kept in fp32
+    "ernie4_5_moe": Family("mlp", router_fp32=True, shared="shared_experts"),
+    "lfm2_moe": Family("feed_forward"),  # its expert_bias beside the gate; short conv layers are transformers' own
     "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
     "llama4": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
                      shared="shared_expert"),  # the multimodal config; its causal LM is the text model
@@ -203,7 +208,12 @@ class PackedMoEBlock(torch.nn.Module):
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         logits = self._logits(x)
-        out = self.layer(x, logits.float())
+        # a layer that routes by token id (DeepSeek-V4's hash layers) gets the decoder layer's input_ids
+        ids = kwargs.get("input_ids") if self.layer.hash_table is not None else None
+        if self.layer.hash_table is not None and ids is None:
+            raise UnsupportedError(f"layer {self.layer.index} routes by token id: the model passed its MoE block no "
+                                   "input_ids (inputs_embeds alone cannot be routed by this layer)")  # fmt: skip
+        out = self.layer(x, logits.float(), token_ids=ids)
         fam = self.family.returns
         if self.recorder is not None and self.recorder._forward_hooks:  # hooked: output_router_logits can ask
             rec = [None] * (self.family.logits_index + 1)

@@ -23,7 +23,8 @@ fuzzes that). Rules, beyond each field's type:
   correction bias exactly where the routing has one, router and gate tensors of the shapes the
   layer multiplies them with, every tensor's file listed in ``files``, file names plain names of
   the directory (never a path out of it), ``w13_perm`` only in version 3 and int4_group layers,
-  a shared expert's own ``layout_id`` (of the layer's family) only in version 5;
+  a shared expert's own ``layout_id`` (of the layer's family) only in version 5 and later, a layer's
+  ``silu_limit`` (silu layers) and ``router.hash`` (an integer [vocab, k] table) only in version 6;
 * the seal (version 6): ``manifest_sha256`` equal to ``manifest_digest`` of the other fields,
   checked last, so that a field edited to a value the rules above accept is still refused.
 
@@ -62,12 +63,17 @@ SHARED_LAYOUT_FORMAT_VERSION = 5
 # 6: every manifest is sealed: ``manifest_sha256``, the sha256 of all its other fields
 # (``manifest_digest``), and ``act_mode_option`` and ``carried_sha256`` always present, so that a
 # field edited after convert (a layer's ``act_mode`` together with ``act_mode_option``, an
-# activation, a routing field) is refused by open and verify instead of read. convert writes
+# activation, a routing field) is refused by open and verify instead of read. Version 6 also
+# brings two DeepSeek-V4 features: a layer's ``silu_limit`` (a clamped SwiGLU on silu experts,
+# routed and shared) and its ``router.hash`` (a token id -> expert ids table); a version 1-5
+# manifest with either is refused (its reader would run the layer unclamped, or route by logits). convert writes
 # version 6 for every directory (its perm, tp and shared-layout features included); versions 1-5
 # still open without a seal (verify says so in its notes).
 SEALED_FORMAT_VERSION = 6
 FORMAT_VERSION = SEALED_FORMAT_VERSION  # what convert writes
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+SILU_LIMIT_FORMAT_VERSION = SEALED_FORMAT_VERSION  # the first version with silu_limit / router.hash
+INT_DTYPES = ("int64", "int32")
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 SOURCE_KINDS = ("per_expert", "fused_out", "fused_in", "granite")
@@ -422,6 +428,15 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
         rule = None if v is _MISSING else swiglu_param_problem(k, v)
         if rule:
             c.fail(f"{at}.{k}", v, rule)
+    sl = entry.get("silu_limit", _MISSING)
+    if sl is not _MISSING:
+        if version < SILU_LIMIT_FORMAT_VERSION:
+            c.fail(f"{at}.silu_limit", sl, f"needs format_version {SILU_LIMIT_FORMAT_VERSION} (the file says {version})")
+        rule = silu_limit_problem(sl)
+        if rule:
+            c.fail(f"{at}.silu_limit", sl, rule)
+        if entry["activation"] != "silu":
+            c.fail(f"{at}.silu_limit", sl, f"is an option of silu experts only (this layer's activation is {entry['activation']!r})")
     c.val(entry, "interleaved", f"{at}.interleaved", "bool")
     lid = c.val(entry, "layout_id", f"{at}.layout_id", "int")
     if str(lid) not in m["layouts"]:
@@ -506,13 +521,19 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
     router = c.obj(entry, "router", f"{at}.router", required=False, null=True) or {}
     refs = [("weight", [e, h]), ("bias", [e]), ("correction_bias", [e])]
     for key, shape in refs:
+        cb = m["tensors"].get(router.get(key) or "") if key == "correction_bias" else None
+        if cb is not None and list(cb["shape"]) == [1, e]:  # ernie4_5_moe stores it as [1, E] (carried as stored)
+            shape = [1, e]
         _check_ref(c, m, router, key, f"{at}.router.{key}", shape, idx)
     if sh:
         _check_ref(c, m, sh, "gate", f"{at}.shared.gate", [1, h], idx)
-    if routing is not None and routing.method != "custom" and bool(router.get("correction_bias")) != routing.has_correction_bias:
+    hashed = _check_hash(c, m, router, f"{at}.router.hash", routing, version)
+    # a hash layer selects by token id: no correction bias (DeepseekV4HashRouter has none)
+    if (routing is not None and routing.method != "custom"
+            and bool(router.get("correction_bias")) != (routing.has_correction_bias and not hashed)):  # fmt: skip
         c.fail(f"{at}.router.correction_bias", router.get("correction_bias"),
                f"routing.has_correction_bias={routing.has_correction_bias}: a layer has a correction bias exactly when "
-               "its routing uses one")  # fmt: skip
+               "its routing uses one and it does not route by token id (router.hash)")  # fmt: skip
     return idx
 
 
@@ -527,6 +548,32 @@ def _check_ref(c: _Check, m: dict, holder: dict, key: str, field: str, shape: li
         c.fail(field, name, "names a tensor that 'tensors' does not list")
     if list(got["shape"]) != shape or got["dtype"] not in FLOAT_DTYPES:
         c.fail(field, name, f"is {got['dtype']} {got['shape']}, must be a float tensor of shape {shape}")
+
+
+def silu_limit_problem(v: Any) -> str | None:
+    """The rule of a silu layer's ``silu_limit`` (the manifest, open) and of the config value convert
+    records there (``swiglu_limit``), so convert cannot write a pack that open refuses: a finite
+    number > 0 that float32 holds. None when ``v`` keeps it."""
+    if not _is_num(v) or abs(v) > FLOAT32_MAX or not v > 0:
+        return "must be a finite number > 0 that float32 holds: the gate is clamped to <= it, the up to [-it, it]"
+    return None
+
+
+def _check_hash(c: _Check, m: dict, router: dict, field: str, routing, version: int) -> bool:
+    """``router.hash``: null or absent, or an integer tensor [vocab, top_k] of expert ids (the
+    layer routes token t to hash[t]; DeepSeek-V4's ``gate.tid2eid``), version 6. True when present."""
+    name = c.val(router, "hash", field, "str", required=False, null=True)
+    if not name:
+        return False
+    if version < SILU_LIMIT_FORMAT_VERSION:
+        c.fail(field, name, f"needs format_version {SILU_LIMIT_FORMAT_VERSION} (the file says {version})")
+    got = m["tensors"].get(name)
+    if got is None:
+        c.fail(field, name, "names a tensor that 'tensors' does not list")
+    k = routing.top_k if routing is not None else None
+    if len(got["shape"]) != 2 or got["dtype"] not in INT_DTYPES or (k is not None and got["shape"][1] != k):
+        c.fail(field, name, f"is {got['dtype']} {got['shape']}, must be an int64 / int32 tensor [vocab, top_k={k}]")
+    return True
 
 
 def load_manifest(path: str | os.PathLike) -> dict:
@@ -562,5 +609,5 @@ def _no_constant(name: str):
 
 
 __all__ = ["MANIFEST", "FORMAT_VERSION", "PERM_FORMAT_VERSION", "TP_FORMAT_VERSION", "SHARED_LAYOUT_FORMAT_VERSION",
-           "SEALED_FORMAT_VERSION", "READABLE_VERSIONS", "ManifestError", "check_manifest", "load_manifest", "manifest_digest",
-           "seal_manifest", "write_manifest", "MoepackError"]  # fmt: skip
+           "SEALED_FORMAT_VERSION", "SILU_LIMIT_FORMAT_VERSION", "silu_limit_problem", "READABLE_VERSIONS", "ManifestError",
+           "check_manifest", "load_manifest", "manifest_digest", "seal_manifest", "write_manifest", "MoepackError"]  # fmt: skip

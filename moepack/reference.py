@@ -21,11 +21,13 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 
 
 def activation_reference(
-    h: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0, interleaved: bool | None = None
+    h: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0, interleaved: bool | None = None,
+    silu_limit: float | None = None,
 ) -> torch.Tensor:
     """act(h) for h [..., 2I] fp32 -> [..., I] (docs/SEMANTICS.md §2 table). ``interleaved``: h's
     row order, (gate, up) pairs or gate then up; default: pairs for swigluoai, as checkpoints
-    store it."""
+    store it. ``silu_limit`` (silu only; None or 0: none): the clamped SwiGLU of DeepSeek-V4's
+    experts (``DeepseekV4Experts._apply_gate``): gate clamped to <= L, up to [-L, L], then silu."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
     if interleaved is None:
@@ -37,6 +39,9 @@ def activation_reference(
         up = up.clamp(min=-limit, max=limit)
         return (up + 1.0) * gate * torch.sigmoid(alpha * gate)
     if activation == "silu":
+        if silu_limit:
+            gate = gate.clamp(max=silu_limit)
+            up = up.clamp(min=-silu_limit, max=silu_limit)
         return F.silu(gate) * up
     if activation == "gelu":
         return 0.5 * gate * (1.0 + torch.erf(gate / math.sqrt(2.0))) * up
@@ -54,6 +59,7 @@ def moe_reference(
     activation: str = "silu",
     alpha: float = 1.702,
     limit: float = 7.0,
+    silu_limit: float | None = None,
     interleaved: bool | None = None,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
@@ -78,7 +84,7 @@ def moe_reference(
         if tok.numel() == 0:
             continue
         hh = F.linear(x[tok], w13[e].float(), None if w13_bias is None else w13_bias[e].float())
-        a = activation_reference(hh, activation, alpha, limit, interleaved).to(dtype).float()  # stored in the activation dtype
+        a = activation_reference(hh, activation, alpha, limit, interleaved, silu_limit).to(dtype).float()  # stored in the activation dtype
         y[tok, slot] = F.linear(a, w2[e].float(), None if w2_bias is None else w2_bias[e].float())
     w = topk_weights.float()
     if expert_map is not None:
@@ -121,6 +127,7 @@ def moe_reference_a8(
     activation: str = "silu",
     alpha: float = 1.702,
     limit: float = 7.0,
+    silu_limit: float | None = None,
     interleaved: bool | None = None,
     w13_bias: torch.Tensor | None = None,
     w2_bias: torch.Tensor | None = None,
@@ -155,7 +162,7 @@ def moe_reference_a8(
         if tok.numel() == 0:
             continue
         hh = linear13(e, xq[tok], xs[tok], None if w13_bias is None else w13_bias[e])
-        a = activation_reference(hh, activation, alpha, limit, interleaved).to(dtype).float()
+        a = activation_reference(hh, activation, alpha, limit, interleaved, silu_limit).to(dtype).float()
         aq, as_ = quantize_rows_int8(a)
         y[tok, slot] = linear2(e, aq, as_, None if w2_bias is None else w2_bias[e])
         if return_flip:

@@ -28,7 +28,8 @@ import torch
 from .errors import UnsupportedError
 
 # Methods of the native op, in the order of csrc/include/moepack/routing.h RouteMethod.
-METHODS = ("softmax", "sigmoid", "grouped_softmax", "grouped_sigmoid", "topk_softmax", "llama4", "sparsemixer")
+METHODS = ("softmax", "sigmoid", "grouped_softmax", "grouped_sigmoid", "topk_softmax", "llama4", "sparsemixer",
+           "sqrtsoftplus")
 # "custom": a Python callable supplied to route(); not an op method.
 CONFIG_METHODS = METHODS + ("custom",)
 GROUPED_METHODS = ("grouped_softmax", "grouped_sigmoid")
@@ -42,6 +43,7 @@ SCORING = {
     "topk_softmax": "softmax",
     "llama4": "sigmoid",
     "sparsemixer": "softmax",
+    "sqrtsoftplus": "sqrtsoftplus",
     "custom": "custom",
 }
 
@@ -224,6 +226,9 @@ SUPPORTED_MODEL_TYPES = (
     "flint",  # sigmoid top-k (no bias), norm_topk_prob
     "aria_text",  # top-k of the logits, softmax over those k
     "cohere2_moe",  # expert_selection_fn: softmax over the top-k logits, or their sigmoid (norm_topk_prob)
+    "deepseek_v4",  # sqrt(softplus) + correction bias, renormalized, x routed_scaling_factor; hash layers by token id
+    "ernie4_5_moe",  # softmax; top-k of softmax + correction bias (moe_statics); / max(sum, moe_norm_min)
+    "lfm2_moe",  # sigmoid; top-k of sigmoid + expert_bias (use_expert_bias); / (sum + 1e-6) if norm_topk_prob; x rsf
 )
 # model_type -> (n_group, topk_group, routed_scaling_factor, norm_topk_prob) defaults of the noaux_tc families
 _NOAUX_DEFAULTS = {
@@ -258,7 +263,7 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
             f"config.json model_type={mt!r}: moepack does not know how this family routes "
             f"(known: {', '.join(SUPPORTED_MODEL_TYPES)}); pass a RoutingConfig(method='custom') and a custom_fn"
         )
-    k = int(_need(config, mt, "num_experts_per_tok", "num_experts_per_token", "moe_topk"))
+    k = int(_need(config, mt, "num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k"))
     e = int(_need(config, mt, *_EXPERT_KEYS.get(mt, ("num_experts", "num_local_experts", "n_routed_experts"))))
 
     if mt in _SOFTMAX_RENORM:  # softmax -> top-k (-> / sum: always, never, or if norm_topk_prob)
@@ -267,6 +272,26 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
         return cls("softmax", k, renormalize=renorm, num_experts=e, model_type=mt)
     if mt in _SIGMOID_FAMILIES:
         return _sigmoid_family(cls, config, mt, k, e)
+    if mt == "ernie4_5_moe":
+        # Ernie4_5_MoeTopKRouter: softmax(fp32 logits); top-k of softmax + e_score_correction_bias
+        # (moe_statics); the unbiased softmax at the ids / clamp(sum, min=moe_norm_min). The same
+        # as renormalize's / (sum + 1e-20) in fp32 whenever the sum is >= moe_norm_min.
+        norm_min = float(_get(config, "moe_norm_min", default=1e-12))
+        if not 0 < norm_min <= 1e-6:
+            raise UnsupportedError(f"config.json ernie4_5_moe moe_norm_min={norm_min!r}: moepack renormalizes by "
+                                   "sum + 1e-20, the same only for a floor in (0, 1e-6]")  # fmt: skip
+        return cls("softmax", k, renormalize=True, has_correction_bias=True, num_experts=e, model_type=mt)
+    if mt == "deepseek_v4":
+        # DeepseekV4TopKRouter: score_fn(logits) (scoring_func: sqrtsoftplus, or sigmoid); top-k of
+        # score + e_score_correction_bias; / (sum + 1e-20) always (norm_topk_prob is not read); x
+        # routed_scaling_factor. Its hash_moe layers (DeepseekV4HashRouter) take the ids from the
+        # layer's token-id table instead and weigh them alike (PackedMoELayer.route's token_ids).
+        scoring = _get(config, "scoring_func", default="sqrtsoftplus")
+        if scoring not in ("sqrtsoftplus", "sigmoid"):
+            raise UnsupportedError(f"config.json deepseek_v4 scoring_func={scoring!r}: moepack routes sqrtsoftplus or sigmoid")
+        return cls(scoring, k, renormalize=True, has_correction_bias=True,
+                   routed_scaling_factor=float(_get(config, "routed_scaling_factor", default=1.5)), num_experts=e,
+                   model_type=mt)  # fmt: skip
     if mt == "deepseek_v2":
         # transformers' DeepseekV2TopkRouter: softmax; greedy or group_limited_greedy (group score =
         # max); x routed_scaling_factor; it does not read norm_topk_prob (nor does moepack).
@@ -322,12 +347,13 @@ _EXPERT_KEYS = {
     **dict.fromkeys(("mixtral", "phimoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss",
                      "llama4_text", "mellum", "minimax", "minimax_m2"), ("num_local_experts", "num_experts")),
     "aria_text": ("moe_num_experts",),
+    "ernie4_5_moe": ("moe_num_experts", "num_experts"),
     **dict.fromkeys(("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
                      "solar_open", "dots1", "mimo_v2_flash", "axk1", "axk2"), ("n_routed_experts", "num_local_experts", "num_experts")),
 }  # fmt: skip
 
 # sigmoid-scored families (and cohere2_moe, which may be): _sigmoid_family
-_SIGMOID_FAMILIES = ("minimax_m2", "flint", "cohere2_moe", "afmoe", "hy_v3", "laguna")
+_SIGMOID_FAMILIES = ("minimax_m2", "flint", "cohere2_moe", "afmoe", "hy_v3", "laguna", "lfm2_moe")
 
 
 def _sigmoid_family(cls, config: Mapping[str, Any], mt: str, k: int, e: int) -> RoutingConfig:
@@ -349,6 +375,13 @@ def _sigmoid_family(cls, config: Mapping[str, Any], mt: str, k: int, e: int) -> 
     if mt == "afmoe":  # sigmoid; top-k of sigmoid + expert_bias; / sum; x route_scale
         return cls("sigmoid", k, renormalize=True, has_correction_bias=True,
                    routed_scaling_factor=float(_get(config, "route_scale", default=1.0)), num_experts=e, model_type=mt)  # fmt: skip
+    if mt == "lfm2_moe":  # Lfm2MoeTopKRouter: sigmoid; top-k of sigmoid (+ expert_bias); / (sum + 1e-6); x rsf
+        # its renormalization adds 1e-6 where moepack adds 1e-20: weights differ by a factor
+        # sum / (sum + 1e-6), at most 1e-6 / sum relative (docs/ROUTING.md, "differs on purpose")
+        return cls("sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=True)),
+                   has_correction_bias=bool(_get(config, "use_expert_bias", default=True)),
+                   routed_scaling_factor=float(_get(config, "routed_scaling_factor", default=1.0)), num_experts=e,
+                   model_type=mt)  # fmt: skip
     if mt in ("hy_v3", "laguna"):  # sigmoid; top-k of sigmoid + correction bias; / sum; x the scaling factor
         if mt == "laguna":
             cap = _get(config, "moe_router_logit_softcapping", default=0.0)
@@ -435,6 +468,51 @@ def route(
         raise UnsupportedError(f"correction_bias given but RoutingConfig ({cfg.model_type or cfg.method}) has "
                                "has_correction_bias=False")  # fmt: skip
     return (_route_op or _op())(logits, *cfg._op_head, correction_bias, *cfg._op_tail)
+
+
+def route_by_token(
+    logits: torch.Tensor, cfg: RoutingConfig, table: torch.Tensor, token_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hash routing (DeepSeek-V4's ``hash_moe`` layers, ``DeepseekV4HashRouter``): token t goes to
+    the experts ``table[token_ids[t]]`` (``table`` [vocab, k], the checkpoint's ``gate.tid2eid``),
+    weighted as the method weighs its chosen experts: the scores of the logits at those ids
+    (sqrt(softplus), sigmoid or softmax, fp32), then renormalize (/ (sum + 1e-20)) and
+    routed_scaling_factor. No correction bias (the ids are given). ``token_ids``: one per row of
+    ``logits`` (any integer dtype, any shape with that many elements). Returns (weights [T, k]
+    fp32, ids [T, k] int32) as ``route`` does."""
+    t, e = logits.shape
+    if not isinstance(token_ids, torch.Tensor) or token_ids.is_floating_point() or token_ids.numel() != t:
+        what = f"{token_ids.dtype} {list(token_ids.shape)}" if isinstance(token_ids, torch.Tensor) else type(token_ids).__name__
+        raise UnsupportedError(f"token_ids is {what}: hash routing needs one integer token id per row of router_logits ({t})")
+    tok = token_ids.reshape(-1).long()
+    vocab, k = table.shape
+    if tok.numel() and (int(tok.min()) < 0 or int(tok.max()) >= vocab):
+        raise UnsupportedError(f"token_ids in [{int(tok.min())}, {int(tok.max())}]: the layer's hash table has {vocab} rows")
+    if k != cfg.top_k:
+        raise UnsupportedError(f"the layer's hash table is [{vocab}, {k}]: the routing picks top_k={cfg.top_k}")
+    ids = table[tok].long()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= e):
+        raise UnsupportedError(f"the layer's hash table holds expert ids in [{int(ids.min())}, {int(ids.max())}]: "
+                               f"router_logits has {e} experts")  # fmt: skip
+    x = logits.float()
+    if x.numel() and not bool(torch.isfinite(x).all()):
+        bad = (~torch.isfinite(x)).nonzero()[0].tolist()
+        raise UnsupportedError(f"router_logits[{bad[0]}, {bad[1]}] is {float(x[bad[0], bad[1]])}: hash routing weighs "
+                               "finite logits only")  # fmt: skip
+    scores = _scores(x, cfg.scoring_func)
+    w = _finish(scores.gather(1, ids), cfg.renormalize, cfg.routed_scaling_factor)
+    return w.contiguous(), ids.to(torch.int32).contiguous()
+
+
+def _scores(x: torch.Tensor, scoring: str) -> torch.Tensor:
+    """The scores a method weighs its chosen experts with (fp32)."""
+    if scoring == "sqrtsoftplus":
+        return torch.nn.functional.softplus(x).sqrt()
+    if scoring == "sigmoid":
+        return torch.sigmoid(x)
+    if scoring == "softmax":
+        return _softmax0(x)
+    raise UnsupportedError(f"hash routing weighs sqrtsoftplus, sigmoid or softmax scores, not {scoring!r}")
 
 
 def route_custom(
@@ -557,7 +635,7 @@ def route_reference(
     Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE ``*TopKRouter`` (softmax), DeepseekV2TopkRouter
     (grouped_softmax), DeepseekV3/Glm4Moe/KimiLinear ``TopkRouter`` (grouped_sigmoid),
     GptOss/GraniteMoe ``TopKRouter`` (topk_softmax), Llama4Router (llama4), phimoe
-    ``sparsemixer`` (sparsemixer). moepack's own rules on top: ties -> lower id; without a bias
+    ``sparsemixer`` (sparsemixer), DeepseekV4TopKRouter (sqrtsoftplus: sqrt(softplus(x)) scores). moepack's own rules on top: ties -> lower id; without a bias
     the logits are the selection keys (same order as the scores, finer where fp32 scores
     saturate); rows with nothing finite get weight 0. No argument checking: see the op."""
     x = logits.float()
@@ -574,7 +652,8 @@ def route_reference(
         ids = _topk_ids(x, 1)
         w = torch.sigmoid(x.gather(-1, ids))
         return (w * routed_scaling_factor).contiguous(), ids.to(torch.int32).contiguous()
-    scores = _softmax0(x) if method in ("softmax", "grouped_softmax") else torch.sigmoid(x)
+    scores = (_softmax0(x) if method in ("softmax", "grouped_softmax")
+              else torch.nn.functional.softplus(x).sqrt() if method == "sqrtsoftplus" else torch.sigmoid(x))  # fmt: skip
     key = scores + b if b is not None else x
     allowed = None
     if method in GROUPED_METHODS:

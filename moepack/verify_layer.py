@@ -308,7 +308,12 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
     # kernel restricted to the block by expert_map) against the scheme's reference on the block's
     # canonical tensors and (schemes with an fp32 tolerance) the fp32 reference on its weights
     x, w, ids = _tokens(model, layer_index, e_all, p.hidden, tokens, seed)
-    kw = dict(activation=layer.activation, alpha=layer.alpha, limit=layer.limit, interleaved=p.interleaved)
+    from .convert_plan import silu_limit_of
+    from .sources import text_config
+
+    # the source's clamp (its config), not the pack's: a pack that leaves it out computes otherwise
+    src_sl = silu_limit_of(text_config(ckpt.config), spec)
+    kw = dict(activation=layer.activation, alpha=layer.alpha, limit=layer.limit, interleaved=p.interleaved, silu_limit=src_sl)
     # the manifest's act_mode (proved against the source's meaning by verify_model), never
     # MOEPACK_ACT_MODE: verify proves what the pack says it runs
     mode = layer.entry.get("act_mode") or p.layout.act_modes[0]
@@ -331,7 +336,7 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
         emap = torch.full((e_all,), -1, dtype=torch.int32)
         emap[e0:e1] = torch.arange(e1 - e0, dtype=torch.int32)
         out += run_experts(block, x, w, ids, activation=layer.activation, alpha=layer.alpha, limit=layer.limit,
-                           expert_map=emap, act_mode=mode).float()  # fmt: skip
+                           expert_map=emap, act_mode=mode, silu_limit=layer.silu_limit).float()  # fmt: skip
         wb, ib = _local_routes(w, ids, e0, e1)
         bkw = dict(kw, w13_bias=want.w13_bias, w2_bias=want.w2_bias)
         ref32 += moe_reference(x, want.w13, want.w2, wb, ib, **bkw).float()
@@ -346,10 +351,11 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
         sw = torch.ones(x.shape[0], 1) if gate is None else torch.sigmoid(torch.nn.functional.linear(x, gate.float()))
         sid = torch.zeros(x.shape[0], 1, dtype=torch.int32)
         out = out + layer.shared_expert(x, act_mode=mode)
-        ref32 = ref32 + moe_reference(x, shared.w13, shared.w2, sw, sid)
+        ref32 = ref32 + moe_reference(x, shared.w13, shared.w2, sw, sid, silu_limit=src_sl)
         slay = layer.shared.layout  # its own layout (a float shared expert kept float) runs its own mode
         smode = layer.shared_act_mode(mode)
-        r, f = get_scheme(slay).reference(x, shared.canonical, sw, sid, **(dict(act_mode=smode) if len(slay.act_modes) > 1 else {}))
+        r, f = get_scheme(slay).reference(x, shared.canonical, sw, sid, silu_limit=src_sl,
+                                          **(dict(act_mode=smode) if len(slay.act_modes) > 1 else {}))  # fmt: skip
         ref, flip = ref + r, max(flip, f)
     sdt = ckpt.info(spec.shared["gate_proj"]).dtype_str if shared is not None else None
     dtypes = {spec.dtype} | ({sdt} if sdt is not None else set())

@@ -27,7 +27,7 @@ def _check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | No
     Returns one line per difference (empty: the same model); ``notes`` gets what passed but must
     be reported (a layer run in a deliberate ``--act-mode`` other than the source's meaning)."""
     notes = notes if notes is not None else []
-    from .convert_plan import _routing_for, _swiglu_params, runnable_problems
+    from .convert_plan import _routing_for, _swiglu_params, runnable_problems, silu_limit_of
     from .sources import text_config
 
     out = []
@@ -53,6 +53,7 @@ def _check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | No
             "activation": (s.activation, e["activation"]),
             "alpha": (alpha, e.get("alpha", 1.702)),
             "limit": (limit, e.get("limit", 7.0)),
+            "silu_limit (clamped SwiGLU)": (silu_limit_of(config, s), e.get("silu_limit")),
             "interleaved": (s.interleaved, e["interleaved"]),
             "biases": (s.has_bias, "w13_bias" in e["tensors"] or "w2_bias" in e["tensors"]),
             "act-order w13_perm": (scheme.has_perm(s), "w13_perm" in e["tensors"]),

@@ -42,7 +42,7 @@ FusedMoeArgs check_fused(const at::Tensor& x, const at::TensorList& w13, const a
                          const std::string& activation, double alpha, double limit,
                          const std::optional<at::Tensor>& b13, const std::optional<at::Tensor>& b2,
                          const std::optional<at::Tensor>& expert_map, std::string_view act_mode,
-                         const std::optional<at::Tensor>& w13_perm, bool data) {
+                         const std::optional<at::Tensor>& w13_perm, double silu_limit, bool data) {
   FusedMoeArgs a;
   const LayoutDesc& L = layout_or_throw(layout);
   a.layout = &L;
@@ -120,6 +120,12 @@ FusedMoeArgs check_fused(const at::Tensor& x, const at::TensorList& w13, const a
                     ": both must be finite numbers float32 holds (|v| <= 3.4028235e+38) and limit > 0");
   a.alpha = float(alpha);
   a.limit = float(limit);
+  // The clamped SwiGLU of silu experts (manifest.py silu_limit_problem's rule): 0 = none.
+  TORCH_CHECK_VALUE(std::isfinite(silu_limit) && silu_limit >= 0 && silu_limit <= kF32Max,
+                    "silu_limit=", silu_limit, ": must be 0 (no clamp) or a finite number > 0 that float32 holds");
+  TORCH_CHECK_VALUE(silu_limit == 0 || a.act == Activation::silu, "silu_limit=", silu_limit, " with activation='",
+                    activation, "': the clamp is an option of silu experts only (swigluoai has its own limit)");
+  a.silu_limit = float(silu_limit);
   if (data) {
     a.b13 = b13 ? b13->data_ptr<float>() : nullptr;
     a.b2 = b2 ? b2->data_ptr<float>() : nullptr;
@@ -158,9 +164,9 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, at::TensorList w13, at::Tensor
                              const at::Tensor& topk_ids, int64_t layout, bool interleaved, std::string_view activation,
                              double alpha, double limit, const std::optional<at::Tensor>& b13,
                              const std::optional<at::Tensor>& b2, const std::optional<at::Tensor>& expert_map,
-                             std::string_view act_mode, const std::optional<at::Tensor>& w13_perm) {
+                             std::string_view act_mode, const std::optional<at::Tensor>& w13_perm, double silu_limit) {
   FusedMoeArgs a = check_fused(x, w13, w2, topk_weights, topk_ids, layout, interleaved, std::string(activation), alpha,
-                               limit, b13, b2, expert_map, act_mode, w13_perm, /*data=*/true);
+                               limit, b13, b2, expert_map, act_mode, w13_perm, silu_limit, /*data=*/true);
   at::Tensor out = at::empty({a.tokens, a.hidden}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (a.tokens == 0) return out;
   a.x = x.data_ptr();
@@ -194,7 +200,7 @@ at::Tensor fused_experts_meta(const at::Tensor& x, at::TensorList w13, at::Tenso
                               const at::Tensor& topk_ids, int64_t layout, bool interleaved, std::string_view activation,
                               double alpha, double limit, const std::optional<at::Tensor>& b13,
                               const std::optional<at::Tensor>& b2, const std::optional<at::Tensor>& expert_map,
-                              std::string_view act_mode, const std::optional<at::Tensor>& w13_perm) {
+                              std::string_view act_mode, const std::optional<at::Tensor>& w13_perm, double silu_limit) {
   if (x.dim() == 2 && topk_weights.dim() == 2 && topk_ids.dim() == 2 && x.sym_size(0).is_symbolic()) {
     const c10::SymInt& tokens = x.sym_size(0);
     TORCH_SYM_CHECK(topk_ids.sym_size(0).sym_eq(tokens), "topk_ids and hidden_states must have the same number of tokens");
@@ -208,11 +214,11 @@ at::Tensor fused_experts_meta(const at::Tensor& x, at::TensorList w13, at::Tenso
     const at::Tensor w1 = at::empty({1, topk_weights.sym_size(1).guard_int(__FILE__, __LINE__)}, topk_weights.options());
     const at::Tensor i1 = at::empty({1, topk_ids.sym_size(1).guard_int(__FILE__, __LINE__)}, topk_ids.options());
     check_fused(x1, w13, w2, w1, i1, layout, interleaved, std::string(activation), alpha, limit, b13, b2, expert_map,
-                act_mode, w13_perm, /*data=*/false);
+                act_mode, w13_perm, silu_limit, /*data=*/false);
     return at::empty_symint({tokens, c10::SymInt(hidden)}, x.options());
   }
   FusedMoeArgs a = check_fused(x, w13, w2, topk_weights, topk_ids, layout, interleaved, std::string(activation), alpha,
-                               limit, b13, b2, expert_map, act_mode, w13_perm, /*data=*/false);
+                               limit, b13, b2, expert_map, act_mode, w13_perm, silu_limit, /*data=*/false);
   return at::empty({a.tokens, a.hidden}, x.options());
 }
 
@@ -224,7 +230,7 @@ TORCH_LIBRARY_FRAGMENT(moepack, m) {
       "fused_experts(Tensor hidden_states, Tensor[] w13, Tensor[] w2, Tensor topk_weights, Tensor topk_ids, "
       "int layout, *, bool interleaved=False, str activation=\"silu\", float alpha=1.702, float limit=7.0, "
       "Tensor? w13_bias=None, Tensor? w2_bias=None, Tensor? expert_map=None, str act_mode=\"\", "
-      "Tensor? w13_perm=None) -> Tensor");
+      "Tensor? w13_perm=None, float silu_limit=0.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(moepack, CPU, m) { m.impl("fused_experts", &moepack::fused_experts_cpu); }

@@ -22,6 +22,7 @@ def run_experts(
     limit: float = 7.0,
     expert_map: torch.Tensor | None = None,
     act_mode: str | None = None,
+    silu_limit: float | None = None,
 ) -> torch.Tensor:
     """``fused_experts`` on a ``PackedExperts``: its tensors in the layout's declared order and
     its recorded row order (gate-then-up or interleaved, whatever the activation), and its
@@ -29,7 +30,8 @@ def run_experts(
 
     ``act_mode`` (layouts that serve two, int4_group: "a16" or "a8"): this call's mode; None:
     ``MOEPACK_ACT_MODE`` when set and the layout serves it, else ``packed.act_mode`` (a packed
-    directory's per-layer default), else the layout's default (its first act mode)."""
+    directory's per-layer default), else the layout's default (its first act mode).
+    ``silu_limit``: silu experts' clamped SwiGLU (a manifest layer's ``silu_limit``); None: none."""
     # The op only sees padded weight shapes, so a hidden size that pads to the same Kp/Np as the
     # experts' (e.g. 71 for H = 72) would pass its checks and silently drop a feature.
     if hidden_states.dim() != 2 or hidden_states.shape[1] != packed.hidden:
@@ -63,6 +65,7 @@ def run_experts(
         expert_map=expert_map,
         act_mode=resolve_act_mode(packed.layout, act_mode, packed.act_mode),
         w13_perm=packed.tensors.get("w13_perm"),
+        silu_limit=silu_limit,
     )
 
 

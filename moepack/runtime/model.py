@@ -43,6 +43,8 @@ class PackedMoELayer(torch.nn.Module):
         self.activation = entry["activation"]
         self.alpha = float(entry.get("alpha", 1.702))
         self.limit = float(entry.get("limit", 7.0))
+        # silu experts' clamped SwiGLU (format version 6; DeepSeek-V4's swiglu_limit), routed and shared
+        self.silu_limit = float(entry["silu_limit"]) if entry.get("silu_limit") is not None else None
         self.num_experts = experts.num_experts
         self.hidden_size = experts.hidden
         self.intermediate_size = experts.intermediate
@@ -54,9 +56,12 @@ class PackedMoELayer(torch.nn.Module):
             self.routing = RoutingConfig.from_dict(model.routing)
         router = entry.get("router") or {}
         cb = router.get("correction_bias")
-        self.correction_bias = model.tensor(cb).float().contiguous() if cb else None
+        # [E] (or [1, E] as ernie4_5_moe stores it: the same values) -> fp32 [E] for the routing op
+        self.correction_bias = model.tensor(cb).float().reshape(-1).contiguous() if cb else None
         self.router_weight = model.tensor(router["weight"]) if router.get("weight") else None
         self.router_bias = model.tensor(router["bias"]) if router.get("bias") else None
+        # routing by token id (format version 6; DeepSeek-V4's hash_moe layers): [vocab, k] expert ids
+        self.hash_table = model.tensor(router["hash"]) if router.get("hash") else None
         self.shared = None  # the shared expert as a one-expert pack, run for every token
         self.shared_gate = None  # Qwen2-MoE: sigmoid(x . gate) scales the shared expert
         sh = entry.get("shared")
@@ -128,8 +133,11 @@ class PackedMoELayer(torch.nn.Module):
                                    f"{list(hidden_states.shape)}: must be a floating [tokens, H={self.hidden_size}] tensor "
                                    "(2-D: flatten batch and sequence first; H: the hidden size the experts were packed for)")  # fmt: skip
 
-    def route(self, router_logits: torch.Tensor, hidden_states: torch.Tensor | None = None):
-        """(topk_weights fp32, topk_ids int32) for ``router_logits [T, E]`` per the manifest."""
+    def route(self, router_logits: torch.Tensor, hidden_states: torch.Tensor | None = None,
+              token_ids: torch.Tensor | None = None):  # fmt: skip
+        """(topk_weights fp32, topk_ids int32) for ``router_logits [T, E]`` per the manifest.
+        ``token_ids`` (one integer per token): required by a layer that routes by token id
+        (``hash_table``: DeepSeek-V4's hash layers), ignored by the others."""
         if router_logits.dim() != 2 or router_logits.shape[1] != self.num_experts:
             raise UnsupportedError(
                 f"router_logits has shape {list(router_logits.shape)}: must be [tokens, E={self.num_experts}]"
@@ -139,8 +147,13 @@ class PackedMoELayer(torch.nn.Module):
                 f"layer {self.index}: the manifest has no routing config ({self._model.manifest.get('routing_note')}); "
                 "route yourself and call .experts(hidden_states, topk_weights, topk_ids)"
             )
-        from ..routing import route
+        from ..routing import route, route_by_token
 
+        if self.hash_table is not None:
+            if token_ids is None:
+                raise UnsupportedError(f"layer {self.index} routes by token id (router.hash, model_type="
+                                       f"{self.routing.model_type!r}): pass token_ids= (the input ids, one per token)")  # fmt: skip
+            return route_by_token(router_logits, self.routing, self.hash_table, token_ids)
         return route(router_logits, self.routing, correction_bias=self.correction_bias, hidden=hidden_states)
 
     def experts(
@@ -152,7 +165,8 @@ class PackedMoELayer(torch.nn.Module):
         act_mode: str | None = None,
     ) -> torch.Tensor:
         """Only the experts: ``[T, H]`` from routed tokens (``act_mode``: this call's, else
-        ``self.act_mode``)."""
+        ``self.act_mode``), with the whole expert math the manifest records (activation, its
+        swigluoai alpha / limit, a silu layer's ``silu_limit``)."""
         self.check_strict()
         return run_experts(
             self.packed,
@@ -164,17 +178,20 @@ class PackedMoELayer(torch.nn.Module):
             limit=self.limit,
             expert_map=expert_map,
             act_mode=act_mode,
+            silu_limit=self.silu_limit,
         )
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None, *,
-                act_mode: str | None = None) -> torch.Tensor:  # fmt: skip
+                act_mode: str | None = None, token_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """The whole MoE block: route, run the experts, add the shared expert. Without
         ``router_logits`` the layer's own router weight computes them. ``act_mode``: this call's
-        activation mode (routed and shared experts), else ``self.act_mode``."""
+        activation mode (routed and shared experts), else ``self.act_mode``. ``token_ids``: the
+        input ids of the tokens (one per row), which a layer that routes by token id needs
+        (``hash_table``; docs/ROUTING.md "Hash routing")."""
         self._check_hidden(hidden_states)
         if router_logits is None:
             router_logits = self.router_logits(hidden_states)
-        weights, ids = self.route(router_logits, hidden_states)
+        weights, ids = self.route(router_logits, hidden_states, token_ids=token_ids)
         x = hidden_states
         if self.routing is not None and self.routing.apply_router_weight_on_input:
             from ..routing import apply_router_weight_on_input
@@ -198,12 +215,15 @@ class PackedMoELayer(torch.nn.Module):
         else:
             sw = torch.ones(t, 1, dtype=torch.float32, device=dev)
         ids = torch.zeros(t, 1, dtype=torch.int32, device=dev)
-        return run_experts(self.shared, hidden_states, sw.contiguous(), ids, act_mode=self.shared_act_mode(act_mode))
+        return run_experts(self.shared, hidden_states, sw.contiguous(), ids, act_mode=self.shared_act_mode(act_mode),
+                           silu_limit=self.silu_limit)  # fmt: skip
 
     def extra_repr(self) -> str:
         return (
             f"index={self.index}, experts={self.num_experts}, hidden={self.hidden_size}, "
-            f"intermediate={self.intermediate_size}, activation={self.activation}, layout={self.packed.layout.name}, "
+            f"intermediate={self.intermediate_size}, activation={self.activation}"
+            f"{f', silu_limit={self.silu_limit:g}' if self.silu_limit else ''}{', hash routing' if self.hash_table is not None else ''}, "
+            f"layout={self.packed.layout.name}, "
             f"act_mode={self.act_mode}"
         )
 

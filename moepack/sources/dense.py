@@ -365,17 +365,29 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
             s.router["weight"] = c
             base = c[: -len(".weight")]
             if f"{base}.bias" in ckpt.tensors:
-                s.router["bias"] = f"{base}.bias"
+                # a logit bias, or (DeepSeek-V4's gate.bias) a correction bias: transformers' own
+                # conversion mapping says which, by the name it loads the tensor under
+                role = "correction_bias" if _loads_as(ckpt, f"{base}.bias", ".e_score_correction_bias") else "bias"
+                s.router[role] = f"{base}.bias"
             for cb in ("e_score_correction_bias", "expert_bias"):  # expert_bias: bailing_hybrid
                 if f"{base}.{cb}" in ckpt.tensors:
                     s.router["correction_bias"] = f"{base}.{cb}"
+            if f"{base}.tid2eid" in ckpt.tensors:  # DeepSeek-V4's hash layers: token id -> expert ids
+                s.router["hash"] = f"{base}.tid2eid"
             break
     # some layouts keep it beside the gate (hy_v3 as expert_bias), laguna beside the experts
     for c in (f"{moe}.e_score_correction_bias", f"{moe}.expert_bias", f"{moe}.experts.e_score_correction_bias"):
         if c in ckpt.tensors:
             s.router["correction_bias"] = c
-    for sub in ("shared_expert", "shared_experts", "shared_mlp"):  # shared_mlp: hy_v3, hunyuan_v1_moe
-        names = {p: f"{moe}.{sub}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+    c = f"{moe}.moe_statics.e_score_correction_bias"  # ernie4_5_moe's ([1, E]), which its mapping moves into the gate
+    if c in ckpt.tensors and _loads_as(ckpt, c, ".gate.moe_statics.e_score_correction_bias"):
+        s.router["correction_bias"] = c
+    subs = [(sub, ("gate_proj", "up_proj", "down_proj")) for sub in ("shared_expert", "shared_experts", "shared_mlp")]
+    # DeepSeek-V4's names (w1 gate, w3 up, w2 down), where transformers' mapping loads them as those
+    if _loads_as(ckpt, f"{moe}.shared_experts.w1.weight", ".shared_experts.gate_proj.weight"):
+        subs.append(("shared_experts", ("w1", "w3", "w2")))
+    for sub, parts in subs:  # shared_mlp: hy_v3, hunyuan_v1_moe
+        names = {p: f"{moe}.{sub}.{x}.weight" for p, x in zip(("gate_proj", "up_proj", "down_proj"), parts)}
         present = [n for n in names.values() if n in ckpt.tensors]
         if not present:
             continue
@@ -397,6 +409,20 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
             _check_shape(ckpt, gate, (1, s.hidden))
             s.shared["gate"] = gate
         break
+
+
+def _loads_as(ckpt: Checkpoint, name: str, suffix: str) -> bool:
+    """Whether transformers' own conversion mapping of the checkpoint's family loads the tensor
+    ``name`` under a name ending in ``suffix`` (DeepSeek-V4's ``gate.bias`` as the gate's
+    ``e_score_correction_bias``, its ``shared_experts.w1`` as ``shared_experts.gate_proj``;
+    ernie4_5_moe's ``moe_statics`` into the gate): the mapping decides what a stored name is, not a
+    second table here."""
+    if name not in ckpt.tensors:
+        return False
+    from ..hf import checkpoint_renames
+
+    mt = text_config(ckpt.config).get("model_type")
+    return any(v == name and k.endswith(suffix) for k, v in checkpoint_renames(mt, [name]).items())
 
 
 def read_layer(ckpt: Checkpoint, s: LayerSpec) -> CanonicalLayer:

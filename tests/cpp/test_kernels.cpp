@@ -172,6 +172,7 @@ int main(int argc, char** argv) {
                 c.alpha = 1.702f;
                 c.limit = 1.25f;  // the clamps bite (h ~ N(0, 1.5^2))
               }
+              if (act == Activation::silu && variant % 2) c.silu_limit = 1.25f;  // DeepSeek-V4's clamped SwiGLU
               c.seed = seed++;
               run_case(c);
             }
@@ -195,6 +196,7 @@ int main(int argc, char** argv) {
       ++variant;
       Case c{150, 93, 40, 3, 2, act, dt, variant % 2 == 0, false, variant % 3, 0};
       if (act == Activation::swigluoai) c.limit = 1.25f;
+      if (act == Activation::silu) c.silu_limit = 0.75f;
       c.seed = seed++;
       run_case(c);
     }

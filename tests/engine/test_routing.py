@@ -115,7 +115,10 @@ def test_route_matches_reference(method, kind):
                     w, ids = route_op(x, k, method, **kw)
                     rw, rids = route_reference(x, k, method, **kw)
                     what = f"{method} {kind} {dtype} T={t} E={e} k={k} {sorted(kw)}"
-                    assert_same_routing(w, ids, rw, rids, scale=kw.get("routed_scaling_factor", 1.0), what=what)
+                    scale = kw.get("routed_scaling_factor", 1.0)
+                    if method == "sqrtsoftplus":  # unbounded scores (sqrt(x) ~ 100 at 1e4): 1e-6 of the largest weight
+                        scale *= max(1.0, float(rw.abs().max()))
+                    assert_same_routing(w, ids, rw, rids, scale=scale, what=what)
                     count += 1
     # every (dtype, T, E, variant) combination ran: a filtering bug cannot silently drop a column
     assert count == EXPECTED_CASES[method]
@@ -124,7 +127,7 @@ def test_route_matches_reference(method, kind):
 # 3 dtypes x 3 T x (sum over E of the variants): E in {2, 8, 13} has k sets {1,2}, {1,2,8},
 # {1,2,13} (8 k); grouped E in {16, 24} has 6 k; x4 for renormalize x bias.
 EXPECTED_CASES = {"softmax": 9 * 8 * 4, "sigmoid": 9 * 8 * 4, "grouped_softmax": 9 * 6 * 4, "grouped_sigmoid": 9 * 6 * 4,
-                  "topk_softmax": 9 * 8, "llama4": 9 * 3, "sparsemixer": 9 * 3 * 3}  # fmt: skip
+                  "topk_softmax": 9 * 8, "llama4": 9 * 3, "sparsemixer": 9 * 3 * 3, "sqrtsoftplus": 9 * 8 * 4}  # fmt: skip
 
 
 def test_route_large_t_parallel_equals_serial(threads):
@@ -599,6 +602,10 @@ HF_ROUTERS = {
                    {}, {"model_type": "granitemoe", "num_local_experts": 40, "num_experts_per_tok": 8}),
     "llama4": ("llama4", "Llama4Router", dict(num_experts=16, num_experts_per_tok=1), "llama4", {},
                {"model_type": "llama4_text", "num_local_experts": 16, "num_experts_per_tok": 1}),
+    "deepseek_v4": ("deepseek_v4", "DeepseekV4TopKRouter",
+                    dict(num_experts=64, num_experts_per_tok=6, routed_scaling_factor=1.5, scoring_func="sqrtsoftplus"),
+                    "sqrtsoftplus", dict(renormalize=True, routed_scaling_factor=1.5),
+                    {"model_type": "deepseek_v4", "n_routed_experts": 64, "num_experts_per_tok": 6}),
     "phimoe": ("phimoe", "PhimoeTopKRouter", dict(num_experts=16, num_experts_per_tok=2), "sparsemixer",
                dict(sparsemixer_eps=0.0), {"model_type": "phimoe", "num_local_experts": 16, "num_experts_per_tok": 2,
                                            "router_jitter_noise": 0.0}),
@@ -639,6 +646,70 @@ def test_route_matches_transformers(name):
     cfg = RoutingConfig.from_hf_config(family)
     w2, ids2 = route(logits, cfg, bias)
     assert torch.equal(w2, w) and torch.equal(ids2, ids)
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid"])
+def test_route_by_token_matches_transformers_hash_router(scoring):
+    """DeepSeek-V4's hash layers (DeepseekV4HashRouter): the ids are tid2eid[input_ids], the
+    weights the scores at those ids, renormalized, x routed_scaling_factor."""
+    from moepack.routing import route_by_token
+
+    e, k, vocab = 16, 4, 50
+    router = _hf_router("deepseek_v4", "DeepseekV4HashRouter", num_experts=e, num_experts_per_tok=k,
+                        routed_scaling_factor=1.5, scoring_func=scoring, vocab_size=vocab)  # fmt: skip
+    g = torch.Generator().manual_seed(7)
+    table = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(vocab)])
+    router.tid2eid.copy_(table)
+    x = _hf_logits(23, e, seed=3)
+    tok = torch.randint(0, vocab, (1, 23), generator=g)
+    with torch.no_grad():
+        logits, hf_w, hf_ids = router(x, tok)
+    cfg = RoutingConfig.from_hf_config({"model_type": "deepseek_v4", "n_routed_experts": e, "num_experts_per_tok": k,
+                                        "scoring_func": scoring})  # fmt: skip
+    w, ids = route_by_token(logits, cfg, table, tok)
+    assert torch.equal(ids.long(), hf_ids)
+    torch.testing.assert_close(w, hf_w.float(), atol=WEIGHT_ATOL * 1.5, rtol=0)
+    # the table's dtype as stored (int64 in the checkpoint) or int32 routes alike
+    assert torch.equal(route_by_token(logits, cfg, table.int(), tok[0])[1], ids)
+
+
+def test_ernie_and_lfm2_routers_match_transformers():
+    """ernie4_5_moe (softmax + moe_statics correction bias, / max(sum, 1e-12)) and lfm2_moe (sigmoid +
+    expert_bias, / (sum + 1e-6), x rsf) through from_hf_config against transformers' own routers:
+    the same ids, weights within 1e-6 (lfm2's 1e-6 in the denominator is at most 1e-6 / sum relative)."""
+    e, k = 16, 4
+    g = torch.Generator().manual_seed(11)
+    x = _hf_logits(31, e, seed=9)
+    bias = torch.randn(e, generator=g) * 0.05
+    ernie = _hf_router("ernie4_5_moe", "Ernie4_5_MoeTopKRouter", num_experts=e, num_experts_per_tok=k, moe_norm_min=1e-12)
+    ernie.moe_statics.e_score_correction_bias.data.copy_(bias[None])
+    with torch.no_grad():
+        logits, hf_w, hf_ids = ernie(x)
+    cfg = RoutingConfig.from_hf_config({"model_type": "ernie4_5_moe", "moe_num_experts": e, "moe_k": k})
+    assert_same_routing(*route(logits, cfg, bias), hf_w.float(), hf_ids, what="ernie4_5_moe")
+    lfm = _hf_router("lfm2_moe", "Lfm2MoeTopKRouter", num_experts=e, num_experts_per_tok=k, norm_topk_prob=True,
+                     routed_scaling_factor=2.0, use_expert_bias=True)  # fmt: skip
+    with torch.no_grad():
+        logits, hf_w, hf_ids = lfm(x, bias)
+    cfg = RoutingConfig.from_hf_config({"model_type": "lfm2_moe", "num_experts": e, "num_experts_per_tok": k,
+                                        "routed_scaling_factor": 2.0})  # fmt: skip
+    assert_same_routing(*route(logits, cfg, bias), hf_w.float(), hf_ids, scale=2.0, what="lfm2_moe")
+
+
+def test_route_by_token_refusals():
+    from moepack.routing import route_by_token
+
+    cfg = RoutingConfig.from_hf_config({"model_type": "deepseek_v4", "n_routed_experts": 8, "num_experts_per_tok": 2})
+    table = torch.tensor([[0, 1], [2, 3], [4, 9]])
+    x = torch.randn(2, 8)
+    with pytest.raises(UnsupportedError, match=r"token_ids is torch.float32 \[2\]: hash routing needs one integer token id"):
+        route_by_token(x, cfg, table, torch.zeros(2))
+    with pytest.raises(UnsupportedError, match=r"token_ids in \[0, 3\]: the layer's hash table has 3 rows"):
+        route_by_token(x, cfg, table, torch.tensor([0, 3]))
+    with pytest.raises(UnsupportedError, match=r"expert ids in \[4, 9\]: router_logits has 8 experts"):
+        route_by_token(x, cfg, table, torch.tensor([2, 2]))
+    with pytest.raises(UnsupportedError, match="hash table is \\[3, 2\\]: the routing picks top_k=3"):
+        route_by_token(x, dataclasses.replace(cfg, top_k=3), table, torch.tensor([0, 1]))
 
 
 def test_sparsemixer_matches_transformers_function():

@@ -168,8 +168,9 @@ def test_a_family_whose_routing_moepack_lacks_is_refused_before_its_tensors(tmp_
 
 
 def test_a_clamped_swiglu_on_silu_experts_is_refused(tmp_path):
-    """swiglu_limit on silu experts (deepseek_v4, glm5_next, bailing_hybrid): the silu kernels do not
-    clamp, so the pack would compute another function."""
+    """swiglu_limit on the silu experts of a family other than deepseek_v4 (glm5_next, bailing_hybrid):
+    the silu kernels run DeepSeek-V4's clamp only (recorded as silu_limit, tests/sources/test_deepseek_v4.py),
+    and another family's is not known to be that one."""
     t, c = _qwen3(swiglu_limit=7.0)
     _refused(tmp_path, t, c, r"model_type='qwen3_moe': swiglu_limit=7.0 with silu experts: a clamped SwiGLU")
 
@@ -182,8 +183,10 @@ def test_a_clamped_swiglu_on_silu_experts_is_refused(tmp_path):
 ])  # fmt: skip
 def test_a_block_part_moepack_does_not_pack_is_refused(tmp_path, names, feature):
     """Every tensor inside the MoE block must be packed or recorded (experts, router, a gate/up/down
-    shared expert and its gate): hunyuan's ``shared_mlp``, deepseek_v4's ``shared_experts.w1/w2/w3``,
-    a norm inside the block, ernie's ``moe_statics`` would otherwise be dropped without a word."""
+    shared expert and its gate): hunyuan's ``shared_mlp``, ``shared_experts.w1/w2/w3`` and a
+    ``moe_statics`` bias in a family whose transformers mapping does not load them as a shared expert
+    and a correction bias (deepseek_v4's and ernie4_5_moe's does: those run), a norm inside the block
+    would otherwise be dropped without a word."""
     p = "model.layers.0.mlp"
     t, c = _qwen3(extra={f"{p}.{n}": _t(H, H) for n in names})
     _refused(tmp_path, t, c, rf"model_type='qwen3_moe' layer 0: tensor '{p}.{names[0]}'.* is {feature}")

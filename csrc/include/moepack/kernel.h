@@ -108,6 +108,10 @@ struct FusedMoeArgs {
   Activation act = Activation::silu;
   float alpha = 1.702f;  // swigluoai only
   float limit = 7.0f;    // swigluoai only
+  // silu only: > 0 clamps the gate to <= silu_limit and the up to [-silu_limit, silu_limit] before
+  // silu(gate) * up (a clamped SwiGLU: DeepSeek-V4's swiglu_limit); 0: no clamp. The driver applies
+  // it (fused_moe_driver.inc, clamp_silu_inputs), before any level's MK::activation.
+  float silu_limit = 0.0f;
   Parallel par;
   Variant variant;  // how the call walks the weights (variant_for; the defaults unless set)
 };

@@ -70,6 +70,13 @@ static inline float round_f16(float f) { return f16_to_f32(f32_to_f16(f)); }
 static inline float sigmoid_f32(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
 static inline float act_silu(float g, float u) { return g * sigmoid_f32(g) * u; }
+// silu with a clamped SwiGLU (FusedMoeArgs::silu_limit > 0): gate <= limit, up in [-limit, limit],
+// as torch.clamp does (a NaN stays NaN).
+static inline float clamp_gate(float g, float limit) { return g > limit ? limit : g; }
+static inline float clamp_up(float u, float limit) { return u > limit ? limit : (u < -limit ? -limit : u); }
+static inline float act_silu_clamped(float g, float u, float limit) {
+  return act_silu(clamp_gate(g, limit), clamp_up(u, limit));
+}
 static inline float act_gelu(float g, float u) {
   return 0.5f * g * (1.0f + std::erf(g * 0.70710678118654752f)) * u;
 }

@@ -18,8 +18,9 @@ enum class RouteMethod : int32_t {
   topk_softmax = 4,     // gpt-oss, Granite: top-k of the logits, softmax over those k
   llama4 = 5,           // top-1, sigmoid(logit) (the layer applies it on the input)
   sparsemixer = 6,      // Phi-3.5-MoE sparsemixer at inference, k = 2
+  sqrtsoftplus = 7,     // DeepSeek-V4: top-k; sqrt(softplus(logit)) (renormalize: / (sum + 1e-20))
 };
-constexpr int kNumRouteMethods = 7;
+constexpr int kNumRouteMethods = 8;
 const char* route_method_name(RouteMethod m);
 // Returns false when `name` is not a method name.
 bool route_method_parse(const char* name, RouteMethod* out);
