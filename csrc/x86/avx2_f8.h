@@ -1,4 +1,5 @@
-// The AVX2 + F16C exact e4m3fn -> bf16 decode (the avx2 level's unpack_f8 hook, mk_hooks.h).
+// The AVX2 + F16C exact e4m3fn -> bf16 decode (the avx2 level's unpack_f8 hook, mk_hooks.h), and
+// the same decode to fp32 (f8_f32_16: nvfp4's e4m3 group scales, avx2_mx4_common.h Nv4Scales).
 // Include only from a file compiled with -mavx2 -mfma -mf16c, after <immintrin.h>, inside that
 // level's namespace (internal linkage).
 //
