@@ -90,6 +90,20 @@ struct A8Sums {
 //                     order) of float(acc_g) * 2^(e[g, n] - 128), acc_g = dot_mx4_s8 over the group;
 //                     xsum: the rows' s8 sums per group of 32 (A8Sums: for kernels that offset the
 //                     weights to unsigned bytes; asked for only where read).
+// The nvfp4 hooks read the mx4 blocking too (MK::kU4Blocking) with one e4m3fn byte c per (K group
+// of G = 16, column) and the block's per-column fp32 globals gl; the group's scale s[g, n] is
+// codec_nvfp4.inc's nv4_group_scale(c, gl[n]) (fp32(e4m3(c) / g) for g > 0, fp32(e4m3(c) * -g)
+// else), bit for bit. Both decline (return false, nothing written) a call they do not take (G other
+// than 16 among them), leaving it to the grouped-decode path.
+// gemm_nv4a16         nvfp4 A16. gemm_nv4a16(fmt, rows, m, codes, scale, global, group_stride, kp, G, C,
+//                     memo) -> taken: fp32 C[m, block_n] of one block, C = sum over the K groups g (any
+//                     fp32 summation order) of (rows . e2m1(q_g)) * s[g, n], the scale applied in fp32
+//                     after each group's dot product. memo: the worker's S::RowMemo (MK::Nv4A16Memo), or
+//                     null.
+// gemm_nv4a8          nvfp4 A8. gemm_nv4a8(rows, row_scales, m, codes, scale, global, group_stride, kp, G,
+//                     xsum, C) -> taken: fp32 C[m, block_n] of one block, C = row_scale * sum over groups g
+//                     (in order) of float(acc_g) * (s[g, n] * 0.5), acc_g = dot_mx4_s8 over the group (the
+//                     grouped-decode path's operations in its order); xsum as gemm_mx4a8's.
 
 // ---- the table ---------------------------------------------------------------------------------
 // X(name, member, return type, (parameters)), in MkHook bit order: the hook kHook_<name> is MK's
@@ -119,7 +133,13 @@ struct A8Sums {
   X(dot_mx4_s8, dot_mx4_s8, void, (const int8_t* const*, int, const uint8_t*, int64_t, int64_t, int32_t*))            \
   X(gemm_mx4a8, gemm_mx4a8, void,                                                                                     \
     (const int8_t* const*, const float*, int, const uint8_t*, const uint8_t*, int64_t, int64_t, const A8Sums&,        \
-     float*))
+     float*))                                                                                                         \
+  X(gemm_nv4a16, gemm_nv4a16, bool,                                                                                   \
+    (RowFormat, const void* const*, int, const uint8_t*, const uint8_t*, const float*, int64_t, int64_t, int64_t,     \
+     float*, void*))                                                                                                  \
+  X(gemm_nv4a8, gemm_nv4a8, bool,                                                                                     \
+    (const int8_t* const*, const float*, int, const uint8_t*, const uint8_t*, const float*, int64_t, int64_t,         \
+     int64_t, const A8Sums&, float*))
 
 // ---- what comes from it ------------------------------------------------------------------------
 // kHookIndex_<name>: the bit index; kHook_<name>: the bit; kMkHookNames: the names, for tests.

@@ -18,6 +18,7 @@
 #include <cstring>
 
 #include "moepack/kernel.h"
+#include "avx2_f8.h"
 
 namespace moepack {
 namespace x86_avx2_mx4 {
@@ -50,11 +51,21 @@ static inline __m256i mx4_u8_table() {
                           10, 9, 8, 6, 4, 0);
 }
 
+// The e2m1 decode both W4A16 kernels share: one nibble register n (every byte a code 0..15) -> the
+// bf16 words of e2m1 of its bytes in byte order, per 128-bit lane: w0 of bytes 0..7 (vpunpcklbw:
+// the lane's first two columns), w1 of bytes 8..15 (vpunpckhbw: its last two), through the low- and
+// high-byte tables.
+static inline void mx4_bf16_words(__m256i n, __m256i tl, __m256i th, __m256i& w0, __m256i& w1) {
+  const __m256i lb = _mm256_shuffle_epi8(tl, n), hb = _mm256_shuffle_epi8(th, n);
+  w0 = _mm256_unpacklo_epi8(lb, hb);
+  w1 = _mm256_unpackhi_epi8(lb, hb);
+}
+
 // W4A16 unpack (kHook_unpack_mx4): K [k0, k0 + kk) (multiples of 8) of one mx4 block -> the dense
 // bf16_n32k2 block of the unscaled e2m1 values, exact. Per ymm (8 columns) and nibble register
-// (codes b of byte b): the bf16 bytes by table, vpunpcklbw -> per 128-bit lane the words of
-// columns 0, 1 (codes 0..3 each: dwords (c0 c1), (c2 c3), ...), vpunpckhbw -> columns 2, 3; vshufps
-// picks the pairs (c0 c1) and (c2 c3) of the four columns in order.
+// (codes b of byte b): mx4_bf16_words -> per 128-bit lane the words of columns 0, 1 (codes 0..3
+// each: dwords (c0 c1), (c2 c3), ...) and of columns 2, 3; vshufps picks the pairs (c0 c1) and
+// (c2 c3) of the four columns in order.
 static inline void unpack_mx4_avx2(const uint8_t* codes, int64_t k0, int64_t kk, uint16_t* out) {
   const __m256i m4 = _mm256_set1_epi8(0x0F), tl = mx4_bf16_lo_table(), th = mx4_bf16_hi_table();
   for (int64_t j = k0 / 8; j < (k0 + kk) / 8; ++j) {
@@ -66,9 +77,10 @@ static inline void unpack_mx4_avx2(const uint8_t* codes, int64_t k0, int64_t kk,
       const __m256i v = _mm256_loadu_si256(g + q);
       for (int half = 0; half < 2; ++half) {  // codes 0..3 (pairs 0, 1), codes 4..7 (pairs 2, 3)
         const __m256i n = half ? _mm256_and_si256(_mm256_srli_epi16(v, 4), m4) : _mm256_and_si256(v, m4);
-        const __m256i lb = _mm256_shuffle_epi8(tl, n), hb = _mm256_shuffle_epi8(th, n);
-        const __m256 u0 = _mm256_castsi256_ps(_mm256_unpacklo_epi8(lb, hb));  // columns 4l, 4l+1 of lane l
-        const __m256 u1 = _mm256_castsi256_ps(_mm256_unpackhi_epi8(lb, hb));  // columns 4l+2, 4l+3
+        __m256i w0, w1;
+        mx4_bf16_words(n, tl, th, w0, w1);
+        const __m256 u0 = _mm256_castsi256_ps(w0);  // columns 4l, 4l+1 of lane l
+        const __m256 u1 = _mm256_castsi256_ps(w1);  // columns 4l+2, 4l+3
         const __m256 p0 = _mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(2, 0, 2, 0));
         const __m256 p1 = _mm256_shuffle_ps(u0, u1, _MM_SHUFFLE(3, 1, 3, 1));
         _mm256_storeu_ps(reinterpret_cast<float*>(o + (2 * half) * 64 + 16 * q), p0);
@@ -89,6 +101,178 @@ static inline __m256 mx4_scale8(const uint8_t* e) {
   // e = 255 (e8m0 NaN: refused at convert and open) as the codec's e8m0_pow2 gives it: a quiet NaN
   const __m256i nan = _mm256_cmpeq_epi32(v, _mm256_set1_epi32(255));
   return _mm256_castsi256_ps(_mm256_blendv_epi8(_mm256_blendv_epi8(normal, sub, low), _mm256_set1_epi32(0x7FC00000), nan));
+}
+
+// ---- the group scales of the e2m1 schemes --------------------------------------------------
+// A scale policy Sc gives the block kernels below their K group (Sc::kGroup) and each group's fp32
+// scales of the block's 32 columns: a16(g, s) (W4A16: the factor of the group's fp32 sums) and
+// a8(g, s) (W4A8: the factor of float(acc_g), the integer weights being 2 * e2m1), s[q] = columns
+// 8q..8q+7.
+
+// mxfp4: e8m0 bytes e per (32 K, column): 2^(e - 127), A8 2^(e - 128) (codec_mx4.inc e8m0_pow2).
+struct Mx4Scales {
+  static constexpr int kGroup = kMx4Group;
+  const uint8_t* scale;
+  int64_t gstride;
+  void a16(int64_t g, __m256 s[4]) const {
+    for (int q = 0; q < 4; ++q) s[q] = mx4_scale8<127>(scale + g * gstride + 8 * q);
+  }
+  void a8(int64_t g, __m256 s[4]) const {
+    for (int q = 0; q < 4; ++q) s[q] = mx4_scale8<128>(scale + g * gstride + 8 * q);
+  }
+};
+
+// nvfp4: e4m3fn bytes c per (16 K, column) and the columns' fp32 globals gl: s = fp32(e4m3(c) / g)
+// for g > 0, fp32(e4m3(c) * -g) else, as codec_nvfp4.inc's nv4_group_scale rounds it (one IEEE
+// division or product: the same bits); A8: s * 0.5 (the codec's scale_a8). e4m3(c) comes exactly
+// from the fp8 decode (avx2_f8.h f8_f32_16). The block's globals are read once: where all are > 0
+// (compressed-tensors) no product is made, where none is (ModelOpt) no division.
+constexpr int kNv4Group = 16;
+struct Nv4Scales {
+  static constexpr int kGroup = kNv4Group;
+  const uint8_t* scale;
+  int64_t gstride;
+  __m256 gdiv[4], gmul[4], pos[4];  // per 8 columns: g where g > 0 (else 1), -g, the mask g > 0
+  int mode;                          // 0: every g > 0; 1: none; 2: mixed
+  Nv4Scales(const uint8_t* s, int64_t gs, const float* gl) : scale(s), gstride(gs) {
+    int npos = 0;
+    for (int q = 0; q < 4; ++q) {
+      const __m256 g = _mm256_loadu_ps(gl + 8 * q);
+      pos[q] = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_GT_OQ);
+      gdiv[q] = _mm256_blendv_ps(_mm256_set1_ps(1.0f), g, pos[q]);
+      gmul[q] = _mm256_xor_ps(g, _mm256_set1_ps(-0.0f));
+      npos += __builtin_popcount(unsigned(_mm256_movemask_ps(pos[q])));
+    }
+    mode = npos == 32 ? 0 : npos == 0 ? 1 : 2;
+  }
+  void a16(int64_t g, __m256 s[4]) const {
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * gstride));
+    x86_avx2_f8::f8_f32_16(_mm256_castsi256_si128(c), s[0], s[1]);
+    x86_avx2_f8::f8_f32_16(_mm256_extracti128_si256(c, 1), s[2], s[3]);
+    for (int q = 0; q < 4; ++q) {
+      if (mode == 0) {
+        s[q] = _mm256_div_ps(s[q], gdiv[q]);
+      } else if (mode == 1) {
+        s[q] = _mm256_mul_ps(s[q], gmul[q]);
+      } else {
+        s[q] = _mm256_blendv_ps(_mm256_mul_ps(s[q], gmul[q]), _mm256_div_ps(s[q], gdiv[q]), pos[q]);
+      }
+    }
+  }
+  void a8(int64_t g, __m256 s[4]) const {
+    a16(g, s);
+    for (int q = 0; q < 4; ++q) s[q] = _mm256_mul_ps(s[q], _mm256_set1_ps(0.5f));
+  }
+};
+
+// ---- W4A16, one fp32 row, straight from the codes ------------------------------------------
+// Each column's 4 code bytes are first reordered to (0, 2, 1, 3) (vpshufb), so that mx4_bf16_words
+// makes dwords (code k, code k + 2) of one column: their low words (<< 16) are codes (0, 1) of two
+// columns in turn, their high words (& 0xffff0000) codes (2, 3), each an exact fp32, and the row's
+// K values (x0, x1) resp. (x2, x3) are one 8-byte broadcast each: no shuffle of weights or row.
+// An accumulator lane pair (2i, 2i + 1) belongs to one column; per group, vhaddps of the two
+// accumulators of 8 columns gives their sums in column order, and C += sum * s (fp32 FMA).
+static inline __m256i mx4_f32_order() {
+  return _mm256_setr_epi8(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15, 0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14,
+                          13, 15);
+}
+static inline __m256 bcast_pair(const float* p) { return _mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(p))); }
+
+// C[32] = sum over the K groups g of Sc (kp a multiple of 8; a partial last group is one) of
+// (x . e2m1(q_g)) * s[g, n], for one fp32 row x.
+template <class Sc>
+static inline void gemm_e2m1a16_f32_row(const float* x, const uint8_t* codes, int64_t kp, const Sc& sc, float* C) {
+  constexpr int G = Sc::kGroup;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), tl = mx4_bf16_lo_table(), th = mx4_bf16_hi_table(), ord = mx4_f32_order();
+  const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
+  __m256 c[4];
+  for (int q = 0; q < 4; ++q) c[q] = _mm256_setzero_ps();
+  for (int64_t g = 0, k0 = 0; k0 < kp; ++g, k0 += G) {
+    const int64_t kend = k0 + G < kp ? k0 + G : kp;
+    __m256 a[4][2];
+    for (int q = 0; q < 4; ++q) a[q][0] = a[q][1] = _mm256_setzero_ps();
+    for (int64_t j = k0 / 8; j < kend / 8; ++j) {
+      const __m256i* blk = reinterpret_cast<const __m256i*>(codes + j * 128);
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + kMx4PrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(blk) + kMx4PrefetchBytes + 64, _MM_HINT_T0);
+      const float* xj = x + 8 * j;
+      for (int q = 0; q < 4; ++q) {
+        const __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256(blk + q), ord);
+        for (int half = 0; half < 2; ++half) {  // codes 0..3, then 4..7
+          const __m256i n = half ? _mm256_and_si256(_mm256_srli_epi16(v, 4), m4) : _mm256_and_si256(v, m4);
+          __m256i w0, w1;
+          mx4_bf16_words(n, tl, th, w0, w1);
+          const __m256 xe = bcast_pair(xj + 4 * half), xo = bcast_pair(xj + 4 * half + 2);
+          a[q][0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), xe, a[q][0]);
+          a[q][1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)), xe, a[q][1]);
+          a[q][0] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(w0, hi)), xo, a[q][0]);
+          a[q][1] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(w1, hi)), xo, a[q][1]);
+        }
+      }
+    }
+    __m256 s[4];
+    sc.a16(g, s);
+    for (int q = 0; q < 4; ++q) c[q] = _mm256_fmadd_ps(_mm256_hadd_ps(a[q][0], a[q][1]), s[q], c[q]);
+  }
+  for (int q = 0; q < 4; ++q) _mm256_storeu_ps(C + 8 * q, c[q]);
+}
+
+// MR fp32 rows (2..4) against one block, straight from the codes: per group and per 8 columns q,
+// the group's K steps decoded once (as gemm_e2m1a16_f32_row) and multiplied into each row's two
+// accumulators; per group C[r] += hadd(acc) * s in memory (the rows' 2 * MR accumulators, the
+// decode's registers and the scales fill the 16 ymm).
+template <int MR, class Sc>
+static inline void gemm_e2m1a16_f32_tile(const float* const* x, const uint8_t* codes, int64_t kp, const Sc& sc, float* C) {
+  constexpr int G = Sc::kGroup;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), tl = mx4_bf16_lo_table(), th = mx4_bf16_hi_table(), ord = mx4_f32_order();
+  const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
+  for (int i = 0; i < MR * 32; ++i) C[i] = 0.0f;
+  for (int64_t g = 0, k0 = 0; k0 < kp; ++g, k0 += G) {
+    const int64_t kend = k0 + G < kp ? k0 + G : kp;
+    __m256 s[4];
+    sc.a16(g, s);
+    for (int q = 0; q < 4; ++q) {
+      __m256 a[MR][2];
+      for (int r = 0; r < MR; ++r) a[r][0] = a[r][1] = _mm256_setzero_ps();
+      for (int64_t j = k0 / 8; j < kend / 8; ++j) {
+        const __m256i* blk = reinterpret_cast<const __m256i*>(codes + j * 128);
+        if (q == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(blk) + kMx4PrefetchBytes, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(blk) + kMx4PrefetchBytes + 64, _MM_HINT_T0);
+        }
+        const __m256i v = _mm256_shuffle_epi8(_mm256_loadu_si256(blk + q), ord);
+        for (int half = 0; half < 2; ++half) {
+          const __m256i n = half ? _mm256_and_si256(_mm256_srli_epi16(v, 4), m4) : _mm256_and_si256(v, m4);
+          __m256i w0, w1;
+          mx4_bf16_words(n, tl, th, w0, w1);
+          const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+          const __m256 o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, hi)), o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, hi));
+          for (int r = 0; r < MR; ++r) {
+            const float* xj = x[r] + 8 * j + 4 * half;
+            const __m256 xe = bcast_pair(xj), xo = bcast_pair(xj + 2);
+            a[r][0] = _mm256_fmadd_ps(o0, xo, _mm256_fmadd_ps(e0, xe, a[r][0]));
+            a[r][1] = _mm256_fmadd_ps(o1, xo, _mm256_fmadd_ps(e1, xe, a[r][1]));
+          }
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        float* c = C + r * 32 + 8 * q;
+        _mm256_storeu_ps(c, _mm256_fmadd_ps(_mm256_hadd_ps(a[r][0], a[r][1]), s[q], _mm256_loadu_ps(c)));
+      }
+    }
+  }
+}
+
+// C[m, 32] for m <= 4 fp32 rows: one row by gemm_e2m1a16_f32_row, 2-4 as one tile.
+template <class Sc>
+static inline void gemm_e2m1a16_f32_rows(const float* const* x, int m, const uint8_t* codes, int64_t kp, const Sc& sc, float* C) {
+  switch (m) {
+    case 1: gemm_e2m1a16_f32_row(x[0], codes, kp, sc, C); break;
+    case 2: gemm_e2m1a16_f32_tile<2>(x, codes, kp, sc, C); break;
+    case 3: gemm_e2m1a16_f32_tile<3>(x, codes, kp, sc, C); break;
+    case 4: gemm_e2m1a16_f32_tile<4>(x, codes, kp, sc, C); break;
+    default: break;
+  }
 }
 
 // ---- W4A8 ---------------------------------------------------------------------------------
@@ -136,28 +320,30 @@ static inline void dot_mx4_rows(const int8_t* const* x, int m, const uint8_t* co
   }
 }
 
-// The fused W4A8 block GEMM (kHook_gemm_mx4a8): per group g in order, C += float(acc_g) *
-// 2^(e[g, n] - 128) with acc_g = the offset core - 12 * xsum[r * ng + g]; at the end C *= the
-// row's activation scale (avx512_mx4_common.h's gemm_mx4a8_tile, 8 columns a register).
-template <int MR, class Acc>
-static inline void gemm_mx4a8_tile(const int8_t* const* x, const float* rs, const uint8_t* codes, const uint8_t* scale,
-                                   int64_t gstride, int64_t kp, const int32_t* xsum, float* C, Acc acc_fn) {
-  const int64_t ng = (kp + kMx4Group - 1) / kMx4Group;
+// The fused W4A8 block GEMM (kHook_gemm_mx4a8, kHook_gemm_nv4a8): per group g of Sc in order,
+// C += float(acc_g) * a8 scale[g, n] with acc_g = the offset core - 12 * xsum[r * ng + g]; at the end
+// C *= the row's activation scale (avx512_mx4_common.h's gemm_mx4a8_tile, 8 columns a register):
+// the grouped-decode path's order and operations.
+template <int MR, class Acc, class Sc>
+static inline void gemm_e2m1a8_tile(const int8_t* const* x, const float* rs, const uint8_t* codes, int64_t kp,
+                                    const int32_t* xsum, float* C, Acc acc_fn, const Sc& sc) {
+  constexpr int G = Sc::kGroup;
+  const int64_t ng = (kp + G - 1) / G;
   __m256 c[MR][4];
   for (int r = 0; r < MR; ++r)
     for (int q = 0; q < 4; ++q) c[r][q] = _mm256_setzero_ps();
-  for (int64_t g = 0, k0 = 0; k0 < kp; ++g, k0 += kMx4Group) {
-    const int64_t kend = k0 + kMx4Group < kp ? k0 + kMx4Group : kp;
+  for (int64_t g = 0, k0 = 0; k0 < kp; ++g, k0 += G) {
+    const int64_t kend = k0 + G < kp ? k0 + G : kp;
     __m256i acc[MR][4];
     for (int r = 0; r < MR; ++r)
       for (int q = 0; q < 4; ++q) acc[r][q] = _mm256_setzero_si256();
     acc_fn(x, codes, k0 / 8, kend / 8, acc);
-    const uint8_t* e = scale + g * gstride;
+    __m256 s[4];
+    sc.a8(g, s);
     for (int q = 0; q < 4; ++q) {
-      const __m256 s = mx4_scale8<128>(e + 8 * q);
       for (int r = 0; r < MR; ++r) {
         const __m256i t = _mm256_sub_epi32(acc[r][q], _mm256_set1_epi32(kMx4U8Offset * xsum[r * ng + g]));
-        c[r][q] = _mm256_add_ps(c[r][q], _mm256_mul_ps(_mm256_cvtepi32_ps(t), s));
+        c[r][q] = _mm256_add_ps(c[r][q], _mm256_mul_ps(_mm256_cvtepi32_ps(t), s[q]));
       }
     }
   }
@@ -168,13 +354,24 @@ static inline void gemm_mx4a8_tile(const int8_t* const* x, const float* rs, cons
 }
 
 // Rows two at a time (the accumulators and the weights fill the 16 ymm), then one.
+template <template <int> class AccT, class Sc>
+static inline void gemm_e2m1a8_rows(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, int64_t kp,
+                                    const int32_t* xsum, float* C, const Sc& sc) {
+  const int64_t ng = (kp + Sc::kGroup - 1) / Sc::kGroup;
+  int i = 0;
+  for (; i + 2 <= m; i += 2) gemm_e2m1a8_tile<2>(x + i, rs + i, codes, kp, xsum + i * ng, C + i * 32, AccT<2>{}, sc);
+  if (i < m) gemm_e2m1a8_tile<1>(x + i, rs + i, codes, kp, xsum + i * ng, C + i * 32, AccT<1>{}, sc);
+}
 template <template <int> class AccT>
 static inline void gemm_mx4a8_rows(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
                                    int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
-  const int64_t ng = (kp + kMx4Group - 1) / kMx4Group;
-  int i = 0;
-  for (; i + 2 <= m; i += 2) gemm_mx4a8_tile<2>(x + i, rs + i, codes, scale, gstride, kp, xsum + i * ng, C + i * 32, AccT<2>{});
-  if (i < m) gemm_mx4a8_tile<1>(x + i, rs + i, codes, scale, gstride, kp, xsum + i * ng, C + i * 32, AccT<1>{});
+  gemm_e2m1a8_rows<AccT>(x, rs, m, codes, kp, xsum, C, Mx4Scales{scale, gstride});
+}
+// nvfp4's (kHook_gemm_nv4a8): groups of 16, e4m3 scales under the columns' globals.
+template <template <int> class AccT>
+static inline void gemm_nv4a8_rows(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
+                                   const float* global, int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
+  gemm_e2m1a8_rows<AccT>(x, rs, m, codes, kp, xsum, C, Nv4Scales(scale, gstride, global));
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 //    sum x . (2 * e2m1(q)) is that dot product minus 12 * (the row's sum over the group).
 #pragma once
 #include "avx512_common.h"
+#include "avx2_mx4_common.h"  // Nv4Scales: nvfp4's group scales (AVX2 + F16C)
 
 namespace moepack {
 namespace x86_avx512_mx4 {
@@ -102,6 +103,46 @@ static inline __m512 mx4_scale16(const uint8_t* e) {
   return _mm512_castsi512_ps(_mm512_mask_mov_epi32(_mm512_mask_blend_epi32(low, normal, sub), nan, _mm512_set1_epi32(0x7FC00000)));
 }
 
+// ---- the group scales of the e2m1 schemes (as avx2_mx4_common.h's, 16 columns a register) ------
+// Sc::kGroup, a16(g, s0, s1) / a8(g, s0, s1): group g's fp32 scales of columns 0-15 and 16-31,
+// row(g): group g's scale bytes (for a prefetch).
+struct Mx4Scales16 {
+  static constexpr int kGroup = kMx4Group;
+  const uint8_t* scale;
+  int64_t gstride;
+  const uint8_t* row(int64_t g) const { return scale + g * gstride; }
+  void a16(int64_t g, __m512& s0, __m512& s1) const {
+    s0 = mx4_scale16<127>(row(g));
+    s1 = mx4_scale16<127>(row(g) + 16);
+  }
+  void a8(int64_t g, __m512& s0, __m512& s1) const {
+    s0 = mx4_scale16<128>(row(g));
+    s1 = mx4_scale16<128>(row(g) + 16);
+  }
+};
+// nvfp4: avx2_mx4_common.h's Nv4Scales (the fp8 decode of the e4m3 bytes, the globals' division or
+// product: nv4_group_scale's bits), its 8-column registers joined in pairs.
+struct Nv4Scales16 {
+  static constexpr int kGroup = x86_avx2_mx4::kNv4Group;
+  x86_avx2_mx4::Nv4Scales sc;
+  Nv4Scales16(const uint8_t* scale, int64_t gstride, const float* global) : sc(scale, gstride, global) {}
+  const uint8_t* row(int64_t g) const { return sc.scale + g * sc.gstride; }
+  static void join(const __m256 t[4], __m512& s0, __m512& s1) {
+    s0 = _mm512_insertf32x8(_mm512_castps256_ps512(t[0]), t[1], 1);
+    s1 = _mm512_insertf32x8(_mm512_castps256_ps512(t[2]), t[3], 1);
+  }
+  void a16(int64_t g, __m512& s0, __m512& s1) const {
+    __m256 t[4];
+    sc.a16(g, t);
+    join(t, s0, s1);
+  }
+  void a8(int64_t g, __m512& s0, __m512& s1) const {
+    __m256 t[4];
+    sc.a8(g, t);
+    join(t, s0, s1);
+  }
+};
+
 // ---- W4A8 ---------------------------------------------------------------------------------
 // The integer core with vpmaddubsw (the u8 weights 0..24 x s8 rows, each i16 pair at most
 // 2 x 24 x 128 and the two nibbles' pairs together 12288 in magnitude: exact) and vpmaddwd:
@@ -159,26 +200,27 @@ static inline void mx4a8_group_add(__m512 s0, __m512 s1, __m512i a0, __m512i a1,
   c1 = _mm512_add_ps(c1, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a1, off)), s1));
 }
 
-// The fused W4A8 block GEMM (kHook_gemm_mx4a8; docs/SEMANTICS.md: int4_linear_a8_reference with
-// w_q = 2 * e2m1(q), zero 0, scale 2^(e - 128)): per group g in order, C += float(acc_g) *
-// 2^(e[g, n] - 128), at the end C *= the row's activation scale. xsum[r * ng + g]: row r's sum
-// over group g (the driver's A8RowSums). Acc(MR, x, codes, j0, j1, acc) adds the K steps [j0, j1).
-template <int MR, class Acc>
-static inline void gemm_mx4a8_tile(const int8_t* const* x, const float* rs, const uint8_t* codes, const uint8_t* scale,
-                                   int64_t gstride, int64_t kp, const int32_t* xsum, float* C, Acc acc_fn) {
-  const int64_t ng = (kp + kMx4Group - 1) / kMx4Group;
+// The fused W4A8 block GEMM (kHook_gemm_mx4a8, kHook_gemm_nv4a8; docs/SEMANTICS.md:
+// int4_linear_a8_reference with w_q = 2 * e2m1(q), zero 0, the scheme's A8 scale): per group g of
+// Sc in order, C += float(acc_g) * a8 scale[g, n], at the end C *= the row's activation scale.
+// xsum[r * ng + g]: row r's sum over group g (the driver's A8RowSums). Acc(MR, x, codes, j0, j1,
+// acc) adds the K steps [j0, j1).
+template <int MR, class Acc, class Sc>
+static inline void gemm_e2m1a8_tile(const int8_t* const* x, const float* rs, const uint8_t* codes, int64_t kp,
+                                    const int32_t* xsum, float* C, Acc acc_fn, const Sc& sc) {
+  constexpr int G = Sc::kGroup;
+  const int64_t ng = (kp + G - 1) / G;
   __m512 c[MR][2];
   for (int r = 0; r < MR; ++r) c[r][0] = c[r][1] = _mm512_setzero_ps();
-  for (int64_t g = 0, k0 = 0; k0 < kp; ++g, k0 += kMx4Group) {
-    const int64_t kend = k0 + kMx4Group < kp ? k0 + kMx4Group : kp;
+  for (int64_t g = 0, k0 = 0; k0 < kp; ++g, k0 += G) {
+    const int64_t kend = k0 + G < kp ? k0 + G : kp;
     // the scale row of two groups ahead (one line; a column-count apart: not streamed)
-    _mm_prefetch(reinterpret_cast<const char*>(scale + (g + 2 < ng ? (g + 2) * gstride : (g + 2 - ng) * gstride + 32)),
-                 _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(g + 2 < ng ? sc.row(g + 2) : sc.row(g + 2 - ng) + 32), _MM_HINT_T0);
     __m512i acc[MR][2];
     for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
     acc_fn(x, codes, k0 / 8, kend / 8, acc);
-    const uint8_t* e = scale + g * gstride;
-    const __m512 s0 = mx4_scale16<128>(e), s1 = mx4_scale16<128>(e + 16);
+    __m512 s0, s1;
+    sc.a8(g, s0, s1);
     for (int r = 0; r < MR; ++r) mx4a8_group_add(s0, s1, acc[r][0], acc[r][1], xsum[r * ng + g], c[r][0], c[r][1]);
   }
   for (int r = 0; r < MR; ++r) {
@@ -187,20 +229,30 @@ static inline void gemm_mx4a8_tile(const int8_t* const* x, const float* rs, cons
     _mm512_storeu_ps(C + r * 32 + 16, _mm512_mul_ps(c[r][1], a));
   }
 }
+template <int MR, class Acc>
+static inline void gemm_mx4a8_tile(const int8_t* const* x, const float* rs, const uint8_t* codes, const uint8_t* scale,
+                                   int64_t gstride, int64_t kp, const int32_t* xsum, float* C, Acc acc_fn) {
+  gemm_e2m1a8_tile<MR>(x, rs, codes, kp, xsum, C, acc_fn, Mx4Scales16{scale, gstride});
+}
 
 // Rows in tiles of up to 4 (acc[4][2] and c[4][2] + the weights' 4 registers fit the 32 zmm).
+template <template <int> class AccT, class Sc>
+static inline void gemm_e2m1a8_rows(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, int64_t kp,
+                                    const int32_t* xsum, float* C, const Sc& sc) {
+  const int64_t ng = (kp + Sc::kGroup - 1) / Sc::kGroup;
+  int i = 0;
+  for (; i + 4 <= m; i += 4) gemm_e2m1a8_tile<4>(x + i, rs + i, codes, kp, xsum + i * ng, C + i * 32, AccT<4>{}, sc);
+  switch (m - i) {
+    case 3: gemm_e2m1a8_tile<3>(x + i, rs + i, codes, kp, xsum + i * ng, C + i * 32, AccT<3>{}, sc); break;
+    case 2: gemm_e2m1a8_tile<2>(x + i, rs + i, codes, kp, xsum + i * ng, C + i * 32, AccT<2>{}, sc); break;
+    case 1: gemm_e2m1a8_tile<1>(x + i, rs + i, codes, kp, xsum + i * ng, C + i * 32, AccT<1>{}, sc); break;
+    default: break;
+  }
+}
 template <template <int> class AccT>
 static inline void gemm_mx4a8_rows(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
                                    int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
-  const int64_t ng = (kp + kMx4Group - 1) / kMx4Group;
-  int i = 0;
-  for (; i + 4 <= m; i += 4) gemm_mx4a8_tile<4>(x + i, rs + i, codes, scale, gstride, kp, xsum + i * ng, C + i * 32, AccT<4>{});
-  switch (m - i) {
-    case 3: gemm_mx4a8_tile<3>(x + i, rs + i, codes, scale, gstride, kp, xsum + i * ng, C + i * 32, AccT<3>{}); break;
-    case 2: gemm_mx4a8_tile<2>(x + i, rs + i, codes, scale, gstride, kp, xsum + i * ng, C + i * 32, AccT<2>{}); break;
-    case 1: gemm_mx4a8_tile<1>(x + i, rs + i, codes, scale, gstride, kp, xsum + i * ng, C + i * 32, AccT<1>{}); break;
-    default: break;
-  }
+  gemm_e2m1a8_rows<AccT>(x, rs, m, codes, kp, xsum, C, Mx4Scales16{scale, gstride});
 }
 
 // Folding the scale into the decoded weights (the many-row paths of the bf16 levels: AMX tiles,

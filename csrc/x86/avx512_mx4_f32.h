@@ -76,16 +76,16 @@ static inline __m512 mx4_f32_table() {
   return _mm512_load_ps(t);
 }
 
-// C[MR, 32] for fp32 rows x[r] against one mx4 block (kp a multiple of 8; e8m0 scale rows scale +
-// g * gstride), read as S K segments of whole groups at once (decode streams, as the vdpbf16ps
-// kernel), the groups that do not deal out evenly (and a partial last one) after them in one
-// stream.
-template <int MR, int S>
-static inline void gemm_mx4a16_f32_streams(const float* const* x, const uint8_t* codes, const uint8_t* scale, int64_t gstride,
-                                           int64_t kp, float* C) {
-  const int64_t ng = (kp + kMx4Group - 1) / kMx4Group;
-  const int64_t rounds = kp / kMx4Group / S, head = rounds * S;  // groups [0, head): S segments of `rounds`
-  const int64_t seg_bytes = rounds * kMx4Group * 16, blk_bytes = kp * 16;
+// C[MR, 32] for fp32 rows x[r] against one e2m1 block (kp a multiple of 8; the group scales of Sc,
+// avx512_mx4_common.h: mxfp4's e8m0 per 32 K, nvfp4's e4m3 and globals per 16), read as S K
+// segments of whole groups at once (decode streams, as the vdpbf16ps kernel), the groups that do
+// not deal out evenly (and a partial last one) after them in one stream.
+template <int MR, int S, class Sc>
+static inline void gemm_e2m1a16_f32_streams(const float* const* x, const uint8_t* codes, int64_t kp, const Sc& sc, float* C) {
+  constexpr int kGroup = Sc::kGroup;
+  const int64_t ng = (kp + kGroup - 1) / kGroup;
+  const int64_t rounds = kp / kGroup / S, head = rounds * S;  // groups [0, head): S segments of `rounds`
+  const int64_t seg_bytes = rounds * kGroup * 16, blk_bytes = kp * 16;
   constexpr int P = 2;  // chains per (segment, row, half): the 8 nibbles alternate between them
   static constexpr int kCode[8] = {0, 4, 1, 5, 2, 6, 3, 7};  // nibble i of a lane holds code kCode[i]
   const __m512 table = mx4_f32_table();
@@ -112,8 +112,8 @@ static inline void gemm_mx4a16_f32_streams(const float* const* x, const uint8_t*
   };
   // group g's sums of segment u, scaled into C
   auto group_end = [&](int u, int64_t g) {
-    const uint8_t* e = scale + g * gstride;
-    const __m512 s0 = mx4_scale16<127>(e), s1 = mx4_scale16<127>(e + 16);
+    __m512 s0, s1;
+    sc.a16(g, s0, s1);
     for (int r = 0; r < MR; ++r) {
       c[r][0] = _mm512_fmadd_ps(_mm512_add_ps(a[u][r][0][0], a[u][r][0][1]), s0, c[r][0]);
       c[r][1] = _mm512_fmadd_ps(_mm512_add_ps(a[u][r][1][0], a[u][r][1][1]), s1, c[r][1]);
@@ -124,12 +124,12 @@ static inline void gemm_mx4a16_f32_streams(const float* const* x, const uint8_t*
       clear(u);
       // the next round's scale rows (a page apart: not streamed); past the last, the tail's first
       const int64_t gn = t + 1 < rounds ? u * rounds + t + 1 : head;
-      _mm_prefetch(reinterpret_cast<const char*>(scale + (gn < ng ? gn * gstride : 32)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(gn < ng ? sc.row(gn) : sc.row(0) + 32), _MM_HINT_T0);
     }
-    for (int64_t jj = 0; jj < kMx4Group / 8; ++jj) {
+    for (int64_t jj = 0; jj < kGroup / 8; ++jj) {
 #pragma GCC unroll 4
       for (int u = 0; u < S; ++u) {
-        const int64_t j = (u * rounds + t) * (kMx4Group / 8) + jj;
+        const int64_t j = (u * rounds + t) * (kGroup / 8) + jj;
         prefetch_segment(codes, j * 128, (u + 1) * seg_bytes, blk_bytes - seg_bytes, 2);  // past: the next block's
         step(u, j);
       }
@@ -138,8 +138,8 @@ static inline void gemm_mx4a16_f32_streams(const float* const* x, const uint8_t*
   }
   for (int64_t g = head; g < ng; ++g) {  // the rest, in one stream
     clear(0);
-    const int64_t jend = (g + 1) * kMx4Group < kp ? (g + 1) * (kMx4Group / 8) : kp / 8;
-    for (int64_t j = g * (kMx4Group / 8); j < jend; ++j) {
+    const int64_t jend = (g + 1) * kGroup < kp ? (g + 1) * (kGroup / 8) : kp / 8;
+    for (int64_t j = g * (kGroup / 8); j < jend; ++j) {
       prefetch_segment(codes, j * 128, blk_bytes, 0, 2);
       step(0, j);
     }
@@ -155,8 +155,9 @@ static inline void gemm_mx4a16_f32_streams(const float* const* x, const uint8_t*
 // worker's Mx4A16Rows; null: a local one, each call); false (nothing written) for other calls (kp
 // not a multiple of 8, no memory for the rows). One row: 4 segments, rows two at a time: 2 (one
 // stream each where decode_one_stream()); an odd last row as one row.
-static inline bool gemm_mx4a16_f32(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const uint8_t* scale,
-                                   int64_t gstride, int64_t kp, float* C, Mx4A16Rows* memo) {
+template <class Sc>
+static inline bool gemm_e2m1a16_f32(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, int64_t kp,
+                                    const Sc& sc, float* C, Mx4A16Rows* memo) {
   if ((fmt != RowFormat::bf16 && fmt != RowFormat::f32) || m > kMx4F32MaxRows || kp % 8) return false;
   const float* x[kMx4F32MaxRows];
   std::unique_ptr<Mx4A16Rows> own;
@@ -174,19 +175,30 @@ static inline bool gemm_mx4a16_f32(RowFormat fmt, const void* const* rows, int m
   int i = 0;
   for (; i + 2 <= m; i += 2) {
     if (one) {
-      gemm_mx4a16_f32_streams<2, 1>(x + i, codes, scale, gstride, kp, C + i * 32);
+      gemm_e2m1a16_f32_streams<2, 1>(x + i, codes, kp, sc, C + i * 32);
     } else {
-      gemm_mx4a16_f32_streams<2, 2>(x + i, codes, scale, gstride, kp, C + i * 32);
+      gemm_e2m1a16_f32_streams<2, 2>(x + i, codes, kp, sc, C + i * 32);
     }
   }
   if (i < m) {
     if (one) {
-      gemm_mx4a16_f32_streams<1, 1>(x + i, codes, scale, gstride, kp, C + i * 32);
+      gemm_e2m1a16_f32_streams<1, 1>(x + i, codes, kp, sc, C + i * 32);
     } else {
-      gemm_mx4a16_f32_streams<1, 4>(x + i, codes, scale, gstride, kp, C + i * 32);
+      gemm_e2m1a16_f32_streams<1, 4>(x + i, codes, kp, sc, C + i * 32);
     }
   }
   return true;
+}
+static inline bool gemm_mx4a16_f32(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const uint8_t* scale,
+                                   int64_t gstride, int64_t kp, float* C, Mx4A16Rows* memo) {
+  return gemm_e2m1a16_f32(fmt, rows, m, codes, kp, Mx4Scales16{scale, gstride}, C, memo);
+}
+// nvfp4 (kHook_gemm_nv4a16): groups of 16 with e4m3 scales under the columns' globals; G other than
+// 16 declined.
+static inline bool gemm_nv4a16_f32(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const uint8_t* scale,
+                                   const float* global, int64_t gstride, int64_t kp, int64_t G, float* C, Mx4A16Rows* memo) {
+  if (G != Nv4Scales16::kGroup) return false;
+  return gemm_e2m1a16_f32(fmt, rows, m, codes, kp, Nv4Scales16(scale, gstride, global), C, memo);
 }
 
 }  // namespace

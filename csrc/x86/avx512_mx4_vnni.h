@@ -121,27 +121,37 @@ static inline void gemm_mx4a8_streams(const int8_t* const* x, const float* rs, c
 }
 
 // Many rows (prefill): tiles of 8 rows (16 accumulators: each group's codes decoded once per 8
-// rows), the rest in one tile of 1..7.
-static inline void gemm_mx4a8_vnni_rows(const int8_t* const* x, const float* rs, int m, const uint8_t* codes,
-                                        const uint8_t* scale, int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
-  const int64_t ng = (kp + kMx4Group - 1) / kMx4Group;
+// rows), the rest in one tile of 1..7; groups of Sc in order.
+template <class Sc>
+static inline void gemm_e2m1a8_vnni_rows(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, int64_t kp,
+                                         const int32_t* xsum, float* C, const Sc& sc) {
+  const int64_t ng = (kp + Sc::kGroup - 1) / Sc::kGroup;
   int i = 0;
-  for (; i + 8 <= m; i += 8)
-    gemm_mx4a8_tile<8>(x + i, rs + i, codes, scale, gstride, kp, xsum + i * ng, C + i * 32, Mx4AccVnni<8>{});
+  for (; i + 8 <= m; i += 8) gemm_e2m1a8_tile<8>(x + i, rs + i, codes, kp, xsum + i * ng, C + i * 32, Mx4AccVnni<8>{}, sc);
   const int8_t* const* xr = x + i;
   const float* r = rs + i;
   const int32_t* xs = xsum + i * ng;
   float* c = C + i * 32;
   switch (m - i) {
-    case 7: gemm_mx4a8_tile<7>(xr, r, codes, scale, gstride, kp, xs, c, Mx4AccVnni<7>{}); break;
-    case 6: gemm_mx4a8_tile<6>(xr, r, codes, scale, gstride, kp, xs, c, Mx4AccVnni<6>{}); break;
-    case 5: gemm_mx4a8_tile<5>(xr, r, codes, scale, gstride, kp, xs, c, Mx4AccVnni<5>{}); break;
-    case 4: gemm_mx4a8_tile<4>(xr, r, codes, scale, gstride, kp, xs, c, Mx4AccVnni<4>{}); break;
-    case 3: gemm_mx4a8_tile<3>(xr, r, codes, scale, gstride, kp, xs, c, Mx4AccVnni<3>{}); break;
-    case 2: gemm_mx4a8_tile<2>(xr, r, codes, scale, gstride, kp, xs, c, Mx4AccVnni<2>{}); break;
-    case 1: gemm_mx4a8_tile<1>(xr, r, codes, scale, gstride, kp, xs, c, Mx4AccVnni<1>{}); break;
+    case 7: gemm_e2m1a8_tile<7>(xr, r, codes, kp, xs, c, Mx4AccVnni<7>{}, sc); break;
+    case 6: gemm_e2m1a8_tile<6>(xr, r, codes, kp, xs, c, Mx4AccVnni<6>{}, sc); break;
+    case 5: gemm_e2m1a8_tile<5>(xr, r, codes, kp, xs, c, Mx4AccVnni<5>{}, sc); break;
+    case 4: gemm_e2m1a8_tile<4>(xr, r, codes, kp, xs, c, Mx4AccVnni<4>{}, sc); break;
+    case 3: gemm_e2m1a8_tile<3>(xr, r, codes, kp, xs, c, Mx4AccVnni<3>{}, sc); break;
+    case 2: gemm_e2m1a8_tile<2>(xr, r, codes, kp, xs, c, Mx4AccVnni<2>{}, sc); break;
+    case 1: gemm_e2m1a8_tile<1>(xr, r, codes, kp, xs, c, Mx4AccVnni<1>{}, sc); break;
     default: break;
   }
+}
+static inline void gemm_mx4a8_vnni_rows(const int8_t* const* x, const float* rs, int m, const uint8_t* codes,
+                                        const uint8_t* scale, int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
+  gemm_e2m1a8_vnni_rows(x, rs, m, codes, kp, xsum, C, Mx4Scales16{scale, gstride});
+}
+// nvfp4's (kHook_gemm_nv4a8): every row count through the tiles, groups of 16 in order (the
+// grouped path's order; the decode streams would reorder the groups).
+static inline void gemm_nv4a8_vnni(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
+                                   const float* global, int64_t gstride, int64_t kp, const int32_t* xsum, float* C) {
+  gemm_e2m1a8_vnni_rows(x, rs, m, codes, kp, xsum, C, Nv4Scales16(scale, gstride, global));
 }
 
 // The W4A8 block GEMM of the VNNI levels (kHook_gemm_mx4a8): one or two rows through the decode

@@ -127,7 +127,7 @@ struct MK : Avx512Base {
   static constexpr uint32_t kStreamsSchemes = (1u << kScheme_int8_channel) | (1u << kScheme_int4_group) | (1u << kScheme_mxfp4);
   static constexpr uint32_t kPfSchemes = kStreamsSchemes;  // for_k_streams' prefetch distance (Variant::pf)
   static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_gemm_mx4a8 |
-                                     kHook_dot_mx4_s8;
+                                     kHook_dot_mx4_s8 | kHook_gemm_nv4a8;
   static constexpr bool kContiguousRows = true;  // the driver keeps a chunk's rows consecutive
   using WorkerScope = TileScope;  // one tile configuration per driver worker (amx_common.h)
 
@@ -177,6 +177,13 @@ struct MK : Avx512Base {
   }
   static void dot_mx4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
     x86_avx512_mx4::dot_mx4_rows<x86_avx512_mx4::Mx4AccVnni>(x, m, codes, k0, kk, acc);
+  }
+  // nvfp4 layout (W4A8): the mxfp4 block GEMM over groups of 16 with e4m3 scales, groups in order.
+  static bool gemm_nv4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
+                         const float* global, int64_t gstride, int64_t kp, int64_t G, const A8Sums& xsum, float* C) {
+    if (G != x86_avx512_mx4::Nv4Scales16::kGroup || kp % 8) return false;
+    x86_avx512_mx4::gemm_nv4a8_vnni(x, rs, m, codes, scale, global, gstride, kp, xsum.get(), C);
+    return true;
   }
 };
 

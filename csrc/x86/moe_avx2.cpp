@@ -36,7 +36,8 @@ static inline __m256 odd_f32(__m256i w, __m256i hi_mask) { return _mm256_castsi2
 
 struct MK : x86_avx2::Avx2Elementwise {
   static constexpr uint32_t kHooks = Avx2Elementwise::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_unpack_u4 | kHook_gemm_u4a16 |
-                                     kHook_unpack_f8 | kHook_unpack_mx4 | kHook_dot_mx4_s8 | kHook_gemm_mx4a8;
+                                     kHook_unpack_f8 | kHook_unpack_mx4 | kHook_dot_mx4_s8 | kHook_gemm_mx4a8 |
+                                     kHook_gemm_nv4a16 | kHook_gemm_nv4a8;
   static RowFormat row_format(DType) { return RowFormat::f32; }
 
   // Variant knobs these kernels read (register.inc variant_knobs): the decode prefetch distance
@@ -287,6 +288,24 @@ struct MK : x86_avx2::Avx2Elementwise {
   }
   static void dot_mx4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
     x86_avx2_mx4::dot_mx4_rows<x86_avx2_mx4::Mx4AccMaddubs>(x, m, codes, k0, kk, acc);
+  }
+
+  // nvfp4 layout (avx2_mx4_common.h: mxfp4's e2m1 decode, groups of 16, e4m3 scales under the
+  // columns' globals): W4A16, 1-4 fp32 rows straight from the codes (more rows: the grouped path's
+  // unpack_mx4 and dense kernel); W4A8, the fused block GEMM over the mxfp4 integer core.
+  static constexpr int kNv4A16MaxRows = 4;
+  static bool gemm_nv4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const uint8_t* scale,
+                          const float* global, int64_t gstride, int64_t kp, int64_t G, float* C, void*) {
+    if (fmt != RowFormat::f32 || m > kNv4A16MaxRows || G != x86_avx2_mx4::kNv4Group || kp % 8) return false;
+    x86_avx2_mx4::gemm_e2m1a16_f32_rows(reinterpret_cast<const float* const*>(rows), m, codes, kp,
+                                        x86_avx2_mx4::Nv4Scales(scale, gstride, global), C);
+    return true;
+  }
+  static bool gemm_nv4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
+                         const float* global, int64_t gstride, int64_t kp, int64_t G, const A8Sums& xsum, float* C) {
+    if (G != x86_avx2_mx4::kNv4Group || kp % 8) return false;
+    x86_avx2_mx4::gemm_nv4a8_rows<x86_avx2_mx4::Mx4AccMaddubs>(x, rs, m, codes, scale, global, gstride, kp, xsum.get(), C);
+    return true;
   }
 
   // acc[m, 32] for one 32-column int8 block (signed rows; colsum unused).

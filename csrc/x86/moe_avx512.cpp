@@ -35,10 +35,11 @@ using namespace x86_avx512_i8;
 struct MK : Avx512Base {
   // The schemes whose few-row (decode) kernels here read decode_one_stream(): Variant::streams
   // (register.inc variant_knobs).
-  static constexpr uint32_t kStreamsSchemes = (1u << kScheme_mxfp4);
+  static constexpr uint32_t kStreamsSchemes = (1u << kScheme_mxfp4) | (1u << kScheme_nvfp4);
   static constexpr uint32_t kPfSchemes = kStreamsSchemes;  // for_k_streams' prefetch distance (Variant::pf)
   static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_unpack_u4 | kHook_unpack_f8 |
-                                     kHook_unpack_mx4 | kHook_gemm_mx4a16 | kHook_dot_mx4_s8 | kHook_gemm_mx4a8;
+                                     kHook_unpack_mx4 | kHook_gemm_mx4a16 | kHook_dot_mx4_s8 | kHook_gemm_mx4a8 |
+                                     kHook_gemm_nv4a16 | kHook_gemm_nv4a8;
   // acc[m, 32] = exact int32 dot products of one 32-column int8 block (signed rows; colsum unused).
   static void gemm_i8(const LayoutDesc&, const int8_t* const* x, int m, const int8_t* B, int64_t kp, const int32_t*,
                       int32_t* C) {
@@ -81,6 +82,22 @@ struct MK : Avx512Base {
   }
   static void dot_mx4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
     x86_avx512_mx4::dot_mx4_rows<x86_avx512_mx4::Mx4AccBw>(x, m, codes, k0, kk, acc);
+  }
+  // nvfp4 layout (W4A16): the mxfp4 fp32-FMA kernel over groups of 16 with e4m3 scales (avx512_mx4_f32.h,
+  // its rows memo), up to 4 rows; more take the grouped path (unpack_mx4, 16 K at a time).
+  using Nv4A16Memo = x86_avx512_mx4_f32::Mx4A16Rows;
+  static bool gemm_nv4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const uint8_t* scale,
+                          const float* global, int64_t gstride, int64_t kp, int64_t G, float* C, void* memo) {
+    return x86_avx512_mx4_f32::gemm_nv4a16_f32(fmt, rows, m, codes, scale, global, gstride, kp, G, C,
+                                              static_cast<Nv4A16Memo*>(memo));
+  }
+  // nvfp4 layout (W4A8): the mxfp4 block GEMM over groups of 16 with e4m3 scales, groups in order.
+  static bool gemm_nv4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
+                         const float* global, int64_t gstride, int64_t kp, int64_t G, const A8Sums& xsum, float* C) {
+    if (G != x86_avx512_mx4::Nv4Scales16::kGroup || kp % 8) return false;
+    x86_avx512_mx4::gemm_e2m1a8_rows<x86_avx512_mx4::Mx4AccBw>(x, rs, m, codes, kp, xsum.get(), C,
+                                                                   x86_avx512_mx4::Nv4Scales16(scale, gstride, global));
+    return true;
   }
 };
 

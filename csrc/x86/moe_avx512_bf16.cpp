@@ -36,11 +36,12 @@ using namespace x86_avx512_bf16;
 struct MK : Avx512Base {
   // The schemes whose few-row (decode) kernels here read decode_one_stream(): Variant::streams
   // (register.inc variant_knobs).
-  static constexpr uint32_t kStreamsSchemes = (1u << kScheme_dense) | (1u << kScheme_int4_group) | (1u << kScheme_fp8_block) | (1u << kScheme_mxfp4);
+  static constexpr uint32_t kStreamsSchemes = (1u << kScheme_dense) | (1u << kScheme_int4_group) | (1u << kScheme_fp8_block) | (1u << kScheme_mxfp4) |
+                                               (1u << kScheme_nvfp4);
   static constexpr uint32_t kPfSchemes = kStreamsSchemes;  // for_k_streams' prefetch distance (Variant::pf)
   static constexpr uint32_t kDotSchemes = 1u << kScheme_mxfp4;  // mx4_a16_fp32(): Variant::dot
   static constexpr uint32_t kHooks = Avx512Base::kHooks | kHook_gemm_prefetch | kHook_unpack_u4 | kHook_gemm_u4a16 | kHook_unpack_f8 |
-                                     kHook_gemm_f8a16 | kHook_unpack_mx4 | kHook_gemm_mx4a16;
+                                     kHook_gemm_f8a16 | kHook_unpack_mx4 | kHook_gemm_mx4a16 | kHook_gemm_nv4a16;
   static RowFormat row_format(DType d) { return d == DType::bf16 ? RowFormat::bf16 : RowFormat::f32; }
 
   // C[m, 32] = A[m, :kp] . B^T for one 32-column block; rows are bf16 bits or fp32 as
@@ -117,6 +118,14 @@ struct MK : Avx512Base {
       }
     }
     return true;
+  }
+  // nvfp4 layout (W4A16): the mxfp4 fp32-FMA kernel over groups of 16 with e4m3 scales (avx512_mx4_f32.h,
+  // its rows memo), up to 4 rows; more take the grouped path (unpack_mx4, 16 K at a time).
+  using Nv4A16Memo = x86_avx512_mx4_f32::Mx4A16Rows;
+  static bool gemm_nv4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const uint8_t* scale,
+                          const float* global, int64_t gstride, int64_t kp, int64_t G, float* C, void* memo) {
+    return x86_avx512_mx4_f32::gemm_nv4a16_f32(fmt, rows, m, codes, scale, global, gstride, kp, G, C,
+                                              static_cast<Nv4A16Memo*>(memo));
   }
 };
 

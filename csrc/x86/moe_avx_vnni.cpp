@@ -167,7 +167,7 @@ struct AccVnniU4 {
 
 struct MK : x86_avx2::Avx2Elementwise {
   static constexpr uint32_t kHooks = Avx2Elementwise::kHooks | kHook_gemm_u4a8 | kHook_dot_u4_s8 | kHook_gemm_mx4a8 |
-                                     kHook_dot_mx4_s8;
+                                     kHook_dot_mx4_s8 | kHook_gemm_nv4a8;
   // int8 layouts: the driver stores quantized rows as u8 = q + 128 (vpdpbusd's unsigned operand).
   static constexpr bool kI8RowsU8 = true;
 
@@ -203,6 +203,13 @@ struct MK : x86_avx2::Avx2Elementwise {
   }
   static void dot_mx4_s8(const int8_t* const* x, int m, const uint8_t* codes, int64_t k0, int64_t kk, int32_t* acc) {
     x86_avx2_mx4::dot_mx4_rows<x86_avx2_mx4::Mx4AccVnni>(x, m, codes, k0, kk, acc);
+  }
+  // nvfp4 layout (W4A8): the same block GEMM over groups of 16 with e4m3 scales (avx2_mx4_common.h).
+  static bool gemm_nv4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
+                         const float* global, int64_t gstride, int64_t kp, int64_t G, const A8Sums& xsum, float* C) {
+    if (G != x86_avx2_mx4::kNv4Group || kp % 8) return false;
+    x86_avx2_mx4::gemm_nv4a8_rows<x86_avx2_mx4::Mx4AccVnni>(x, rs, m, codes, scale, global, gstride, kp, xsum.get(), C);
+    return true;
   }
 };
 

@@ -132,6 +132,7 @@ int main(int argc, char** argv) {
   test_nv4_tables();
   test_nv4_block(runnable_registrars());
   test_nv4_fused(runnable_registrars());
+  test_nv4_hooks(runnable_registrars());
   test_swiglu_nan();
 
   const Activation acts[4] = {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::swigluoai};

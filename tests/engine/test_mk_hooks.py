@@ -41,7 +41,7 @@ def test_the_hook_table_drives_bits_names_and_checks(tmp_path):
     assert shutil.which(compiler[0]), f"no C++ compiler ({compiler[0]})"
     table = (ROOT / "csrc/kernels/mk_hooks.h").read_text()
     names = re.findall(r"^  X\((\w+), ", table, re.M)
-    assert len(names) == 13 and len(set(names)) == len(names), names
+    assert len(names) == 15 and len(set(names)) == len(names), names
     src = ['#include "mk_hooks.h"', "using namespace moepack;"]
     src += [f"struct MK_{case} {{ {body} }};\nstatic_assert(check_mk_hooks<MK_{case}>());"
             for case, (body, _) in CASES.items()]
