@@ -12,6 +12,8 @@
   is here (tests/support/skips.py ``require``: a failure under CI=true, else a ``missing:`` skip).
 * The skip rule: a run in which any test was skipped for a reason outside the allowed kinds
   (``host lacks: ...``, ``engine <name>: ...``: tests/support/skips.py) fails, listing them.
+* ``MOEPACK_TEST_CPU_LOG=FILE``: one line per test with its CPU seconds (tests/support/cpu_log.py;
+  tools/test_suites.py sets it per suite and prints the largest).
 * Inputs follow SEMANTICS.md §4: canonical weights ~ N(0, 1)/sqrt(fan_in) rounded to bf16 (the
   packed layout stores bf16, so the canonical weights the reference sees are exactly the packed
   values), routing = softmax top-k of random logits (ids int32, weights fp32, both contiguous).
@@ -33,7 +35,7 @@ import moepack
 from moepack.isa import KERNEL_ISAS, available_isas, host_isa, layout_isas
 from moepack.pack import PackedExperts, pack_experts
 from moepack.reference import moe_reference
-from tests.support import skips
+from tests.support import cpu_log, skips
 from tests.support.synthetic import SYNTH, write_synthetic_checkpoint
 
 # torch.ops.moepack.* exist once the extension is loaded (importing moepack alone is lazy).
@@ -89,6 +91,17 @@ def pytest_runtest_setup(item):
         for name in m.args:
             marker = next((g for g in GATED if item.get_closest_marker(g) is not None), None)
             skips.require(name, marker)
+
+
+_cpu_log = cpu_log.recorder_from_env()  # MOEPACK_TEST_CPU_LOG: per-test CPU seconds (tests/support/cpu_log.py)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    done = _cpu_log.measure(item.nodeid) if _cpu_log is not None else None
+    yield
+    if done is not None:
+        done()
 
 
 _offending: list[tuple[str, str]] = []  # (nodeid, reason) of skips outside the allowed kinds

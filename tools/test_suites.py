@@ -12,6 +12,12 @@ the foreground ends, each background log is printed whole, then one line per sui
 wall time and status; the exit status is nonzero when any of the three failed (each applies the
 skip rule of tests/conftest.py on its own). Extra arguments go to all three.
 
+Each suite also writes its per-test CPU seconds to build/test-cpu-<suite>.jsonl
+(tests/support/cpu_log.py); the status lines give each suite's CPU seconds (its pytest process
+and every process it waited for, from wait4) beside its wall seconds, and its largest test
+functions by CPU: on a shared 2-core machine the CPU seconds, not the wall time, say where the
+run's time goes.
+
 `PYTEST_ARGS=... make test-only` runs one pytest of that selection instead (Makefile)."""
 
 from __future__ import annotations
@@ -21,6 +27,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.support import cpu_log  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ROOT / "build"
@@ -33,33 +42,48 @@ def pytest_cmd(marker: str, name: str, extra: list[str]) -> list[str]:
             f"--basetemp={BUILD / f'pytest-{name}'}", *extra]  # fmt: skip
 
 
+def _wait(p: subprocess.Popen) -> tuple[int, float]:
+    """The exit code of ``p`` and the CPU seconds of it and of every process it waited for."""
+    _, status, ru = os.wait4(p.pid, 0)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    return p.returncode, ru.ru_utime + ru.ru_stime
+
+
+def _env(name: str) -> dict:
+    cpu = BUILD / f"test-cpu-{name}.jsonl"
+    cpu.unlink(missing_ok=True)
+    return dict(os.environ, PYTHONUNBUFFERED="1", **{cpu_log.ENV: str(cpu)})
+
+
 def main(extra: list[str]) -> int:
     BUILD.mkdir(exist_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     bg = []
     for name, marker in BACKGROUND:
         log = BUILD / f"test-{name}.log"
         f = open(log, "w")
         t0 = time.time()
-        p = subprocess.Popen(pytest_cmd(marker, name, extra), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=env)
+        p = subprocess.Popen(pytest_cmd(marker, name, extra), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=_env(name))
         bg.append((name, log, f, p, t0))
         print(f"[test_suites] the {name} suite runs in the background (pid {p.pid}), its output in {log}", flush=True)
     t0 = time.time()
-    rc = subprocess.call(pytest_cmd(FOREGROUND, "main", extra), cwd=ROOT, env=env)
-    status = [("main (" + FOREGROUND + ")", rc, time.time() - t0)]
+    rc, cpu = _wait(subprocess.Popen(pytest_cmd(FOREGROUND, "main", extra), cwd=ROOT, env=_env("main")))
+    status = [("main", "main (" + FOREGROUND + ")", rc, time.time() - t0, cpu)]
     for name, log, f, p, t in bg:
-        brc = p.wait()
+        brc, cpu = _wait(p)
         f.close()
         print(f"\n{'=' * 30} the {name} suite ({log.relative_to(ROOT)}) {'=' * 30}", flush=True)
         sys.stdout.write(log.read_text())
-        status.append((name, brc, time.time() - t))
+        status.append((name, name, brc, time.time() - t, cpu))
     print(f"\n{'=' * 30} suites {'=' * 30}")
     # pytest's exit 5, nothing selected: no failure when extra arguments left a suite empty; without
     # them (make test) every suite must run tests
     words = {0: "passed", 5: "no test selected"} if extra else {0: "passed"}
-    for name, code, wall in status:
-        print(f"{name}: {words.get(code, f'FAILED (pytest exit {code})')}, wall {wall:.0f} s")
-    return 0 if all(code in words for _, code, _ in status) else 1
+    for key, name, code, wall, cpu in status:
+        print(f"{name}: {words.get(code, f'FAILED (pytest exit {code})')}, wall {wall:.0f} s, CPU {cpu:.0f} s")
+        log = BUILD / f"test-cpu-{key}.jsonl"
+        if log.exists() and log.stat().st_size:
+            print("  " + cpu_log.summary(log).replace("\n", "\n  "))
+    return 0 if all(code in words for _, _, code, _, _ in status) else 1
 
 
 if __name__ == "__main__":
