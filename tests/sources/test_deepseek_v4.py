@@ -16,6 +16,7 @@ import moepack.hf as hf
 from moepack.errors import PackedDirError, UnsupportedError
 from moepack.manifest import MANIFEST, SILU_LIMIT_FORMAT_VERSION
 from tests.integrations.test_family_sweep import _spread, tiny_config
+from tests.support.packdir_edit import reseal
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def _edit(src, dst, fn):
     shutil.copytree(src, dst)
     m = _manifest(dst)
     fn(m)
-    (dst / MANIFEST).write_text(json.dumps(m, indent=1))
+    (dst / MANIFEST).write_text(json.dumps(reseal(m), indent=1))  # sealed again: the edit is what is judged
     return dst
 
 
