@@ -237,7 +237,8 @@ def _signals_interrupt():
     """SIGTERM / SIGHUP raise ``Terminated`` in the main thread for the block. After the cleanup,
     a signal whose previous handler was the default is sent again so that the process ends by
     it (exit status 128+N, as without moepack); a Python handler is called instead. A second
-    signal during the cleanup is ignored rather than cutting the cleanup short."""
+    signal during the cleanup is ignored rather than cutting the cleanup short. A signal the
+    process already ignores (SIGHUP under ``nohup``) is left ignored: it does not stop the convert."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -249,7 +250,9 @@ def _signals_interrupt():
             fired.append(signum)
             raise Terminated(signum)
 
-    before = {x: signal.signal(x, handler) for x in sigs}
+    # a signal the process ignores stays ignored: under `nohup` (SIGHUP ignored) a hangup must not
+    # stop the convert that nohup was asked to keep running
+    before = {x: signal.signal(x, handler) for x in sigs if signal.getsignal(x) != signal.SIG_IGN}
     try:
         yield
     except Terminated as e:

@@ -76,13 +76,13 @@ def progress(ev, **kw):
     if ev == event:
         seen[0] += 1
         if seen[0] == int(nth):
-            if how == "pause":
+            if how in ("pause", "hold"):
                 print("paused", flush=True)
                 # short sleeps: a process-directed signal may land on one of the writer's or
                 # torch's threads, which does not interrupt a long sleep of the main thread;
                 # Python runs the handler at the next slice (the real convert never blocks
                 # longer than 0.1 s on its main thread: _Sink._wait)
-                for _ in range(600):
+                for _ in range(600 if how == "pause" else 20):  # hold: 2 s, then go on
                     time.sleep(0.1)
             else:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -90,14 +90,22 @@ convert(src, dst, shard_bytes=int(shard), progress=progress)
 """
 
 
-def _child(src: Path, dst: Path, event: str, nth: int, how: str) -> subprocess.Popen:
+def _child(src: Path, dst: Path, event: str, nth: int, how: str, hup=signal.SIG_DFL) -> subprocess.Popen:
+    """The convert in a child process; SIGTERM and SIGHUP start at the default disposition (the
+    test's own may be inherited otherwise: SIGHUP is ignored under nohup), SIGHUP at ``hup``."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def dispositions():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGHUP, hup)
+
     return subprocess.Popen([sys.executable, "-c", _CHILD, str(src), str(dst), event, str(nth), how, str(SHARD)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+                            preexec_fn=dispositions)  # fmt: skip
 
 
-def _paused(src: Path, dst: Path) -> subprocess.Popen:
-    p = _child(src, dst, "layer_done", 1, "pause")
+def _paused(src: Path, dst: Path, how: str = "pause", hup=signal.SIG_DFL) -> subprocess.Popen:
+    p = _child(src, dst, "layer_done", 1, how, hup)
     assert p.stdout.readline().strip() == "paused", p.stderr.read()
     return p
 
@@ -120,6 +128,16 @@ def test_sigterm_and_sighup_leave_nothing(small_src, tmp_path, sig):
     p.send_signal(sig)
     assert p.wait(30) == -sig  # cleaned up, then ended by the signal itself
     assert not dst.exists() and _leftovers(dst) == []
+
+
+def test_a_hangup_under_nohup_does_not_stop_the_convert(small_src, reference, tmp_path):
+    """SIGHUP ignored when the convert starts (``nohup moepack convert ...``): a hangup leaves it
+    running, and it writes the same pack (it used to clean up and stop)."""
+    dst = tmp_path / "pk"
+    p = _paused(small_src, dst, "hold", hup=signal.SIG_IGN)
+    p.send_signal(signal.SIGHUP)
+    assert p.wait(120) == 0, p.stderr.read()
+    assert _files(dst) == _files(reference) and _leftovers(dst) == []
 
 
 def test_live_run_is_left_alone_and_a_second_writer_refused(small_src, tmp_path):

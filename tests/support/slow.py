@@ -29,6 +29,7 @@ SLOW = {
     "test_convert.py::test_experts_match_transformers": 9.6,  # 12 cases
     "test_convert.py::test_forward_matches_transformers_block": 10.0,  # 12 cases
     "test_convert_resume.py::test_cli_resume_flag_and_note": 41.2,  # 1 case
+    "test_convert_resume.py::test_a_hangup_under_nohup_does_not_stop_the_convert": 5.0,  # 1 case
     "test_convert_resume.py::test_in_place_source_edit_with_mtime_restored_is_not_resumed": 17.4,  # 1 case
     "test_convert_resume.py::test_kill9_then_resume_is_byte_identical": 86.3,  # 4 cases
     "test_convert_resume.py::test_live_run_is_left_alone_and_a_second_writer_refused": 11.9,  # 1 case
