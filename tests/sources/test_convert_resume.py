@@ -70,7 +70,9 @@ def _leftovers(dst: Path) -> list[str]:
 _CHILD = """
 import os, signal, sys, time
 from moepack.convert_dir import convert
-src, dst, event, nth, how, shard = sys.argv[1:7]
+src, dst, event, nth, how, shard, hup = sys.argv[1:8]
+signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the test process inherited (nohup ignores SIGHUP)
+signal.signal(signal.SIGHUP, signal.SIG_IGN if hup == "ignore" else signal.SIG_DFL)
 seen = [0]
 def progress(ev, **kw):
     if ev == event:
@@ -90,21 +92,16 @@ convert(src, dst, shard_bytes=int(shard), progress=progress)
 """
 
 
-def _child(src: Path, dst: Path, event: str, nth: int, how: str, hup=signal.SIG_DFL) -> subprocess.Popen:
-    """The convert in a child process; SIGTERM and SIGHUP start at the default disposition (the
-    test's own may be inherited otherwise: SIGHUP is ignored under nohup), SIGHUP at ``hup``."""
+def _child(src: Path, dst: Path, event: str, nth: int, how: str, hup: str = "default") -> subprocess.Popen:
+    """The convert in a child process; it sets SIGTERM to the default disposition and SIGHUP to
+    the default or, with ``hup="ignore"``, ignored (as ``nohup`` starts a process), whatever the
+    test process's own are (a suite run under nohup ignores SIGHUP, and children inherit that)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-
-    def dispositions():
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGHUP, hup)
-
-    return subprocess.Popen([sys.executable, "-c", _CHILD, str(src), str(dst), event, str(nth), how, str(SHARD)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
-                            preexec_fn=dispositions)  # fmt: skip
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(src), str(dst), event, str(nth), how, str(SHARD), hup],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)  # fmt: skip
 
 
-def _paused(src: Path, dst: Path, how: str = "pause", hup=signal.SIG_DFL) -> subprocess.Popen:
+def _paused(src: Path, dst: Path, how: str = "pause", hup: str = "default") -> subprocess.Popen:
     p = _child(src, dst, "layer_done", 1, how, hup)
     assert p.stdout.readline().strip() == "paused", p.stderr.read()
     return p
@@ -134,7 +131,7 @@ def test_a_hangup_under_nohup_does_not_stop_the_convert(small_src, reference, tm
     """SIGHUP ignored when the convert starts (``nohup moepack convert ...``): a hangup leaves it
     running, and it writes the same pack (it used to clean up and stop)."""
     dst = tmp_path / "pk"
-    p = _paused(small_src, dst, "hold", hup=signal.SIG_IGN)
+    p = _paused(small_src, dst, "hold", hup="ignore")
     p.send_signal(signal.SIGHUP)
     assert p.wait(120) == 0, p.stderr.read()
     assert _files(dst) == _files(reference) and _leftovers(dst) == []
