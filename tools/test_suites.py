@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -49,6 +50,20 @@ def _wait(p: subprocess.Popen) -> tuple[int, float]:
     return p.returncode, ru.ru_utime + ru.ru_stime
 
 
+def _watch(p: subprocess.Popen) -> tuple[threading.Thread, dict]:
+    """A thread that waits for ``p``: its exit code, CPU seconds and the time it ended (a
+    background suite's wall time is to its own end, not to the foreground's)."""
+    out: dict = {}
+
+    def run() -> None:
+        out["rc"], out["cpu"] = _wait(p)
+        out["end"] = time.time()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, out
+
+
 def _env(name: str) -> dict:
     cpu = BUILD / f"test-cpu-{name}.jsonl"
     cpu.unlink(missing_ok=True)
@@ -63,17 +78,18 @@ def main(extra: list[str]) -> int:
         f = open(log, "w")
         t0 = time.time()
         p = subprocess.Popen(pytest_cmd(marker, name, extra), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=_env(name))
-        bg.append((name, log, f, p, t0))
+        bg.append((name, log, f, _watch(p), t0))
         print(f"[test_suites] the {name} suite runs in the background (pid {p.pid}), its output in {log}", flush=True)
     t0 = time.time()
     rc, cpu = _wait(subprocess.Popen(pytest_cmd(FOREGROUND, "main", extra), cwd=ROOT, env=_env("main")))
     status = [("main", "main (" + FOREGROUND + ")", rc, time.time() - t0, cpu)]
-    for name, log, f, p, t in bg:
-        brc, cpu = _wait(p)
+    for name, log, f, (th, out), t in bg:
+        th.join()
+        brc, cpu = out["rc"], out["cpu"]
         f.close()
         print(f"\n{'=' * 30} the {name} suite ({log.relative_to(ROOT)}) {'=' * 30}", flush=True)
         sys.stdout.write(log.read_text())
-        status.append((name, name, brc, time.time() - t, cpu))
+        status.append((name, name, brc, out["end"] - t, cpu))
     print(f"\n{'=' * 30} suites {'=' * 30}")
     # pytest's exit 5, nothing selected: no failure when extra arguments left a suite empty; without
     # them (make test) every suite must run tests
