@@ -66,9 +66,9 @@ SHARED_LAYOUT_FORMAT_VERSION = 5
 # activation, a routing field) is refused by open and verify instead of read. Version 6 also
 # brings two DeepSeek-V4 features: a layer's ``silu_limit`` (a clamped SwiGLU on silu experts,
 # routed and shared) and its ``router.hash`` (a token id -> expert ids table); a version 1-5
-# manifest with either is refused (its reader would run the layer unclamped, or route by logits). convert writes
-# version 6 for every directory (its perm, tp and shared-layout features included); versions 1-5
-# still open without a seal (verify says so in its notes).
+# manifest with either is refused (its reader would run the layer unclamped, or route by
+# logits). convert writes version 6 for every directory (its perm, tp and shared-layout features
+# included); versions 1-5 still open without a seal (verify says so in its notes).
 SEALED_FORMAT_VERSION = 6
 FORMAT_VERSION = SEALED_FORMAT_VERSION  # what convert writes
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)

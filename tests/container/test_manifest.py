@@ -19,7 +19,7 @@ from moepack.convert_dir import MANIFEST
 from moepack.errors import PackedDirError
 from moepack.manifest import ManifestError, check_manifest
 from tests.support.fixtures_util import fixture_dir
-from tests.support.packdir_edit import edited
+from tests.support.packdir_edit import convert_fixtures, edited
 from tests.container.test_packdir_errors import assert_one_error_line, cli
 
 
@@ -27,12 +27,7 @@ from tests.container.test_packdir_errors import assert_one_error_line, cli
 def packs(tmp_path_factory) -> dict[str, Path]:
     """qwen3_moe (two layers, 8 experts, top-2) and deepseek_v3 (shared expert, correction
     bias, grouped routing), converted once; tests edit copies."""
-    root = tmp_path_factory.mktemp("manifest")
-    out = {}
-    for name in ("qwen3_moe", "deepseek_v3"):
-        moepack.convert(fixture_dir(name), root / name)
-        out[name] = root / name
-    return out
+    return convert_fixtures(tmp_path_factory.mktemp("manifest"), ("qwen3_moe", "deepseek_v3"))
 
 
 def assert_refused_everywhere(d: Path, *needles: str) -> str:

@@ -16,25 +16,14 @@ import pytest
 import moepack
 from moepack.errors import ConvertError, PackedDirError
 from moepack.manifest import FORMAT_VERSION, MANIFEST, SEALED_FORMAT_VERSION, ManifestError, manifest_digest
+from tests.container.test_packdir_errors import cli
 from tests.support.fixtures_util import fixture_dir
-
-
-def _cli(*args):
-    from typer.testing import CliRunner
-
-    from moepack.cli.main import app
-
-    return CliRunner().invoke(app, [str(a) for a in args])
+from tests.support.packdir_edit import convert_fixtures
 
 
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("seal")
-    out = {}
-    for name in ("qwen2_moe_w4a16", "gpt_oss"):
-        moepack.convert(fixture_dir(name), root / name)
-        out[name] = root / name
-    return out
+    return convert_fixtures(tmp_path_factory.mktemp("seal"), ("qwen2_moe_w4a16", "gpt_oss"))
 
 
 def _copy(packs, name: str, tmp_path: Path) -> Path:
@@ -75,7 +64,7 @@ def test_act_mode_edited_with_its_option_is_refused_by_open_and_verify(packs, tm
                                             r"manifest's other fields \([0-9a-f]{16}…\): a field was edited after convert"):  # fmt: skip
         moepack.open(d)
     for args in (("verify", d), ("verify", d, "--source", fixture_dir("qwen2_moe_w4a16"))):
-        r = _cli(*args)
+        r = cli(*args)
         assert r.exit_code == 2, r.output
         assert "Traceback" not in r.output and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert "manifest_sha256=" in r.stderr and "edited after convert" in r.stderr, r.stderr
@@ -127,7 +116,7 @@ def test_an_older_unsealed_manifest_opens_and_verify_notes_it(packs, tmp_path):
     moepack.open(d)
     rep = moepack.verify(d)
     assert rep.ok and any("no manifest_sha256 (format_version 5" in n for n in rep.notes), rep.notes
-    r = _cli("verify", d)
+    r = cli("verify", d)
     assert r.exit_code == 0 and "note: moepack.json has no manifest_sha256" in " ".join(r.output.split()), r.output
 
 

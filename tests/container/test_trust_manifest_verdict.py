@@ -29,6 +29,7 @@ from moepack.errors import MoepackError, PackedDirError
 from moepack.manifest import MANIFEST, ManifestError, manifest_digest, write_manifest
 from tests.support.fixtures_util import fixture_dir
 from tests.support.manifest_fuzz import mutate_manifest
+from tests.support.packdir_edit import convert_fixtures
 
 FIXTURES = ("qwen3_moe", "gpt_oss", "qwen2_moe_w4a16", "deepseek_v3")
 _FIXTURE_SCOPED = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
@@ -36,12 +37,7 @@ _FIXTURE_SCOPED = [HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
 
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("verdict")
-    out = {}
-    for name in FIXTURES:
-        moepack.convert(fixture_dir(name), root / name)
-        out[name] = root / name
-    return out
+    return convert_fixtures(tmp_path_factory.mktemp("verdict"), FIXTURES)
 
 
 def _case_dir(pack: Path, work: Path) -> Path:

@@ -16,7 +16,7 @@ import moepack.hf as hf
 from moepack.errors import PackedDirError, UnsupportedError
 from moepack.manifest import MANIFEST, SILU_LIMIT_FORMAT_VERSION
 from tests.integrations.test_family_sweep import _spread, tiny_config
-from tests.support.packdir_edit import reseal
+from tests.support.packdir_edit import edited_copy
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +35,6 @@ def v4(tmp_path_factory):
 
 def _manifest(d):
     return json.loads((d / MANIFEST).read_text())
-
-
-def _edit(src, dst, fn):
-    import shutil
-
-    shutil.copytree(src, dst)
-    m = _manifest(dst)
-    fn(m)
-    (dst / MANIFEST).write_text(json.dumps(reseal(m), indent=1))  # sealed again: the edit is what is judged
-    return dst
 
 
 def test_what_convert_records(v4):
@@ -68,7 +58,7 @@ def test_what_convert_records(v4):
 def test_verify_passes_and_fails_a_pack_without_the_clamp(v4, tmp_path):
     tmp, _ = v4
     assert moepack.verify(tmp / "dst", source=tmp / "src").ok
-    d = _edit(tmp / "dst", tmp_path / "noclamp", lambda m: [e.pop("silu_limit") for e in m["layers"]])
+    d = edited_copy(tmp / "dst", tmp_path / "noclamp", lambda m: [e.pop("silu_limit") for e in m["layers"]])
     rep = moepack.verify(d, source=tmp / "src")
     assert not rep.ok
     assert any("silu_limit (clamped SwiGLU): pack None, source 0.5" in p for p in rep.model), rep.model
@@ -76,7 +66,7 @@ def test_verify_passes_and_fails_a_pack_without_the_clamp(v4, tmp_path):
 
 def test_verify_fails_a_pack_that_routes_a_hash_layer_by_its_logits(v4, tmp_path):
     tmp, _ = v4
-    d = _edit(tmp / "dst", tmp_path / "nohash", lambda m: m["layers"][0]["router"].pop("hash"))
+    d = edited_copy(tmp / "dst", tmp_path / "nohash", lambda m: m["layers"][0]["router"].pop("hash"))
     with pytest.raises(PackedDirError, match=r"layers\[0\].router.correction_bias=None .*routing.has_correction_bias=True"):
         moepack.open(d)
 
@@ -91,14 +81,14 @@ def test_version_5_with_a_version_6_feature_is_refused(v4, tmp_path, what):
             for e in m["layers"]:
                 e.pop("silu_limit")
 
-    d = _edit(tmp / "dst", tmp_path / "v5", edit)
+    d = edited_copy(tmp / "dst", tmp_path / "v5", edit)
     with pytest.raises(PackedDirError, match=rf"layers\[0\].{what.replace('.', '[.]')}=.*needs format_version 6 \(the file says 5\)"):
         moepack.open(d)
 
 
 def test_silu_limit_on_a_gelu_layer_is_refused(v4, tmp_path):
     tmp, _ = v4
-    d = _edit(tmp / "dst", tmp_path / "gelu", lambda m: m["layers"][1].update(activation="gelu"))
+    d = edited_copy(tmp / "dst", tmp_path / "gelu", lambda m: m["layers"][1].update(activation="gelu"))
     with pytest.raises(PackedDirError, match=r"layers\[1\].silu_limit=0.5 \(layer 1\): is an option of silu experts only"):
         moepack.open(d)
 

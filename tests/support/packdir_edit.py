@@ -1,8 +1,9 @@
-"""Edits of a packed directory's tensors for the verify tests (tests/verify/test_verify_shared.py,
+"""Packed directories for the tests, and edits of their tensors for the verify tests (tests/verify/test_verify_shared.py,
 tests/verify/test_verify_biases.py; not a test module): change elements of a packed tensor in place and
 keep the manifest's sha256 consistent, so that only a comparison with the source can tell.
 ``reseal`` is the same for a manifest edit: the seal (``manifest_sha256``, format version 6)
 recomputed, as a hostile writer would, so that the schema's own rules (or verify) must tell.
+``convert_fixtures`` converts bundled fixtures once for a module's tests, which edit copies.
 """
 
 from __future__ import annotations
@@ -70,12 +71,28 @@ def set_element(idx: tuple, value):
     return edit
 
 
+def convert_fixtures(root: Path, names) -> dict[str, Path]:
+    """Each bundled fixture of ``names`` converted with the defaults to ``root / name``."""
+    from tests.support.fixtures_util import fixture_dir
+
+    out = {}
+    for name in names:
+        moepack.convert(fixture_dir(name), root / name)
+        out[name] = root / name
+    return out
+
+
+def edited_copy(src: Path, dst: Path, fn) -> Path:
+    """``dst``: a copy of the packed directory ``src`` whose manifest ``fn`` has edited in place
+    (sealed again, so that the edit is what open and verify judge)."""
+    shutil.copytree(src, dst)
+    m = json.loads((dst / MANIFEST).read_text())
+    fn(m)
+    (dst / MANIFEST).write_text(json.dumps(reseal(m), indent=1))
+    return dst
+
+
 def edited(packs: dict, tmp_path: Path, fixture: str, fn) -> Path:
     """A copy of the packed directory ``packs[fixture]`` under ``tmp_path`` whose manifest ``fn``
     has edited in place."""
-    d = tmp_path / fixture
-    shutil.copytree(packs[fixture], d)
-    m = json.loads((d / MANIFEST).read_text())
-    fn(m)
-    (d / MANIFEST).write_text(json.dumps(reseal(m), indent=1))
-    return d
+    return edited_copy(packs[fixture], tmp_path / fixture, fn)

@@ -11,7 +11,7 @@ import pytest
 
 import moepack
 from tests.support.fixtures_util import fixture_dir
-from tests.support.packdir_edit import edited, rewrite_tensor, set_element
+from tests.support.packdir_edit import convert_fixtures, edited, rewrite_tensor, set_element
 from tests.support.synthetic import mib, peak_rss_child
 from tests.container.test_packdir_errors import cli
 
@@ -19,12 +19,7 @@ from tests.container.test_packdir_errors import cli
 
 @pytest.fixture(scope="module")
 def packs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("verify_model")
-    out = {}
-    for name in ("qwen3_moe", "deepseek_v3", "gpt_oss"):
-        moepack.convert(fixture_dir(name), root / name)
-        out[name] = root / name
-    return out
+    return convert_fixtures(tmp_path_factory.mktemp("verify_model"), ("qwen3_moe", "deepseek_v3", "gpt_oss"))
 
 
 def assert_differs(d: Path, fixture: str, *lines: str) -> None:
