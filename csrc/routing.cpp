@@ -347,21 +347,13 @@ void route_one(const RouteArgs& a, Scratch& s, const float* x, float mx, float* 
     case RouteMethod::sigmoid:
     case RouteMethod::grouped_sigmoid:
     case RouteMethod::llama4:
-      if (a.bias)
-        for (int64_t j = 0; j < k; ++j) w[j] = score[ids[j]];
-      else {
-        float* t = s.tmp.data();
-        for (int64_t j = 0; j < k; ++j) t[j] = x[ids[j]];
-        sigmoid_row(t, w, k);
-      }
-      break;
     case RouteMethod::sqrtsoftplus:
       if (a.bias)
         for (int64_t j = 0; j < k; ++j) w[j] = score[ids[j]];
-      else {
+      else {  // the chosen logits' scores, by the method's scoring function
         float* t = s.tmp.data();
         for (int64_t j = 0; j < k; ++j) t[j] = x[ids[j]];
-        sqrtsoftplus_row(t, w, k);
+        (m == RouteMethod::sqrtsoftplus ? sqrtsoftplus_row : sigmoid_row)(t, w, k);
       }
       break;
     case RouteMethod::topk_softmax: {
