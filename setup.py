@@ -25,8 +25,9 @@ ISA = SimpleNamespace(**runpy.run_path(os.path.join(ROOT, "moepack", "isa_levels
 ARCH = ISA.build_arch(platform.machine())  # None: an architecture the list lacks (scalar only)
 
 # Per-file flags, keyed by the source file's path relative to ROOT.
-# The op files (csrc/torch/op_*.cpp) instantiate at::parallel_for, whose OpenMP body is inline in
-# the ATen headers: without -fopenmp it silently runs on one thread.
+# The op library (csrc/torch/ops.cpp, one unit with its op_*.inc parts) instantiates
+# at::parallel_for, whose OpenMP body is inline in the ATen headers: without -fopenmp it silently
+# runs on one thread.
 TORCH_SOURCES = sorted(os.path.relpath(f, ROOT).replace(os.sep, "/") for f in glob.glob(os.path.join(ROOT, "csrc", "torch", "*.cpp")))
 # Apple Clang has no -fopenmp driver flag: the preprocessor flag and the libomp the torch wheel ships.
 OPENMP_COMPILE = ["-Xpreprocessor", "-fopenmp"] if sys.platform == "darwin" else ["-fopenmp"]

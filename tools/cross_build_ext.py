@@ -19,7 +19,7 @@ the aarch64 torch wheel, and check what came out.
   same CPython minor version.
 * The checks (any failure exits 1): the result is an ELF64 AArch64 shared object; it exports
   PyInit__C; it holds the op library's registrations (TORCH_LIBRARY moepack, and each op's schema
-  string of csrc/torch/op_*.cpp); each ARM level's object holds its key instruction (sdot, smmla,
+  string of csrc/torch/op_*.inc); each ARM level's object holds its key instruction (sdot, smmla,
   bfmmla) and every level's register_<level> is defined.
 
 Nothing here runs the extension: importing it needs an aarch64 CPython with the torch wheel
@@ -187,11 +187,11 @@ def main() -> int:
             bad.append(f"register_{lv.name} is not defined")
     strings = subprocess.run(["strings", out], capture_output=True, text=True).stdout
     schemas = []
-    for f in sorted(glob.glob(os.path.join(ROOT, "csrc", "torch", "op_*.cpp"))):
+    for f in sorted(glob.glob(os.path.join(ROOT, "csrc", "torch", "op_*.inc"))):
         schemas += re.findall(r'm\.def\(\s*"([a-z_0-9]+)\(', open(f).read())
     missing = [s for s in schemas if not re.search(rf"^{s}\(", strings, re.M)]
     if not schemas or missing:
-        bad.append(f"op schemas missing from the library: {missing or 'none found in csrc/torch/op_*.cpp'}")
+        bad.append(f"op schemas missing from the library: {missing or 'none found in csrc/torch/op_*.inc'}")
     for lv in ISA.arch_levels("arm"):
         pat = LEVEL_INSN.get(lv.name)
         if pat is None:

@@ -1,8 +1,12 @@
-// The argument checks and helpers every op file shares (csrc/torch/op_*.cpp). Only csrc/torch sees
-// at::Tensor. Every refusal names the argument, the value and the rule (ValueError / TypeError /
-// IndexError on the Python side). Internal linkage: each op file gets its own copy.
+// The argument checks and helpers every op shares (csrc/torch/op_*.inc, compiled as one unit by
+// ops.cpp). Only csrc/torch sees at::Tensor. Every refusal names the argument, the value and the
+// rule (ValueError / TypeError / IndexError on the Python side). The ATen headers are the narrow
+// ones (the Tensor class and the free functions used), not <ATen/ATen.h>: they cost the build time.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

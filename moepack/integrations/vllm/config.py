@@ -587,7 +587,7 @@ class MoepackMoEMethod(FusedMoEMethodBase):
         if topk_ids.dtype != torch.int32:
             topk_ids = topk_ids.to(torch.int32)
         # the native op straight into vLLM's compiled graph: its Meta kernel keeps the token count
-        # symbolic (csrc/torch/op_fused_experts.cpp), so Dynamo traces it without specializing the
+        # symbolic (csrc/torch/op_fused_experts.inc), so Dynamo traces it without specializing the
         # batch size, and Inductor calls it as an extern kernel
         return torch.ops.moepack.fused_experts(
             x,
