@@ -16,12 +16,13 @@ emulation come from moepack/isa_levels.py, for the build host's architecture):
                 flags of the level; the flags of Arch.emulate_with (x86: avx2) when the build
                 host has that level (levels with emulate_needs_host: only then). Exports
                 register_L, so the binary runs it on any host of the architecture.
-    L_native    the file with the level's own flags, register_L renamed register_L_native; run
-                only on CPUs that have the level.
+    L_native    the file with the level's own flags, register_L renamed register_L_native; built
+                and run only on CPUs that have the level (/proc/cpuinfo).
     L_omit      the file with -DMOEPACK_OMIT_LEVEL (what setup.py builds when the compiler lacks
                 the level's flags): compiled and its exports checked; linked (an empty
                 register_L) only when L_emu is not built.
-  test          tests/cpp/test_kernels.cpp  no ISA flags; MOEPACK_TEST_REGISTRARS(X) names the
+  harness       tests/cpp/test_kernels.cpp  no ISA flags; one object for both binaries
+  <binary>_linked  tests/cpp/linked.cpp     no ISA flags; MOEPACK_TEST_REGISTRARS(X) names the
                 linked kernel objects: X(label, register function, level, level the host needs)
 
 After compiling it checks that an emulated object contains no instruction of the level it emulates
@@ -140,11 +141,14 @@ def host_has(*flags: str) -> bool:
     return False
 
 
-def _deps() -> list[str]:
+def _deps(src: str) -> list[str]:
+    """What an object of `src` depends on besides `src`: this script, every csrc header and .inc,
+    and, for tests/cpp's own sources (test_kernels.cpp, linked.cpp), the kt_*.inc and .h parts."""
     out = [os.path.abspath(__file__)]
     for d, _, files in os.walk(CSRC):
         out += [os.path.join(d, f) for f in files if f.endswith((".h", ".inc"))]
-    out += [os.path.join(HERE, f) for f in os.listdir(HERE) if f.endswith(".inc")]  # test_kernels.cpp's parts
+    if os.path.dirname(os.path.abspath(src)) == HERE:
+        out += [os.path.join(HERE, f) for f in os.listdir(HERE) if f.endswith((".inc", ".h"))]
     return out
 
 
@@ -156,7 +160,7 @@ def _stale(obj: str, src: str, cmd: list[str]) -> bool:
         if f.read() != " ".join(cmd):
             return True
     t = os.path.getmtime(obj)
-    return any(os.path.getmtime(p) > t for p in [src] + _deps())
+    return any(os.path.getmtime(p) > t for p in [src] + _deps(src))
 
 
 def _compile(obj: str, src: str, flags: list[str], extra: list[str]) -> tuple[str, int, str]:
@@ -234,7 +238,10 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "", arch_na
         units[lv.name + "_omit"] = (lv.source, ["-DMOEPACK_OMIT_LEVEL"])
         if lv.name in emulated:
             units[lv.name + "_emu"] = (lv.source, [lv.emulate] + EMULATED + emu_flags)
-        units[lv.name + "_native"] = (lv.source, ISA.all_flags(lv) + [f"-Dregister_{lv.name}=register_{lv.name}_native"])
+        # the native object runs only where the CPU has the level: elsewhere it would be compiled
+        # for nothing (the extension's build compiles the file with the same flags)
+        if not cross and host_has(*ISA.features_of(lv, "cpu")):
+            units[lv.name + "_native"] = (lv.source, ISA.all_flags(lv) + [f"-Dregister_{lv.name}=register_{lv.name}_native"])
     t0 = time.time()
     results = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as ex:
@@ -242,7 +249,7 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "", arch_na
                 for name, (src, fl) in units.items()}
         for name, fut in futs.items():
             results[name] = fut.result()
-    native = {lv.name: results[lv.name + "_native"][1] == 0 for lv in levels if lv.emulate}
+    native = {lv.name: results[lv.name + "_native"][1] == 0 for lv in levels if lv.name + "_native" in results}
     for lv, ok in native.items():
         if not ok:
             log(f"note: native {lv} object not built (compiler lacks the flags?); only the emulated one runs\n"
@@ -276,9 +283,14 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "", arch_na
             registrars.append(f'X("{lv}", register_{lv}_native, {lv}, {lv})')
     test_flags = ["-DMOEPACK_TEST_REGISTRARS(X)=" + " ".join(registrars)]
     binary = "test_kernels" if emulate else "test_kernels_native"
-    obj, rc, out = _compile(os.path.join(build_dir, binary + ".o"), os.path.join(HERE, "test_kernels.cpp"), test_flags, extra)
+    # the harness (the large unit) is one object for both binaries; the list of what they link is
+    # each binary's own small one
+    harness, rc, out = _compile(os.path.join(build_dir, "harness.o"), os.path.join(HERE, "test_kernels.cpp"), [], extra)
     if rc != 0:
         raise RuntimeError(f"compiling test_kernels.cpp failed:\n{out}")
+    obj, rc, out = _compile(os.path.join(build_dir, binary + "_linked.o"), os.path.join(HERE, "linked.cpp"), test_flags, extra)
+    if rc != 0:
+        raise RuntimeError(f"compiling linked.cpp failed:\n{out}")
 
     # An emulated object must not contain a single instruction of the level it emulates.
     for lv in emulated:
@@ -306,7 +318,7 @@ def build(build_dir: str = DEFAULT_BUILD, log=print, sanitize: str = "", arch_na
         if syms != [f"moepack::{fn}(moepack::KernelTable&)"]:
             raise RuntimeError(f"{name} object must export only moepack::{fn}, it exports: {syms}")
 
-    objs = [results[n][0] for n in ("scalar", "pack", "dispatch", "cpu_features")] + [results[n][0] for n in link] + [obj]
+    objs = [results[n][0] for n in ("scalar", "pack", "dispatch", "cpu_features")] + [results[n][0] for n in link] + [harness, obj]
     exe = os.path.join(build_dir, binary)
     static = ["-static"] if cross else []  # the emulator then needs no target sysroot
     r = subprocess.run(cxx() + extra + objs + ["-pthread"] + static + ["-o", exe], capture_output=True, text=True)

@@ -37,18 +37,9 @@
 #include "moepack/numeric.h"
 #include "../../csrc/kernels/mk_hooks.h"
 
-// tests/cpp/build.py defines MOEPACK_TEST_REGISTRARS(X): one X(label, register function, level,
-// level the host needs to run it) per kernel object it links (moe_L.cpp natively, through SIMDe,
-// and natively again with -Dregister_L=register_L_native), from moepack/isa_levels.py.
-#ifndef MOEPACK_TEST_REGISTRARS
-#error "build with tests/cpp/build.py: it defines MOEPACK_TEST_REGISTRARS(X), the kernel objects it links"
-#endif
-
-namespace moepack {
-#define MOEPACK_DECLARE_LINKED(label, fn, level, host) void fn(KernelTable& t);
-MOEPACK_TEST_REGISTRARS(MOEPACK_DECLARE_LINKED)
-#undef MOEPACK_DECLARE_LINKED
-}  // namespace moepack
+// The kernel objects this binary links (moe_L.cpp natively, through SIMDe, and natively again as
+// register_L_native): tests/cpp/linked.cpp, compiled per binary by tests/cpp/build.py.
+#include "linked.h"
 
 using namespace moepack;
 
@@ -74,8 +65,16 @@ const LayoutDesc& kTU4ch = kLayout_u4ch_n32k8_x86;
 const LayoutDesc& kTF8g128 = kLayout_f8g128_n32k2_x86;
 const LayoutDesc& kTF8ch = kLayout_f8ch_n32k2_x86;
 #endif
-// --quick (the emulated cross runs, tests/engine/test_arm_cross.py): every 5th case of the big dense loop
+// --quick (the ARM run under qemu-user, tests/engine/test_arm_cross.py, where each check costs
+// ~10x its native time): every 5th case of the big dense loop, the variant matrix on every 9th case
+// and the SIMD levels only, one past-2-MiB case, one activation dtype per int4 mode, fewer K and
+// row counts for the x86 mxfp4 blocking (scalar only there). Every level, layout, activation and
+// dtype still runs; the native x86 run keeps the whole matrix for the shared C++ (driver, scalar).
 bool g_quick = false;
+// --emulated-only (tests/engine/test_cpp_kernels.py's emulated test; the native binary runs the
+// rest): only the SIMDe-emulated levels are tested, scalar is their oracle only (its own checks
+// against the naive reference and its variants are the native binary's).
+bool g_emulated_only = false;
 
 #include "kt_common.inc"
 #include "kt_problem.inc"
@@ -96,6 +95,7 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "-v") == 0) g_verbose = true;
     if (std::strcmp(argv[i], "--quick") == 0) g_quick = true;
+    if (std::strcmp(argv[i], "--emulated-only") == 0) g_emulated_only = true;
     if (std::strcmp(argv[i], "--levels") == 0) {  // what cpu_features.cpp finds: one line per level
       for (int l = 0; l < kNumIsa; ++l) {
         const char* why = isa_unavailable_reason(Isa(l));
@@ -105,35 +105,35 @@ int main(int argc, char** argv) {
     }
   }
   const auto t0 = std::chrono::steady_clock::now();
-  collect_kernels();
-  test_pack();
-  test_routing_check();
-  test_empty();
-  test_select();
-  test_register_refusals();
-  test_registration(runnable_registrars());
-  test_decode_streams();
-  {
+  timed("collect_kernels", [&] { collect_kernels(); });
+  timed("test_pack", [&] { test_pack(); });
+  timed("test_routing_check", [&] { test_routing_check(); });
+  timed("test_empty", [&] { test_empty(); });
+  timed("test_select", [&] { test_select(); });
+  timed("test_register_refusals", [&] { test_register_refusals(); });
+  timed("test_registration", [&] { test_registration(runnable_registrars()); });
+  timed("test_decode_streams", [&] { test_decode_streams(); });
+  timed("test_i8", [&] {
     const std::vector<I8Kernel> i8 = collect_i8_kernels();
     test_i8_quantizer();
     test_i8_accumulators(i8);
     test_i8_fused(i8);
-  }
-  test_u4(runnable_registrars());
-  test_u4_seam();
-  test_f8_decode(runnable_registrars());
-  test_f8_fused(runnable_registrars());
-  test_mx4_tables();
-  test_mx4_block(runnable_registrars());
-  test_mx4_blockings();
-  test_mx4_fused(runnable_registrars());
-  test_mx4_simd(runnable_registrars());
-  test_mx4_arm(runnable_registrars());
-  test_nv4_tables();
-  test_nv4_block(runnable_registrars());
-  test_nv4_fused(runnable_registrars());
-  test_nv4_hooks(runnable_registrars());
-  test_swiglu_nan();
+  });
+  timed("test_u4", [&] { test_u4(runnable_registrars()); });
+  timed("test_u4_seam", [&] { test_u4_seam(); });
+  timed("test_f8_decode", [&] { test_f8_decode(runnable_registrars()); });
+  timed("test_f8_fused", [&] { test_f8_fused(runnable_registrars()); });
+  timed("test_mx4_tables", [&] { test_mx4_tables(); });
+  timed("test_mx4_block", [&] { test_mx4_block(runnable_registrars()); });
+  timed("test_mx4_blockings", [&] { test_mx4_blockings(); });
+  timed("test_mx4_fused", [&] { test_mx4_fused(runnable_registrars()); });
+  timed("test_mx4_simd", [&] { test_mx4_simd(runnable_registrars()); });
+  timed("test_mx4_arm", [&] { test_mx4_arm(runnable_registrars()); });
+  timed("test_nv4_tables", [&] { test_nv4_tables(); });
+  timed("test_nv4_block", [&] { test_nv4_block(runnable_registrars()); });
+  timed("test_nv4_fused", [&] { test_nv4_fused(runnable_registrars()); });
+  timed("test_nv4_hooks", [&] { test_nv4_hooks(runnable_registrars()); });
+  timed("test_swiglu_nan", [&] { test_swiglu_nan(); });
 
   const Activation acts[4] = {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::swigluoai};
   const DType dts[3] = {DType::f32, DType::bf16, DType::f16};
@@ -144,6 +144,7 @@ int main(int argc, char** argv) {
   const Shape shapes[4] = {{200, 88}, {93, 40}, {130, 176}, {68, 20}};
   uint64_t seed = 1000;
   int variant = 0;
+  auto t_dense = std::chrono::steady_clock::now();
   for (const Shape& s : shapes) {
     for (int T : {1, 3, 67}) {
       const int E = 5;
@@ -182,6 +183,8 @@ int main(int argc, char** argv) {
       }
     }
   }
+  g_section_seconds.emplace_back("dense cases", std::chrono::duration<double>(std::chrono::steady_clock::now() - t_dense).count());
+  t_dense = std::chrono::steady_clock::now();
   // Every expert with exactly 4 rows (T = 4, k = E): the 4-row decode streams of every kernel.
   for (const Shape& sh : shapes) {
     for (const DType dt : dts) {
@@ -191,6 +194,8 @@ int main(int argc, char** argv) {
       run_case(c);
     }
   }
+  g_section_seconds.emplace_back("dense 4-row cases", std::chrono::duration<double>(std::chrono::steady_clock::now() - t_dense).count());
+  t_dense = std::chrono::steady_clock::now();
   // An expert with > 64 rows (several row chunks per expert), T*k = 300 over 3 experts.
   for (const Activation act : acts) {
     for (const DType dt : dts) {
@@ -202,15 +207,20 @@ int main(int argc, char** argv) {
       run_case(c);
     }
   }
+  g_section_seconds.emplace_back("dense > 64 rows", std::chrono::duration<double>(std::chrono::steady_clock::now() - t_dense).count());
+  t_dense = std::chrono::steady_clock::now();
   // Past 2 MiB of stage 2 outputs (fused_moe_driver.inc kStreamYBytes): y written with
   // non-temporal stores (MK::out_row's streamed branch; SIMDe's stores under emulation). 500 x 4
   // slots x Np 544 x 4 bytes = 4.4 MB; with the expert_map 5 of 8 experts are local (~2.7 MB).
   for (int emap = 0; emap < 2; ++emap) {
     ++variant;
+    if (g_quick && emap == 0) continue;  // --quick: the expert_map case alone (2.7 MB; each was ~9% of the ARM run)
     Case c{500, 520, 40, 5, 4, Activation::silu, DType::bf16, true, emap != 0, 1, 0};
     c.seed = seed++;
     run_case(c);
   }
+  g_section_seconds.emplace_back("dense past 2 MiB", std::chrono::duration<double>(std::chrono::steady_clock::now() - t_dense).count());
+  t_dense = std::chrono::steady_clock::now();
   // Row-count coverage of the GEMM tiles: bf16 rows run MR=8 tiles (remainders 1..7, m==1 has
   // its own path), fp32 rows MR=4 (remainders 1..3).
   {
@@ -224,7 +234,7 @@ int main(int argc, char** argv) {
     check(all4 && g_rows_f32.count(1) && g_rows_f32.count(64), "fp32 GEMM row counts cover m=1, m=64 and every m %% 4");
   }
 
-  test_hooks_run(runnable_registrars());
+  timed("test_hooks_run", [&] { test_hooks_run(runnable_registrars()); });
 
   std::printf("\nmax errors (rel = ||got - ref|| / ||ref||, worst = max|got - ref| / max|ref|):\n");
   std::printf("  %-24s %6s %12s %12s %10s\n", "kernel/dtype", "cases", "max rel", "max worst", "bit-diff");
@@ -234,6 +244,9 @@ int main(int argc, char** argv) {
   }
   std::printf("comparisons above the base tolerance (bf16/f16: accepted only within the flip allowance): %d\n",
               g_allowance_used);
+  std::printf("section time:");
+  for (const auto& [k, sec] : g_section_seconds) std::printf(" %s %.2fs", k.c_str(), sec);
+  std::printf("\n");
   std::printf("kernel time:");
   for (const auto& [k, sec] : g_kernel_seconds) std::printf(" %s %.2fs", k.c_str(), sec);
   std::printf("; total %.1fs\n",
