@@ -81,7 +81,7 @@ def _check_tensors(model: PackedModel, report: VerifyReport, notify) -> None:
     values against its role's rule (moepack.verify_values): bf16 codes while they are hashed (one
     read), the small tensors (scales, zero points, biases, permutations) read once more whole,
     int8 column sums against the codes, block by block."""
-    from .verify_values import roles_of
+    from .verify_values import roles_of, streamed
 
     buf = bytearray(READ_CHUNK)
     roles = dict(roles_of(model))
@@ -92,7 +92,7 @@ def _check_tensors(model: PackedModel, report: VerifyReport, notify) -> None:
         role = roles.get(name)
         problems: list[str] = []
         inspect = None
-        if (role == "codes" and info.torch_dtype.is_floating_point) or role == "f8codes":
+        if streamed(role, info.torch_dtype):
             inspect = _piece_check(name, role, info.torch_dtype, problems)
         digest = file_sha256(shard.path, info.file_offset, info.nbytes, buf, inspect)
         ok = digest == e.get("sha256")

@@ -38,6 +38,12 @@ verify, the runtime, bench and the CLI look the scheme up instead of branching o
 ``bench``           ``BenchInfo``: the benchmark's check tolerance and notes
 ``exports``         functions older moepack versions had in moepack.pack (resolved by
                     name through the registry: moepack.pack never imports a scheme)
+``value_rules``     layout role -> the ``ValueRule`` its packed values keep where the
+                    generic rule of that role (moepack.verify_values) is not enough
+                    (fp8's codes never NaN, mxfp4's e8m0 scales never 255, ...)
+``quant``           a quantized scheme's facts (``QuantSpec``, schemes/quantized.py), from
+                    which ``quantized_scheme`` made its rule and note strings, output
+                    rule, bench notes, source layout, from_float and layer packer
 ==================  ===============================================================
 
 Each scheme is a package, moepack/schemes/<scheme>/: ``__init__.py`` (the ``Scheme`` and its
@@ -70,6 +76,24 @@ class OutputRule:
 
 
 @dataclass(frozen=True)
+class ValueRule:
+    """A rule the values of one packed tensor role must keep (docs/PACKED_FORMAT.md §4 "Value
+    rules"; checked by moepack.verify_values): ``bad(t)`` -> the mask of the elements that break it,
+    ``text(first bad value)`` -> the rule in words, ``fast_ok(t)`` -> True when it surely holds
+    (reductions only, no temporary tensor). ``key`` names the rule (unique across schemes);
+    ``on_open``: ``moepack.open`` checks it too (a small per-group tensor); ``hex``: a bad value is
+    named in hex (byte codes); ``streamed``: a large tensor checked piece by piece while hashed."""
+
+    key: str
+    bad: Callable
+    text: Callable
+    fast_ok: Callable
+    on_open: bool = False
+    hex: bool = False
+    streamed: bool = False
+
+
+@dataclass(frozen=True)
 class Scheme:
     name: str
     aliases: tuple[str, ...]
@@ -94,6 +118,8 @@ class Scheme:
     weights_note: str = "codes"  # verify: what the packed weights are compared as ("bf16", "int8 codes")
     bench: "BenchInfo" = field(default_factory=lambda: BenchInfo())
     exports: tuple = ()  # functions older moepack versions exported from moepack.pack
+    value_rules: dict = field(default_factory=dict)  # layout role -> ValueRule replacing the generic rule of that role
+    quant: object = None  # a quantized scheme's QuantSpec (schemes/quantized.py), which made most of the above
 
     def has_perm(self, spec, shared: bool = False) -> bool:
         return bool(self.layer_perm and self.layer_perm(spec, shared))
@@ -143,12 +169,6 @@ class BenchInfo:
 
     check_tol: float = 0.08
     notes: Callable | None = None
-
-
-def torch_loop_note(scheme: str, quantization: str) -> str:
-    """The bench note of a quantized scheme whose torch loop runs the float weights."""
-    return (f"--scheme {scheme}: the torch loop runs the bf16 weights (the check column includes the "
-            f"{quantization} quantization error)")
 
 
 @dataclass
@@ -242,5 +262,5 @@ def float_scheme() -> Scheme:
 # The scheme modules register themselves on import.
 from . import dense, int8, int4, fp8, mxfp4, nvfp4  # noqa: E402,F401
 
-__all__ = ["Scheme", "float_scheme", "OutputRule", "BenchInfo", "LayerSource", "LayerPacker", "QuantError", "get_scheme", "register",
+__all__ = ["Scheme", "ValueRule", "float_scheme", "OutputRule", "BenchInfo", "LayerSource", "LayerPacker", "QuantError", "get_scheme", "register",
            "schemes"]  # fmt: skip

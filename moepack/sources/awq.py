@@ -21,7 +21,8 @@ import torch
 from ..errors import SourceError
 from .checkpoint import Checkpoint
 from .dense import FLOAT_DTYPES
-from .int4_common import Int4Format, Int4Reader, QLinear, QModule, check_dtype, check_scales, check_shape, quantization_config, unpack_nibbles
+from .linears import LinearFinder, register_linears
+from .int4_common import int4_linears, int4_values, Int4Format, Int4Reader, QLinear, QModule, check_dtype, check_scales, check_shape, quantization_config, unpack_nibbles
 from .gptq import _synonym
 
 NAME = "awq"
@@ -128,3 +129,6 @@ READER = Int4Reader(FORMAT)
 SCHEME = READER.scheme
 
 __all__ = ["NAME", "SOURCE_NOTE", "SCHEME", "FORMAT", "READER", "ORDER", "INV", "unpack_awq", "config"]
+
+# the quantized Linears outside the experts (attention, dense MLPs) that convert carries
+register_linears("int4", int4_values, LinearFinder(("awq",), lambda view, qc: int4_linears(view, FORMAT, ".qweight", config(view))))

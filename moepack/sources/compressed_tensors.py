@@ -21,6 +21,8 @@ import torch
 
 from ..errors import SourceError
 from .checkpoint import Checkpoint
+from .int4_common import check_scales
+from .linears import CarriedLinear, LinearFinder, register_linears, weight_and_scale
 from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, read_biases as dense_read_biases, text_config
 
 SCHEME = "int8_channel"
@@ -273,3 +275,39 @@ def read_shared_q(ckpt: Checkpoint, s: LayerSpec):
 
 
 __all__ = ["SCHEME", "detect", "layers", "read_layer", "read_expert_canonical", "read_shared_canonical"]
+
+
+# --------------------------------------------------------------------------- carried Linears
+
+
+def _linears(view, qc: dict) -> dict:
+    """The int-quantized Linears: I8 ``weight`` + ``weight_scale`` [N, 1] (one scale per channel)."""
+    out = {}
+    for name, ti in view.tensors.items():
+        if not name.endswith(".weight") or ti.dtype_str != "I8":
+            continue
+        p, s, n, k = weight_and_scale(view, name, ti)
+        symmetric_scales(view, p, name, ti)
+        sti = view.info(s)
+        if tuple(sti.shape) not in ((n, 1), (n,)):
+            raise SourceError(f"tensor {s!r} has shape {list(sti.shape)}: expected [{n}, 1] (one scale per output channel of {name!r})")
+        out[p] = CarriedLinear(p, "int8", n, k, {"weight": name, "scale": s})
+    return out
+
+
+def symmetric_scales(view, p: str, name: str, ti) -> None:
+    """A compressed-tensors int8 / FP8 Linear: symmetric, without act-order, float scales."""
+    for extra in (".weight_zero_point", ".weight_g_idx"):
+        if p + extra in view.tensors:
+            raise SourceError(f"tensor {p + extra!r} is present: moepack reads symmetric {ti.dtype_str} weights without act-order")
+    s = f"{p}.weight_scale"
+    if view.info(s).dtype_str not in FLOAT_DTYPES:
+        raise SourceError(f"tensor {s!r} has dtype {view.info(s).dtype_str}: scales must be BF16, F16 or F32")
+
+
+def _values(view, lin, dequant: bool = True) -> torch.Tensor | None:
+    s = check_scales(lin.tensors["scale"], view.read(lin.tensors["scale"]))
+    return view.read(lin.tensors["weight"]).float() * s.reshape(-1, 1) if dequant else None
+
+
+register_linears("int8", _values, LinearFinder(("compressed-tensors",), _linears, order=3, ct_formats=("int-quantized",)))

@@ -26,7 +26,8 @@ import torch
 from ..errors import SourceError
 from .checkpoint import Checkpoint
 from .dense import FLOAT_DTYPES
-from .int4_common import Int4Format, Int4Reader, QLinear, QModule, check_dtype, check_scales, check_shape, check_sym, check_zeros, quantization_config, unpack_nibbles
+from .linears import LinearFinder, register_linears
+from .int4_common import int4_linears, int4_values, Int4Format, Int4Reader, QLinear, QModule, check_dtype, check_scales, check_shape, check_sym, check_zeros, quantization_config, unpack_nibbles
 
 NAME = "gptq"
 SOURCE_NOTE = "GPTQ 4-bit (int4 codes with group scales and zero points, 16-bit activations)"
@@ -180,3 +181,6 @@ READER = Int4Reader(FORMAT)
 SCHEME = READER.scheme
 
 __all__ = ["NAME", "SOURCE_NOTE", "SCHEME", "FORMAT", "READER", "config"]
+
+# the quantized Linears outside the experts (attention, dense MLPs) that convert carries
+register_linears("int4", int4_values, LinearFinder(("gptq",), lambda view, qc: int4_linears(view, FORMAT, ".qweight", config(view))))

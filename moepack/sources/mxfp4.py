@@ -50,6 +50,7 @@ from .checkpoint import Checkpoint, TensorInfo
 from .compressed_tensors import config_groups, ct_strategy, quantization_config
 from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, read_biases as dense_read_biases, text_config
 from .fp8 import _names_module, ignore_entry
+from .linears import CarriedLinear, LinearFinder, ct_formats, ct_group_format, register_linears
 
 SCHEME = "mxfp4"
 E2M1 = "E2M1"  # LayerSpec.dtype of MXFP4 experts (4-bit e2m1 codes; safetensors stores them packed in U8)
@@ -539,3 +540,54 @@ def read_shared(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor, torch.Ten
 __all__ = ["SCHEME", "E2M1", "CT_FORMAT", "GPT_OSS_NOTE", "CT_NOTE", "unpack_e2m1", "check_e8m0", "config", "detect_gpt_oss",
            "detect_ct", "layers", "read_layer", "read_expert_canonical", "read_shared_canonical", "read_expert_w13",
            "read_expert_w2", "read_biases", "read_shared"]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- carried Linears
+
+
+def _linears(view, qc: dict) -> dict:
+    """The compressed-tensors ``mxfp4-pack-quantized`` Linears: ``weight_packed`` U8 [N, K/2] (two
+    e2m1 codes a byte, low nibble first) + ``weight_scale`` e8m0 [N, ceil(K/32)] (FORMATS.md §3.4).
+    A U8 ``weight_packed`` of a format no registered finder reads is refused here (the FP4 finder
+    that runs first)."""
+    out = {}
+    for name, ti in view.tensors.items():
+        if not name.endswith(".weight_packed") or ti.dtype_str != "U8":
+            continue
+        p = name[: -len(".weight_packed")]
+        fmt = ct_group_format(qc, p)
+        if fmt != CT_FORMAT and fmt in ct_formats():  # another registered finder reads it
+            continue
+        if fmt != CT_FORMAT:
+            fp4 = [f for f in ct_formats() if "fp4" in f]
+            raise SourceError(f"tensor {name!r} is U8 (packed FP4) but its config group's format is {fmt!r}: moepack reads "
+                              f"FP4 Linears as {' or '.join(repr(f) for f in fp4)}")  # fmt: skip
+        if len(ti.shape) != 2:
+            raise SourceError(f"tensor {name!r} has shape {list(ti.shape)}: expected a 2-D [N, K/2] weight")
+        n, k = ti.shape[0], 2 * ti.shape[1]
+        s = f"{p}.weight_scale"
+        if s not in view.tensors:
+            raise SourceError(f"tensor {name!r} is MXFP4 but {s!r} is missing: MXFP4 codes need their e8m0 scales")
+        sti = view.info(s)
+        if sti.dtype_str not in ("U8", "F8_E8M0"):
+            raise SourceError(f"tensor {s!r} has dtype {sti.dtype_str}: MXFP4 scales are e8m0 bytes (U8)")
+        want = (n, -(-k // MX4_GROUP))
+        if tuple(sti.shape) != want:
+            raise SourceError(f"tensor {s!r} has shape {list(sti.shape)}: expected {list(want)} (one e8m0 scale per 32 K values "
+                              f"of {name!r} [N={n}, K/2={k // 2}])")  # fmt: skip
+        for extra in (".weight_global_scale", ".weight_zero_point"):
+            if p + extra in view.tensors:
+                raise SourceError(f"tensor {p + extra!r} is present: MXFP4 has neither a global scale (NVFP4's) nor a zero point")
+        out[p] = CarriedLinear(p, "mxfp4", n, k, {"weight": name, "scale": s})
+    return out
+
+
+def _linear_values(view, lin, dequant: bool = True) -> torch.Tensor | None:
+    sn = lin.tensors["scale"]
+    s = check_e8m0(sn, view.read(sn))
+    if not dequant:
+        return None
+    return dequantize_mxfp4(unpack_e2m1(view.read(lin.tensors["weight"])), s)
+
+
+register_linears("mxfp4", _linear_values, LinearFinder(("compressed-tensors",), _linears, order=0, ct_formats=(CT_FORMAT,)))

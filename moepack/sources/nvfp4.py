@@ -47,6 +47,7 @@ from .checkpoint import Checkpoint
 from .compressed_tensors import config_groups, ct_strategy, quantization_config
 from .dense import CanonicalLayer, LayerSpec, read_biases as dense_read_biases, text_config
 from .fp8 import ignore_entry
+from .linears import CarriedLinear, LinearFinder, ct_group_format, register_linears
 from .mxfp4 import _View, _check_dtype, _check_router, _check_shape, _discover, _interleave, claim_expert_modules, unpack_e2m1
 
 SCHEME = "nvfp4"
@@ -371,3 +372,37 @@ def read_shared(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor, torch.Ten
 __all__ = ["SCHEME", "NVFP4", "CT_FORMAT", "MODELOPT", "CT_NOTE", "MODELOPT_NOTE", "config", "detect_ct", "detect_modelopt",
            "nvfp4_modules", "nvfp4_linear", "read_global", "layers", "read_layer", "read_expert_canonical",
            "read_shared_canonical", "read_expert_w13", "read_expert_w2", "read_biases", "read_shared"]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- carried Linears
+
+
+def _linears_of(view, fmt: str, qc: dict | None = None) -> dict:
+    """The NVFP4 Linears (compressed-tensors: U8 ``weight_packed``, F8_E4M3 ``weight_scale``
+    [N, K/16], F32 ``weight_global_scale``; ModelOpt: U8 ``weight``, ``weight_scale``,
+    ``weight_scale_2``; FORMATS.md §3.5, §6), through the expert reader's header checks."""
+    codes_sfx, glob_sfx, act_sfx = _NAMES[fmt]
+    out = {}
+    for p, (n, k) in nvfp4_modules(view, fmt).items():
+        if qc is not None and ct_group_format(qc, p) != CT_FORMAT:
+            continue
+        t = {"weight": p + codes_sfx, "scale": p + ".weight_scale", "global": p + glob_sfx}
+        if p + act_sfx in view.tensors:
+            t["input_scale"] = p + act_sfx
+        out[p] = CarriedLinear(p, "nvfp4", n, k, t, cfg={"format": fmt})
+    return out
+
+
+def _ct_linears(view, qc: dict) -> dict:
+    if not any(((g or {}).get("format") or qc.get("format")) == CT_FORMAT for g in (qc.get("config_groups") or {}).values()):
+        return {}
+    return _linears_of(view, CT_FORMAT, qc)
+
+
+def _linear_values(view, lin, dequant: bool = True) -> torch.Tensor | None:
+    q, s, g = nvfp4_linear(view, lin.prefix, lin.cfg["format"])  # checks the scales and the global
+    return dequantize_nvfp4(q, s, g) if dequant else None
+
+
+register_linears("nvfp4", _linear_values, LinearFinder(("compressed-tensors",), _ct_linears, order=1, ct_formats=(CT_FORMAT,)),
+                 LinearFinder(("modelopt",), lambda view, qc: _linears_of(view, MODELOPT)))
