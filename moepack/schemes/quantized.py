@@ -26,7 +26,7 @@ import torch
 from ..errors import ConvertError, LayoutError, UnsupportedError
 from ..layout import LAYOUTS, layout_tensor_plan
 from ..pack.registry import get_scheme
-from . import BenchInfo, LayerPacker, OutputRule, Scheme, register
+from .base import BenchInfo, LayerPacker, OutputRule, Scheme, register
 
 
 class QuantizedLayer(LayerPacker):

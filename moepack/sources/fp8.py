@@ -236,7 +236,7 @@ def _module_of(weight: str) -> str:
     return weight[: -len(".weight")]
 
 
-def _names_module(key: str, module: str) -> bool:
+def names_module(key: str, module: str) -> bool:
     """Whether a ``modules_to_not_convert`` / ``ignored_layers`` entry names ``module``, as
     transformers 5 reads them: the whole name or a dotted suffix of it ("lm_head",
     "experts.3.down_proj"), or a regex matching from the start up to a module boundary
@@ -256,7 +256,7 @@ def _names_module(key: str, module: str) -> bool:
 def _left_in_float(cfg: _Cfg, module: str) -> str | None:
     """The config entry that leaves ``module`` unquantized, or None."""
     for key in cfg.not_converted:
-        if _names_module(key, module):
+        if names_module(key, module):
             return key
     return ignore_entry(cfg.ignore, module)
 

@@ -49,7 +49,7 @@ from ..schemes.mxfp4.facts import Mxfp4Facts
 from .checkpoint import Checkpoint, TensorInfo
 from .compressed_tensors import config_groups, ct_strategy, quantization_config
 from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, read_biases as dense_read_biases, text_config
-from .fp8 import _names_module, ignore_entry
+from .fp8 import names_module, ignore_entry
 from .linears import CarriedLinear, LinearFinder, ct_formats, ct_group_format, register_linears
 
 SCHEME = "mxfp4"
@@ -99,14 +99,14 @@ def check_e8m0(name: str, scale: torch.Tensor, at: tuple = ()) -> torch.Tensor:
     return s
 
 
-def _check_dtype(ckpt, name: str, allowed: set, rule: str) -> TensorInfo:
+def check_dtype(ckpt, name: str, allowed: set, rule: str) -> TensorInfo:
     ti = ckpt.info(name)
     if ti.dtype_str not in allowed:
         raise SourceError(f"tensor {name!r} has dtype {ti.dtype_str}: {rule}")
     return ti
 
 
-def _check_shape(ckpt, name: str, want: tuple, why: str) -> None:
+def check_shape(ckpt, name: str, want: tuple, why: str) -> None:
     got = tuple(ckpt.info(name).shape)
     if got != tuple(want):
         raise SourceError(f"tensor {name!r} has shape {list(got)}: expected {list(want)} ({why})")
@@ -220,7 +220,7 @@ def detect_ct(ckpt: Checkpoint) -> tuple[bool, str]:
 def _left_in_float(cfg: dict, module: str) -> str | None:
     """The config entry that leaves ``module`` unquantized, or None."""
     for key in cfg["not_converted"]:
-        if _names_module(key, module):
+        if names_module(key, module):
             return key
     return ignore_entry(cfg["ignore"], module)
 
@@ -228,7 +228,7 @@ def _left_in_float(cfg: dict, module: str) -> str | None:
 # --------------------------------------------------------------------------- views for discover_layers
 
 
-class _View:
+class HeaderView:
     """The checkpoint as discover_layers sees it: every MXFP4 weight appears as a stand-in tensor
     of dtype E2M1 and its logical shape (``stand``: name -> (real tensor, shape)); the packed
     tensors are hidden."""
@@ -275,7 +275,7 @@ def claim_expert_modules(s: LayerSpec, rule: str, what: str, tag: str, flavour: 
     s.expert_tensors = sorted(set(s.expert_tensors) - stand | set(used))
 
 
-def _discover(ckpt, view, rule: str, stand: dict, what: str = "MXFP4", tag: str = E2M1) -> list[LayerSpec]:
+def discover_experts(ckpt, view, rule: str, stand: dict, what: str = "MXFP4", tag: str = E2M1) -> list[LayerSpec]:
     try:
         return discover_layers(view, (FLOAT_DTYPES | {tag}, rule))
     except SourceError as err:  # name the real tensors, not the view's stand-ins
@@ -285,7 +285,7 @@ def _discover(ckpt, view, rule: str, stand: dict, what: str = "MXFP4", tag: str 
         raise SourceError(msg) from None
 
 
-def _check_router(view, s: LayerSpec) -> None:
+def check_router(view, s: LayerSpec) -> None:
     for key in ("weight", "bias"):
         rn = s.router.get(key)
         dt = view.info(rn).dtype_str if rn else None
@@ -326,15 +326,15 @@ def _gpt_oss_layers(ckpt: Checkpoint, cfg: dict) -> list[LayerSpec]:
                                   "experts store both gate_up_proj and down_proj as blocks")  # fmt: skip
         gb, db = w["gate_up_proj"], w["down_proj"]
         for b in (gb, db):
-            ti = _check_dtype(ckpt, b, {"U8"}, "gpt-oss MXFP4 blocks are U8, two e2m1 codes a byte")
+            ti = check_dtype(ckpt, b, {"U8"}, "gpt-oss MXFP4 blocks are U8, two e2m1 codes a byte")
             if len(ti.shape) != 4 or ti.shape[-1] != 16:
                 raise SourceError(f"tensor {b!r} has shape {list(ti.shape)}: expected 4-D [E, N, K/32, 16] (16 bytes = 32 "
                                   "e2m1 codes per block)")  # fmt: skip
             sc = b[: -len("_blocks")] + "_scales"
             if sc not in ckpt.tensors:
                 raise SourceError(f"tensor {b!r} has no {sc!r}: MXFP4 blocks need their e8m0 scales")
-            _check_dtype(ckpt, sc, _SCALE_DTYPES, "MXFP4 scales are e8m0 bytes (U8)")
-            _check_shape(ckpt, sc, ti.shape[:-1], f"one e8m0 scale per block of {b!r} {list(ti.shape)}")
+            check_dtype(ckpt, sc, _SCALE_DTYPES, "MXFP4 scales are e8m0 bytes (U8)")
+            check_shape(ckpt, sc, ti.shape[:-1], f"one e8m0 scale per block of {b!r} {list(ti.shape)}")
             hidden |= {b, sc}
         e, rows, nb, _ = ckpt.info(gb).shape
         if e_cfg is not None and e != e_cfg:
@@ -348,15 +348,15 @@ def _gpt_oss_layers(ckpt: Checkpoint, cfg: dict) -> list[LayerSpec]:
         if inter % MX4_GROUP:
             raise SourceError(f"tensor {gb!r}: intermediate size I={inter}: gpt-oss MXFP4 blocks hold {MX4_GROUP} K values each, "
                               f"so I (down_proj's K) must be a multiple of {MX4_GROUP}")  # fmt: skip
-        _check_shape(ckpt, gb, (e, 2 * inter, h // MX4_GROUP, 16), f"[E, 2I, H/32, 16] with hidden_size={h} in config.json")
-        _check_shape(ckpt, db, (e, h, inter // MX4_GROUP, 16), f"[E, H, I/32, 16] with H={h}, I={inter}")
+        check_shape(ckpt, gb, (e, 2 * inter, h // MX4_GROUP, 16), f"[E, 2I, H/32, 16] with hidden_size={h} in config.json")
+        check_shape(ckpt, db, (e, h, inter // MX4_GROUP, 16), f"[E, H, I/32, 16] with H={h}, I={inter}")
         base = p + "."
         stand[base + "gate_up_proj"] = (gb, (e, h, 2 * inter))  # the bf16 gpt-oss layout, in-major, for discover_layers
         stand[base + "down_proj"] = (db, (e, inter, h))
         extra[p] = (gb, db)
-    view = _View(ckpt, stand, hidden)
+    view = HeaderView(ckpt, stand, hidden)
     rule = "gpt-oss MXFP4 experts are stored as *_blocks / *_scales (one layer, one scheme: float experts are refused)"
-    specs = _discover(ckpt, view, rule, stand)
+    specs = discover_experts(ckpt, view, rule, stand)
     for s in specs:
         p = s.prefix + ".experts"
         if s.kind != "fused_in" or p not in extra:
@@ -379,7 +379,7 @@ def _gpt_oss_layers(ckpt: Checkpoint, cfg: dict) -> list[LayerSpec]:
         s.expert_tensors = sorted(n for n in (gb, db, s.names["gate_up_scales"], s.names["down_scales"], s.names.get("gate_up_bias"),
                                              s.names.get("down_bias")) if n)  # fmt: skip
         s.interleaved = True  # gpt-oss: even rows gate, odd rows up (FORMATS.md §5.2)
-        _check_router(view, s)
+        check_router(view, s)
         s.quant = Mxfp4Facts("gpt_oss")
     return specs
 
@@ -394,15 +394,15 @@ def _ct_modules(ckpt: Checkpoint) -> dict[str, tuple[int, int]]:
         if not name.endswith(".weight_packed"):
             continue
         p = name[: -len(".weight_packed")]
-        _check_dtype(ckpt, name, {"U8"}, "mxfp4-pack-quantized codes are U8, two e2m1 codes a byte")
+        check_dtype(ckpt, name, {"U8"}, "mxfp4-pack-quantized codes are U8, two e2m1 codes a byte")
         if len(ti.shape) != 2:
             raise SourceError(f"tensor {name!r} has shape {list(ti.shape)}: expected 2-D [N, K/2]")
         n, k = ti.shape[0], 2 * ti.shape[1]
         sc = p + ".weight_scale"
         if sc not in ckpt.tensors:
             raise SourceError(f"tensor {name!r} has no {sc!r}: MXFP4 codes need their e8m0 scales")
-        _check_dtype(ckpt, sc, _SCALE_DTYPES, "MXFP4 scales are e8m0 bytes (U8)")
-        _check_shape(ckpt, sc, (n, -(-k // MX4_GROUP)), f"one e8m0 scale per {MX4_GROUP} K values of {name!r} [N={n}, K/2={k // 2}]")
+        check_dtype(ckpt, sc, _SCALE_DTYPES, "MXFP4 scales are e8m0 bytes (U8)")
+        check_shape(ckpt, sc, (n, -(-k // MX4_GROUP)), f"one e8m0 scale per {MX4_GROUP} K values of {name!r} [N={n}, K/2={k // 2}]")
         for other in (".weight_global_scale", ".weight_zero_point"):
             if p + other in ckpt.tensors:
                 raise SourceError(f"tensor {p + other!r} is present: MXFP4 has neither a global scale (NVFP4's) nor a zero point")
@@ -416,15 +416,15 @@ def _ct_layers(ckpt: Checkpoint, cfg: dict) -> list[LayerSpec]:
         raise SourceError(f"source {ckpt.path}: a {CT_FORMAT} config but no '*.weight_packed' tensors")
     stand = {p + ".weight": (p + ".weight_packed", nk) for p, nk in mods.items()}
     hidden = {t for p in mods for t in (p + ".weight_packed", p + ".weight_scale")}
-    view = _View(ckpt, stand, hidden)
+    view = HeaderView(ckpt, stand, hidden)
     rule = f"{CT_FORMAT} expert weights must be MXFP4 (weight_packed + weight_scale; shared experts may be float)"
-    specs = _discover(ckpt, view, rule, stand)
+    specs = discover_experts(ckpt, view, rule, stand)
     for s in specs:
         claim_expert_modules(s, rule, "MXFP4", E2M1, "compressed-tensors", lambda p: _left_in_float(cfg, p), ".weight_packed",
                              lambda p: [p + ".weight_packed", p + ".weight_scale"])  # fmt: skip
         if s.activation == "swigluoai":  # gpt-oss, linearized: gate/up de-interleaved; re-interleave
             s.interleaved = True
-        _check_router(view, s)
+        check_router(view, s)
         facts = Mxfp4Facts(CT_FORMAT, cfg["input_activations"])
         if s.shared and view.info(s.shared["gate_proj"]).dtype_str == E2M1:
             sm = [s.shared[p][: -len(".weight")] for p in ("gate_proj", "up_proj", "down_proj")]
@@ -449,7 +449,7 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
 # --------------------------------------------------------------------------- reading
 
 
-def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """rows 2j = gate_j, 2j+1 = up_j (swigluoai's canonical order)."""
     return torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
 
@@ -468,7 +468,7 @@ def _ct_linear(ckpt: Checkpoint, prefix: str) -> tuple[torch.Tensor, torch.Tenso
 
 def _ct_w13(ckpt, mods3: list, interleaved: bool) -> dict:
     (gq, gs), (uq, us) = _ct_linear(ckpt, mods3[0]), _ct_linear(ckpt, mods3[1])
-    join = _interleave if interleaved else (lambda a, b: torch.cat([a, b]))
+    join = interleave_gate_up if interleaved else (lambda a, b: torch.cat([a, b]))
     return {"w13_q": join(gq, uq).contiguous(), "w13_scale": join(gs, us).contiguous()}
 
 
@@ -503,7 +503,7 @@ def read_biases(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor | None, to
     b13, b2 = dense_read_biases(ckpt, s)
     if b13 is not None and s.kind == "per_expert" and s.interleaved:
         i = s.intermediate
-        b13 = _interleave(b13[:, :i].t(), b13[:, i:].t()).t().contiguous()
+        b13 = interleave_gate_up(b13[:, :i].t(), b13[:, i:].t()).t().contiguous()
     return b13, b2
 
 

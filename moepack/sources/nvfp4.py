@@ -48,7 +48,7 @@ from .compressed_tensors import config_groups, ct_strategy, quantization_config
 from .dense import CanonicalLayer, LayerSpec, read_biases as dense_read_biases, text_config
 from .fp8 import ignore_entry
 from .linears import CarriedLinear, LinearFinder, ct_group_format, register_linears
-from .mxfp4 import _View, _check_dtype, _check_router, _check_shape, _discover, _interleave, claim_expert_modules, unpack_e2m1
+from .mxfp4 import HeaderView, check_dtype, check_router, check_shape, discover_experts, interleave_gate_up, claim_expert_modules, unpack_e2m1
 
 SCHEME = "nvfp4"
 NVFP4 = "NVFP4"  # LayerSpec.dtype of NVFP4 experts (stand-in dtype of the packed weights)
@@ -219,11 +219,11 @@ def nvfp4_modules(ckpt, fmt: str) -> dict[str, tuple[int, int]]:
         for t, why in ((sc, "its e4m3 group scales"), (gl, "its fp32 global scale")):
             if t not in ckpt.tensors:
                 raise SourceError(f"tensor {name!r} has no {t!r}: NVFP4 codes need {why}")
-        _check_dtype(ckpt, sc, _SCALE_DTYPES, "NVFP4 group scales are float8 e4m3fn (F8_E4M3)")
+        check_dtype(ckpt, sc, _SCALE_DTYPES, "NVFP4 group scales are float8 e4m3fn (F8_E4M3)")
         if k % NV4_GROUP:
             raise SourceError(f"tensor {name!r} has shape {list(ti.shape)}: K={k} is not a multiple of {NV4_GROUP} (NVFP4 groups)")
-        _check_shape(ckpt, sc, (n, k // NV4_GROUP), f"one e4m3 scale per {NV4_GROUP} K values of {name!r} [N={n}, K/2={k // 2}]")
-        _check_dtype(ckpt, gl, {"F32"}, "NVFP4 global scales are fp32")
+        check_shape(ckpt, sc, (n, k // NV4_GROUP), f"one e4m3 scale per {NV4_GROUP} K values of {name!r} [N={n}, K/2={k // 2}]")
+        check_dtype(ckpt, gl, {"F32"}, "NVFP4 global scales are fp32")
         gshape = tuple(ckpt.info(gl).shape)
         if gshape not in ((), (1,)):
             raise SourceError(f"tensor {gl!r} has shape {list(gshape)}: expected [] or [1] (one global scale per tensor)")
@@ -242,9 +242,9 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
         raise SourceError(f"source {ckpt.path}: an NVFP4 ({fmt}) config but no '*{codes_sfx}' U8 tensors")
     stand = {p + ".weight": (p + codes_sfx, nk) for p, nk in mods.items()}
     hidden = {t for p in mods for t in (p + codes_sfx, p + ".weight_scale", p + glob_sfx, p + act_sfx)}
-    view = _View(ckpt, stand, hidden, "NVFP4", NVFP4)
+    view = HeaderView(ckpt, stand, hidden, "NVFP4", NVFP4)
     rule = f"{fmt} expert weights must be NVFP4 (codes, e4m3 weight_scale and a global scale; shared experts may be float)"
-    specs = _discover(ckpt, view, rule, stand, "NVFP4", NVFP4)
+    specs = discover_experts(ckpt, view, rule, stand, "NVFP4", NVFP4)
     flavour = "compressed-tensors" if fmt == CT_FORMAT else "ModelOpt"
     for s in specs:
         claim_expert_modules(s, rule, "NVFP4", NVFP4, flavour, lambda p: _left_in_float(cfg, p), codes_sfx,
@@ -252,7 +252,7 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
                              + ([p + act_sfx] if p + act_sfx in ckpt.tensors else []))  # fmt: skip
         if s.activation == "swigluoai":  # gpt-oss, linearized: gate/up de-interleaved; re-interleave
             s.interleaved = True
-        _check_router(view, s)
+        check_router(view, s)
         facts = Nvfp4Facts(fmt, cfg["input_activations"])
         if s.shared and view.info(s.shared["gate_proj"]).dtype_str == NVFP4:
             sm = [s.shared[p][: -len(".weight")] for p in ("gate_proj", "up_proj", "down_proj")]
@@ -302,7 +302,7 @@ def nvfp4_linear(ckpt, prefix: str, fmt: str) -> tuple[torch.Tensor, torch.Tenso
 
 def _w13(ckpt, mods2: list, fmt: str, interleaved: bool) -> dict:
     (gq, gs, gg), (uq, us, ug) = (nvfp4_linear(ckpt, m, fmt) for m in mods2)
-    join = _interleave if interleaved else (lambda a, b: torch.cat([a, b]))
+    join = interleave_gate_up if interleaved else (lambda a, b: torch.cat([a, b]))
     return {"w13_q": join(gq, uq).contiguous(), "w13_scale": join(gs, us).contiguous(), "w13_global": join(gg, ug).contiguous()}
 
 
@@ -338,7 +338,7 @@ def read_biases(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor | None, to
     b13, b2 = dense_read_biases(ckpt, s)
     if b13 is not None and s.interleaved:
         i = s.intermediate
-        b13 = _interleave(b13[:, :i].t(), b13[:, i:].t()).t().contiguous()
+        b13 = interleave_gate_up(b13[:, :i].t(), b13[:, i:].t()).t().contiguous()
     return b13, b2
 
 

@@ -23,7 +23,7 @@ import torch
 
 from ...errors import ConvertError, LayoutError
 from ...layout import LAYOUTS
-from .. import ValueRule
+from ..base import ValueRule
 from ..quantized import QuantizedLayer, QuantSpec, quantized_scheme
 from .facts import Fp8Facts
 from .pack import layout_group, pack_experts_fp8, pack_fp8_weight

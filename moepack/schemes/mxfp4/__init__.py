@@ -17,7 +17,7 @@ exact integer dot product with 2 * e2m1(q), -12..12, times 2^(e - 128): referenc
 
 from __future__ import annotations
 
-from .. import ValueRule
+from ..base import ValueRule
 from ..quantized import QuantizedLayer, QuantSpec, fixed_group_layout_for, quantized_scheme
 from .codec import E2M1_VALUES, E8M0_LARGEST, E8M0_NAN, MX4_GROUP, decode_e2m1, dequantize_mxfp4, e8m0_to_float
 from .facts import Mxfp4Facts

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import ValueRule
+from ..base import ValueRule
 from ..quantized import QuantizedLayer, QuantSpec, fixed_group_layout_for, quantized_scheme
 from .codec import NV4_GROUP, decode_e2m1, dequantize_nvfp4, e4m3_to_float, group_scales
 from .facts import Nvfp4Facts

@@ -34,15 +34,15 @@ The schemes' own rules (their ``value_rules``, keyed as named here):
 ``moepack.open`` checks the small per-group tensors (scale, e8m0, zero, perm) of every layer, which
 costs a read of about 1/16 of a 4-bit pack (docs/PACKED_FORMAT.md gives the measured cost);
 ``moepack verify DST`` checks them all, the bf16 codes while it hashes them. Apart from
-verify_dir because both open and verify use it.
+run.py because both open and verify use it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .pack.registry import get_scheme, schemes
-from .schemes import ValueRule
+from ..pack.registry import get_scheme, schemes
+from ..schemes import ValueRule
 
 
 def _finite_ok(t: torch.Tensor) -> bool:
@@ -150,7 +150,7 @@ def roles_of(model, roles: tuple | None = None):
 
 
 def _plan_roles(lay):
-    from .layout import PERM_SCHEMES, layout_tensor_plan
+    from ..layout import PERM_SCHEMES, layout_tensor_plan
 
     return layout_tensor_plan(lay, 1, lay.block_n, lay.block_n, bias=True, perm=lay.scheme in PERM_SCHEMES)
 
@@ -158,7 +158,7 @@ def _plan_roles(lay):
 def check_open(model) -> None:
     """``moepack.open``'s value check: the small per-group tensors (``open_roles``) of every layer;
     the first bad value is refused with one ``PackedDirError`` line."""
-    from .errors import PackedDirError
+    from ..errors import PackedDirError
 
     for name, role in roles_of(model, open_roles()):
         msg = value_problem(name, role, model.tensor(name))
@@ -170,7 +170,7 @@ def check_open(model) -> None:
 def colsum_problem(name: str, codes_name: str, layout, codes: torch.Tensor, sums: torch.Tensor, e0: int = 0) -> str | None:
     """int8 column sums ``sums`` [e, N] against the codes ``codes`` (packed, [e, ...]) of experts
     from ``e0``: None when every channel's sum is the sum of its codes (padding included)."""
-    from .pack import unpack_codes
+    from ..pack import unpack_codes
 
     got = unpack_codes(layout, codes).to(torch.int32).sum(dim=-1)
     bad = got != sums
