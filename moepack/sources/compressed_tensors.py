@@ -63,6 +63,63 @@ def config_groups(qc: dict) -> dict:
     return groups
 
 
+def fp4_groups(qc: dict, fmt: str, label: str, grouping, scale_dtypes: tuple, scale_words: str, *,
+               other_formats: dict | None = None, static_acts: bool = True) -> dict | None:
+    """The config groups of a 4-bit float (e2m1) format ``fmt`` checked, for the MXFP4 and NVFP4
+    readers: each group's format, weights (4-bit float, ``grouping(where, strategy, group_size)``
+    raising on the scheme's grouping, symmetric, stored, scale dtype in ``scale_dtypes``), input
+    activations a JSON object (dynamic unless ``static_acts``), no output activations; every group
+    quantizing activations alike. -> the one input-activations object, or None. ``label``: the
+    scheme in messages ("MXFP4"); ``other_formats``: formats refused with their own reason."""
+    acts = set()
+    first = None
+    for gname, g in config_groups(qc).items():
+        where = f"config group {gname!r}"
+        f = g.get("format") or qc.get("format")
+        if other_formats and f in other_formats:
+            raise SourceError(f"{where} has format {f!r}: {other_formats[f]}; this reader reads {fmt!r}")
+        if f != fmt:
+            raise SourceError(f"{where} has format {f!r}: this reader reads {fmt!r} ({label})")
+        w = g.get("weights") or {}
+        if not isinstance(w, dict):
+            raise SourceError(f"{where} weights is {type(w).__name__} {w!r:.60}: the weights' quantization args are a JSON object")
+        bits, typ = w.get("num_bits"), w.get("type")
+        if (bits, typ) != (4, "float"):
+            raise SourceError(f"{where} weights num_bits={bits!r}, type={typ!r}: {label} weights are 4-bit float (e2m1)")
+        grouping(where, ct_strategy(w), w.get("group_size"))
+        if w.get("symmetric") is False:
+            raise SourceError(f"{where} weights symmetric=False: {label} weights have no zero point")
+        if w.get("dynamic") not in (False, None):
+            raise SourceError(f"{where} has dynamic weights: weights must be stored quantized")
+        sd = w.get("scale_dtype")
+        if sd not in (None, *scale_dtypes):
+            raise SourceError(f"{where} weights scale_dtype={sd!r}: {scale_words}")
+        a = g.get("input_activations")
+        if a is not None and not isinstance(a, dict):
+            raise SourceError(f"{where} input_activations is {type(a).__name__} {a!r:.60}: a JSON object or null")
+        if a and not static_acts and a.get("dynamic") not in (True, "local"):
+            raise SourceError(f"{where} input_activations={a}: static activation scales are not supported (moepack runs the "
+                              "activations in 16 bits; dynamic ones are fine)")  # fmt: skip
+        if g.get("output_activations"):
+            raise SourceError(f"{where} quantizes output activations: not supported")
+        this = dict(a) if a else None
+        acts.add(repr(this))
+        first = this if len(acts) == 1 else first
+    if len(acts) > 1:
+        raise SourceError(f"config groups quantize activations differently ({sorted(acts)}): one activation mode per checkpoint")
+    return first
+
+
+def check_float_router(view, s: LayerSpec) -> None:
+    """A quantized checkpoint's router (weight, bias) and shared-expert gate stay in float."""
+    for key in ("weight", "bias"):
+        rn = s.router.get(key)
+        if rn and view.info(rn).dtype_str not in FLOAT_DTYPES:
+            raise SourceError(f"router tensor {rn!r} has dtype {view.info(rn).dtype_str}: the router must stay in float")
+    if s.shared.get("gate") and view.info(s.shared["gate"]).dtype_str not in FLOAT_DTYPES:
+        raise SourceError(f"tensor {s.shared['gate']!r} is quantized: the shared-expert gate must stay in float")
+
+
 def _check_config(qc: dict) -> str | None:
     """None when ``qc`` is a W8A8 int8 per-channel compressed-tensors config, else why not."""
     if qc.get("quant_method") != "compressed-tensors":
@@ -154,12 +211,7 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
             ]
             for sn in s.shared["scales"]:
                 _read_scale(ckpt, sn)
-        for key in ("weight", "bias"):
-            rn = s.router.get(key)
-            if rn and ckpt.info(rn).dtype_str not in FLOAT_DTYPES:
-                raise SourceError(f"router tensor {rn!r} has dtype {ckpt.info(rn).dtype_str}: the router must stay in float")
-        if s.shared.get("gate") and ckpt.info(s.shared["gate"]).dtype_str not in FLOAT_DTYPES:
-            raise SourceError(f"tensor {s.shared['gate']!r} is quantized: the shared-expert gate must stay in float")
+        check_float_router(ckpt, s)
     return specs
 
 

@@ -49,7 +49,7 @@ from ..errors import SourceError
 from ..schemes.fp8.facts import Fp8Facts
 from ..schemes.fp8.quantize import dequantize_fp8
 from .checkpoint import Checkpoint
-from .compressed_tensors import config_groups, ct_strategy, quantization_config, symmetric_scales
+from .compressed_tensors import check_float_router, config_groups, ct_strategy, quantization_config, symmetric_scales
 from .fp8_codec import E4M3_LARGEST, check_fp8_codes
 from . import fp8_codec
 from .int4_common import check_scales, expand_groups
@@ -362,12 +362,7 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
         if s.activation == "swigluoai":  # gpt-oss, linearized: gate/up de-interleaved; re-interleave
             s.interleaved = True
         facts = Fp8Facts(cfg.strategy, cfg.block, sdt, cfg.format, cfg.input_activations)
-        for key in ("weight", "bias"):
-            rn = s.router.get(key)
-            if rn and view.info(rn).dtype_str not in FLOAT_DTYPES:
-                raise SourceError(f"router tensor {rn!r} has dtype {view.info(rn).dtype_str}: the router must stay in float")
-        if s.shared.get("gate") and view.info(s.shared["gate"]).dtype_str not in FLOAT_DTYPES:
-            raise SourceError(f"tensor {s.shared['gate']!r} is quantized: the shared-expert gate must stay in float")
+        check_float_router(view, s)
         if s.shared and view.info(s.shared["gate_proj"]).dtype_str == FP8:
             scales, sdt2 = [], None
             for p in ("gate_proj", "up_proj", "down_proj"):

@@ -47,7 +47,7 @@ from ..errors import SourceError
 from ..schemes.mxfp4.codec import E8M0_LARGEST, E8M0_NAN, MX4_GROUP, dequantize_mxfp4
 from ..schemes.mxfp4.facts import Mxfp4Facts
 from .checkpoint import Checkpoint, TensorInfo
-from .compressed_tensors import config_groups, ct_strategy, quantization_config
+from .compressed_tensors import fp4_groups, quantization_config
 from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, read_biases as dense_read_biases, text_config
 from .fp8 import names_module, ignore_entry
 from .linears import CarriedLinear, LinearFinder, ct_formats, ct_group_format, register_linears
@@ -127,48 +127,17 @@ def _gpt_oss_cfg(qc: dict) -> dict:
     return {"format": "gpt_oss", "not_converted": tuple(skip), "ignore": (), "input_activations": None}
 
 
-def _ct_group(gname: str, g: dict, fmt) -> dict:
-    where = f"config group {gname!r}"
-    if fmt in _OTHER_CT_FORMATS:
-        raise SourceError(f"{where} has format {fmt!r}: {_OTHER_CT_FORMATS[fmt]}; this reader reads {CT_FORMAT!r}")
-    if fmt != CT_FORMAT:
-        raise SourceError(f"{where} has format {fmt!r}: this reader reads {CT_FORMAT!r} (MXFP4)")
-    w = g.get("weights") or {}
-    if not isinstance(w, dict):
-        raise SourceError(f"{where} weights is {type(w).__name__} {w!r:.60}: the weights' quantization args are a JSON object")
-    bits, typ, strat, gs = w.get("num_bits"), w.get("type"), ct_strategy(w), w.get("group_size")
-    if (bits, typ) != (4, "float"):
-        raise SourceError(f"{where} weights num_bits={bits!r}, type={typ!r}: MXFP4 weights are 4-bit float (e2m1)")
+def _grouping(where: str, strat, gs) -> None:
     if strat != "group" or gs != MX4_GROUP:
         raise SourceError(f"{where} weights strategy={strat!r}, group_size={gs!r}: MXFP4 has one scale per group of "
                           f"{MX4_GROUP} K values (strategy 'group', group_size {MX4_GROUP})")  # fmt: skip
-    if w.get("symmetric") is False:
-        raise SourceError(f"{where} weights symmetric=False: MXFP4 weights have no zero point")
-    if w.get("dynamic") not in (False, None):
-        raise SourceError(f"{where} has dynamic weights: weights must be stored quantized")
-    sd = w.get("scale_dtype")
-    if sd not in (None, "torch.uint8", "uint8"):
-        raise SourceError(f"{where} weights scale_dtype={sd!r}: MXFP4 scales are e8m0 bytes (torch.uint8)")
-    a = g.get("input_activations")
-    if a is not None and not isinstance(a, dict):
-        raise SourceError(f"{where} input_activations is {type(a).__name__} {a!r:.60}: a JSON object or null")
-    if a and a.get("dynamic") not in (True, "local"):
-        raise SourceError(f"{where} input_activations={a}: static activation scales are not supported (moepack runs the "
-                          "activations in 16 bits; dynamic ones are fine)")  # fmt: skip
-    if g.get("output_activations"):
-        raise SourceError(f"{where} quantizes output activations: not supported")
-    return {"targets": list(g.get("targets") or []), "input_activations": dict(a) if a else None}
 
 
 def _ct_cfg(qc: dict) -> dict:
-    groups = config_groups(qc)
-    parsed = [_ct_group(n, g, g.get("format") or qc.get("format")) for n, g in groups.items()]
-    acts = {repr(p["input_activations"]) for p in parsed}
-    if len(acts) > 1:
-        raise SourceError(f"config groups quantize activations differently ({sorted(acts)}): one activation mode per checkpoint")
-    ignore = qc.get("ignore") or []
-    return {"format": CT_FORMAT, "not_converted": (), "ignore": tuple(str(x) for x in ignore),
-            "input_activations": parsed[0]["input_activations"]}  # fmt: skip
+    acts = fp4_groups(qc, CT_FORMAT, "MXFP4", _grouping, ("torch.uint8", "uint8"), "MXFP4 scales are e8m0 bytes (torch.uint8)",
+                      other_formats=_OTHER_CT_FORMATS, static_acts=False)  # fmt: skip
+    return {"format": CT_FORMAT, "not_converted": (), "ignore": tuple(str(x) for x in qc.get("ignore") or []),
+            "input_activations": acts}  # fmt: skip
 
 
 def config(ckpt: Checkpoint) -> dict:

@@ -44,7 +44,7 @@ from ..schemes.nvfp4.codec import NV4_GROUP, dequantize_nvfp4
 from ..schemes.nvfp4.facts import Nvfp4Facts
 from ..schemes.nvfp4.quantize import check_e4m3_scales
 from .checkpoint import Checkpoint
-from .compressed_tensors import config_groups, ct_strategy, quantization_config
+from .compressed_tensors import fp4_groups, quantization_config
 from .dense import CanonicalLayer, LayerSpec, read_biases as dense_read_biases, text_config
 from .fp8 import ignore_entry
 from .linears import CarriedLinear, LinearFinder, ct_group_format, register_linears
@@ -68,44 +68,19 @@ _NAMES = {CT_FORMAT: (".weight_packed", ".weight_global_scale", ".input_global_s
 # --------------------------------------------------------------------------- config
 
 
-def _ct_group(gname: str, g: dict, fmt) -> dict:
-    where = f"config group {gname!r}"
-    if fmt != CT_FORMAT:
-        raise SourceError(f"{where} has format {fmt!r}: this reader reads {CT_FORMAT!r} (NVFP4)")
-    w = g.get("weights") or {}
-    if not isinstance(w, dict):
-        raise SourceError(f"{where} weights is {type(w).__name__} {w!r:.60}: the weights' quantization args are a JSON object")
-    bits, typ, strat, gs = w.get("num_bits"), w.get("type"), ct_strategy(w), w.get("group_size")
-    if (bits, typ) != (4, "float"):
-        raise SourceError(f"{where} weights num_bits={bits!r}, type={typ!r}: NVFP4 weights are 4-bit float (e2m1)")
+def _grouping(where: str, strat, gs) -> None:
     if gs != NV4_GROUP:
         raise SourceError(f"{where} weights group_size={gs!r}: NVFP4 has one e4m3 scale per group of {NV4_GROUP} K values")
     if strat != "tensor_group":
         raise SourceError(f"{where} weights strategy={strat!r}: NVFP4 weights are strategy 'tensor_group' (group scales under "
                           "a per-tensor global scale)")  # fmt: skip
-    if w.get("symmetric") is False:
-        raise SourceError(f"{where} weights symmetric=False: NVFP4 weights have no zero point")
-    if w.get("dynamic") not in (False, None):
-        raise SourceError(f"{where} has dynamic weights: weights must be stored quantized")
-    sd = w.get("scale_dtype")
-    if sd not in (None, "torch.float8_e4m3fn", "float8_e4m3fn"):
-        raise SourceError(f"{where} weights scale_dtype={sd!r}: NVFP4 group scales are float8_e4m3fn")
-    a = g.get("input_activations")
-    if a is not None and not isinstance(a, dict):
-        raise SourceError(f"{where} input_activations is {type(a).__name__} {a!r:.60}: a JSON object or null")
-    if g.get("output_activations"):
-        raise SourceError(f"{where} quantizes output activations: not supported")
-    return {"targets": list(g.get("targets") or []), "input_activations": dict(a) if a else None}
 
 
 def _ct_cfg(qc: dict) -> dict:
-    groups = config_groups(qc)
-    parsed = [_ct_group(n, g, g.get("format") or qc.get("format")) for n, g in groups.items()]
-    acts = {repr(p["input_activations"]) for p in parsed}
-    if len(acts) > 1:
-        raise SourceError(f"config groups quantize activations differently ({sorted(acts)}): one activation mode per checkpoint")
+    acts = fp4_groups(qc, CT_FORMAT, "NVFP4", _grouping, ("torch.float8_e4m3fn", "float8_e4m3fn"),
+                      "NVFP4 group scales are float8_e4m3fn")  # fmt: skip
     return {"format": CT_FORMAT, "ignore": tuple(str(x) for x in qc.get("ignore") or []), "exclude": (),
-            "input_activations": parsed[0]["input_activations"]}  # fmt: skip
+            "input_activations": acts}  # fmt: skip
 
 
 def _modelopt_quant(ckpt: Checkpoint) -> tuple[dict | None, str]:
