@@ -150,7 +150,7 @@ def bench(
     ),
 ) -> None:
     from moepack import bench as B
-    from moepack.convert_dir import MAX_THREADS
+    from moepack.convert.run import MAX_THREADS
 
     check_range("--threads", threads, 1, MAX_THREADS, "torch threads")
     cfg = B.BenchConfig(

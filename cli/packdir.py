@@ -24,6 +24,18 @@ def _human(n: float) -> str:
     return str(n)
 
 
+def _quantize_help() -> str:
+    """--quantize's help, from the scheme registry: every quantized scheme, its aliases and summary."""
+    from moepack.schemes import schemes
+
+    def alias(s) -> str:
+        return f" (alias {', '.join(s.aliases)})" if s.aliases else ""
+
+    listed = "; ".join(f"{s.name}{alias(s)}: {s.summary}" for s in schemes() if s.quantized)
+    return (f"Quantize a float source's experts into a scheme. {listed}. Options may follow the name: int4:g64:asym, "
+            "int4:ch, fp8:ch. A quantized source stays in its own scheme, never re-quantized.")
+
+
 @command(help="Convert a Hugging Face MoE checkpoint directory SRC into a packed directory DST.")
 def convert(
     src: Path = typer.Argument(..., help="Checkpoint directory: config.json + *.safetensors."),
@@ -32,12 +44,7 @@ def convert(
                                "(this machine's). Any family runs everywhere, through the scalar level off its own CPUs."),
     isa: Optional[str] = typer.Option(None, "--isa", hidden=True, help="The old spelling of --target."),
     quantize: Optional[str] = typer.Option(
-        None, "--quantize", help="Quantize a float source's experts into a scheme: int8_channel (alias int8: W8A8, "
-        "symmetric per output channel) or int4_group (alias int4: round to nearest, symmetric, group 128 by default, as "
-        "GPTQ/compressed-tensors W4A16; see --group-size, --asym) or fp8_block (alias fp8: e4m3fn, 128x128 blocks, "
-        "scale amax / 448) or mxfp4 (OCP MX: e2m1 codes, an e8m0 scale per 32 K values, shared exponent "
-        "floor(log2 amax) - 2, round to nearest even). Options may follow the name: int4:g64:asym, int4:ch, fp8:ch. "
-        "A quantized source stays in its own scheme, never re-quantized."
+        None, "--quantize", help=_quantize_help()
     ),
     group_size: Optional[int] = typer.Option(
         None, "--group-size", help="--quantize int4: K values per scale, 32, 64 or 128 (default), or -1 for one scale per "
@@ -58,7 +65,7 @@ def convert(
                            "(docs/VLLM.md). I/N must be a multiple of the layout's block (32) and group size."),
     resume: bool = typer.Option(True, "--resume/--no-resume", help="Continue a hard-killed convert to DST with the same plan from its last complete shard (default); --no-resume deletes its temporary directory and starts over."),
 ) -> None:
-    from moepack.convert_dir import convert as do_convert
+    from moepack.convert.run import convert as do_convert
     from moepack.errors import ConvertError
     from moepack.layout import LAYOUTS
     from moepack.layout import layout_get as moepack_layout_get
@@ -168,7 +175,7 @@ def convert(
 
 def _quantize_spec(quantize: str | None, group_size: int | None, asym: bool) -> str | None:
     """--quantize with --group-size / --asym folded in as options ("int4" + 64 + asym ->
-    "int4:g64:asym"); the scheme refuses options it does not take (moepack.convert_dir.parse_quantize)."""
+    "int4:g64:asym"); the scheme refuses options it does not take (moepack.convert.run.parse_quantize)."""
     from moepack.errors import ConvertError
 
     words = []
@@ -191,7 +198,7 @@ def verify(
 ) -> None:
     from rich.markup import escape
 
-    from moepack.verify_dir import verify as do_verify
+    from moepack.verify.run import verify as do_verify
 
     from moepack.bench.shapes import MAX_TOKENS
 

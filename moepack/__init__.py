@@ -17,25 +17,15 @@ from .runtime import open_packed, run_experts
 
 from ._version import __version__
 
+# moepack.convert(src, dst, ...) and moepack.verify(dst, ...): each a package whose module is
+# callable (the function of the same name; moepack/convert/__init__.py says why)
+from . import convert, verify  # noqa: E402
+
 
 
 def open(path, *, strict: bool = False):  # noqa: A001 - the public name is moepack.open
     """Validate and memory-map a packed directory; returns a ``PackedModel`` (see moepack.runtime.model)."""
     return open_packed(path, strict=strict)
-
-
-def convert(src, dst, **kwargs):
-    """Convert a Hugging Face checkpoint directory into a packed directory (see moepack.convert_dir)."""
-    from .convert_dir import convert as _convert
-
-    return _convert(src, dst, **kwargs)
-
-
-def verify(dst, **kwargs):
-    """Check a packed directory's checksums (and, with source=, its numerics); see moepack.verify_dir."""
-    from .verify_dir import verify as _verify
-
-    return _verify(dst, **kwargs)
 
 
 def patch(model, packed, *, strict=None):

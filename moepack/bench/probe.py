@@ -46,7 +46,7 @@ def _mem_total_bytes() -> int | None:
     return None
 
 
-def _loadavg() -> list[float] | None:
+def loadavg() -> list[float] | None:
     try:
         with open("/proc/loadavg") as f:
             return [float(x) for x in f.read().split()[:3]]
@@ -632,7 +632,7 @@ def machine_limits(threads: int, refresh: bool = False, buffer_bytes: int = 512 
     cached) when there is none, when it has another LIMITS_FORMAT, or ``refresh``. Returns (probe,
     {"cached": bool, "measured_at": iso time, "bg_cpus": CPUs other processes used while it was
     measured, "cache_file": path, "remeasured": why the cached record was not used, or None})."""
-    from .timing import _CpuMeter
+    from .timing import CpuMeter
 
     path = _probe_cache_dir() / f"limits-{limits_cache_key(threads, buffer_bytes)}.json"
     remeasured = None
@@ -646,7 +646,7 @@ def machine_limits(threads: int, refresh: bool = False, buffer_bytes: int = 512 
             remeasured = f"cached record has format {rec.get('format')!r}, this moepack writes {LIMITS_FORMAT}"
         except (ValueError, KeyError, TypeError, OSError) as e:
             remeasured = f"cached record unreadable ({e})"
-    meter = _CpuMeter()
+    meter = CpuMeter()
     meter.start()
     probe = probe_machine(threads, buffer_bytes)
     bg = meter.stop()

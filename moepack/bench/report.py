@@ -108,11 +108,11 @@ class BenchResult:
         return d
 
 
-def _f(v: float | None, fmt: str) -> str:
+def fmt_value(v: float | None, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def _pct(v: float | None) -> str:
+def fmt_pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.0f}%"
 
 
@@ -127,16 +127,16 @@ def table_cells(row: Row) -> list[str]:
         row.shape,
         str(row.tokens),
         row.dtype if row.scheme == PLAIN_SCHEME else f"{row.dtype}/{row.scheme}",
-        _f(row.moepack_ms, ".3f"),
-        _f(row.torch_ms, ".3f"),
+        fmt_value(row.moepack_ms, ".3f"),
+        fmt_value(row.torch_ms, ".3f"),
         "-" if row.speedup is None else f"{row.speedup:.2f}x",
-        _f(row.moepack_gbs, ".1f"),
-        _pct(row.moepack_bw_frac),
-        _pct(row.moepack_raw_frac),
-        _f(row.moepack_gflops, ".1f"),
-        _pct(row.moepack_peak_frac),
-        _f(row.torch_gbs, ".1f"),
-        _f(row.torch_gflops, ".1f"),
+        fmt_value(row.moepack_gbs, ".1f"),
+        fmt_pct(row.moepack_bw_frac),
+        fmt_pct(row.moepack_raw_frac),
+        fmt_value(row.moepack_gflops, ".1f"),
+        fmt_pct(row.moepack_peak_frac),
+        fmt_value(row.torch_gbs, ".1f"),
+        fmt_value(row.torch_gflops, ".1f"),
         f"{row.unique_experts_mean:.1f}",
     ]
 
@@ -147,7 +147,7 @@ def machine_line(result: BenchResult) -> str:
     head = f"{m['cpu_model']}, {m['threads']} threads, torch {m['torch_version']}"
     if not p.measured:
         return f"{head}; machine limits not measured: {p.note}"
-    text = (f"{head}; % read BW of {p.read_gbs:.1f} GB/s (best read: {p.read_pattern}; plain {_f(p.plain_read_gbs, '.1f')} GB/s, "
+    text = (f"{head}; % read BW of {p.read_gbs:.1f} GB/s (best read: {p.read_pattern}; plain {fmt_value(p.plain_read_gbs, '.1f')} GB/s, "
             f"{p.buffer_bytes / 2**30:.2f} GiB)")
     seen = []
     for r in result.rows:
@@ -372,7 +372,7 @@ def compare_cells(r: CompareRow) -> list[str]:
     return [
         shape, str(tokens), dtype if scheme == PLAIN_SCHEME else f"{dtype}/{scheme}",
         f"{r.new_ms:.3f}", f"{r.old_ms:.3f}", f"{r.ms_ratio:.3f}",
-        _f(r.new_gbs, ".1f"), _f(r.old_gbs, ".1f"), _f(r.gbs_ratio, ".3f"), flag,
+        fmt_value(r.new_gbs, ".1f"), fmt_value(r.old_gbs, ".1f"), fmt_value(r.gbs_ratio, ".3f"), flag,
     ]
 
 

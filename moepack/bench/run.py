@@ -17,10 +17,10 @@ import torch
 
 from ..isa import host_family
 from ..layout import layout_flops
-from .probe import MachineProbe, _loadavg, describe_limits, kernel_instruction, machine_info, probe_machine
+from .probe import MachineProbe, loadavg, describe_limits, kernel_instruction, machine_info, probe_machine
 from .report import PLAIN_SCHEME, BenchResult, Row
 from .shapes import DEFAULT_SHAPES, DEFAULT_TOKENS, DTYPES, SHAPES, MoeShape
-from .timing import BUSY_CPUS, RoutingStream, _call_count, _CpuMeter, _eviction_bytes, _measure, _time_calls
+from .timing import BUSY_CPUS, RoutingStream, call_count, CpuMeter, eviction_bytes, measure, time_calls
 
 
 
@@ -112,14 +112,14 @@ def start_run(cfg) -> tuple[float, str, dict]:
     torch.set_num_threads(cfg.threads)
     machine = machine_info(cfg.threads)
     machine["torch_num_threads"] = torch.get_num_threads()
-    machine["loadavg_start"] = _loadavg()
+    machine["loadavg_start"] = loadavg()
     return t_start, started, machine
 
 
 def probe_limits(cfg, machine: dict, notes: list[str], log, *, retried: bool) -> MachineProbe:
     """The machine probe of a bench run (a stub saying why when ``--no-probe``), with the CPUs
     other processes used meanwhile in ``machine`` and a note when they were busy. ``retried``:
-    through ``_measure`` (``--wait-quiet`` / ``--retries``, the plain bench), else timed once
+    through ``measure`` (``--wait-quiet`` / ``--retries``, the plain bench), else timed once
     (``--vs``, which takes neither)."""
     if not cfg.probe:
         return MachineProbe(threads=cfg.threads, note="disabled (--no-probe)")
@@ -129,10 +129,10 @@ def probe_limits(cfg, machine: dict, notes: list[str], log, *, retried: bool) ->
         return probe_machine(cfg.threads, cfg.probe_bytes, cfg.probe_passes, cfg.probe_peak_seconds)
 
     if retried:
-        probe, bg, waited, attempts = _measure(cfg, run)
+        probe, bg, waited, attempts = measure(cfg, run)
         machine["probe_waited_s"], machine["probe_attempts"] = waited, attempts
     else:
-        meter = _CpuMeter()
+        meter = CpuMeter()
         meter.start()
         probe = run()
         bg = meter.stop()
@@ -160,7 +160,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
 
     act_dtype = DTYPES[cfg.dtype]
     # read before each plain read of the experts (untimed): evicts what the call left in the cache
-    evict_buf = torch.ones(1, _eviction_bytes(), dtype=torch.uint8)
+    evict_buf = torch.ones(1, eviction_bytes(), dtype=torch.uint8)
     evict_id = torch.zeros(1, dtype=torch.int32)
     rows: list[Row] = []
     from ..schemes import get_scheme
@@ -220,11 +220,11 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
                 return t_warm, sorted(est)[len(est) // 2], out
 
             mw, mest, mout = warm_up(mp)
-            n_m = _call_count(cfg, mest)
+            n_m = call_count(cfg, mest)
             n_t = 0
             if base13 is not None:
                 tw, test, tout = warm_up(tl)
-                n_t = _call_count(cfg, test)
+                n_t = call_count(cfg, test)
                 diff = (mout.float() - tout.float()).abs().max().item()
                 scale = tout.float().abs().max().item()
                 check = diff / scale if scale > 0 else diff
@@ -238,11 +238,11 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
                 return ops().read_experts(evict_buf, evict_buf[:, :64], evict_id)
 
             log(f"{label}: moepack x{n_m} (each followed by a plain read of the same experts' bytes)")
-            tm, bg_m, waited_m, att_m = _measure(cfg, lambda: _time_calls(mp, routings[:n_m], packed_bpe, mw, raw, evict))
+            tm, bg_m, waited_m, att_m = measure(cfg, lambda: time_calls(mp, routings[:n_m], packed_bpe, mw, raw, evict))
             tt = bg_t = waited_t = att_t = None
             if base13 is not None:
                 log(f"{label}: torch loop x{n_t}")
-                tt, bg_t, waited_t, att_t = _measure(cfg, lambda: _time_calls(tl, routings[:n_t], canon_bpe, tw))
+                tt, bg_t, waited_t, att_t = measure(cfg, lambda: time_calls(tl, routings[:n_t], canon_bpe, tw))
 
             flops = layout_flops(tokens, shape.topk, shape.hidden, shape.intermediate)
             m_gflops = flops * tm.calls / tm.total_s / 1e9
@@ -305,7 +305,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
 
     if scheme.bench.notes is not None:
         notes += scheme.bench.notes(kernel_isa, instruction.asm if instruction else None, not cfg.skip_torch)
-    machine["loadavg_end"] = _loadavg()
+    machine["loadavg_end"] = loadavg()
     config = dataclasses.asdict(cfg)
     config["shapes"] = [dataclasses.asdict(s) for s in cfg.shapes]
     return BenchResult(

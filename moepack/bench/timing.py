@@ -22,7 +22,7 @@ def median(values: list[float]) -> float:
 if TYPE_CHECKING:
     from .run import BenchConfig
 
-class _CpuMeter:
+class CpuMeter:
     """CPU used by *other* processes between start() and stop(), in CPUs (from /proc/stat minus
     this process's own user+system time). None where /proc/stat is unavailable."""
 
@@ -66,7 +66,7 @@ def wait_quiet(max_s: float, threshold: float = 0.15, window_s: float = 0.5) -> 
     """Wait (up to ``max_s`` seconds) until other processes use less than ``threshold`` CPUs
     over a ``window_s`` window; returns the seconds waited. For shared machines."""
     t0 = time.perf_counter()
-    meter = _CpuMeter()
+    meter = CpuMeter()
     while time.perf_counter() - t0 < max_s:
         meter.start()
         time.sleep(window_s)
@@ -135,7 +135,7 @@ class Timing:
         return sum(self.raw_times_s) if self.raw_times_s else None
 
 
-def _time_calls(fn: Callable[[torch.Tensor, torch.Tensor], object], routings, bytes_per_expert: int, warmup_s: float,
+def time_calls(fn: Callable[[torch.Tensor, torch.Tensor], object], routings, bytes_per_expert: int, warmup_s: float,
                 raw: Callable[[torch.Tensor], object] | None = None, evict: Callable[[], object] | None = None) -> Timing:
     """Times fn on each routing; with ``raw``, also times raw(unique expert ids) after each call
     (a plain read of the same weight bytes: the baseline for '% raw read'), after ``evict()`` (a read
@@ -159,7 +159,7 @@ def _time_calls(fn: Callable[[torch.Tensor, torch.Tensor], object], routings, by
     return Timing(len(times), sum(times), times, touched, warmup_s, raw_times)
 
 
-def _eviction_bytes() -> int:
+def eviction_bytes() -> int:
     """Twice the largest CPU cache sysfs reports (at least 16 MiB, at most 512 MiB; 64 MiB when unknown)."""
     from .probe import largest_cache_bytes
 
@@ -170,7 +170,7 @@ def _eviction_bytes() -> int:
 BUSY_CPUS = 0.25  # other processes above this many CPUs during a measurement: flagged (and retried)
 
 
-def _measure(cfg: "BenchConfig", run: Callable[[], object]) -> tuple[object, float | None, float | None, int]:
+def measure(cfg: "BenchConfig", run: Callable[[], object]) -> tuple[object, float | None, float | None, int]:
     """run() under the contention policy: wait for quiet (--wait-quiet), time, and redo up to
     --retries times while other processes used more than BUSY_CPUS; keeps the least disturbed
     attempt. Returns (result, bg_cpus, seconds waited, attempts)."""
@@ -179,7 +179,7 @@ def _measure(cfg: "BenchConfig", run: Callable[[], object]) -> tuple[object, flo
     for attempt in range(1 + cfg.retries):
         if cfg.wait_quiet:
             waited_total += wait_quiet(cfg.wait_quiet)
-        meter = _CpuMeter()
+        meter = CpuMeter()
         meter.start()
         res = run()
         bg = meter.stop()
@@ -190,7 +190,7 @@ def _measure(cfg: "BenchConfig", run: Callable[[], object]) -> tuple[object, flo
     return best[0], best[1], (round(waited_total, 1) if cfg.wait_quiet else None), attempt + 1
 
 
-def _call_count(cfg: "BenchConfig", est_s: float) -> int:
+def call_count(cfg: "BenchConfig", est_s: float) -> int:
     if cfg.calls is not None:
         return cfg.calls
     return max(cfg.min_calls, min(cfg.max_calls, math.ceil(cfg.min_time / max(est_s, 1e-6))))

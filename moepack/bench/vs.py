@@ -48,10 +48,10 @@ from .peers import (
     prepare_canonical,
     supports,
 )
-from .probe import _loadavg, kernel_instruction
-from .report import BenchResult, Row, _f, _pct, machine_line
+from .probe import loadavg, kernel_instruction
+from .report import BenchResult, Row, fmt_value, fmt_pct, machine_line
 from .shapes import DTYPES
-from .timing import BUSY_CPUS, RoutingStream, _CpuMeter, median, wait_quiet
+from .timing import BUSY_CPUS, RoutingStream, CpuMeter, median, wait_quiet
 
 SETS = 8
 CHECK_MAX_TOKENS = 8  # output errors are measured at T <= this
@@ -233,7 +233,7 @@ def run_vs(cfg, log: Callable[[str], None] = lambda s: None) -> BenchResult:
         gc.collect()
     if scheme.bench.notes is not None:
         notes += [n for n in scheme.bench.notes(kernel_isa, instruction.asm if instruction else None, False)]
-    machine["loadavg_end"] = _loadavg()
+    machine["loadavg_end"] = loadavg()
     config = dataclasses.asdict(cfg)
     config["shapes"] = [dataclasses.asdict(s) for s in cfg.shapes]
     return BenchResult(config=config, machine=machine, probe=probe, rows=rows, started=started,
@@ -290,7 +290,7 @@ def _run_case(cfg, shape, si, ti, tokens, scheme, c, packed, packed_bpe, peers, 
     n = calls_per_arm(cfg, max(sorted(t)[1] for t in est))  # the slowest arm's median of 3
     if cfg.wait_quiet:
         wait_quiet(cfg.wait_quiet)
-    meter = _CpuMeter()
+    meter = CpuMeter()
     meter.start()
     times = time_arms(fns, schedule(len(fns), n))
     bg = meter.stop()
@@ -367,9 +367,9 @@ def vs_cells(row: Row, v: dict) -> list[str]:
     return [
         row.shape, str(row.tokens), scheme_label(row), eng,
         f"{v['ms_median']:.3f}", f"{v['ms_p25']:.3f} / {v['ms_min']:.3f}",
-        f"{row.moepack_ms_median:.3f}", f"{_f(row.moepack_ms_p25, '.3f')} / {row.moepack_ms_min:.3f}",
-        f"{v['ratio']:.2f}x", _f(v.get("rel_err"), ".1e"), _f(row.moepack_rel_err, ".1e"),
-        _f(v.get("gbs"), ".1f"), _f(row.moepack_gbs, ".1f"), _pct(row.moepack_peak_frac),
+        f"{row.moepack_ms_median:.3f}", f"{fmt_value(row.moepack_ms_p25, '.3f')} / {row.moepack_ms_min:.3f}",
+        f"{v['ratio']:.2f}x", fmt_value(v.get("rel_err"), ".1e"), fmt_value(row.moepack_rel_err, ".1e"),
+        fmt_value(v.get("gbs"), ".1f"), fmt_value(row.moepack_gbs, ".1f"), fmt_pct(row.moepack_peak_frac),
     ]  # fmt: skip
 
 

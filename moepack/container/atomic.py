@@ -63,7 +63,7 @@ def _tmp_prefix(final: Path) -> str:
     return f".{final.name}.tmp-"
 
 
-class _FileLock:
+class FileLock:
     """An exclusive ``flock`` on ``path``, taken without waiting and held until ``release``.
 
     The file holds the owner's pid, for messages only: ownership is the lock itself, which the
@@ -122,7 +122,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _stale_owner_lock(tmp: Path) -> _FileLock | None:
+def _stale_owner_lock(tmp: Path) -> FileLock | None:
     """The owner lock of temporary directory ``tmp`` taken by this process, or None when a live
     process owns ``tmp``. A directory without an owner file (written by a moepack before owner
     files) counts as owned while the pid in its name is alive."""
@@ -134,7 +134,7 @@ def _stale_owner_lock(tmp: Path) -> _FileLock | None:
             pid = None
         if pid is not None and pid != os.getpid() and _pid_alive(pid):
             return None
-    lock = _FileLock(owner)
+    lock = FileLock(owner)
     try:
         ok = lock.acquire()
     except OSError:
@@ -194,7 +194,7 @@ def atomic_directory(
         raise ContainerError(f"{final_path}: parent directory {str(parent)!r} does not exist")
     if (final.exists() or final.is_symlink()) and not overwrite:
         raise ContainerError(f"{final_path}: already exists (pass overwrite=True to replace it)")
-    run_lock = _FileLock(_lock_path(final))
+    run_lock = FileLock(_lock_path(final))
     try:
         taken = run_lock.acquire()
     except OSError as e:
@@ -223,7 +223,7 @@ def atomic_directory(
                 os.mkdir(tmp)
             except OSError as e:
                 raise _refuse_os(final, e, "create the output directory") from None
-            owner = _FileLock(tmp / OWNER_FILE)
+            owner = FileLock(tmp / OWNER_FILE)
             try:
                 owner.acquire()
             except OSError as e:

@@ -37,7 +37,7 @@ WRITER_DTYPES: dict[torch.dtype, str] = {
     dt: name for dt, name in TORCH_TO_SAFETENSORS.items() if name in _WRITABLE
 }
 
-_WRITE_CHUNK = 64 << 20
+WRITE_CHUNK = 64 << 20
 _RESERVED_METADATA = ("format", "format_version", "alignment")
 
 

@@ -399,7 +399,7 @@ def open_shard(path: str | os.PathLike, require_alignment: int | None = 64) -> S
 _HASH_CHUNK = 64 << 20
 
 
-def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of ``tensor``'s bytes; copies only if it is not contiguous or not on CPU."""
     t = tensor.detach()
     if t.device.type != "cpu":
@@ -412,7 +412,7 @@ def _byte_view(tensor: torch.Tensor) -> torch.Tensor:
 
 def sha256_update(h, tensor: torch.Tensor) -> None:
     """Feed ``tensor``'s bytes (row-major, little-endian) to the hashlib object ``h``, in chunks."""
-    b = _byte_view(tensor)
+    b = byte_view(tensor)
     for i in range(0, b.numel(), _HASH_CHUNK):
         h.update(memoryview(b[i : i + _HASH_CHUNK].numpy()))
 

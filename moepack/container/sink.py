@@ -1,6 +1,6 @@
-"""The pipelined byte stream of one shard: ``_Sink``, hashing on one thread, writing on another.
+"""The pipelined byte stream of one shard: ``Sink``, hashing on one thread, writing on another.
 
-``ShardWriter(..., pipeline=True)`` hands each tensor's bytes to a ``_Sink`` and goes back to
+``ShardWriter(..., pipeline=True)`` hands each tensor's bytes to a ``Sink`` and goes back to
 packing: a hash thread feeds sha256, a write thread copies into a page-aligned staging buffer
 and writes it with O_DIRECT where the filesystem allows (buffered otherwise, and for the
 unaligned tail). Apart from the writer because it is the only threaded, O_DIRECT-aware code of
@@ -22,13 +22,13 @@ import torch
 
 from ..errors import ContainerError
 from .atomic import os_reason
-from .plan import _WRITE_CHUNK, DATA_ALIGNMENT
+from .plan import WRITE_CHUNK, DATA_ALIGNMENT
 
 _STAGE_BYTES = 16 << 20  # one O_DIRECT write: large, sequential, page-aligned
 _SINK_INFLIGHT_BYTES = 256 << 20  # parts queued but not yet written: bounds the pipeline's memory
 
 
-class _Sink:
+class Sink:
     """The byte stream of one shard, hashed on one thread and written on another.
 
     The caller (convert's packer, on the main thread) queues each part's bytes and moves on to
@@ -154,8 +154,8 @@ class _Sink:
     def _hash_item(self, item) -> None:
         if item[0] == "data" and item[2] is not None:  # ("data", bytes, hasher)
             b, h = item[1], item[2]
-            for i in range(0, b.numel(), _WRITE_CHUNK):
-                h.update(memoryview(b[i : i + _WRITE_CHUNK].numpy()))
+            for i in range(0, b.numel(), WRITE_CHUNK):
+                h.update(memoryview(b[i : i + WRITE_CHUNK].numpy()))
         elif item[0] == "digest":  # ("digest", hasher, box)
             item[2].append(item[1].hexdigest())
 

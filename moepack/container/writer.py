@@ -24,7 +24,7 @@ import torch
 from ..errors import ContainerError
 from .atomic import OWNER_FILE, atomic_directory, os_reason, stale_temporaries
 from .plan import (
-    _WRITE_CHUNK,
+    WRITE_CHUNK,
     DATA_ALIGNMENT,
     DEFAULT_ALIGNMENT,
     FORMAT_NAME,
@@ -34,8 +34,8 @@ from .plan import (
     Pieces,
     ShardPlan,
 )
-from .reader import _byte_view
-from .sink import _Sink
+from .reader import byte_view
+from .sink import Sink
 
 
 class ShardWriter:
@@ -54,7 +54,7 @@ class ShardWriter:
         self, path: str | os.PathLike, plan: ShardPlan, *, fsync: bool = True, pipeline: bool = False,
         display: str | os.PathLike | None = None,
     ):  # fmt: skip
-        """``pipeline``: hash and write on two background threads (``_Sink``) while the caller
+        """``pipeline``: hash and write on two background threads (``Sink``) while the caller
         packs the next part; the bytes are the same as the serial path's. ``display``: the path
         named in error messages (convert writes into a hidden temporary directory but names the
         file under DST)."""
@@ -69,11 +69,11 @@ class ShardWriter:
         self._pos = 0
         self._closed = False
         self._broken: str | None = None
-        self._sink: _Sink | None = None
+        self._sink: Sink | None = None
         self._f = None
         try:
             if pipeline:
-                self._sink = _Sink(self.path, self.display)
+                self._sink = Sink(self.path, self.display)
             else:
                 self._f = open(self.path, "xb")
         except FileExistsError:
@@ -142,15 +142,15 @@ class ShardWriter:
             )
 
     def _stream(self, h, t: torch.Tensor) -> int:
-        b = _byte_view(t)
+        b = byte_view(t)
         n = b.numel()
         if self._sink is not None:
             if n:
                 self._sink.put(b, h)  # hashed, then written, by the sink's threads; no copy here
             self._pos += n
             return n
-        for i in range(0, n, _WRITE_CHUNK):
-            mv = memoryview(b[i : i + _WRITE_CHUNK].numpy())
+        for i in range(0, n, WRITE_CHUNK):
+            mv = memoryview(b[i : i + WRITE_CHUNK].numpy())
             h.update(mv)
             self._raw_write(mv)
         return n

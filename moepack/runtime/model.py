@@ -18,7 +18,7 @@ from ..container.reader import open_shard
 from ..errors import MoepackError, NoSuchLayerError, PackedDirError, UnsupportedError
 from ..isa import host_isa
 from ..layout import layout_get
-# the version constants are re-exported: convert_dir and older callers import them from here
+# the version constants are re-exported: moepack/convert/run.py and older callers import them from here
 from ..manifest import FORMAT_VERSION, MANIFEST, PERM_FORMAT_VERSION, READABLE_VERSIONS, check_manifest, load_manifest  # noqa: F401
 from ..pack import PackedExperts
 from .experts import resolve_act_mode, run_experts
@@ -320,7 +320,7 @@ def _file_kind(p: Path) -> str:
 
 def open_packed(path: str | os.PathLike, *, strict: bool = False, check_values: bool = True) -> PackedModel:
     """Validate and memory-map the packed directory at ``path``. ``check_values=False`` (verify,
-    which checks and names every value itself) skips the value rules of moepack.verify_values."""
+    which checks and names every value itself) skips the value rules of moepack.verify.values."""
     path = Path(path)
     manifest = load_manifest(path)  # the schema: after it, every field read below is there and typed
     shards = {}
@@ -351,7 +351,7 @@ def open_packed(path: str | os.PathLike, *, strict: bool = False, check_values: 
     # the small per-group tensors (scales, zero points, act-order permutations) keep their value
     # rules, so that no byte pattern makes the kernels' result depend on the ISA level
     if check_values:
-        from ..verify_values import check_open
+        from ..verify.values import check_open
 
         check_open(model)
     if strict or _strict_env():

@@ -21,8 +21,9 @@ import torch
 from ..errors import SourceError
 from .checkpoint import Checkpoint
 from .dense import FLOAT_DTYPES
-from .int4_common import Int4Format, Int4Reader, QLinear, QModule, check_dtype, check_scales, check_shape, quantization_config, unpack_nibbles
-from .gptq import _synonym
+from .linears import LinearFinder, register_linears
+from .int4_common import int4_linears, int4_values, Int4Format, Int4Reader, QLinear, QModule, check_dtype, check_scales, check_shape, quantization_config, unpack_nibbles
+from .gptq import synonym
 
 NAME = "awq"
 SOURCE_NOTE = "AWQ GEMM 4-bit (int4 codes with group scales and zero points, 16-bit activations)"
@@ -38,14 +39,14 @@ def config(ckpt: Checkpoint) -> dict:
     method = qc.get("quant_method") or qc.get("method")
     if method != "awq":
         return _refuse(f"quant_method={method!r}, not 'awq'")
-    kb, bits = _synonym(qc, where, "bits", "w_bit")
+    kb, bits = synonym(qc, where, "bits", "w_bit")
     if bits != 4:
         return _refuse(f"{where}.{kb}={bits!r}: AWQ GEMM is 4-bit")
-    kv, ver = _synonym(qc, where, "version", "format")
+    kv, ver = synonym(qc, where, "version", "format")
     ver = "gemm" if ver is None else str(ver).lower()
     if ver != "gemm":
         return _refuse(f"{where}.{kv}={ver!r}: moepack reads the AWQ 'gemm' layout only (gemv, gemv_fast, marlin, llm-awq, exllama, ipex are other layouts)")
-    kg, g = _synonym(qc, where, "group_size", "q_group_size")
+    kg, g = synonym(qc, where, "group_size", "q_group_size")
     if g is None:
         g = 128  # AutoAWQ's default
     if not isinstance(g, int) or isinstance(g, bool) or g <= 0:
@@ -128,3 +129,6 @@ READER = Int4Reader(FORMAT)
 SCHEME = READER.scheme
 
 __all__ = ["NAME", "SOURCE_NOTE", "SCHEME", "FORMAT", "READER", "ORDER", "INV", "unpack_awq", "config"]
+
+# the quantized Linears outside the experts (attention, dense MLPs) that convert carries
+register_linears("int4", int4_values, LinearFinder(("awq",), lambda view, qc: int4_linears(view, FORMAT, ".qweight", config(view))))

@@ -21,6 +21,8 @@ import torch
 
 from ..errors import SourceError
 from .checkpoint import Checkpoint
+from .int4_common import check_scales
+from .linears import CarriedLinear, LinearFinder, register_linears, weight_and_scale
 from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, read_biases as dense_read_biases, text_config
 
 SCHEME = "int8_channel"
@@ -59,6 +61,63 @@ def config_groups(qc: dict) -> dict:
         if not isinstance(g, dict):
             raise SourceError(f"config group {gname!r} is {type(g).__name__} {g!r:.60}: a config group is a JSON object")
     return groups
+
+
+def fp4_groups(qc: dict, fmt: str, label: str, grouping, scale_dtypes: tuple, scale_words: str, *,
+               other_formats: dict | None = None, static_acts: bool = True) -> dict | None:
+    """The config groups of a 4-bit float (e2m1) format ``fmt`` checked, for the MXFP4 and NVFP4
+    readers: each group's format, weights (4-bit float, ``grouping(where, strategy, group_size)``
+    raising on the scheme's grouping, symmetric, stored, scale dtype in ``scale_dtypes``), input
+    activations a JSON object (dynamic unless ``static_acts``), no output activations; every group
+    quantizing activations alike. -> the one input-activations object, or None. ``label``: the
+    scheme in messages ("MXFP4"); ``other_formats``: formats refused with their own reason."""
+    acts = set()
+    first = None
+    for gname, g in config_groups(qc).items():
+        where = f"config group {gname!r}"
+        f = g.get("format") or qc.get("format")
+        if other_formats and f in other_formats:
+            raise SourceError(f"{where} has format {f!r}: {other_formats[f]}; this reader reads {fmt!r}")
+        if f != fmt:
+            raise SourceError(f"{where} has format {f!r}: this reader reads {fmt!r} ({label})")
+        w = g.get("weights") or {}
+        if not isinstance(w, dict):
+            raise SourceError(f"{where} weights is {type(w).__name__} {w!r:.60}: the weights' quantization args are a JSON object")
+        bits, typ = w.get("num_bits"), w.get("type")
+        if (bits, typ) != (4, "float"):
+            raise SourceError(f"{where} weights num_bits={bits!r}, type={typ!r}: {label} weights are 4-bit float (e2m1)")
+        grouping(where, ct_strategy(w), w.get("group_size"))
+        if w.get("symmetric") is False:
+            raise SourceError(f"{where} weights symmetric=False: {label} weights have no zero point")
+        if w.get("dynamic") not in (False, None):
+            raise SourceError(f"{where} has dynamic weights: weights must be stored quantized")
+        sd = w.get("scale_dtype")
+        if sd not in (None, *scale_dtypes):
+            raise SourceError(f"{where} weights scale_dtype={sd!r}: {scale_words}")
+        a = g.get("input_activations")
+        if a is not None and not isinstance(a, dict):
+            raise SourceError(f"{where} input_activations is {type(a).__name__} {a!r:.60}: a JSON object or null")
+        if a and not static_acts and a.get("dynamic") not in (True, "local"):
+            raise SourceError(f"{where} input_activations={a}: static activation scales are not supported (moepack runs the "
+                              "activations in 16 bits; dynamic ones are fine)")  # fmt: skip
+        if g.get("output_activations"):
+            raise SourceError(f"{where} quantizes output activations: not supported")
+        this = dict(a) if a else None
+        acts.add(repr(this))
+        first = this if len(acts) == 1 else first
+    if len(acts) > 1:
+        raise SourceError(f"config groups quantize activations differently ({sorted(acts)}): one activation mode per checkpoint")
+    return first
+
+
+def check_float_router(view, s: LayerSpec) -> None:
+    """A quantized checkpoint's router (weight, bias) and shared-expert gate stay in float."""
+    for key in ("weight", "bias"):
+        rn = s.router.get(key)
+        if rn and view.info(rn).dtype_str not in FLOAT_DTYPES:
+            raise SourceError(f"router tensor {rn!r} has dtype {view.info(rn).dtype_str}: the router must stay in float")
+    if s.shared.get("gate") and view.info(s.shared["gate"]).dtype_str not in FLOAT_DTYPES:
+        raise SourceError(f"tensor {s.shared['gate']!r} is quantized: the shared-expert gate must stay in float")
 
 
 def _check_config(qc: dict) -> str | None:
@@ -152,12 +211,7 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
             ]
             for sn in s.shared["scales"]:
                 _read_scale(ckpt, sn)
-        for key in ("weight", "bias"):
-            rn = s.router.get(key)
-            if rn and ckpt.info(rn).dtype_str not in FLOAT_DTYPES:
-                raise SourceError(f"router tensor {rn!r} has dtype {ckpt.info(rn).dtype_str}: the router must stay in float")
-        if s.shared.get("gate") and ckpt.info(s.shared["gate"]).dtype_str not in FLOAT_DTYPES:
-            raise SourceError(f"tensor {s.shared['gate']!r} is quantized: the shared-expert gate must stay in float")
+        check_float_router(ckpt, s)
     return specs
 
 
@@ -273,3 +327,39 @@ def read_shared_q(ckpt: Checkpoint, s: LayerSpec):
 
 
 __all__ = ["SCHEME", "detect", "layers", "read_layer", "read_expert_canonical", "read_shared_canonical"]
+
+
+# --------------------------------------------------------------------------- carried Linears
+
+
+def _linears(view, qc: dict) -> dict:
+    """The int-quantized Linears: I8 ``weight`` + ``weight_scale`` [N, 1] (one scale per channel)."""
+    out = {}
+    for name, ti in view.tensors.items():
+        if not name.endswith(".weight") or ti.dtype_str != "I8":
+            continue
+        p, s, n, k = weight_and_scale(view, name, ti)
+        symmetric_scales(view, p, name, ti)
+        sti = view.info(s)
+        if tuple(sti.shape) not in ((n, 1), (n,)):
+            raise SourceError(f"tensor {s!r} has shape {list(sti.shape)}: expected [{n}, 1] (one scale per output channel of {name!r})")
+        out[p] = CarriedLinear(p, "int8", n, k, {"weight": name, "scale": s})
+    return out
+
+
+def symmetric_scales(view, p: str, name: str, ti) -> None:
+    """A compressed-tensors int8 / FP8 Linear: symmetric, without act-order, float scales."""
+    for extra in (".weight_zero_point", ".weight_g_idx"):
+        if p + extra in view.tensors:
+            raise SourceError(f"tensor {p + extra!r} is present: moepack reads symmetric {ti.dtype_str} weights without act-order")
+    s = f"{p}.weight_scale"
+    if view.info(s).dtype_str not in FLOAT_DTYPES:
+        raise SourceError(f"tensor {s!r} has dtype {view.info(s).dtype_str}: scales must be BF16, F16 or F32")
+
+
+def _values(view, lin, dequant: bool = True) -> torch.Tensor | None:
+    s = check_scales(lin.tensors["scale"], view.read(lin.tensors["scale"]))
+    return view.read(lin.tensors["weight"]).float() * s.reshape(-1, 1) if dequant else None
+
+
+register_linears("int8", _values, LinearFinder(("compressed-tensors",), _linears, order=3, ct_formats=("int-quantized",)))

@@ -21,7 +21,8 @@ from ..errors import SourceError
 from .checkpoint import Checkpoint
 from .compressed_tensors import config_groups, ct_strategy
 from .dense import FLOAT_DTYPES
-from .int4_common import Int4Format, Int4Reader, QLinear, QModule, check_dtype, check_scales, check_shape, quantization_config, unpack_nibbles
+from .linears import LinearFinder, register_linears
+from .int4_common import int4_linears, int4_values, Int4Format, Int4Reader, QLinear, QModule, check_dtype, check_scales, check_shape, quantization_config, unpack_nibbles
 
 NAME = "compressed-tensors-pack-quantized"
 SOURCE_NOTE = "compressed-tensors pack-quantized 4-bit (int4 codes with group or channel scales, optional zero points)"
@@ -172,3 +173,16 @@ READER = Int4Reader(FORMAT)
 SCHEME = READER.scheme
 
 __all__ = ["NAME", "SOURCE_NOTE", "SCHEME", "FORMAT", "READER", "config"]
+
+
+def _linears(view, qc: dict) -> dict:
+    """The pack-quantized (I32 ``weight_packed``) Linears, in their config groups' words."""
+    if not any(n.endswith(".weight_packed") for n in view.tensors):
+        return {}
+    groups = {gn: g for gn, g in (qc.get("config_groups") or {}).items() if (g.get("format") or qc.get("format")) == FORMAT_NAME}
+    cfg = {"format": FORMAT_NAME, "groups": [_check_group(gn, g, FORMAT_NAME) for gn, g in groups.items()]}
+    return int4_linears(view, FORMAT, ".weight_packed", cfg)
+
+
+# after the FP4 finders (their U8 weight_packed claimed), before int8 / FP8 weights
+register_linears("int4", int4_values, LinearFinder(("compressed-tensors",), _linears, order=2, ct_formats=(FORMAT_NAME,)))

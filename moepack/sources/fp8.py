@@ -49,9 +49,11 @@ from ..errors import SourceError
 from ..schemes.fp8.facts import Fp8Facts
 from ..schemes.fp8.quantize import dequantize_fp8
 from .checkpoint import Checkpoint
-from .compressed_tensors import config_groups, ct_strategy, quantization_config
+from .compressed_tensors import check_float_router, config_groups, ct_strategy, quantization_config, symmetric_scales
 from .fp8_codec import E4M3_LARGEST, check_fp8_codes
-from .int4_common import check_scales
+from . import fp8_codec
+from .int4_common import check_scales, expand_groups
+from .linears import CarriedLinear, LinearFinder, ct_group, register_linears, weight_and_scale
 from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, mtp_skipped, read_biases as dense_read_biases
 
 SCHEME = "fp8_block"
@@ -234,7 +236,7 @@ def _module_of(weight: str) -> str:
     return weight[: -len(".weight")]
 
 
-def _names_module(key: str, module: str) -> bool:
+def names_module(key: str, module: str) -> bool:
     """Whether a ``modules_to_not_convert`` / ``ignored_layers`` entry names ``module``, as
     transformers 5 reads them: the whole name or a dotted suffix of it ("lm_head",
     "experts.3.down_proj"), or a regex matching from the start up to a module boundary
@@ -254,7 +256,7 @@ def _names_module(key: str, module: str) -> bool:
 def _left_in_float(cfg: _Cfg, module: str) -> str | None:
     """The config entry that leaves ``module`` unquantized, or None."""
     for key in cfg.not_converted:
-        if _names_module(key, module):
+        if names_module(key, module):
             return key
     return ignore_entry(cfg.ignore, module)
 
@@ -360,12 +362,7 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
         if s.activation == "swigluoai":  # gpt-oss, linearized: gate/up de-interleaved; re-interleave
             s.interleaved = True
         facts = Fp8Facts(cfg.strategy, cfg.block, sdt, cfg.format, cfg.input_activations)
-        for key in ("weight", "bias"):
-            rn = s.router.get(key)
-            if rn and view.info(rn).dtype_str not in FLOAT_DTYPES:
-                raise SourceError(f"router tensor {rn!r} has dtype {view.info(rn).dtype_str}: the router must stay in float")
-        if s.shared.get("gate") and view.info(s.shared["gate"]).dtype_str not in FLOAT_DTYPES:
-            raise SourceError(f"tensor {s.shared['gate']!r} is quantized: the shared-expert gate must stay in float")
+        check_float_router(view, s)
         if s.shared and view.info(s.shared["gate_proj"]).dtype_str == FP8:
             scales, sdt2 = [], None
             for p in ("gate_proj", "up_proj", "down_proj"):
@@ -510,3 +507,104 @@ def read_shared(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor, torch.Ten
 
 __all__ = ["SCHEME", "detect_block_fp8", "detect_float_quantized", "layers", "read_layer", "read_expert_canonical", "read_shared_canonical",
            "read_expert_w13", "read_expert_w2", "read_biases", "read_shared", "config"]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- carried Linears
+
+
+def _ct_rule(name: str, g: dict | None, n: int, k: int) -> tuple:
+    w = (g or {}).get("weights") or {}
+    strat = w.get("strategy")
+    if strat == "block":
+        bs = w.get("block_structure")
+        if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(x, int) and x > 0 for x in bs)):
+            raise SourceError(f"tensor {name!r}: its config group has strategy 'block' with block_structure={bs!r}: expected [bn, bk]")
+        return ("block", bs[0], bs[1])
+    if strat == "group":
+        gs = w.get("group_size")
+        if not isinstance(gs, int) or gs <= 0:
+            raise SourceError(f"tensor {name!r}: its config group has strategy 'group' with group_size={gs!r}")
+        return ("group", gs)
+    if strat in ("channel", "tensor"):
+        return (strat,)
+    raise SourceError(f"tensor {name!r}: its config group's weights strategy is {strat!r}: an FP8 weight needs tensor, channel, "
+                      "group or block scales")  # fmt: skip
+
+
+def _ct_linears(view, qc: dict) -> dict:
+    """The compressed-tensors float-quantized Linears: FP8 ``weight`` + ``weight_scale``, the
+    scale's strategy from the Linear's config group (tensor, channel, group or block)."""
+    out = {}
+    for name, ti in view.tensors.items():
+        if not name.endswith(".weight") or ti.dtype_str not in fp8_codec.FP8_DTYPES:
+            continue
+        p, s, n, k = weight_and_scale(view, name, ti)
+        symmetric_scales(view, p, name, ti)
+        sti = view.info(s)
+        rule = _ct_rule(name, ct_group(qc, p), n, k)
+        want = {"tensor": [(1,), ()], "channel": [(n, 1), (n,)]}.get(rule[0])
+        if rule[0] == "block":
+            want = [fp8_codec.block_grid(n, k, rule[1:])]
+        elif rule[0] == "group":
+            want = [(n, -(-k // rule[1]))]
+        if tuple(sti.shape) not in want:
+            raise SourceError(f"tensor {s!r} has shape {list(sti.shape)}: expected {list(want[0])} ({rule[0]} scales of {name!r} [{n}, {k}])")
+        out[p] = CarriedLinear(p, "fp8", n, k, {"weight": name, "scale": s}, scale_rule=rule)
+    return out
+
+
+def _block_linears(view, qc: dict) -> dict:
+    """DeepSeek / Qwen FP8 Linears: FP8 ``weight`` + ``weight_scale_inv`` [ceil(N/bn), ceil(K/bk)]
+    (``weight_block_size`` [bn, bk]; null: one scale per tensor)."""
+    bs = qc.get("weight_block_size", [128, 128])  # transformers: absent = [128, 128], null = per tensor
+    if bs is not None and not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in bs)):
+        raise SourceError(f"quantization_config.weight_block_size={bs!r}: expected [block_n, block_k], two positive integers")
+    fmt = qc.get("scale_fmt")
+    if fmt not in (None, "float", "ue8m0"):
+        raise SourceError(f"quantization_config.scale_fmt={fmt!r}: moepack reads 'float' or 'ue8m0' FP8 scales")
+    out = {}
+    for name, ti in view.tensors.items():
+        if not name.endswith(".weight") or ti.dtype_str not in fp8_codec.FP8_DTYPES:
+            continue
+        p, s, n, k = weight_and_scale(view, name, ti, ".weight_scale_inv", "every FP8 weight has a scale_inv (FORMATS.md §4)")
+        sti = view.info(s)
+        if sti.dtype_str not in (*FLOAT_DTYPES, "F8_E8M0"):
+            raise SourceError(f"tensor {s!r} has dtype {sti.dtype_str}: FP8 scales must be F32, BF16, F16 (or E8M0)")
+        if bs is None:
+            if tuple(sti.shape) not in ((), (1,)):
+                raise SourceError(f"tensor {s!r} has shape {list(sti.shape)}: with weight_block_size null a scale_inv is one value per tensor")
+            rule = ("tensor",)
+        else:
+            rule = ("block", bs[0], bs[1])
+            want = fp8_codec.block_grid(n, k, bs)
+            if tuple(sti.shape) != want:
+                raise SourceError(f"tensor {s!r} has shape {list(sti.shape)}: expected {list(want)} "
+                                  f"(ceil(N={n} / {bs[0]}), ceil(K={k} / {bs[1]}) blocks of {name!r})")  # fmt: skip
+        out[p] = CarriedLinear(p, "fp8", n, k, {"weight": name, "scale": s}, scale_rule=rule)
+    return out
+
+
+def _linear_values(view, lin, dequant: bool = True) -> torch.Tensor | None:
+    wn, sn = lin.tensors["weight"], lin.tensors["scale"]
+    codes = view.read(wn)
+    fp8_codec.check_fp8_codes(wn, codes)
+    raw = view.read(sn)
+    if raw.dtype == getattr(torch, "float8_e8m0fnu", None):
+        raw = raw.float()  # E8M0: powers of two (0xFF = NaN is refused below)
+    rule, n, k = lin.scale_rule, lin.n, lin.k
+    if rule[0] == "block":
+        s = fp8_codec.check_block_scales(sn, raw, n, k, rule[1:])
+        return fp8_codec.dequantize_block(codes, s, rule[1:]) if dequant else None
+    s = check_scales(sn, raw, fp8_codec.E4M3_LARGEST, "e4m3fn's largest code")
+    if not dequant:
+        return None
+    v = fp8_codec.decode_fp8(codes)
+    if rule[0] == "tensor":
+        return v * s.reshape(())
+    if rule[0] == "channel":
+        return v * s.reshape(n, 1)
+    return v * expand_groups(s.reshape(n, -1), rule[1], k)
+
+
+register_linears("fp8", _linear_values, LinearFinder(("fp8",), _block_linears),
+                 LinearFinder(("compressed-tensors",), _ct_linears, order=3, ct_formats=("float-quantized",)))

@@ -26,7 +26,8 @@ import torch
 from ..errors import SourceError
 from .checkpoint import Checkpoint
 from .dense import FLOAT_DTYPES
-from .int4_common import Int4Format, Int4Reader, QLinear, QModule, check_dtype, check_scales, check_shape, check_sym, check_zeros, quantization_config, unpack_nibbles
+from .linears import LinearFinder, register_linears
+from .int4_common import int4_linears, int4_values, Int4Format, Int4Reader, QLinear, QModule, check_dtype, check_scales, check_shape, check_sym, check_zeros, quantization_config, unpack_nibbles
 
 NAME = "gptq"
 SOURCE_NOTE = "GPTQ 4-bit (int4 codes with group scales and zero points, 16-bit activations)"
@@ -34,7 +35,7 @@ _FORMATS = {"gptq": "gptq", "gptq_v2": "gptq_v2"}
 _OTHER_FORMATS = {"marlin", "bitblas", "gptq_p", "qqq", "gguf", "fp8", "exl3", "awq", "ipex", "exllama", "exllamav2"}
 
 
-def _synonym(qc: dict, where: str, *keys):
+def synonym(qc: dict, where: str, *keys):
     """(key, value) of the first of ``keys`` set in ``qc``; two synonyms that disagree are refused."""
     found = [(k, qc[k]) for k in keys if qc.get(k) is not None]
     for k, v in found[1:]:
@@ -62,8 +63,8 @@ def _merged_config(ckpt: Checkpoint) -> tuple[dict, str]:
         method = qc.get("quant_method") or qc.get("method")
         if method == "gptq":
             for keys in (("bits", "w_bit"), ("group_size", "q_group_size"), ("sym",), ("desc_act",), ("format", "checkpoint_format")):
-                a = _synonym(qc, "config.json quantization_config", *keys)
-                b = _synonym(extra, "quantize_config.json", *keys)
+                a = synonym(qc, "config.json quantization_config", *keys)
+                b = synonym(extra, "quantize_config.json", *keys)
                 if a[1] is not None and b[1] is not None and a[1] != b[1]:
                     raise SourceError(
                         f"config.json quantization_config.{a[0]}={a[1]!r} but quantize_config.json {b[0]}={b[1]!r}: they must agree"
@@ -81,17 +82,17 @@ def config(ckpt: Checkpoint) -> dict:
         method = "gptq"  # AutoGPTQ's own file
     if method != "gptq":
         raise SourceError(f"quant_method={method!r}, not 'gptq'")
-    kb, bits = _synonym(qc, where, "bits", "w_bit")
+    kb, bits = synonym(qc, where, "bits", "w_bit")
     if bits == 8:
         raise SourceError(f"{where}.{kb}=8: 8-bit GPTQ weights with 16-bit activations: not supported yet (moepack reads 4-bit GPTQ)")
     if bits != 4:
         raise SourceError(f"{where}.{kb}={bits!r}: moepack reads 4-bit GPTQ only (2-, 3- and 8-bit GPTQ are not supported)")
-    kf, fmt = _synonym(qc, where, "format", "checkpoint_format")
+    kf, fmt = synonym(qc, where, "format", "checkpoint_format")
     fmt = "gptq" if fmt is None else str(fmt).lower()
     if fmt not in _FORMATS:
         extra = " (a kernel-specific repacking of GPTQ)" if fmt in _OTHER_FORMATS else ""
         raise SourceError(f"{where}.{kf}={fmt!r}{extra}: moepack reads GPTQ format 'gptq' (v1) or 'gptq_v2'")
-    kg, g = _synonym(qc, where, "group_size", "q_group_size")
+    kg, g = synonym(qc, where, "group_size", "q_group_size")
     if g is None:
         g = -1  # AutoGPTQ's default
     if not isinstance(g, int) or isinstance(g, bool) or not (g == -1 or g > 0):
@@ -180,3 +181,6 @@ READER = Int4Reader(FORMAT)
 SCHEME = READER.scheme
 
 __all__ = ["NAME", "SOURCE_NOTE", "SCHEME", "FORMAT", "READER", "config"]
+
+# the quantized Linears outside the experts (attention, dense MLPs) that convert carries
+register_linears("int4", int4_values, LinearFinder(("gptq",), lambda view, qc: int4_linears(view, FORMAT, ".qweight", config(view))))

@@ -53,6 +53,7 @@ from ..errors import SourceError
 from ..schemes.int4.facts import Int4Facts
 from .checkpoint import Checkpoint, TensorInfo
 from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, read_biases as dense_read_biases
+from .linears import CarriedLinear
 
 SCHEME = "int4_group"
 INT4 = "I4"  # LayerSpec.dtype of 4-bit experts (safetensors has no such dtype: the codes are packed in I32)
@@ -510,3 +511,28 @@ class Int4Reader:
 
 
 __all__ = ["SCHEME", "INT4", "QModule", "QLinear", "Int4Format", "Int4Reader", "unpack_nibbles", "pack_nibbles", "dequantize"]
+
+
+# --------------------------------------------------------------------------- carried Linears
+
+
+def int4_linears(view, fmt: Int4Format, main_suffix: str, cfg: dict) -> dict:
+    """The int4 Linears of one int4 format among ``view``'s tensors (its ``scan``), as carried
+    Linears of codec "int4" (moepack/sources/linears.py)."""
+    if not any(n.endswith(main_suffix) for n in view.tensors):
+        return {}
+    return {p: CarriedLinear(p, "int4", m.n, m.k, dict(m.tensors), fmt, m, cfg) for p, m in fmt.scan(view, cfg).items()}
+
+
+def int4_values(view, lin, dequant: bool = True) -> torch.Tensor | None:
+    """A carried int4 Linear's value checks (the format's ``decode``: scales, zero points, g_idx)
+    and, when ``dequant``, its fp32 [N, K] weight."""
+    m = lin.mod
+    ql = lin.fmt.decode(view, m, lin.cfg)  # checks scales, zero points (range, symmetry)
+    _, g_idx = decode_g_idx(m.tensors.get("g_idx", m.main), lin.fmt.read_g_idx(view, m), m.k, m.group_size, m.ngroups)
+    if not dequant:
+        return None
+    if g_idx is None:
+        return dequantize(ql.q, ql.scale, ql.zero, m.group_size)
+    g = g_idx.long()
+    return (ql.q.float() - ql.zero.float()[:, g]) * ql.scale[:, g]

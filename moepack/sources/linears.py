@@ -12,21 +12,22 @@ int4_common.check_*, decode_g_idx, the format's ``decode``; fp8_codec). convert 
 before it writes anything; ``load_model`` dequantizes them to float32 (then the model dtype) when
 it builds the model.
 
-Codecs, by ``quantization_config.quant_method`` (docs/FORMATS.md):
+Formats register themselves (``register_linears``): each reader module declares the codec of
+its Linears (``values``: the value checks and dequantization) and the finders of the
+``quant_method`` values it reads (``LinearFinder``), so this module names no format. A finder sees
+the view less the tensors the finders of the same method before it claimed (compressed-tensors:
+mxfp4, nvfp4, pack-quantized int4, then int8 and FP8 weights). Where each lives (docs/FORMATS.md):
 
-* ``gptq`` (§1: qweight/qzeros/scales/g_idx, v1 "+1" and v2, act-order) and ``awq`` (§2: GEMM,
-  interleaved nibbles): the format module's ``scan`` + ``decode`` (codec "int4");
+* ``gptq`` / ``awq`` / compressed-tensors ``pack-quantized`` (§1-§3): int4_common.py's
+  ``int4_linears`` and ``int4_values``, registered by gptq.py, awq.py, ct_pack_quantized.py;
   ``W[n, k] = (q[n, k] - zero[n, g(k)]) * scale[n, g(k)]`` with g = g_idx (act-order) or k // G.
-* ``compressed-tensors`` (§3), by tensor: ``weight_packed`` (pack-quantized: codec "int4"
-  through ct_pack_quantized), int8 ``weight`` + ``weight_scale [N, 1]`` (int-quantized: "int8"),
-  FP8 ``weight`` + ``weight_scale`` (float-quantized: "fp8", the scale's strategy from the
-  Linear's config group: tensor, channel, group or block), U8 ``weight_packed`` + e8m0
-  ``weight_scale`` (mxfp4-pack-quantized: "mxfp4", decoded by moepack.schemes.mxfp4.codec;
-  ``W = e2m1(q) * 2^(e - 127)``, e = 255 refused).
-* ``mxfp4`` (§5, gpt-oss): only the experts are MXFP4 (the reader packs them); every other
-  Linear is float, so there is nothing to find.
-* ``fp8`` (§4, DeepSeek / Qwen FP8): FP8 ``weight`` + ``weight_scale_inv``
-  ``[ceil(N/bn), ceil(K/bk)]`` with ``weight_block_size`` [bn, bk] (codec "fp8").
+* compressed-tensors int-quantized (int8 ``weight`` + ``weight_scale [N, 1]``): compressed_tensors.py.
+* compressed-tensors float-quantized and ``fp8`` (§3, §4: DeepSeek / Qwen FP8 ``weight_scale_inv``
+  ``[ceil(N/bn), ceil(K/bk)]``): fp8.py.
+* compressed-tensors ``mxfp4-pack-quantized`` (U8 ``weight_packed`` + e8m0 ``weight_scale``,
+  ``W = e2m1(q) * 2^(e - 127)``, e = 255 refused): mxfp4.py. gpt-oss ``mxfp4`` (§5) quantizes only
+  the experts, so there is nothing to find.
+* compressed-tensors ``nvfp4-pack-quantized`` and ModelOpt NVFP4: nvfp4.py.
 
 A view is anything with ``path``, ``config`` (config.json as a dict), ``tensors`` (name ->
 TensorInfo-like: ``dtype_str``, ``shape``), ``info(name)`` and ``read(name)``: a Checkpoint
@@ -37,14 +38,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from ..errors import SourceError
-from . import fp8_codec
 from .checkpoint import TensorInfo
 from .dense import FLOAT_DTYPES, text_config
-from .int4_common import Int4Format, QModule, check_scales, decode_g_idx, dequantize, expand_groups
 
 _TORCH_TO_ST = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64", "int8": "I8", "uint8": "U8",
                 "int16": "I16", "int32": "I32", "int64": "I64", "bool": "BOOL", "float8_e4m3fn": "F8_E4M3",
@@ -60,8 +60,8 @@ class CarriedLinear:
     n: int
     k: int
     tensors: dict = field(default_factory=dict)  # role -> tensor name
-    fmt: Int4Format | None = None  # int4: the source format's scan/decode
-    mod: QModule | None = None
+    fmt: object = None  # int4: the source format's scan/decode (int4_common.Int4Format)
+    mod: object = None  # int4: its int4_common.QModule
     cfg: dict | None = None
     scale_rule: tuple = ()  # fp8: ("block", bn, bk) | ("tensor",) | ("channel",) | ("group", G)
 
@@ -118,19 +118,44 @@ def _method(view) -> str | None:
     return qc.get("quant_method") or qc.get("method")
 
 
-# --------------------------------------------------------------------------- discovery
+# --------------------------------------------------------------------------- the registry
 
 
-def _int4(view, fmt: Int4Format, main_suffix: str, cfg: dict) -> dict[str, CarriedLinear]:
-    if not any(n.endswith(main_suffix) for n in view.tensors):
-        return {}
-    out = {}
-    for p, m in fmt.scan(view, cfg).items():
-        out[p] = CarriedLinear(p, "int4", m.n, m.k, dict(m.tensors), fmt, m, cfg)
-    return out
+@dataclass(frozen=True)
+class LinearFinder:
+    """Finds the quantized Linears of the ``quant_method`` values in ``methods`` ("modelopt" also
+    for a checkpoint with an hf_quant_config.json): ``find(view, quantization_config dict) ->
+    {prefix: CarriedLinear}`` (headers only; a malformed one is a SourceError naming the tensor).
+    Among one method's finders the lower ``order`` runs first; ``ct_formats``: the
+    compressed-tensors formats it reads."""
+
+    methods: tuple[str, ...]
+    find: Callable
+    order: int = 0
+    ct_formats: tuple[str, ...] = ()
 
 
-def _ct_group(qc: dict, prefix: str) -> dict | None:
+_FINDERS: list[LinearFinder] = []
+_VALUES: dict[str, Callable] = {}
+
+
+def register_linears(codec: str | None, values: Callable | None, *finders: LinearFinder) -> None:
+    """A reader module's Linears: ``values(view, lin, dequant) -> fp32 [N, K] or None`` for the
+    Linears of ``codec`` (the value checks, then the dequantization when ``dequant``), and the
+    finders that produce them (a module may register finders for a codec another registered)."""
+    if codec is not None:
+        if codec in _VALUES and _VALUES[codec] is not values:
+            raise ValueError(f"carried-Linear codec {codec!r} registered twice")
+        _VALUES[codec] = values
+    _FINDERS.extend(finders)
+
+
+def ct_formats() -> tuple[str, ...]:
+    """The compressed-tensors formats whose Linears a registered finder reads."""
+    return tuple(f for x in _FINDERS for f in x.ct_formats)
+
+
+def ct_group(qc: dict, prefix: str) -> dict | None:
     """The raw config group whose targets match module ``prefix`` (exact name, "re:" regex, then
     the class "Linear"), as compressed-tensors ranks them; None when no group matches."""
     groups = list((qc.get("config_groups") or {}).values())
@@ -144,6 +169,11 @@ def _ct_group(qc: dict, prefix: str) -> dict | None:
     return None
 
 
+def ct_group_format(qc: dict, prefix: str):
+    """The compressed-tensors format of module ``prefix``: its config group's, else the config's."""
+    return (ct_group(qc, prefix) or {}).get("format") or qc.get("format")
+
+
 def _re_match(pattern: str, name: str, target: str):
     try:
         return re.match(pattern, name)
@@ -152,178 +182,34 @@ def _re_match(pattern: str, name: str, target: str):
                           "compressed-tensors reads 're:' targets as regexes") from None
 
 
-def _ct_fp8_rule(name: str, g: dict | None, n: int, k: int) -> tuple:
-    w = (g or {}).get("weights") or {}
-    strat = w.get("strategy")
-    if strat == "block":
-        bs = w.get("block_structure")
-        if not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(x, int) and x > 0 for x in bs)):
-            raise SourceError(f"tensor {name!r}: its config group has strategy 'block' with block_structure={bs!r}: expected [bn, bk]")
-        return ("block", bs[0], bs[1])
-    if strat == "group":
-        gs = w.get("group_size")
-        if not isinstance(gs, int) or gs <= 0:
-            raise SourceError(f"tensor {name!r}: its config group has strategy 'group' with group_size={gs!r}")
-        return ("group", gs)
-    if strat in ("channel", "tensor"):
-        return (strat,)
-    raise SourceError(f"tensor {name!r}: its config group's weights strategy is {strat!r}: an FP8 weight needs tensor, channel, "
-                      "group or block scales")  # fmt: skip
-
-
-def _ct_mxfp4(view, qc: dict) -> dict[str, CarriedLinear]:
-    """The compressed-tensors ``mxfp4-pack-quantized`` Linears: ``weight_packed`` U8 [N, K/2] (two
-    e2m1 codes a byte, low nibble first) + ``weight_scale`` e8m0 [N, ceil(K/32)] (FORMATS.md §3.4)."""
-    from .mxfp4 import CT_FORMAT
-
-    out = {}
-    for name, ti in view.tensors.items():
-        if not name.endswith(".weight_packed") or ti.dtype_str != "U8":
-            continue
-        p = name[: -len(".weight_packed")]
-        g = _ct_group(qc, p)
-        fmt = (g or {}).get("format") or qc.get("format")
-        if fmt == "nvfp4-pack-quantized":  # _nvfp4 finds these
-            continue
-        if fmt != CT_FORMAT:
-            raise SourceError(f"tensor {name!r} is U8 (packed FP4) but its config group's format is {fmt!r}: moepack reads "
-                              f"FP4 Linears as {CT_FORMAT!r} or 'nvfp4-pack-quantized'")  # fmt: skip
-        if len(ti.shape) != 2:
-            raise SourceError(f"tensor {name!r} has shape {list(ti.shape)}: expected a 2-D [N, K/2] weight")
-        n, k = ti.shape[0], 2 * ti.shape[1]
-        s = f"{p}.weight_scale"
-        if s not in view.tensors:
-            raise SourceError(f"tensor {name!r} is MXFP4 but {s!r} is missing: MXFP4 codes need their e8m0 scales")
-        sti = view.info(s)
-        if sti.dtype_str not in ("U8", "F8_E8M0"):
-            raise SourceError(f"tensor {s!r} has dtype {sti.dtype_str}: MXFP4 scales are e8m0 bytes (U8)")
-        want = (n, -(-k // 32))
-        if tuple(sti.shape) != want:
-            raise SourceError(f"tensor {s!r} has shape {list(sti.shape)}: expected {list(want)} (one e8m0 scale per 32 K values "
-                              f"of {name!r} [N={n}, K/2={k // 2}])")  # fmt: skip
-        for extra in (".weight_global_scale", ".weight_zero_point"):
-            if p + extra in view.tensors:
-                raise SourceError(f"tensor {p + extra!r} is present: MXFP4 has neither a global scale (NVFP4's) nor a zero point")
-        out[p] = CarriedLinear(p, "mxfp4", n, k, {"weight": name, "scale": s})
-    return out
-
-
-def _nvfp4(view, fmt: str, qc: dict | None = None) -> dict[str, CarriedLinear]:
-    """The NVFP4 Linears (compressed-tensors ``nvfp4-pack-quantized``: U8 ``weight_packed``, F8_E4M3
-    ``weight_scale`` [N, K/16], F32 ``weight_global_scale``; ModelOpt: U8 ``weight``, ``weight_scale``,
-    ``weight_scale_2``; FORMATS.md §3.5, §6), through the expert reader's header checks."""
-    from .nvfp4 import _NAMES, CT_FORMAT, nvfp4_modules
-
-    codes_sfx, glob_sfx, act_sfx = _NAMES[fmt]
-    out = {}
-    for p, (n, k) in nvfp4_modules(view, fmt).items():
-        if qc is not None and ((_ct_group(qc, p) or {}).get("format") or qc.get("format")) != CT_FORMAT:
-            continue
-        t = {"weight": p + codes_sfx, "scale": p + ".weight_scale", "global": p + glob_sfx}
-        if p + act_sfx in view.tensors:
-            t["input_scale"] = p + act_sfx
-        out[p] = CarriedLinear(p, "nvfp4", n, k, t, cfg={"format": fmt})
-    return out
-
-
-def _compressed_tensors(view, qc: dict) -> dict[str, CarriedLinear]:
-    from . import ct_pack_quantized as ctpq
-
-    out = _ct_mxfp4(view, qc)
-    if any(((g or {}).get("format") or qc.get("format")) == "nvfp4-pack-quantized" for g in (qc.get("config_groups") or {}).values()):
-        out.update(_nvfp4(view, "nvfp4-pack-quantized", qc))
-    if out:  # the int4 scan below sees the pack-quantized (I32) Linears only
-        view = CarriedView(view, [n for n in view.tensors if n not in {t for lin in out.values() for t in lin.tensors.values()}])
-    if any(n.endswith(".weight_packed") for n in view.tensors):
-        groups = {gn: g for gn, g in (qc.get("config_groups") or {}).items() if (g.get("format") or qc.get("format")) == ctpq.FORMAT_NAME}
-        cfg = {"format": ctpq.FORMAT_NAME, "groups": [ctpq._check_group(gn, g, ctpq.FORMAT_NAME) for gn, g in groups.items()]}
-        out.update(_int4(view, ctpq.FORMAT, ".weight_packed", cfg))
-    for name, ti in view.tensors.items():
-        if not name.endswith(".weight") or ti.dtype_str not in ("I8", *fp8_codec.FP8_DTYPES):
-            continue
-        p = name[: -len(".weight")]
-        s = f"{p}.weight_scale"
-        if s not in view.tensors:
-            raise SourceError(f"tensor {name!r} is {ti.dtype_str} but {s!r} is missing: a quantized weight needs its scale")
-        if len(ti.shape) != 2:
-            raise SourceError(f"tensor {name!r} has shape {list(ti.shape)}: expected a 2-D [N, K] weight")
-        n, k = ti.shape
-        for extra in (".weight_zero_point", ".weight_g_idx"):
-            if p + extra in view.tensors:
-                raise SourceError(f"tensor {p + extra!r} is present: moepack reads symmetric {ti.dtype_str} weights without act-order")
-        sti = view.info(s)
-        if sti.dtype_str not in FLOAT_DTYPES:
-            raise SourceError(f"tensor {s!r} has dtype {sti.dtype_str}: scales must be BF16, F16 or F32")
-        if ti.dtype_str == "I8":
-            if tuple(sti.shape) not in ((n, 1), (n,)):
-                raise SourceError(f"tensor {s!r} has shape {list(sti.shape)}: expected [{n}, 1] (one scale per output channel of {name!r})")
-            out[p] = CarriedLinear(p, "int8", n, k, {"weight": name, "scale": s})
-        else:
-            rule = _ct_fp8_rule(name, _ct_group(qc, p), n, k)
-            want = {"tensor": [(1,), ()], "channel": [(n, 1), (n,)]}.get(rule[0])
-            if rule[0] == "block":
-                want = [fp8_codec.block_grid(n, k, rule[1:])]
-            elif rule[0] == "group":
-                want = [(n, -(-k // rule[1]))]
-            if tuple(sti.shape) not in want:
-                raise SourceError(f"tensor {s!r} has shape {list(sti.shape)}: expected {list(want[0])} ({rule[0]} scales of {name!r} [{n}, {k}])")
-            out[p] = CarriedLinear(p, "fp8", n, k, {"weight": name, "scale": s}, scale_rule=rule)
-    return out
-
-
-def _fp8(view, qc: dict) -> dict[str, CarriedLinear]:
-    bs = qc.get("weight_block_size", [128, 128])  # transformers: absent = [128, 128], null = per tensor
-    if bs is not None and not (isinstance(bs, list) and len(bs) == 2 and all(isinstance(x, int) and not isinstance(x, bool) and x > 0 for x in bs)):
-        raise SourceError(f"quantization_config.weight_block_size={bs!r}: expected [block_n, block_k], two positive integers")
-    fmt = qc.get("scale_fmt")
-    if fmt not in (None, "float", "ue8m0"):
-        raise SourceError(f"quantization_config.scale_fmt={fmt!r}: moepack reads 'float' or 'ue8m0' FP8 scales")
-    out = {}
-    for name, ti in view.tensors.items():
-        if not name.endswith(".weight") or ti.dtype_str not in fp8_codec.FP8_DTYPES:
-            continue
-        p = name[: -len(".weight")]
-        s = f"{p}.weight_scale_inv"
-        if s not in view.tensors:
-            raise SourceError(f"tensor {name!r} is {ti.dtype_str} but {s!r} is missing: every FP8 weight has a scale_inv (FORMATS.md §4)")
-        if len(ti.shape) != 2:
-            raise SourceError(f"tensor {name!r} has shape {list(ti.shape)}: expected a 2-D [N, K] weight")
-        n, k = ti.shape
-        sti = view.info(s)
-        if sti.dtype_str not in (*FLOAT_DTYPES, "F8_E8M0"):
-            raise SourceError(f"tensor {s!r} has dtype {sti.dtype_str}: FP8 scales must be F32, BF16, F16 (or E8M0)")
-        if bs is None:
-            if tuple(sti.shape) not in ((), (1,)):
-                raise SourceError(f"tensor {s!r} has shape {list(sti.shape)}: with weight_block_size null a scale_inv is one value per tensor")
-            rule = ("tensor",)
-        else:
-            rule = ("block", bs[0], bs[1])
-            want = fp8_codec.block_grid(n, k, bs)
-            if tuple(sti.shape) != want:
-                raise SourceError(f"tensor {s!r} has shape {list(sti.shape)}: expected {list(want)} "
-                                  f"(ceil(N={n} / {bs[0]}), ceil(K={k} / {bs[1]}) blocks of {name!r})")  # fmt: skip
-        out[p] = CarriedLinear(p, "fp8", n, k, {"weight": name, "scale": s}, scale_rule=rule)
-    return out
+def weight_and_scale(view, name: str, ti, scale_suffix: str = ".weight_scale", why: str = "a quantized weight needs its scale"):
+    """(prefix, scale name, N, K) of a 2-D quantized ``weight`` whose scale must be present (the
+    checks every per-tensor-scaled Linear shares; a SourceError naming the tensor otherwise)."""
+    p = name[: -len(".weight")]
+    s = p + scale_suffix
+    if s not in view.tensors:
+        raise SourceError(f"tensor {name!r} is {ti.dtype_str} but {s!r} is missing: {why}")
+    if len(ti.shape) != 2:
+        raise SourceError(f"tensor {name!r} has shape {list(ti.shape)}: expected a 2-D [N, K] weight")
+    return p, s, ti.shape[0], ti.shape[1]
 
 
 def find_linears(view) -> dict[str, CarriedLinear]:
     """Every quantized Linear among ``view``'s tensors, by module prefix (headers only; a malformed
     one is a SourceError naming the tensor). Empty for float checkpoints."""
     method = _method(view)
-    if method in ("gptq", "awq"):
-        from . import awq, gptq
-
-        mod = gptq if method == "gptq" else awq
-        cfg = mod.config(view)
-        return _int4(view, mod.FORMAT, ".qweight", cfg)
+    if method not in ("gptq", "awq", "compressed-tensors") and (view.path / "hf_quant_config.json").is_file():
+        method = "modelopt"
     qc = _qc(view) or {}
-    if method == "compressed-tensors":
-        return _compressed_tensors(view, qc)
-    if method == "modelopt" or (view.path / "hf_quant_config.json").is_file():
-        return _nvfp4(view, "modelopt")
-    if method == "fp8":
-        return _fp8(view, qc)
-    return {}
+    out: dict[str, CarriedLinear] = {}
+    rest = view
+    for f in sorted((f for f in _FINDERS if method in f.methods), key=lambda f: f.order):
+        found = f.find(rest, qc)
+        if found:
+            out.update(found)
+            claimed = {t for lin in found.values() for t in lin.tensors.values()}
+            rest = CarriedView(rest, [n for n in rest.tensors if n not in claimed])
+    return out
 
 
 def tensor_owner(linears: dict[str, CarriedLinear]) -> dict[str, str]:
@@ -334,70 +220,10 @@ def tensor_owner(linears: dict[str, CarriedLinear]) -> dict[str, str]:
 # --------------------------------------------------------------------------- values
 
 
-def _int4_values(view, lin: CarriedLinear, dequant: bool = True) -> torch.Tensor | None:
-    m = lin.mod
-    ql = lin.fmt.decode(view, m, lin.cfg)  # checks scales, zero points (range, symmetry)
-    _, g_idx = decode_g_idx(m.tensors.get("g_idx", m.main), lin.fmt.read_g_idx(view, m), m.k, m.group_size, m.ngroups)
-    if not dequant:
-        return None
-    if g_idx is None:
-        return dequantize(ql.q, ql.scale, ql.zero, m.group_size)
-    g = g_idx.long()
-    return (ql.q.float() - ql.zero.float()[:, g]) * ql.scale[:, g]
-
-
-def _fp8_values(view, lin: CarriedLinear, dequant: bool = True) -> torch.Tensor | None:
-    wn, sn = lin.tensors["weight"], lin.tensors["scale"]
-    codes = view.read(wn)
-    fp8_codec.check_fp8_codes(wn, codes)
-    raw = view.read(sn)
-    if raw.dtype == getattr(torch, "float8_e8m0fnu", None):
-        raw = raw.float()  # E8M0: powers of two (0xFF = NaN is refused below)
-    rule, n, k = lin.scale_rule, lin.n, lin.k
-    if rule[0] == "block":
-        s = fp8_codec.check_block_scales(sn, raw, n, k, rule[1:])
-        return fp8_codec.dequantize_block(codes, s, rule[1:]) if dequant else None
-    s = check_scales(sn, raw, fp8_codec.E4M3_LARGEST, "e4m3fn's largest code")
-    if not dequant:
-        return None
-    v = fp8_codec.decode_fp8(codes)
-    if rule[0] == "tensor":
-        return v * s.reshape(())
-    if rule[0] == "channel":
-        return v * s.reshape(n, 1)
-    return v * expand_groups(s.reshape(n, -1), rule[1], k)
-
-
-def _mxfp4_values(view, lin: CarriedLinear, dequant: bool = True) -> torch.Tensor | None:
-    from ..schemes.mxfp4.codec import dequantize_mxfp4
-    from .mxfp4 import check_e8m0, unpack_e2m1
-
-    sn = lin.tensors["scale"]
-    s = check_e8m0(sn, view.read(sn))
-    if not dequant:
-        return None
-    return dequantize_mxfp4(unpack_e2m1(view.read(lin.tensors["weight"])), s)
-
-
-def _nvfp4_values(view, lin: CarriedLinear, dequant: bool = True) -> torch.Tensor | None:
-    from ..schemes.nvfp4.codec import dequantize_nvfp4
-    from .nvfp4 import nvfp4_linear
-
-    q, s, g = nvfp4_linear(view, lin.prefix, lin.cfg["format"])  # checks the scales and the global
-    return dequantize_nvfp4(q, s, g) if dequant else None
-
-
 def _values(view, lin: CarriedLinear, dequant: bool) -> torch.Tensor | None:
-    if lin.codec == "nvfp4":
-        return _nvfp4_values(view, lin, dequant)
-    if lin.codec == "mxfp4":
-        return _mxfp4_values(view, lin, dequant)
-    if lin.codec == "int4":
-        return _int4_values(view, lin, dequant)
-    if lin.codec == "int8":
-        s = check_scales(lin.tensors["scale"], view.read(lin.tensors["scale"]))
-        return view.read(lin.tensors["weight"]).float() * s.reshape(-1, 1) if dequant else None
-    return _fp8_values(view, lin, dequant)
+    if lin.codec not in _VALUES:
+        raise SourceError(f"Linear {lin.prefix!r}: codec {lin.codec!r} has no registered reader")
+    return _VALUES[lin.codec](view, lin, dequant)
 
 
 def dequantize_linear(view, lin: CarriedLinear) -> torch.Tensor:
@@ -421,5 +247,6 @@ def check_carried(ckpt, names) -> dict[str, CarriedLinear]:
     return lins
 
 
-__all__ = ["CarriedLinear", "CarriedView", "PackedView", "find_linears", "tensor_owner", "dequantize_linear", "check_linear",
+__all__ = ["CarriedLinear", "CarriedView", "PackedView", "LinearFinder", "register_linears", "ct_group", "ct_group_format",
+           "ct_formats", "weight_and_scale", "find_linears", "tensor_owner", "dequantize_linear", "check_linear",
            "check_carried"]  # fmt: skip

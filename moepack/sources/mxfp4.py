@@ -47,9 +47,10 @@ from ..errors import SourceError
 from ..schemes.mxfp4.codec import E8M0_LARGEST, E8M0_NAN, MX4_GROUP, dequantize_mxfp4
 from ..schemes.mxfp4.facts import Mxfp4Facts
 from .checkpoint import Checkpoint, TensorInfo
-from .compressed_tensors import config_groups, ct_strategy, quantization_config
+from .compressed_tensors import fp4_groups, quantization_config
 from .dense import FLOAT_DTYPES, CanonicalLayer, LayerSpec, discover_layers, read_biases as dense_read_biases, text_config
-from .fp8 import _names_module, ignore_entry
+from .fp8 import names_module, ignore_entry
+from .linears import CarriedLinear, LinearFinder, ct_formats, ct_group_format, register_linears
 
 SCHEME = "mxfp4"
 E2M1 = "E2M1"  # LayerSpec.dtype of MXFP4 experts (4-bit e2m1 codes; safetensors stores them packed in U8)
@@ -98,14 +99,14 @@ def check_e8m0(name: str, scale: torch.Tensor, at: tuple = ()) -> torch.Tensor:
     return s
 
 
-def _check_dtype(ckpt, name: str, allowed: set, rule: str) -> TensorInfo:
+def check_dtype(ckpt, name: str, allowed: set, rule: str) -> TensorInfo:
     ti = ckpt.info(name)
     if ti.dtype_str not in allowed:
         raise SourceError(f"tensor {name!r} has dtype {ti.dtype_str}: {rule}")
     return ti
 
 
-def _check_shape(ckpt, name: str, want: tuple, why: str) -> None:
+def check_shape(ckpt, name: str, want: tuple, why: str) -> None:
     got = tuple(ckpt.info(name).shape)
     if got != tuple(want):
         raise SourceError(f"tensor {name!r} has shape {list(got)}: expected {list(want)} ({why})")
@@ -126,48 +127,17 @@ def _gpt_oss_cfg(qc: dict) -> dict:
     return {"format": "gpt_oss", "not_converted": tuple(skip), "ignore": (), "input_activations": None}
 
 
-def _ct_group(gname: str, g: dict, fmt) -> dict:
-    where = f"config group {gname!r}"
-    if fmt in _OTHER_CT_FORMATS:
-        raise SourceError(f"{where} has format {fmt!r}: {_OTHER_CT_FORMATS[fmt]}; this reader reads {CT_FORMAT!r}")
-    if fmt != CT_FORMAT:
-        raise SourceError(f"{where} has format {fmt!r}: this reader reads {CT_FORMAT!r} (MXFP4)")
-    w = g.get("weights") or {}
-    if not isinstance(w, dict):
-        raise SourceError(f"{where} weights is {type(w).__name__} {w!r:.60}: the weights' quantization args are a JSON object")
-    bits, typ, strat, gs = w.get("num_bits"), w.get("type"), ct_strategy(w), w.get("group_size")
-    if (bits, typ) != (4, "float"):
-        raise SourceError(f"{where} weights num_bits={bits!r}, type={typ!r}: MXFP4 weights are 4-bit float (e2m1)")
+def _grouping(where: str, strat, gs) -> None:
     if strat != "group" or gs != MX4_GROUP:
         raise SourceError(f"{where} weights strategy={strat!r}, group_size={gs!r}: MXFP4 has one scale per group of "
                           f"{MX4_GROUP} K values (strategy 'group', group_size {MX4_GROUP})")  # fmt: skip
-    if w.get("symmetric") is False:
-        raise SourceError(f"{where} weights symmetric=False: MXFP4 weights have no zero point")
-    if w.get("dynamic") not in (False, None):
-        raise SourceError(f"{where} has dynamic weights: weights must be stored quantized")
-    sd = w.get("scale_dtype")
-    if sd not in (None, "torch.uint8", "uint8"):
-        raise SourceError(f"{where} weights scale_dtype={sd!r}: MXFP4 scales are e8m0 bytes (torch.uint8)")
-    a = g.get("input_activations")
-    if a is not None and not isinstance(a, dict):
-        raise SourceError(f"{where} input_activations is {type(a).__name__} {a!r:.60}: a JSON object or null")
-    if a and a.get("dynamic") not in (True, "local"):
-        raise SourceError(f"{where} input_activations={a}: static activation scales are not supported (moepack runs the "
-                          "activations in 16 bits; dynamic ones are fine)")  # fmt: skip
-    if g.get("output_activations"):
-        raise SourceError(f"{where} quantizes output activations: not supported")
-    return {"targets": list(g.get("targets") or []), "input_activations": dict(a) if a else None}
 
 
 def _ct_cfg(qc: dict) -> dict:
-    groups = config_groups(qc)
-    parsed = [_ct_group(n, g, g.get("format") or qc.get("format")) for n, g in groups.items()]
-    acts = {repr(p["input_activations"]) for p in parsed}
-    if len(acts) > 1:
-        raise SourceError(f"config groups quantize activations differently ({sorted(acts)}): one activation mode per checkpoint")
-    ignore = qc.get("ignore") or []
-    return {"format": CT_FORMAT, "not_converted": (), "ignore": tuple(str(x) for x in ignore),
-            "input_activations": parsed[0]["input_activations"]}  # fmt: skip
+    acts = fp4_groups(qc, CT_FORMAT, "MXFP4", _grouping, ("torch.uint8", "uint8"), "MXFP4 scales are e8m0 bytes (torch.uint8)",
+                      other_formats=_OTHER_CT_FORMATS, static_acts=False)  # fmt: skip
+    return {"format": CT_FORMAT, "not_converted": (), "ignore": tuple(str(x) for x in qc.get("ignore") or []),
+            "input_activations": acts}  # fmt: skip
 
 
 def config(ckpt: Checkpoint) -> dict:
@@ -219,7 +189,7 @@ def detect_ct(ckpt: Checkpoint) -> tuple[bool, str]:
 def _left_in_float(cfg: dict, module: str) -> str | None:
     """The config entry that leaves ``module`` unquantized, or None."""
     for key in cfg["not_converted"]:
-        if _names_module(key, module):
+        if names_module(key, module):
             return key
     return ignore_entry(cfg["ignore"], module)
 
@@ -227,7 +197,7 @@ def _left_in_float(cfg: dict, module: str) -> str | None:
 # --------------------------------------------------------------------------- views for discover_layers
 
 
-class _View:
+class HeaderView:
     """The checkpoint as discover_layers sees it: every MXFP4 weight appears as a stand-in tensor
     of dtype E2M1 and its logical shape (``stand``: name -> (real tensor, shape)); the packed
     tensors are hidden."""
@@ -274,7 +244,7 @@ def claim_expert_modules(s: LayerSpec, rule: str, what: str, tag: str, flavour: 
     s.expert_tensors = sorted(set(s.expert_tensors) - stand | set(used))
 
 
-def _discover(ckpt, view, rule: str, stand: dict, what: str = "MXFP4", tag: str = E2M1) -> list[LayerSpec]:
+def discover_experts(ckpt, view, rule: str, stand: dict, what: str = "MXFP4", tag: str = E2M1) -> list[LayerSpec]:
     try:
         return discover_layers(view, (FLOAT_DTYPES | {tag}, rule))
     except SourceError as err:  # name the real tensors, not the view's stand-ins
@@ -284,7 +254,7 @@ def _discover(ckpt, view, rule: str, stand: dict, what: str = "MXFP4", tag: str 
         raise SourceError(msg) from None
 
 
-def _check_router(view, s: LayerSpec) -> None:
+def check_router(view, s: LayerSpec) -> None:
     for key in ("weight", "bias"):
         rn = s.router.get(key)
         dt = view.info(rn).dtype_str if rn else None
@@ -325,15 +295,15 @@ def _gpt_oss_layers(ckpt: Checkpoint, cfg: dict) -> list[LayerSpec]:
                                   "experts store both gate_up_proj and down_proj as blocks")  # fmt: skip
         gb, db = w["gate_up_proj"], w["down_proj"]
         for b in (gb, db):
-            ti = _check_dtype(ckpt, b, {"U8"}, "gpt-oss MXFP4 blocks are U8, two e2m1 codes a byte")
+            ti = check_dtype(ckpt, b, {"U8"}, "gpt-oss MXFP4 blocks are U8, two e2m1 codes a byte")
             if len(ti.shape) != 4 or ti.shape[-1] != 16:
                 raise SourceError(f"tensor {b!r} has shape {list(ti.shape)}: expected 4-D [E, N, K/32, 16] (16 bytes = 32 "
                                   "e2m1 codes per block)")  # fmt: skip
             sc = b[: -len("_blocks")] + "_scales"
             if sc not in ckpt.tensors:
                 raise SourceError(f"tensor {b!r} has no {sc!r}: MXFP4 blocks need their e8m0 scales")
-            _check_dtype(ckpt, sc, _SCALE_DTYPES, "MXFP4 scales are e8m0 bytes (U8)")
-            _check_shape(ckpt, sc, ti.shape[:-1], f"one e8m0 scale per block of {b!r} {list(ti.shape)}")
+            check_dtype(ckpt, sc, _SCALE_DTYPES, "MXFP4 scales are e8m0 bytes (U8)")
+            check_shape(ckpt, sc, ti.shape[:-1], f"one e8m0 scale per block of {b!r} {list(ti.shape)}")
             hidden |= {b, sc}
         e, rows, nb, _ = ckpt.info(gb).shape
         if e_cfg is not None and e != e_cfg:
@@ -347,15 +317,15 @@ def _gpt_oss_layers(ckpt: Checkpoint, cfg: dict) -> list[LayerSpec]:
         if inter % MX4_GROUP:
             raise SourceError(f"tensor {gb!r}: intermediate size I={inter}: gpt-oss MXFP4 blocks hold {MX4_GROUP} K values each, "
                               f"so I (down_proj's K) must be a multiple of {MX4_GROUP}")  # fmt: skip
-        _check_shape(ckpt, gb, (e, 2 * inter, h // MX4_GROUP, 16), f"[E, 2I, H/32, 16] with hidden_size={h} in config.json")
-        _check_shape(ckpt, db, (e, h, inter // MX4_GROUP, 16), f"[E, H, I/32, 16] with H={h}, I={inter}")
+        check_shape(ckpt, gb, (e, 2 * inter, h // MX4_GROUP, 16), f"[E, 2I, H/32, 16] with hidden_size={h} in config.json")
+        check_shape(ckpt, db, (e, h, inter // MX4_GROUP, 16), f"[E, H, I/32, 16] with H={h}, I={inter}")
         base = p + "."
         stand[base + "gate_up_proj"] = (gb, (e, h, 2 * inter))  # the bf16 gpt-oss layout, in-major, for discover_layers
         stand[base + "down_proj"] = (db, (e, inter, h))
         extra[p] = (gb, db)
-    view = _View(ckpt, stand, hidden)
+    view = HeaderView(ckpt, stand, hidden)
     rule = "gpt-oss MXFP4 experts are stored as *_blocks / *_scales (one layer, one scheme: float experts are refused)"
-    specs = _discover(ckpt, view, rule, stand)
+    specs = discover_experts(ckpt, view, rule, stand)
     for s in specs:
         p = s.prefix + ".experts"
         if s.kind != "fused_in" or p not in extra:
@@ -378,7 +348,7 @@ def _gpt_oss_layers(ckpt: Checkpoint, cfg: dict) -> list[LayerSpec]:
         s.expert_tensors = sorted(n for n in (gb, db, s.names["gate_up_scales"], s.names["down_scales"], s.names.get("gate_up_bias"),
                                              s.names.get("down_bias")) if n)  # fmt: skip
         s.interleaved = True  # gpt-oss: even rows gate, odd rows up (FORMATS.md §5.2)
-        _check_router(view, s)
+        check_router(view, s)
         s.quant = Mxfp4Facts("gpt_oss")
     return specs
 
@@ -393,15 +363,15 @@ def _ct_modules(ckpt: Checkpoint) -> dict[str, tuple[int, int]]:
         if not name.endswith(".weight_packed"):
             continue
         p = name[: -len(".weight_packed")]
-        _check_dtype(ckpt, name, {"U8"}, "mxfp4-pack-quantized codes are U8, two e2m1 codes a byte")
+        check_dtype(ckpt, name, {"U8"}, "mxfp4-pack-quantized codes are U8, two e2m1 codes a byte")
         if len(ti.shape) != 2:
             raise SourceError(f"tensor {name!r} has shape {list(ti.shape)}: expected 2-D [N, K/2]")
         n, k = ti.shape[0], 2 * ti.shape[1]
         sc = p + ".weight_scale"
         if sc not in ckpt.tensors:
             raise SourceError(f"tensor {name!r} has no {sc!r}: MXFP4 codes need their e8m0 scales")
-        _check_dtype(ckpt, sc, _SCALE_DTYPES, "MXFP4 scales are e8m0 bytes (U8)")
-        _check_shape(ckpt, sc, (n, -(-k // MX4_GROUP)), f"one e8m0 scale per {MX4_GROUP} K values of {name!r} [N={n}, K/2={k // 2}]")
+        check_dtype(ckpt, sc, _SCALE_DTYPES, "MXFP4 scales are e8m0 bytes (U8)")
+        check_shape(ckpt, sc, (n, -(-k // MX4_GROUP)), f"one e8m0 scale per {MX4_GROUP} K values of {name!r} [N={n}, K/2={k // 2}]")
         for other in (".weight_global_scale", ".weight_zero_point"):
             if p + other in ckpt.tensors:
                 raise SourceError(f"tensor {p + other!r} is present: MXFP4 has neither a global scale (NVFP4's) nor a zero point")
@@ -415,15 +385,15 @@ def _ct_layers(ckpt: Checkpoint, cfg: dict) -> list[LayerSpec]:
         raise SourceError(f"source {ckpt.path}: a {CT_FORMAT} config but no '*.weight_packed' tensors")
     stand = {p + ".weight": (p + ".weight_packed", nk) for p, nk in mods.items()}
     hidden = {t for p in mods for t in (p + ".weight_packed", p + ".weight_scale")}
-    view = _View(ckpt, stand, hidden)
+    view = HeaderView(ckpt, stand, hidden)
     rule = f"{CT_FORMAT} expert weights must be MXFP4 (weight_packed + weight_scale; shared experts may be float)"
-    specs = _discover(ckpt, view, rule, stand)
+    specs = discover_experts(ckpt, view, rule, stand)
     for s in specs:
         claim_expert_modules(s, rule, "MXFP4", E2M1, "compressed-tensors", lambda p: _left_in_float(cfg, p), ".weight_packed",
                              lambda p: [p + ".weight_packed", p + ".weight_scale"])  # fmt: skip
         if s.activation == "swigluoai":  # gpt-oss, linearized: gate/up de-interleaved; re-interleave
             s.interleaved = True
-        _check_router(view, s)
+        check_router(view, s)
         facts = Mxfp4Facts(CT_FORMAT, cfg["input_activations"])
         if s.shared and view.info(s.shared["gate_proj"]).dtype_str == E2M1:
             sm = [s.shared[p][: -len(".weight")] for p in ("gate_proj", "up_proj", "down_proj")]
@@ -448,7 +418,7 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
 # --------------------------------------------------------------------------- reading
 
 
-def _interleave(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def interleave_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """rows 2j = gate_j, 2j+1 = up_j (swigluoai's canonical order)."""
     return torch.stack([gate, up], dim=1).reshape(2 * gate.shape[0], *gate.shape[1:])
 
@@ -467,7 +437,7 @@ def _ct_linear(ckpt: Checkpoint, prefix: str) -> tuple[torch.Tensor, torch.Tenso
 
 def _ct_w13(ckpt, mods3: list, interleaved: bool) -> dict:
     (gq, gs), (uq, us) = _ct_linear(ckpt, mods3[0]), _ct_linear(ckpt, mods3[1])
-    join = _interleave if interleaved else (lambda a, b: torch.cat([a, b]))
+    join = interleave_gate_up if interleaved else (lambda a, b: torch.cat([a, b]))
     return {"w13_q": join(gq, uq).contiguous(), "w13_scale": join(gs, us).contiguous()}
 
 
@@ -502,7 +472,7 @@ def read_biases(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor | None, to
     b13, b2 = dense_read_biases(ckpt, s)
     if b13 is not None and s.kind == "per_expert" and s.interleaved:
         i = s.intermediate
-        b13 = _interleave(b13[:, :i].t(), b13[:, i:].t()).t().contiguous()
+        b13 = interleave_gate_up(b13[:, :i].t(), b13[:, i:].t()).t().contiguous()
     return b13, b2
 
 
@@ -539,3 +509,54 @@ def read_shared(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor, torch.Ten
 __all__ = ["SCHEME", "E2M1", "CT_FORMAT", "GPT_OSS_NOTE", "CT_NOTE", "unpack_e2m1", "check_e8m0", "config", "detect_gpt_oss",
            "detect_ct", "layers", "read_layer", "read_expert_canonical", "read_shared_canonical", "read_expert_w13",
            "read_expert_w2", "read_biases", "read_shared"]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- carried Linears
+
+
+def _linears(view, qc: dict) -> dict:
+    """The compressed-tensors ``mxfp4-pack-quantized`` Linears: ``weight_packed`` U8 [N, K/2] (two
+    e2m1 codes a byte, low nibble first) + ``weight_scale`` e8m0 [N, ceil(K/32)] (FORMATS.md §3.4).
+    A U8 ``weight_packed`` of a format no registered finder reads is refused here (the FP4 finder
+    that runs first)."""
+    out = {}
+    for name, ti in view.tensors.items():
+        if not name.endswith(".weight_packed") or ti.dtype_str != "U8":
+            continue
+        p = name[: -len(".weight_packed")]
+        fmt = ct_group_format(qc, p)
+        if fmt != CT_FORMAT and fmt in ct_formats():  # another registered finder reads it
+            continue
+        if fmt != CT_FORMAT:
+            fp4 = [f for f in ct_formats() if "fp4" in f]
+            raise SourceError(f"tensor {name!r} is U8 (packed FP4) but its config group's format is {fmt!r}: moepack reads "
+                              f"FP4 Linears as {' or '.join(repr(f) for f in fp4)}")  # fmt: skip
+        if len(ti.shape) != 2:
+            raise SourceError(f"tensor {name!r} has shape {list(ti.shape)}: expected a 2-D [N, K/2] weight")
+        n, k = ti.shape[0], 2 * ti.shape[1]
+        s = f"{p}.weight_scale"
+        if s not in view.tensors:
+            raise SourceError(f"tensor {name!r} is MXFP4 but {s!r} is missing: MXFP4 codes need their e8m0 scales")
+        sti = view.info(s)
+        if sti.dtype_str not in ("U8", "F8_E8M0"):
+            raise SourceError(f"tensor {s!r} has dtype {sti.dtype_str}: MXFP4 scales are e8m0 bytes (U8)")
+        want = (n, -(-k // MX4_GROUP))
+        if tuple(sti.shape) != want:
+            raise SourceError(f"tensor {s!r} has shape {list(sti.shape)}: expected {list(want)} (one e8m0 scale per 32 K values "
+                              f"of {name!r} [N={n}, K/2={k // 2}])")  # fmt: skip
+        for extra in (".weight_global_scale", ".weight_zero_point"):
+            if p + extra in view.tensors:
+                raise SourceError(f"tensor {p + extra!r} is present: MXFP4 has neither a global scale (NVFP4's) nor a zero point")
+        out[p] = CarriedLinear(p, "mxfp4", n, k, {"weight": name, "scale": s})
+    return out
+
+
+def _linear_values(view, lin, dequant: bool = True) -> torch.Tensor | None:
+    sn = lin.tensors["scale"]
+    s = check_e8m0(sn, view.read(sn))
+    if not dequant:
+        return None
+    return dequantize_mxfp4(unpack_e2m1(view.read(lin.tensors["weight"])), s)
+
+
+register_linears("mxfp4", _linear_values, LinearFinder(("compressed-tensors",), _linears, order=0, ct_formats=(CT_FORMAT,)))

@@ -44,10 +44,11 @@ from ..schemes.nvfp4.codec import NV4_GROUP, dequantize_nvfp4
 from ..schemes.nvfp4.facts import Nvfp4Facts
 from ..schemes.nvfp4.quantize import check_e4m3_scales
 from .checkpoint import Checkpoint
-from .compressed_tensors import config_groups, ct_strategy, quantization_config
+from .compressed_tensors import fp4_groups, quantization_config
 from .dense import CanonicalLayer, LayerSpec, read_biases as dense_read_biases, text_config
 from .fp8 import ignore_entry
-from .mxfp4 import _View, _check_dtype, _check_router, _check_shape, _discover, _interleave, claim_expert_modules, unpack_e2m1
+from .linears import CarriedLinear, LinearFinder, ct_group_format, register_linears
+from .mxfp4 import HeaderView, check_dtype, check_router, check_shape, discover_experts, interleave_gate_up, claim_expert_modules, unpack_e2m1
 
 SCHEME = "nvfp4"
 NVFP4 = "NVFP4"  # LayerSpec.dtype of NVFP4 experts (stand-in dtype of the packed weights)
@@ -67,44 +68,19 @@ _NAMES = {CT_FORMAT: (".weight_packed", ".weight_global_scale", ".input_global_s
 # --------------------------------------------------------------------------- config
 
 
-def _ct_group(gname: str, g: dict, fmt) -> dict:
-    where = f"config group {gname!r}"
-    if fmt != CT_FORMAT:
-        raise SourceError(f"{where} has format {fmt!r}: this reader reads {CT_FORMAT!r} (NVFP4)")
-    w = g.get("weights") or {}
-    if not isinstance(w, dict):
-        raise SourceError(f"{where} weights is {type(w).__name__} {w!r:.60}: the weights' quantization args are a JSON object")
-    bits, typ, strat, gs = w.get("num_bits"), w.get("type"), ct_strategy(w), w.get("group_size")
-    if (bits, typ) != (4, "float"):
-        raise SourceError(f"{where} weights num_bits={bits!r}, type={typ!r}: NVFP4 weights are 4-bit float (e2m1)")
+def _grouping(where: str, strat, gs) -> None:
     if gs != NV4_GROUP:
         raise SourceError(f"{where} weights group_size={gs!r}: NVFP4 has one e4m3 scale per group of {NV4_GROUP} K values")
     if strat != "tensor_group":
         raise SourceError(f"{where} weights strategy={strat!r}: NVFP4 weights are strategy 'tensor_group' (group scales under "
                           "a per-tensor global scale)")  # fmt: skip
-    if w.get("symmetric") is False:
-        raise SourceError(f"{where} weights symmetric=False: NVFP4 weights have no zero point")
-    if w.get("dynamic") not in (False, None):
-        raise SourceError(f"{where} has dynamic weights: weights must be stored quantized")
-    sd = w.get("scale_dtype")
-    if sd not in (None, "torch.float8_e4m3fn", "float8_e4m3fn"):
-        raise SourceError(f"{where} weights scale_dtype={sd!r}: NVFP4 group scales are float8_e4m3fn")
-    a = g.get("input_activations")
-    if a is not None and not isinstance(a, dict):
-        raise SourceError(f"{where} input_activations is {type(a).__name__} {a!r:.60}: a JSON object or null")
-    if g.get("output_activations"):
-        raise SourceError(f"{where} quantizes output activations: not supported")
-    return {"targets": list(g.get("targets") or []), "input_activations": dict(a) if a else None}
 
 
 def _ct_cfg(qc: dict) -> dict:
-    groups = config_groups(qc)
-    parsed = [_ct_group(n, g, g.get("format") or qc.get("format")) for n, g in groups.items()]
-    acts = {repr(p["input_activations"]) for p in parsed}
-    if len(acts) > 1:
-        raise SourceError(f"config groups quantize activations differently ({sorted(acts)}): one activation mode per checkpoint")
+    acts = fp4_groups(qc, CT_FORMAT, "NVFP4", _grouping, ("torch.float8_e4m3fn", "float8_e4m3fn"),
+                      "NVFP4 group scales are float8_e4m3fn")  # fmt: skip
     return {"format": CT_FORMAT, "ignore": tuple(str(x) for x in qc.get("ignore") or []), "exclude": (),
-            "input_activations": parsed[0]["input_activations"]}  # fmt: skip
+            "input_activations": acts}  # fmt: skip
 
 
 def _modelopt_quant(ckpt: Checkpoint) -> tuple[dict | None, str]:
@@ -218,11 +194,11 @@ def nvfp4_modules(ckpt, fmt: str) -> dict[str, tuple[int, int]]:
         for t, why in ((sc, "its e4m3 group scales"), (gl, "its fp32 global scale")):
             if t not in ckpt.tensors:
                 raise SourceError(f"tensor {name!r} has no {t!r}: NVFP4 codes need {why}")
-        _check_dtype(ckpt, sc, _SCALE_DTYPES, "NVFP4 group scales are float8 e4m3fn (F8_E4M3)")
+        check_dtype(ckpt, sc, _SCALE_DTYPES, "NVFP4 group scales are float8 e4m3fn (F8_E4M3)")
         if k % NV4_GROUP:
             raise SourceError(f"tensor {name!r} has shape {list(ti.shape)}: K={k} is not a multiple of {NV4_GROUP} (NVFP4 groups)")
-        _check_shape(ckpt, sc, (n, k // NV4_GROUP), f"one e4m3 scale per {NV4_GROUP} K values of {name!r} [N={n}, K/2={k // 2}]")
-        _check_dtype(ckpt, gl, {"F32"}, "NVFP4 global scales are fp32")
+        check_shape(ckpt, sc, (n, k // NV4_GROUP), f"one e4m3 scale per {NV4_GROUP} K values of {name!r} [N={n}, K/2={k // 2}]")
+        check_dtype(ckpt, gl, {"F32"}, "NVFP4 global scales are fp32")
         gshape = tuple(ckpt.info(gl).shape)
         if gshape not in ((), (1,)):
             raise SourceError(f"tensor {gl!r} has shape {list(gshape)}: expected [] or [1] (one global scale per tensor)")
@@ -241,9 +217,9 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
         raise SourceError(f"source {ckpt.path}: an NVFP4 ({fmt}) config but no '*{codes_sfx}' U8 tensors")
     stand = {p + ".weight": (p + codes_sfx, nk) for p, nk in mods.items()}
     hidden = {t for p in mods for t in (p + codes_sfx, p + ".weight_scale", p + glob_sfx, p + act_sfx)}
-    view = _View(ckpt, stand, hidden, "NVFP4", NVFP4)
+    view = HeaderView(ckpt, stand, hidden, "NVFP4", NVFP4)
     rule = f"{fmt} expert weights must be NVFP4 (codes, e4m3 weight_scale and a global scale; shared experts may be float)"
-    specs = _discover(ckpt, view, rule, stand, "NVFP4", NVFP4)
+    specs = discover_experts(ckpt, view, rule, stand, "NVFP4", NVFP4)
     flavour = "compressed-tensors" if fmt == CT_FORMAT else "ModelOpt"
     for s in specs:
         claim_expert_modules(s, rule, "NVFP4", NVFP4, flavour, lambda p: _left_in_float(cfg, p), codes_sfx,
@@ -251,7 +227,7 @@ def layers(ckpt: Checkpoint) -> list[LayerSpec]:
                              + ([p + act_sfx] if p + act_sfx in ckpt.tensors else []))  # fmt: skip
         if s.activation == "swigluoai":  # gpt-oss, linearized: gate/up de-interleaved; re-interleave
             s.interleaved = True
-        _check_router(view, s)
+        check_router(view, s)
         facts = Nvfp4Facts(fmt, cfg["input_activations"])
         if s.shared and view.info(s.shared["gate_proj"]).dtype_str == NVFP4:
             sm = [s.shared[p][: -len(".weight")] for p in ("gate_proj", "up_proj", "down_proj")]
@@ -301,7 +277,7 @@ def nvfp4_linear(ckpt, prefix: str, fmt: str) -> tuple[torch.Tensor, torch.Tenso
 
 def _w13(ckpt, mods2: list, fmt: str, interleaved: bool) -> dict:
     (gq, gs, gg), (uq, us, ug) = (nvfp4_linear(ckpt, m, fmt) for m in mods2)
-    join = _interleave if interleaved else (lambda a, b: torch.cat([a, b]))
+    join = interleave_gate_up if interleaved else (lambda a, b: torch.cat([a, b]))
     return {"w13_q": join(gq, uq).contiguous(), "w13_scale": join(gs, us).contiguous(), "w13_global": join(gg, ug).contiguous()}
 
 
@@ -337,7 +313,7 @@ def read_biases(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor | None, to
     b13, b2 = dense_read_biases(ckpt, s)
     if b13 is not None and s.interleaved:
         i = s.intermediate
-        b13 = _interleave(b13[:, :i].t(), b13[:, i:].t()).t().contiguous()
+        b13 = interleave_gate_up(b13[:, :i].t(), b13[:, i:].t()).t().contiguous()
     return b13, b2
 
 
@@ -371,3 +347,37 @@ def read_shared(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor, torch.Ten
 __all__ = ["SCHEME", "NVFP4", "CT_FORMAT", "MODELOPT", "CT_NOTE", "MODELOPT_NOTE", "config", "detect_ct", "detect_modelopt",
            "nvfp4_modules", "nvfp4_linear", "read_global", "layers", "read_layer", "read_expert_canonical",
            "read_shared_canonical", "read_expert_w13", "read_expert_w2", "read_biases", "read_shared"]  # fmt: skip
+
+
+# --------------------------------------------------------------------------- carried Linears
+
+
+def _linears_of(view, fmt: str, qc: dict | None = None) -> dict:
+    """The NVFP4 Linears (compressed-tensors: U8 ``weight_packed``, F8_E4M3 ``weight_scale``
+    [N, K/16], F32 ``weight_global_scale``; ModelOpt: U8 ``weight``, ``weight_scale``,
+    ``weight_scale_2``; FORMATS.md §3.5, §6), through the expert reader's header checks."""
+    codes_sfx, glob_sfx, act_sfx = _NAMES[fmt]
+    out = {}
+    for p, (n, k) in nvfp4_modules(view, fmt).items():
+        if qc is not None and ct_group_format(qc, p) != CT_FORMAT:
+            continue
+        t = {"weight": p + codes_sfx, "scale": p + ".weight_scale", "global": p + glob_sfx}
+        if p + act_sfx in view.tensors:
+            t["input_scale"] = p + act_sfx
+        out[p] = CarriedLinear(p, "nvfp4", n, k, t, cfg={"format": fmt})
+    return out
+
+
+def _ct_linears(view, qc: dict) -> dict:
+    if not any(((g or {}).get("format") or qc.get("format")) == CT_FORMAT for g in (qc.get("config_groups") or {}).values()):
+        return {}
+    return _linears_of(view, CT_FORMAT, qc)
+
+
+def _linear_values(view, lin, dequant: bool = True) -> torch.Tensor | None:
+    q, s, g = nvfp4_linear(view, lin.prefix, lin.cfg["format"])  # checks the scales and the global
+    return dequantize_nvfp4(q, s, g) if dequant else None
+
+
+register_linears("nvfp4", _linear_values, LinearFinder(("compressed-tensors",), _ct_linears, order=1, ct_formats=(CT_FORMAT,)),
+                 LinearFinder(("modelopt",), lambda view, qc: _linears_of(view, MODELOPT)))

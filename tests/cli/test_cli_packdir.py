@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import moepack
-from moepack.convert_dir import MANIFEST
+from moepack.convert.run import MANIFEST
 from moepack.errors import MoepackError
 from moepack.isa import ISAS
 from tests.support.fixtures_util import fixture_dir, fixture_info

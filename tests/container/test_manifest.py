@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import moepack
-from moepack.convert_dir import MANIFEST
+from moepack.convert.run import MANIFEST
 from moepack.errors import PackedDirError
 from moepack.manifest import ManifestError, check_manifest
 from tests.support.fixtures_util import fixture_dir

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 import moepack
-from moepack.convert_dir import MANIFEST
+from moepack.convert.run import MANIFEST
 from moepack.errors import PackedDirError, UnsupportedError
 from moepack.isa import ISAS
 from moepack.runtime.model import PackedModel, PackedMoELayer

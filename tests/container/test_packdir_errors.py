@@ -25,8 +25,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import moepack
-from moepack import convert_plan
-from moepack.convert_dir import MANIFEST
+from moepack.convert import plan as convert_plan
+from moepack.convert.run import MANIFEST
 from moepack.errors import MoepackError, PackedDirError
 from tests.support.fixtures_util import fixture_dir
 from tests.support.packdir_edit import reseal
@@ -372,7 +372,7 @@ def _failing_reader(monkeypatch, *, expert=None, other=None):
             ckpt.read = read
         return ckpt, dataclasses.replace(reader, read_expert_w13=read_expert_w13)
 
-    monkeypatch.setattr(convert_plan, "open_source", open_source)  # where _plan looks it up
+    monkeypatch.setattr(convert_plan, "open_source", open_source)  # where make_plan looks it up
     return seen
 
 

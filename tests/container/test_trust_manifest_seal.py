@@ -131,7 +131,7 @@ def test_convert_checks_the_manifest_it_plans_before_writing_anything(tmp_path, 
     """convert runs open's schema on the manifest as planned before it writes a byte: a field
     that breaks a rule (here a layer entry made to name an activation the schema does not know)
     is refused in one line naming it, and nothing is left behind."""
-    from moepack import convert_stages
+    from moepack.convert import stages as convert_stages
 
     real = convert_stages.layer_entry
     monkeypatch.setattr(convert_stages, "layer_entry", lambda pl, s: {**real(pl, s), "activation": "relu9"})

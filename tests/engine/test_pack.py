@@ -504,7 +504,7 @@ def test_verify_reads_sub_byte_codes_through_the_packed_layouts_own_order():
     right (through the u4 order its codes would come back scrambled)."""
     from moepack.layout import INT4_LAYOUT
     from moepack.pack import PackedExperts
-    from moepack.verify_dir import _unpacked
+    from moepack.verify.run import unpacked_values
 
     lay = dataclasses.replace(INT4_LAYOUT, id=906, name="u4g128_test_reversed", code_order=tuple(range(7, -1, -1)))
     e, h, i = 2, 40, 24
@@ -515,7 +515,7 @@ def test_verify_reads_sub_byte_codes_through_the_packed_layouts_own_order():
                "w13_scale": torch.ones(e, 1, 64), "w13_zero": torch.full((e, 1, 64), 8, dtype=torch.uint8),
                "w2_scale": torch.ones(e, 1, 64), "w2_zero": torch.full((e, 1, 64), 8, dtype=torch.uint8)}  # fmt: skip
     p = PackedExperts(lay, e, h, i, 32, False, tensors)
-    assert torch.equal(_unpacked(p.w13, "w13", p), c13) and torch.equal(_unpacked(p.w2, "w2", p), c2)
+    assert torch.equal(unpacked_values(p.w13, "w13", p), c13) and torch.equal(unpacked_values(p.w2, "w2", p), c2)
     assert not torch.equal(unpack_codes(INT4_LAYOUT, p.w13), c13)
 
 

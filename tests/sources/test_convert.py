@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import moepack
-from moepack.convert_dir import MANIFEST
+from moepack.convert.run import MANIFEST
 from moepack.manifest import manifest_digest
 from tests.support.fixtures_util import fixture_dir, fixture_info, fixture_names, moe_block, route
 from tests.reference.tolerances import TOL, assert_close
@@ -271,7 +271,7 @@ def test_convert_streams_one_layer_at_most(synthetic_checkpoint, tmp_path):
     # that the bound below still tells streaming apart (the staging buffer too), and counted in it.
     inflight, stage = 8 << 20, 4 << 20
     r = peak_rss_child(
-        "import moepack.convert_dir, moepack.routing  # everything convert imports, before the baseline\n"
+        "import moepack.convert.run, moepack.routing  # everything convert imports, before the baseline\n"
         f"import moepack.container.sink as sink; sink._SINK_INFLIGHT_BYTES, sink._STAGE_BYTES = {inflight}, {stage}",
         """
         t0 = time.perf_counter()

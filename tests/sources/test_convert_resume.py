@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 import moepack
-from moepack.convert_dir import convert
+from moepack.convert.run import convert
 from moepack.errors import MoepackError
 from tests.support.synthetic import write_synthetic_checkpoint
 from tests.support import skips
@@ -69,7 +69,7 @@ def _leftovers(dst: Path) -> list[str]:
 
 _CHILD = """
 import os, signal, sys, time
-from moepack.convert_dir import convert
+from moepack.convert.run import convert
 src, dst, event, nth, how, shard, hup = sys.argv[1:8]
 signal.signal(signal.SIGTERM, signal.SIG_DFL)  # whatever the test process inherited (nohup ignores SIGHUP)
 signal.signal(signal.SIGHUP, signal.SIG_IGN if hup == "ignore" else signal.SIG_DFL)
@@ -83,7 +83,7 @@ def progress(ev, **kw):
                 # short sleeps: a process-directed signal may land on one of the writer's or
                 # torch's threads, which does not interrupt a long sleep of the main thread;
                 # Python runs the handler at the next slice (the real convert never blocks
-                # longer than 0.1 s on its main thread: _Sink._wait)
+                # longer than 0.1 s on its main thread: Sink._wait)
                 for _ in range(600 if how == "pause" else 20):  # hold: 2 s, then go on
                     time.sleep(0.1)
             else:

@@ -208,7 +208,7 @@ def test_convert_tp2(src, tmp_path, quantize):
 
 
 def test_convert_tp_refuses_a_slice_off_the_block(src, tmp_path, monkeypatch):
-    import moepack.convert_dir as cd
+    import moepack.convert.run as cd
 
     def no_packing(*a, **k):  # the refusal comes from the plan, before any expert is packed
         raise AssertionError("convert packed the model before refusing --tp")
@@ -240,7 +240,7 @@ def test_a_hand_edited_tp_is_refused(src, tmp_path):
 _TP_CHILD = """
 import os, signal, sys, time
 import moepack.tp as tp
-from moepack.convert_dir import convert
+from moepack.convert.run import convert
 src, dst, event, how = sys.argv[1:5]
 def stop():
     if how == "pause":

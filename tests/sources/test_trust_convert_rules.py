@@ -120,7 +120,7 @@ def test_random_swiglu_values_get_one_verdict(gpt_oss_pack, tmp_path):
             float("inf"), float("-inf"), True, None, "7", 7, -1, 2**200]  # fmt: skip
     m0 = json.loads((gpt_oss_pack / MANIFEST).read_text())
     cfg0 = json.loads((fixture_dir("gpt_oss") / "config.json").read_text())
-    from moepack.convert_plan import _swiglu_params
+    from moepack.convert.plan import swiglu_params
 
     for trial in range(40):
         field = rng.choice(["limit", "alpha"])
@@ -141,7 +141,7 @@ def test_random_swiglu_values_get_one_verdict(gpt_oss_pack, tmp_path):
             assert f"layers[0].{field}=" in str(e) or "is not JSON: numbers must be finite" in str(e), str(e)
         cfg = dict(cfg0, **{f"swiglu_{field}": value})
         try:
-            _swiglu_params(cfg)
+            swiglu_params(cfg)
             convert_ok = True
         except ConvertError:
             convert_ok = False
@@ -269,7 +269,7 @@ def test_the_largest_accepted_scale_decodes_finite():
 
 
 def test_a_non_finite_output_is_named_in_the_failure_line():
-    from moepack.verify_layer import _nonfinite
+    from moepack.verify.layer import _nonfinite
 
     out = torch.tensor([[1.0, 2.0], [float("inf"), 3.0]])
     ref = torch.tensor([[1.0, 2.0], [5.0, 3.0]])

@@ -16,10 +16,10 @@ import torch
 
 import moepack
 from moepack.container import read_safetensors_header
-from moepack.convert_dir import MANIFEST
+from moepack.convert.run import MANIFEST
 from moepack.manifest import manifest_digest
 from moepack.pack import pack_weight_reference, unpack_weight_reference
-from moepack.verify_dir import tensor_sha256
+from moepack.verify.run import tensor_sha256
 
 
 def rewrite_tensor(d: Path, name: str, edit) -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import moepack
-from moepack.convert_dir import MANIFEST
+from moepack.convert.run import MANIFEST
 from moepack.errors import MoepackError, UnsupportedError
 from tests.support.fixtures_util import fixture_dir
 from tests.container.test_packdir_errors import cli

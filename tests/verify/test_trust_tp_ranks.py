@@ -22,7 +22,7 @@ import torch
 import moepack
 from moepack.layout import layout_get
 from moepack.tp import rank_copy_kind, rank_copy_problem
-from moepack.verify_dir import verify
+from moepack.verify.run import verify
 from tests.support.packdir_edit import rewrite_tensor
 
 _spec = importlib.util.spec_from_file_location("int4_packers", Path(__file__).resolve().parents[2] / "tools" / "int4_packers.py")

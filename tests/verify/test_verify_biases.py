@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import moepack
-from moepack.verify_dir import verify
+from moepack.verify.run import verify
 from tests.support.fixtures_util import fixture_dir
 from tests.support.packdir_edit import rewrite_tensor, set_element
 

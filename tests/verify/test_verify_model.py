@@ -88,7 +88,7 @@ def test_a_carried_tensor_with_other_bytes_fails(packs, tmp_path):
 
 def test_blocks_of_experts_give_the_same_verdict(packs, monkeypatch):
     """One expert per step and the whole layer in one step check the same things."""
-    from moepack import verify_dir
+    from moepack.verify import run as verify_dir
 
     whole = moepack.verify(packs["deepseek_v3"], source=fixture_dir("deepseek_v3"))
     monkeypatch.setattr(verify_dir, "BLOCK_BYTES", 1)
@@ -100,7 +100,7 @@ def test_blocks_of_experts_give_the_same_verdict(packs, monkeypatch):
 
 
 def test_a_difference_is_named_at_its_expert_whatever_the_block(packs, tmp_path, monkeypatch):
-    from moepack import verify_dir
+    from moepack.verify import run as verify_dir
     from tests.support.packdir_edit import set_unpacked
 
     d = tmp_path / "p"
@@ -119,9 +119,9 @@ def _verify_growth(tmp_path: Path, experts: int, block_bytes: int) -> int:
     write_synthetic_checkpoint(src, layers=1, experts=experts, hidden=512, intermediate=256)
     moepack.convert(src, dst)
     r = peak_rss_child(
-        "import moepack.verify_dir, moepack.routing, moepack.convert_dir",
+        "import moepack.verify.run, moepack.routing, moepack.convert.run",
         """
-        moepack.verify_dir.BLOCK_BYTES = int(sys.argv[3])
+        moepack.verify.run.BLOCK_BYTES = int(sys.argv[3])
         result = {"ok": moepack.verify(sys.argv[1], source=sys.argv[2]).ok}
         """,
         [dst, src, block_bytes],

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import moepack
-from moepack.convert_dir import MANIFEST
+from moepack.convert.run import MANIFEST
 from moepack.runtime.model import PackedMoELayer
 from tests.support.fixtures_util import fixture_dir, fixture_info
 from tests.support.packdir_edit import rewrite_tensor, set_element, set_unpacked, reseal
@@ -176,7 +176,7 @@ def test_a_changed_shared_element_fails_verify_by_name(tmp_root, tmp_path, case)
     clean = moepack.verify(d)  # the sha256 was updated: the checksum pass cannot see it
     assert len(clean.tensors) == len(m["tensors"])
     # an int8 code or column sum edited alone breaks the rule "column sum = sum of the codes",
-    # which verify checks without the source (moepack.verify_values); every other edit keeps
+    # which verify checks without the source (moepack.verify.values); every other edit keeps
     # every value rule, and only the source can tell
     colsum = entry["shared"].get(role.split("_")[0] + "_colsum")
     values = [f"tensor {colsum!r} in " + m["tensors"][colsum]["file"]] if quantize and role.endswith(("w13", "w2", "colsum")) else []

@@ -198,7 +198,7 @@ def dequantized_bf16(scheme_obj, c: dict, num_experts: int) -> tuple[torch.Tenso
     return w13, w2
 
 
-def _nbytes(*ts) -> int:
+def tensor_nbytes(*ts) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
@@ -223,7 +223,7 @@ def build_torch(scheme_obj, c: dict, num_experts: int, act_dtype: torch.dtype = 
         return torch_loop_moe(x, w13, w2, tw, ti)
 
     act = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16"}.get(act_dtype, str(act_dtype))
-    return PeerArm("torch", "per-expert loop (torch_loop_moe)", act, weights, fn, _nbytes(w13, w2) / num_experts)
+    return PeerArm("torch", "per-expert loop (torch_loop_moe)", act, weights, fn, tensor_nbytes(w13, w2) / num_experts)
 
 
 def build_peer(engine: str, scheme_obj, c: dict, num_experts: int, act_dtype: torch.dtype = torch.bfloat16) -> PeerArm:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import PeerArm, PeerUnsupported, _nbytes, check_engine
+from . import PeerArm, PeerUnsupported, tensor_nbytes, check_engine
 
 SCHEMES = ("dense", "int8_channel", "int4_group", "fp8_block", "mxfp4")
 
@@ -114,4 +114,4 @@ def build(scheme: str, c: dict) -> PeerArm:
         ops.fused_experts_cpu(out, x, p13, p2, tw, ti, method, s13, s2, z13, z2, blk, None, None, None, None, True)
         return out
 
-    return PeerArm("vllm", path, act, weights, fn, _nbytes(p13, p2, s13, s2, z13, z2) / e)
+    return PeerArm("vllm", path, act, weights, fn, tensor_nbytes(p13, p2, s13, s2, z13, z2) / e)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import PeerArm, PeerUnsupported, _nbytes, check_engine
+from . import PeerArm, PeerUnsupported, tensor_nbytes, check_engine
 
 SCHEMES = ("dense", "int8_channel")
 
@@ -48,4 +48,4 @@ def build(scheme: str, c: dict) -> PeerArm:
         op(out, x, a, b, None, None, tw.float(), ids, False, "silu", sa, sb)
         return out
 
-    return PeerArm("zentorch", "zentorch_fused_moe", act, weights, fn, _nbytes(a, b, sa, sb) / a.shape[0])
+    return PeerArm("zentorch", "zentorch_fused_moe", act, weights, fn, tensor_nbytes(a, b, sa, sb) / a.shape[0])

@@ -12,7 +12,7 @@ from ...container.writer import Pieces
 from ...layout import DEFAULT_LAYOUT, PackedLayout, layout_expert_shapes, layout_get
 from ...pack import PackedExperts, expert_dims, pack_biases, pack_w2, pack_w13, pack_w13_pieces, with_biases
 from ...reference import moe_reference
-from .. import BenchInfo, LayerPacker, OutputRule, Scheme, register
+from ..base import BenchInfo, LayerPacker, OutputRule, Scheme, register
 
 
 class DenseLayer(LayerPacker):

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...errors import ConvertError, LayoutError, UnsupportedError
+import torch
+
+from ...errors import ConvertError, LayoutError
 from ...layout import LAYOUTS
-from .. import BenchInfo, OutputRule, Scheme, register, torch_loop_note
-from ..quantized import QuantizedLayer, grouped_source_layout
+from ..base import ValueRule
+from ..quantized import QuantizedLayer, QuantSpec, quantized_scheme
 from .facts import Fp8Facts
 from .pack import layout_group, pack_experts_fp8, pack_fp8_weight
 from .quantize import (
@@ -106,110 +108,52 @@ def parse_options(words: tuple[str, ...]) -> Fp8Options:
     return Fp8Options(group)
 
 
-class Fp8Layer(QuantizedLayer):
-    """One layer's experts into an fp8 layout (QuantizedLayer: codes stream, scales are gathered).
-    A float source is quantized in blocks of the layout's group size (per channel: rows)."""
-
-    def quantize_weight(self, w):
-        q, s = quantize_fp8_block(w, layout_group(self.layout))
-        return {"q": q, "scale": s}
-
-    def dequantize_weight(self, d):
-        return dequantize_fp8(d["q"], d["scale"], layout_group(self.layout))
-
-    def pack_weight(self, role, c, interleaved):
-        return pack_fp8_weight(role, c[f"{role}_q"], c[f"{role}_scale"], interleaved=interleaved, layout=self.layout)
+def _f8scale_ok(t) -> bool:
+    lo, hi = torch.aminmax(t)
+    return bool(lo >= 0) and bool(torch.isfinite(hi * FP8_MAX))
 
 
-def _facts(spec, shared: bool = False) -> Fp8Facts | None:
-    f = getattr(spec, "quant", None)
-    if not isinstance(f, Fp8Facts):
-        return None
-    return f.shared if shared else f
+# an fp8 layout's values: its codes are e4m3fn bit patterns (no NaN code), its scales times
+# e4m3fn's largest code stay finite in float32 (the kernels would turn either into NaN / Inf)
+VALUE_RULES = {
+    "codes": ValueRule("f8codes", lambda t: (t & 0x7F) == 0x7F, lambda v: "e4m3fn codes 0x7F / 0xFF are NaN (convert refuses them)",
+                       lambda t: not bool(((t & 0x7F) == 0x7F).any()), hex=True, streamed=True),
+    "scale": ValueRule("f8scale", lambda t: ~(torch.isfinite(t) & (t >= 0) & torch.isfinite(t * FP8_MAX)),
+                       lambda v: (f"scales must be finite and >= 0, and fp8 scales <= {torch.finfo(torch.float32).max / FP8_MAX:.4g} "
+                                  "(times e4m3fn's largest code 448 a larger one overflows float32; convert refuses them)"),
+                       _f8scale_ok, on_open=True),
+}  # fmt: skip
 
-
-def source_layout(specs: list, layout):
-    """An FP8 source packs into the fp8 layout of its own scales (never re-quantized): K blocks of
-    128 -> f8g128, per channel or per tensor -> f8ch."""
-    return grouped_source_layout(specs, layout, _facts, fp8_layout_for, "fp8", lambda f: f", {f.strategy} scales")
-
-
-def _pack(c: dict, *, interleaved: bool, layout, use_cpp: bool = True):
-    return pack_experts_fp8(c, interleaved=interleaved, layout=layout, use_cpp=use_cpp)
-
-
-def _from_float(w13, w2, layout=None, options: Fp8Options | None = None) -> dict:
-    opts = options or Fp8Options()
-    g = layout_group(layout) if layout is not None else opts.group()
-    if opts.group_size is not None and layout is not None and g != opts.group_size:
-        raise UnsupportedError(f"fp8 group size {opts.group_size} with layout {layout.name} (group size {g}): "
-                               "the options and the layout must agree")  # fmt: skip
-    q13, s13 = quantize_fp8_block(w13, g)
-    q2, s2 = quantize_fp8_block(w2, g)
-    return {"w13_q": q13, "w13_scale": s13, "w2_q": q2, "w2_scale": s2, "group_size": g}
-
-
-def _dequantize(c: dict):
-    g = int(c["group_size"])
-    return dequantize_fp8(c["w13_q"], c["w13_scale"], g), dequantize_fp8(c["w2_q"], c["w2_scale"], g)
-
-
-def _reference(x, c: dict, topk_weights, topk_ids, **kw):
-    return moe_reference_fp8(x, c, topk_weights, topk_ids, return_flip=True, **kw)
-
-
-_FLOAT = ("", "F32", "BF16", "F16")
-
-
-def _output_rule(source_dtypes: set) -> OutputRule:
-    if source_dtypes <= set(_FLOAT):  # quantized by moepack: its error against the float source is judged too
-        return OutputRule(base=FP8_TOL, fp32_tol=FP8_FROM_FLOAT_TOL)
-    return OutputRule(base=FP8_TOL)
-
-
-def _rule(source_dtype: str, reader: str) -> str:
-    if source_dtype not in _FLOAT:
-        return "the source's own e4m3fn codes and scales"
-    return "quantize_fp8_block of the source (round to nearest even)"
-
-
-def _source_note(source_dtype: str, reader, options: Fp8Options | None = None) -> str:
-    if source_dtype not in _FLOAT:
-        return reader.weights_note or f"e4m3fn codes and scales of {reader.name}"
-    return f"quantized by moepack from {source_dtype} ({(options or Fp8Options()).note()})"
-
-
-def _bench_notes(kernel_isa: str, instruction: str | None, torch_loop: bool) -> list[str]:
-    notes = [f"--scheme fp8_block: GB/s counts the packed e4m3fn bytes and their fp32 scales (3.1% more); the kernel "
-             f"runs at {kernel_isa}" + (" (this build has no SIMD fp8 kernel for the host)" if kernel_isa == "scalar" else "")]  # fmt: skip
-    if torch_loop:
-        notes.append(torch_loop_note("fp8_block", "FP8"))
-    return notes
-
-
-FP8_BLOCK = register(
-    Scheme(
+FP8_BLOCK = quantized_scheme(
+    QuantSpec(
         name=SCHEME,
-        aliases=("fp8",),
-        act_mode="a16",
-        summary="float8 e4m3fn codes + fp32 scale per (K group of 128, channel) or per channel; W8A16, exact",
+        short="fp8",
         canonical=("w13_q", "w13_scale", "w2_q", "w2_scale"),
-        pack=_pack,
-        from_float=_from_float,
-        dequantize=_dequantize,
-        reference=_reference,
-        output_rule=_output_rule,
-        rule=_rule,
-        source_note=_source_note,
-        layer_packer=Fp8Layer,
-        default_layout="f8g128_n32k2_x86",
-        parse_options=parse_options,
-        source_layout=source_layout,
-        with_layout=lambda c, layout: {**c, "group_size": c.get("group_size", layout_group(layout))},
-        weights_note="e4m3fn codes",
-        bench=BenchInfo(check_tol=0.08, notes=_bench_notes),
-    )
+        quantize=lambda w, g, opts: dict(zip(("q", "scale"), quantize_fp8_block(w, g))),
+        dequantize=lambda d, g: dequantize_fp8(d["q"], d["scale"], g),
+        pack_weight=pack_fp8_weight,
+        stored="e4m3fn codes and scales",
+        quantizer="quantize_fp8_block",
+        quantizer_rule="round to nearest even",
+        tol=FP8_TOL,
+        fp32_tol=FP8_FROM_FLOAT_TOL,
+        grouped=True,
+        facts=Fp8Facts,
+        layout_for=fp8_layout_for,
+        describe=lambda f: f", {f.strategy} scales",
+        bench_counts="the packed e4m3fn bytes and their fp32 scales (3.1% more)",
+        bench_label="FP8",
+    ),
+    aliases=("fp8",),
+    summary="float8 e4m3fn codes + fp32 scale per (K group of 128, channel) or per channel; W8A16, exact",
+    pack=pack_experts_fp8,
+    reference=moe_reference_fp8,
+    default_layout="f8g128_n32k2_x86",
+    parse_options=parse_options,
+    value_rules=VALUE_RULES,
+    weights_note="e4m3fn codes",
 )
+Fp8Layer = QuantizedLayer  # the name older code used: fp8 layers are the generic quantized packer
 
 __all__ = ["FP8_BLOCK", "Fp8Options", "Fp8Facts", "Fp8Layer", "group_sizes", "fp8_layout_for", "layout_group",
            "quantize_fp8_block", "dequantize_fp8", "decode_e4m3fn", "check_fp8_canonical", "pack_experts_fp8",

@@ -17,10 +17,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...errors import ConvertError, LayoutError, UnsupportedError
+from ...errors import ConvertError
 from ...layout import LAYOUTS, int4_layout_for
-from .. import BenchInfo, OutputRule, Scheme, register
-from ..quantized import QuantizedLayer, grouped_source_layout
+from ..quantized import QuantizedLayer, QuantSpec, layout_group, quantized_scheme
 from .facts import Int4Facts
 from .pack import pack_experts_int4, pack_int4_weight, pack_u4_codes
 from .quantize import INT4_DEFAULT_GROUP, check_w13_perm, dequantize_int4_group, quantize_int4_group
@@ -41,11 +40,6 @@ INT4_A8_FP32_TOL = 3e-2  # A8 vs the fp32 reference on the dequantized weights (
 # is: a broken quantizer (wrong scales, codes or options), never a coarse one. The codes
 # themselves are pinned exactly (verify redoes the quantization) and against the int4 reference.
 INT4_FROM_FLOAT_TOL = 1.0
-
-
-def layout_group(layout) -> int:
-    """The canonical group size of an int4 layout (-1: per channel)."""
-    return layout.group_size or -1
 
 
 def group_sizes(family: str = "x86") -> tuple[int, ...]:
@@ -117,22 +111,7 @@ def parse_options(words: tuple[str, ...]) -> Int4Options:
 
 class Int4Layer(QuantizedLayer):
     """One layer's experts into an int4_group layout (QuantizedLayer: codes stream, scales, zero
-    points and the act-order w13_perm are gathered). A float source is quantized round to
-    nearest at the layout's group size, symmetric unless the options say asym."""
-
-    def _sym(self) -> bool:
-        return self.src.options.sym if self.src.options is not None else True
-
-    def quantize_weight(self, w):
-        q, s, z = quantize_int4_group(w, layout_group(self.layout), sym=self._sym())
-        return {"q": q, "scale": s, "zero": z}
-
-    def dequantize_weight(self, d):
-        return dequantize_int4_group(d["q"], d["scale"], d["zero"], layout_group(self.layout))
-
-    def pack_weight(self, role, c, interleaved):
-        return pack_int4_weight(role, c[f"{role}_q"], c[f"{role}_scale"], c[f"{role}_zero"], interleaved=interleaved,
-                                layout=self.layout)  # fmt: skip
+    points and the act-order w13_perm are gathered); the gathered w13_perm is checked whole."""
 
     def finish(self, name, t):
         if name == "w13_perm":  # gathered expert by expert from the source: checked whole here
@@ -140,17 +119,30 @@ class Int4Layer(QuantizedLayer):
         return t
 
 
-def _facts(spec, shared: bool = False) -> Int4Facts | None:
-    f = getattr(spec, "quant", None)
-    if not isinstance(f, Int4Facts):
-        return None
-    return f.shared if shared else f
+_QUANT = QuantSpec(
+    name=SCHEME,
+    short="int4",
+    canonical=("w13_q", "w13_scale", "w13_zero", "w2_q", "w2_scale", "w2_zero"),
+    quantize=lambda w, g, opts: dict(zip(("q", "scale", "zero"), quantize_int4_group(w, g, sym=opts.sym if opts else True))),
+    dequantize=lambda d, g: dequantize_int4_group(d["q"], d["scale"], d["zero"], g),
+    pack_weight=pack_int4_weight,
+    stored="int4 codes, scales and zero points",
+    reader_note=False,
+    quantizer="quantize_int4_group",
+    quantizer_rule="round to nearest",
+    tol=INT4_TOL,
+    flips=INT4_FLIPS,
+    fp32_tol=INT4_FROM_FLOAT_TOL,
+    grouped=True,
+    facts=Int4Facts,
+    layout_for=int4_layout_for,
+)
 
 
 def layer_has_perm(spec, shared: bool = False) -> bool:
     """Whether a layer's routed (or ``shared``) experts carry a w13_perm: an int4 source with
     act-order (its reader gives every expert's permutation; Int4Facts.act_order)."""
-    f = _facts(spec, shared)
+    f = _QUANT.layer_facts(spec, shared)
     return f is not None and f.act_order
 
 
@@ -158,86 +150,29 @@ def default_act_mode(spec) -> str:
     """A layer's default activation mode (the manifest's ``act_mode``): a8 for a compressed-tensors
     W4A8 checkpoint (input activations dynamic per-token int8, what the a8 mode computes), else
     a16, the checkpoint's own meaning."""
-    f = _facts(spec)
+    f = _QUANT.layer_facts(spec)
     return "a8" if f is not None and f.a8_activations else "a16"
-
-
-def source_layout(specs: list, layout):
-    """An int4 source packs into the int4 layout of its own group size (never re-grouped)."""
-    return grouped_source_layout(specs, layout, _facts, int4_layout_for, "int4")
-
-
-def _pack(c: dict, *, interleaved: bool, layout, use_cpp: bool = True):
-    return pack_experts_int4(c, interleaved=interleaved, layout=layout, use_cpp=use_cpp)
-
-
-def _from_float(w13, w2, layout=None, options: Int4Options | None = None) -> dict:
-    opts = options or Int4Options()
-    g = layout_group(layout) if layout is not None else opts.group()
-    if opts.group_size is not None and layout is not None and g != opts.group_size:
-        raise UnsupportedError(f"int4 group size {opts.group_size} with layout {layout.name} (group size {g}): "
-                               "the options and the layout must agree")  # fmt: skip
-    q13, s13, z13 = quantize_int4_group(w13, g, sym=opts.sym)
-    q2, s2, z2 = quantize_int4_group(w2, g, sym=opts.sym)
-    return {"w13_q": q13, "w13_scale": s13, "w13_zero": z13, "w2_q": q2, "w2_scale": s2, "w2_zero": z2, "group_size": g}
 
 
 def _dequantize(c: dict):
     """fp32 (w13, w2) in the checkpoint's own input-channel order (act-order undone)."""
-    g = int(c["group_size"])
-    w13 = unpermute_w13(dequantize_int4_group(c["w13_q"], c["w13_scale"], c["w13_zero"], g), c.get("w13_perm"))
-    return w13, dequantize_int4_group(c["w2_q"], c["w2_scale"], c["w2_zero"], g)
+    w13, w2 = _QUANT.dequantize_canonical(c)
+    return unpermute_w13(w13, c.get("w13_perm")), w2
 
 
-def _reference(x, c: dict, topk_weights, topk_ids, **kw):
-    return moe_reference_int4(x, c, topk_weights, topk_ids, return_flip=True, **kw)
-
-
-_FLOAT = ("", "F32", "BF16", "F16")
-
-
-def _output_rule(source_dtypes: set) -> OutputRule:
-    if source_dtypes <= set(_FLOAT):  # quantized by moepack: its error against the float source is judged too
-        return OutputRule(base=INT4_TOL, flips=INT4_FLIPS, fp32_tol=INT4_FROM_FLOAT_TOL)
-    return OutputRule(base=INT4_TOL, flips=INT4_FLIPS)
-
-
-def _rule(source_dtype: str, reader: str) -> str:
-    if source_dtype not in _FLOAT:
-        return "the source's own int4 codes, scales and zero points"
-    return "quantize_int4_group of the source (round to nearest)"
-
-
-def _source_note(source_dtype: str, reader, options: Int4Options | None = None) -> str:
-    if source_dtype not in _FLOAT:
-        return f"int4 codes, scales and zero points of {reader.name}"
-    return f"quantized by moepack from {source_dtype} ({(options or Int4Options()).note()})"
-
-
-INT4_GROUP = register(
-    Scheme(
-        name=SCHEME,
-        aliases=("int4",),
-        act_mode="a16",
-        summary="4-bit codes + fp32 scale and zero point per (K group, channel); W4A16 (default) or W4A8",
-        canonical=("w13_q", "w13_scale", "w13_zero", "w2_q", "w2_scale", "w2_zero"),
-        pack=_pack,
-        from_float=_from_float,
-        dequantize=_dequantize,
-        reference=_reference,
-        output_rule=_output_rule,
-        rule=_rule,
-        source_note=_source_note,
-        layer_packer=Int4Layer,
-        default_layout="u4g128_n32k8_x86",
-        layer_perm=layer_has_perm,
-        layer_act_mode=default_act_mode,
-        parse_options=parse_options,
-        source_layout=source_layout,
-        with_layout=lambda c, layout: {**c, "group_size": c.get("group_size", layout_group(layout))},
-        weights_note="int4 codes",
-        bench=BenchInfo(check_tol=0.08),
-    )
+INT4_GROUP = quantized_scheme(
+    _QUANT,
+    aliases=("int4",),
+    summary="4-bit codes + fp32 scale and zero point per (K group, channel); W4A16 (default) or W4A8",
+    pack=pack_experts_int4,
+    reference=moe_reference_int4,
+    layer_packer=Int4Layer,
+    default_layout="u4g128_n32k8_x86",
+    layer_perm=layer_has_perm,
+    layer_act_mode=default_act_mode,
+    parse_options=parse_options,
+    dequantize=_dequantize,
+    weights_note="int4 codes",
 )
 
 __all__ = ["INT4_GROUP", "Int4Options", "Int4Facts", "Int4Layer", "layout_group", "group_sizes", "layer_has_perm",

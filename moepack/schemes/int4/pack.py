@@ -30,7 +30,7 @@ import torch
 from ...errors import LayoutError
 from ...layout import PackedLayout, int4_layout_for, layout_expert_shapes, layout_get, layout_padded_i, layout_padded_k, layout_padded_n
 from ...pack import PackedExperts, expert_dims, pack_biases, pack_codes, pad_intermediate, with_biases
-from .quantize import INT4_DEFAULT_GROUP, _groups, check_int4_canonical, check_w13_perm
+from .quantize import INT4_DEFAULT_GROUP, group_of_k, check_int4_canonical, check_w13_perm
 
 SCHEME = "int4_group"
 

@@ -11,7 +11,7 @@ from ...pack import FLOAT_DTYPES, check_float
 INT4_DEFAULT_GROUP = 128
 
 
-def _groups(k: int, g: int) -> int:
+def group_of_k(k: int, g: int) -> int:
     return 1 if g <= 0 else -(-k // g)
 
 
@@ -35,7 +35,7 @@ def quantize_int4_group(w: torch.Tensor, group_size: int = INT4_DEFAULT_GROUP, *
     wf = w.float()
     k = wf.shape[-1]
     g = k if group_size == -1 else group_size
-    ng = _groups(k, g)
+    ng = group_of_k(k, g)
     padded = torch.zeros(*wf.shape[:-1], ng * g, dtype=torch.float32)
     padded[..., :k] = wf
     grp = padded.view(*wf.shape[:-1], ng, g)
@@ -76,7 +76,7 @@ def check_int4_canonical(weight: str, q: torch.Tensor, scale: torch.Tensor, zero
     if q.dim() != 3:
         raise LayoutError(f"{weight}_q has shape {list(q.shape)}: must be [E, N, K]")
     e, n, k = q.shape
-    want = (e, n, _groups(k, group_size))
+    want = (e, n, group_of_k(k, group_size))
     for name, t in ((f"{weight}_scale", scale), (f"{weight}_zero", zero)):
         if tuple(t.shape) != want:
             raise LayoutError(f"{name} has shape {list(t.shape)}: must be {list(want)} (ceil(K={k} / group_size={group_size}) groups)")

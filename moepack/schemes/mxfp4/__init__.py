@@ -17,11 +17,9 @@ exact integer dot product with 2 * e2m1(q), -12..12, times 2^(e - 128): referenc
 
 from __future__ import annotations
 
-from ...errors import ConvertError
-from ...layout import LAYOUTS
-from .. import BenchInfo, OutputRule, Scheme, register, torch_loop_note
-from ..quantized import QuantizedLayer, grouped_source_layout
-from .codec import E2M1_VALUES, E8M0_NAN, MX4_GROUP, decode_e2m1, dequantize_mxfp4, e8m0_to_float
+from ..base import ValueRule
+from ..quantized import QuantizedLayer, QuantSpec, fixed_group_layout_for, quantized_scheme
+from .codec import E2M1_VALUES, E8M0_LARGEST, E8M0_NAN, MX4_GROUP, decode_e2m1, dequantize_mxfp4, e8m0_to_float
 from .facts import Mxfp4Facts
 from .pack import pack_experts_mxfp4, pack_mx4_codes, pack_mxfp4_weight
 from .quantize import check_e8m0, check_mxfp4_canonical, quantize_mxfp4
@@ -47,113 +45,51 @@ MXFP4_A8_FP32_TOL = 3e-2
 MXFP4_FROM_FLOAT_TOL = 0.4
 
 
-def mxfp4_layout_for(group_size: int, family: str = "x86"):
-    """The mxfp4 layout of an ISA family; ``group_size`` must be 32 (OCP MX)."""
-    if group_size != MX4_GROUP:
-        raise ConvertError(f"mxfp4 group size {group_size}: OCP MX (and moepack's mxfp4 layouts) group 32 K values per scale")
-    for x in LAYOUTS:
-        if x.scheme == SCHEME and x.family == family:
-            return x
-    raise ConvertError(f"scheme {SCHEME}: this build has no layout for the {family} family")
+mxfp4_layout_for = fixed_group_layout_for(SCHEME, MX4_GROUP, "OCP MX")
+
+def _e8m0_text(v) -> str:
+    if v == E8M0_NAN:
+        return f"e8m0 scale 255 is NaN (scales are 2^(e - 127), e = 0..{E8M0_LARGEST}; convert refuses it)"
+    return (f"e8m0 scales must be 0..{E8M0_LARGEST}: from 253 up 6 (e2m1's largest code) x 2^(e - 127) overflows "
+            "float32 (convert refuses them)")  # fmt: skip
 
 
-class Mxfp4Layer(QuantizedLayer):
-    """One layer's experts into the mx4 layout (QuantizedLayer: codes stream, e8m0 scales are
-    gathered). A float source is quantized by OCP's rule (quantize_mxfp4)."""
+# the scales are e8m0 exponent bytes: 255 is NaN and from 253 up the largest code overflows float32
+VALUE_RULES = {"scale": ValueRule("e8m0", lambda t: t > E8M0_LARGEST, _e8m0_text, lambda t: int(t.max()) <= E8M0_LARGEST, on_open=True)}
 
-    def quantize_weight(self, w):
-        q, s = quantize_mxfp4(w)
-        return {"q": q, "scale": s}
-
-    def dequantize_weight(self, d):
-        return dequantize_mxfp4(d["q"], d["scale"])
-
-    def pack_weight(self, role, c, interleaved):
-        return pack_mxfp4_weight(role, c[f"{role}_q"], c[f"{role}_scale"], interleaved=interleaved, layout=self.layout)
-
-
-def _facts(spec, shared: bool = False) -> Mxfp4Facts | None:
-    f = getattr(spec, "quant", None)
-    if not isinstance(f, Mxfp4Facts):
-        return None
-    return f.shared if shared else f
-
-
-def source_layout(specs: list, layout):
-    """An MXFP4 source packs into the mx4 layout of the family asked for (never re-quantized)."""
-    return grouped_source_layout(specs, layout, _facts, mxfp4_layout_for, "mxfp4", lambda f: f", {f.format}")
-
-
-def _pack(c: dict, *, interleaved: bool, layout, use_cpp: bool = True):
-    return pack_experts_mxfp4(c, interleaved=interleaved, layout=layout, use_cpp=use_cpp)
-
-
-def _from_float(w13, w2, layout=None, options=None) -> dict:
-    q13, s13 = quantize_mxfp4(w13)
-    q2, s2 = quantize_mxfp4(w2)
-    return {"w13_q": q13, "w13_scale": s13, "w2_q": q2, "w2_scale": s2}
-
-
-def _dequantize(c: dict):
-    return dequantize_mxfp4(c["w13_q"], c["w13_scale"]), dequantize_mxfp4(c["w2_q"], c["w2_scale"])
-
-
-def _reference(x, c: dict, topk_weights, topk_ids, **kw):
-    return moe_reference_mxfp4(x, c, topk_weights, topk_ids, return_flip=True, **kw)
-
-
-_FLOAT = ("", "F32", "BF16", "F16")
-
-
-def _output_rule(source_dtypes: set) -> OutputRule:
-    if source_dtypes <= set(_FLOAT):  # quantized by moepack: its error against the float source is judged too
-        return OutputRule(base=MXFP4_TOL, flips=MXFP4_FLIPS, fp32_tol=MXFP4_FROM_FLOAT_TOL)
-    return OutputRule(base=MXFP4_TOL, flips=MXFP4_FLIPS, fp32_tol=MXFP4_A8_FP32_TOL)
-
-
-def _rule(source_dtype: str, reader: str) -> str:
-    if source_dtype not in _FLOAT:
-        return "the source's own e2m1 codes and e8m0 scales"
-    return "quantize_mxfp4 of the source (OCP shared exponent, round to nearest even)"
-
-
-def _source_note(source_dtype: str, reader, options=None) -> str:
-    if source_dtype not in _FLOAT:
-        return getattr(reader, "weights_note", None) or f"e2m1 codes and e8m0 scales of {reader.name}"
-    return f"quantized by moepack from {source_dtype} (mxfp4: e2m1, e8m0 scale per 32, OCP shared exponent, round to nearest even)"
-
-
-def _bench_notes(kernel_isa: str, instruction: str | None, torch_loop: bool) -> list[str]:
-    notes = [f"--scheme mxfp4: GB/s counts the packed e2m1 codes and their e8m0 scales (6.25% more); the kernel runs at "
-             f"{kernel_isa}" + (" (this build has no SIMD mxfp4 kernel for the host)" if kernel_isa == "scalar" else "")]  # fmt: skip
-    if torch_loop:
-        notes.append(torch_loop_note("mxfp4", "MXFP4"))
-    return notes
-
-
-MXFP4 = register(
-    Scheme(
+MXFP4 = quantized_scheme(
+    QuantSpec(
         name=SCHEME,
-        aliases=(),
-        act_mode="a16",
-        summary="e2m1 codes + e8m0 scale per (K group of 32, channel), OCP MX; W4A16 (default, exact) or W4A8",
+        short="mxfp4",
         canonical=("w13_q", "w13_scale", "w2_q", "w2_scale"),
-        pack=_pack,
-        from_float=_from_float,
-        dequantize=_dequantize,
-        reference=_reference,
-        output_rule=_output_rule,
-        rule=_rule,
-        source_note=_source_note,
-        layer_packer=Mxfp4Layer,
-        default_layout="mx4g32_n32k8_x86",
-        source_layout=source_layout,
-        weights_note="e2m1 codes",
+        quantize=lambda w, g, opts: dict(zip(("q", "scale"), quantize_mxfp4(w))),
+        dequantize=lambda d, g: dequantize_mxfp4(d["q"], d["scale"]),
+        pack_weight=pack_mxfp4_weight,
+        stored="e2m1 codes and e8m0 scales",
+        quantizer="quantize_mxfp4",
+        quantizer_rule="OCP shared exponent, round to nearest even",
+        float_note="mxfp4: e2m1, e8m0 scale per 32, OCP shared exponent, round to nearest even",
+        tol=MXFP4_TOL,
+        flips=MXFP4_FLIPS,
+        fp32_tol=MXFP4_FROM_FLOAT_TOL,
+        own_fp32_tol=MXFP4_A8_FP32_TOL,
+        facts=Mxfp4Facts,
+        layout_for=mxfp4_layout_for,
+        describe=lambda f: f", {f.format}",
+        bench_counts="the packed e2m1 codes and their e8m0 scales (6.25% more)",
+        bench_label="MXFP4",
         # the check column includes the quantization error: 0.16-0.24 (max |diff| / max |out|) on bench-like
         # weights, A16 and A8 (int4 g128 sym: 0.19-0.22 the same way)
-        bench=BenchInfo(check_tol=0.35, notes=_bench_notes),
-    )
+        check_tol=0.35,
+    ),
+    summary="e2m1 codes + e8m0 scale per (K group of 32, channel), OCP MX; W4A16 (default, exact) or W4A8",
+    pack=pack_experts_mxfp4,
+    reference=moe_reference_mxfp4,
+    default_layout="mx4g32_n32k8_x86",
+    value_rules=VALUE_RULES,
+    weights_note="e2m1 codes",
 )
+Mxfp4Layer = QuantizedLayer  # the name older code used: mxfp4 layers are the generic quantized packer
 
 __all__ = ["MXFP4", "Mxfp4Facts", "Mxfp4Layer", "mxfp4_layout_for", "quantize_mxfp4", "dequantize_mxfp4", "decode_e2m1",
            "e8m0_to_float", "check_mxfp4_canonical", "check_e8m0", "pack_experts_mxfp4", "pack_mxfp4_weight", "pack_mx4_codes",

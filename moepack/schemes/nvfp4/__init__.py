@@ -21,10 +21,10 @@ the activations run in 16 bits (or int8 with ``--act-mode a8``).
 
 from __future__ import annotations
 
-from ...errors import ConvertError
-from ...layout import LAYOUTS
-from .. import BenchInfo, OutputRule, Scheme, register, torch_loop_note
-from ..quantized import QuantizedLayer, grouped_source_layout
+import torch
+
+from ..base import ValueRule
+from ..quantized import QuantizedLayer, QuantSpec, fixed_group_layout_for, quantized_scheme
 from .codec import NV4_GROUP, decode_e2m1, dequantize_nvfp4, e4m3_to_float, group_scales
 from .facts import Nvfp4Facts
 from .pack import pack_experts_nvfp4, pack_nvfp4_weight
@@ -45,114 +45,53 @@ NVFP4_A8_FP32_TOL = 3e-2
 NVFP4_FROM_FLOAT_TOL = 0.4
 
 
-def nvfp4_layout_for(group_size: int, family: str = "x86"):
-    """The nvfp4 layout of an ISA family; ``group_size`` must be 16 (NVFP4)."""
-    if group_size != NV4_GROUP:
-        raise ConvertError(f"nvfp4 group size {group_size}: NVFP4 (and moepack's nvfp4 layouts) group 16 K values per scale")
-    for x in LAYOUTS:
-        if x.scheme == SCHEME and x.family == family:
-            return x
-    raise ConvertError(f"scheme {SCHEME}: this build has no layout for the {family} family")
+nvfp4_layout_for = fixed_group_layout_for(SCHEME, NV4_GROUP, "NVFP4")
+
+def _globals_ok(t) -> bool:
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo)) and bool(torch.isfinite(hi))
 
 
-class Nvfp4Layer(QuantizedLayer):
-    """One layer's experts into the nv4 layout (QuantizedLayer: codes stream, e4m3 scales and
-    globals are gathered). A float source is quantized by compressed-tensors' rule."""
+# the group scales are e4m3fn bytes (never NaN, never negative), the per-channel globals finite
+VALUE_RULES = {
+    "scale": ValueRule("e4m3", lambda t: t >= 0x7F,
+                       lambda v: "nvfp4 e4m3 scale bytes 0x7F / 0xFF are NaN and 0x80 up negative (convert refuses them)",
+                       lambda t: int(t.max()) < 0x7F, on_open=True, hex=True),
+    "global": ValueRule("global", lambda t: ~torch.isfinite(t), lambda v: "nvfp4 global scales must be finite (convert refuses others)",
+                        _globals_ok, on_open=True),
+}  # fmt: skip
 
-    def quantize_weight(self, w):
-        q, s, g = quantize_nvfp4(w)
-        return {"q": q, "scale": s, "global": g}
-
-    def dequantize_weight(self, d):
-        return dequantize_nvfp4(d["q"], d["scale"], d["global"])
-
-    def pack_weight(self, role, c, interleaved):
-        return pack_nvfp4_weight(role, c[f"{role}_q"], c[f"{role}_scale"], c[f"{role}_global"], interleaved=interleaved,
-                                 layout=self.layout)  # fmt: skip
-
-
-def _facts(spec, shared: bool = False) -> Nvfp4Facts | None:
-    f = getattr(spec, "quant", None)
-    if not isinstance(f, Nvfp4Facts):
-        return None
-    return f.shared if shared else f
-
-
-def source_layout(specs: list, layout):
-    """An NVFP4 source packs into the nv4 layout of the family asked for (never re-quantized)."""
-    return grouped_source_layout(specs, layout, _facts, nvfp4_layout_for, "nvfp4", lambda f: f", {f.format}")
-
-
-def _pack(c: dict, *, interleaved: bool, layout, use_cpp: bool = True):
-    return pack_experts_nvfp4(c, interleaved=interleaved, layout=layout, use_cpp=use_cpp)
-
-
-def _from_float(w13, w2, layout=None, options=None) -> dict:
-    q13, s13, g13 = quantize_nvfp4(w13)
-    q2, s2, g2 = quantize_nvfp4(w2)
-    return {"w13_q": q13, "w13_scale": s13, "w13_global": g13, "w2_q": q2, "w2_scale": s2, "w2_global": g2}
-
-
-def _dequantize(c: dict):
-    return (dequantize_nvfp4(c["w13_q"], c["w13_scale"], c["w13_global"]),
-            dequantize_nvfp4(c["w2_q"], c["w2_scale"], c["w2_global"]))  # fmt: skip
-
-
-def _reference(x, c: dict, topk_weights, topk_ids, **kw):
-    return moe_reference_nvfp4(x, c, topk_weights, topk_ids, return_flip=True, **kw)
-
-
-_FLOAT = ("", "F32", "BF16", "F16")
-
-
-def _output_rule(source_dtypes: set) -> OutputRule:
-    if source_dtypes <= set(_FLOAT):
-        return OutputRule(base=NVFP4_TOL, flips=NVFP4_FLIPS, fp32_tol=NVFP4_FROM_FLOAT_TOL)
-    return OutputRule(base=NVFP4_TOL, flips=NVFP4_FLIPS, fp32_tol=NVFP4_A8_FP32_TOL)
-
-
-def _rule(source_dtype: str, reader: str) -> str:
-    if source_dtype not in _FLOAT:
-        return "the source's own e2m1 codes, e4m3 scales and global scales"
-    return "quantize_nvfp4 of the source (compressed-tensors' NVFP4 rule: amax/6 per 16 in e4m3 under a per-tensor global scale)"
-
-
-def _source_note(source_dtype: str, reader, options=None) -> str:
-    if source_dtype not in _FLOAT:
-        return getattr(reader, "weights_note", None) or f"e2m1 codes, e4m3 scales and global scales of {reader.name}"
-    return (f"quantized by moepack from {source_dtype} (nvfp4: e2m1, e4m3 scale per 16 under a per-tensor fp32 global "
-            "scale, compressed-tensors' rule)")  # fmt: skip
-
-
-def _bench_notes(kernel_isa: str, instruction: str | None, torch_loop: bool) -> list[str]:
-    notes = [f"--scheme nvfp4: GB/s counts the packed e2m1 codes, their e4m3 scales (12.5% more) and the per-channel globals; "
-             f"the kernel runs at {kernel_isa}"]  # fmt: skip
-    if torch_loop:
-        notes.append(torch_loop_note("nvfp4", "NVFP4"))
-    return notes
-
-
-NVFP4 = register(
-    Scheme(
+NVFP4 = quantized_scheme(
+    QuantSpec(
         name=SCHEME,
-        aliases=(),
-        act_mode="a16",
-        summary="e2m1 codes + e4m3 scale per (K group of 16, channel) + fp32 global per channel, NVFP4; W4A16 (default, exact) or W4A8",
+        short="nvfp4",
         canonical=("w13_q", "w13_scale", "w13_global", "w2_q", "w2_scale", "w2_global"),
-        pack=_pack,
-        from_float=_from_float,
-        dequantize=_dequantize,
-        reference=_reference,
-        output_rule=_output_rule,
-        rule=_rule,
-        source_note=_source_note,
-        layer_packer=Nvfp4Layer,
-        default_layout="nv4g16_n32k8_x86",
-        source_layout=source_layout,
-        weights_note="e2m1 codes",
-        bench=BenchInfo(check_tol=0.35, notes=_bench_notes),
-    )
+        quantize=lambda w, g, opts: dict(zip(("q", "scale", "global"), quantize_nvfp4(w))),
+        dequantize=lambda d, g: dequantize_nvfp4(d["q"], d["scale"], d["global"]),
+        pack_weight=pack_nvfp4_weight,
+        stored="e2m1 codes, e4m3 scales and global scales",
+        quantizer="quantize_nvfp4",
+        quantizer_rule="compressed-tensors' NVFP4 rule: amax/6 per 16 in e4m3 under a per-tensor global scale",
+        float_note="nvfp4: e2m1, e4m3 scale per 16 under a per-tensor fp32 global scale, compressed-tensors' rule",
+        tol=NVFP4_TOL,
+        flips=NVFP4_FLIPS,
+        fp32_tol=NVFP4_FROM_FLOAT_TOL,
+        own_fp32_tol=NVFP4_A8_FP32_TOL,
+        facts=Nvfp4Facts,
+        layout_for=nvfp4_layout_for,
+        describe=lambda f: f", {f.format}",
+        bench_counts="the packed e2m1 codes, their e4m3 scales (12.5% more) and the per-channel globals",
+        bench_label="NVFP4",
+        check_tol=0.35,
+    ),
+    summary="e2m1 codes + e4m3 scale per (K group of 16, channel) + fp32 global per channel, NVFP4; W4A16 (default, exact) or W4A8",
+    pack=pack_experts_nvfp4,
+    reference=moe_reference_nvfp4,
+    default_layout="nv4g16_n32k8_x86",
+    value_rules=VALUE_RULES,
+    weights_note="e2m1 codes",
 )
+Nvfp4Layer = QuantizedLayer  # the name older code used: nvfp4 layers are the generic quantized packer
 
 __all__ = ["NVFP4", "Nvfp4Facts", "Nvfp4Layer", "nvfp4_layout_for", "quantize_nvfp4", "dequantize_nvfp4", "decode_e2m1",
            "e4m3_to_float", "group_scales", "global_scale", "check_nvfp4_canonical", "check_e4m3_scales", "check_globals",

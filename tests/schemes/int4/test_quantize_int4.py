@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import moepack
-from moepack.convert_dir import MANIFEST, parse_quantize
+from moepack.convert.run import MANIFEST, parse_quantize
 from moepack.errors import MoepackError
 from moepack.layout import int4_layout_for
 from moepack.pack import unpack_codes
@@ -171,7 +171,7 @@ def test_options_spelled_out_and_parsed_once():
 
 _CHILD = """
 import os, signal, sys
-from moepack.convert_dir import convert
+from moepack.convert.run import convert
 src, dst, quantize = sys.argv[1:4]
 def progress(ev, **kw):
     if ev == "shard_done":

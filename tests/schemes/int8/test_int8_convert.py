@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import moepack
-from moepack.convert_dir import MANIFEST
+from moepack.convert.run import MANIFEST
 from moepack.errors import MoepackError
 from moepack.isa import ISAS
 from moepack.layout import INT8_LAYOUT

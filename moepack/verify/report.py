@@ -2,7 +2,7 @@
 
 ``VerifyReport`` (with ``TensorCheck`` per checksum and ``LayerCheck`` per layer compared with
 the source), ``tensor_sha256`` (a tensor in memory) and ``file_sha256`` (a byte range of a file,
-read with pread into one buffer). Apart from verify_dir because every verify module fills or
+read with pread into one buffer). Apart from run.py because every verify module fills or
 uses them: the layer check returns ``LayerCheck``, the model check hashes carried-over tensors
 with ``file_sha256``; keeping them at the bottom keeps the imports one-way.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import PackedDirError
+from ..errors import PackedDirError
 
 CHUNK = 64 << 20
 READ_CHUNK = 16 << 20  # pread piece of the checksums (one reused buffer)
@@ -68,7 +68,7 @@ class VerifyReport:
     fingerprint_match: bool | None = None
     model: list[str] = field(default_factory=list)  # where the pack's model differs from the source's (step 4)
     files: list[TensorCheck] = field(default_factory=list)  # carried files (config.json, tokenizer): present, sha256
-    values_checked: int = 0  # tensors whose values were checked against their role's rule (moepack.verify_values)
+    values_checked: int = 0  # tensors whose values were checked against their role's rule (moepack.verify.values)
     notes: list[str] = field(default_factory=list)  # what passed but the reader should know (a deliberate --act-mode)
 
     @property

@@ -1,13 +1,13 @@
 """Step 3 of verify: one layer's packed weights and outputs against the source, block by block.
 
-``_check_layer`` takes one block of experts at a time (how many: moepack.verify_dir's
+``check_layer`` takes one block of experts at a time (how many: moepack.verify.run's
 ``BLOCK_BYTES``, passed in): the block's source weights as convert packed them (``_Want``: the
 scheme's canonical tensors, a quantized source's own codes), its packed tensors read with pread,
 every packed tensor compared bit for bit with what the scheme's Python spec packer makes of the
 source (``_compare``; a difference named at its [expert, row, col]), and the block's part of the
 output against the scheme's reference (and the fp32 one). The shared expert is checked as a
-one-expert set (``_check_shared``). Apart from verify_dir because it is the numeric heart of
-verify and its largest part; verify_dir only drives it.
+one-expert set (``_check_shared``). Apart from run.py because it is the numeric heart of
+verify and its largest part; run.py only drives it.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import PackedDirError
-from .pack import PackedExperts, unpack_codes
-from .reference import moe_reference
-from .runtime.experts import run_experts
-from .runtime.model import PackedModel
-from .schemes import get_scheme
-from .verify_report import LayerCheck
+from ..errors import PackedDirError
+from ..pack import PackedExperts, unpack_codes
+from ..reference import moe_reference
+from ..runtime.experts import run_experts
+from ..runtime.model import PackedModel
+from ..schemes import get_scheme
+from .report import LayerCheck
 
 
 def _tokens(model: PackedModel, layer_index: int, e: int, h: int, tokens: int, seed: int):
@@ -60,7 +60,7 @@ def _want(scheme, w13, w2, q: dict | None, source_dtype: str, reader_name: str, 
     return _Want(w13, w2, rule, scheme.from_float(w13, w2, layout=layout, options=options), w13_bias, w2_bias)
 
 
-def _unpacked(t: torch.Tensor, name: str, p: PackedExperts) -> torch.Tensor:
+def unpacked_values(t: torch.Tensor, name: str, p: PackedExperts) -> torch.Tensor:
     """Codes in logical [E, N, K] order, padding included (other tensors as they are)."""
     if name in ("w13", "w2"):  # every code type, through the layout's own arrangement and code order
         return unpack_codes(p.layout, t)
@@ -78,7 +78,7 @@ def _expected_tensors(p: PackedExperts, want: _Want, scheme) -> dict[str, tuple[
         c["w2_bias"] = want.w2_bias
     spec = scheme.pack(c, interleaved=p.interleaved, layout=p.layout, use_cpp=False)
     return {
-        name: (_unpacked(got, name, p), _unpacked(spec.tensors[name], name, p))
+        name: (unpacked_values(got, name, p), unpacked_values(spec.tensors[name], name, p))
         for name, got in p.tensors.items()
         if name in spec.tensors
     }
@@ -161,7 +161,7 @@ def _compare(p: PackedExperts, names: dict, want: _Want, what: str, results: dic
 
 
 def _shared_want(ckpt, reader, spec, scheme, layout, options=None) -> _Want:
-    """The source's shared expert as convert packs it (convert_dir: float, or the quantized
+    """The source's shared expert as convert packs it (convert/run.py: float, or the quantized
     source's own codes, or quantized by moepack when the source's shared expert is float)."""
     w13, w2 = reader.read_shared(ckpt, spec)
     q = reader.read_shared_canonical(ckpt, spec) if scheme.keeps_source(reader) else None
@@ -202,12 +202,12 @@ def _check_shared(ckpt, reader, spec, layer, results: dict, problems: list, opti
 
 
 def _block_size(spec, block_bytes: int) -> int:
-    """Experts per step of the weight and output checks: ``block_bytes`` (verify_dir's
+    """Experts per step of the weight and output checks: ``block_bytes`` (run.py's
     BLOCK_BYTES) of fp32 weights, >= 1."""
     return max(1, block_bytes // (4 * 3 * spec.hidden * spec.intermediate))
 
 
-def _read_rows(model: PackedModel, name: str, e0: int, e1: int) -> torch.Tensor:
+def read_rows(model: PackedModel, name: str, e0: int, e1: int) -> torch.Tensor:
     """Rows ``[e0, e1)`` (dim 0: experts) of a packed tensor, read with pread: a copy of that block
     only, and no page of the directory's mapping touched."""
     shard = model._shards[model.manifest["tensors"][name]["file"]]
@@ -232,10 +232,10 @@ def _packed_block(model: PackedModel, layer, e0: int, e1: int, rank_problems: di
     p = layer.packed
     names = layer.entry["tensors"]
     if p.tp > 1:  # a --tp pack: the block's rows of every rank, reassembled into whole experts (moepack/tp.py)
-        from .tp import rank_copy_problem, tp_unslice
+        from ..tp import rank_copy_problem, tp_unslice
 
         e = p.num_experts
-        tensors = {role: torch.cat([_read_rows(model, names[role], r * e + e0, r * e + e1) for r in range(p.tp)])
+        tensors = {role: torch.cat([read_rows(model, names[role], r * e + e0, r * e + e1) for r in range(p.tp)])
                    for role in p.tensors}  # fmt: skip
         for role, t in tensors.items():
             msg = rank_copy_problem(p.layout, role, names[role], t, p.tp, e0)
@@ -244,7 +244,7 @@ def _packed_block(model: PackedModel, layer, e0: int, e1: int, rank_problems: di
         return tp_unslice(PackedExperts(layout=p.layout, num_experts=e1 - e0, hidden=p.hidden, intermediate=p.intermediate,
                                         padded_intermediate=p.padded_intermediate, interleaved=p.interleaved,
                                         tensors=tensors, act_mode=p.act_mode, tp=p.tp))  # fmt: skip
-    tensors = {role: _read_rows(model, names[role], e0, e1) for role in p.tensors}
+    tensors = {role: read_rows(model, names[role], e0, e1) for role in p.tensors}
     return PackedExperts(layout=p.layout, num_experts=e1 - e0, hidden=p.hidden, intermediate=p.intermediate,
                          padded_intermediate=p.padded_intermediate, interleaved=p.interleaved, tensors=tensors,
                          act_mode=p.act_mode)  # fmt: skip
@@ -285,10 +285,10 @@ def _nonfinite(out: torch.Tensor, ref: torch.Tensor, ref_name: str) -> str | Non
             "overflow float32 or a NaN reached them")  # fmt: skip
 
 
-def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, tokens: int, seed: int, options=None, *,
+def check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, tokens: int, seed: int, options=None, *,
                  block_bytes: int) -> LayerCheck:  # fmt: skip
     """One layer against the source, one block of experts at a time (``block_bytes`` of fp32
-    weights, at least one expert; this module's and moepack.verify_dir's docstrings)."""
+    weights, at least one expert; this module's and moepack.verify.run's docstrings)."""
     layer = model.layers[layer_index]
     p = layer.packed
     scheme = get_scheme(p.layout)
@@ -308,13 +308,13 @@ def _check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, token
     # kernel restricted to the block by expert_map) against the scheme's reference on the block's
     # canonical tensors and (schemes with an fp32 tolerance) the fp32 reference on its weights
     x, w, ids = _tokens(model, layer_index, e_all, p.hidden, tokens, seed)
-    from .convert_plan import silu_limit_of
-    from .sources import text_config
+    from ..convert.plan import silu_limit_of
+    from ..sources import text_config
 
     # the source's clamp (its config), not the pack's: a pack that leaves it out computes otherwise
     src_sl = silu_limit_of(text_config(ckpt.config), spec)
     kw = dict(activation=layer.activation, alpha=layer.alpha, limit=layer.limit, interleaved=p.interleaved, silu_limit=src_sl)
-    # the manifest's act_mode (proved against the source's meaning by verify_model), never
+    # the manifest's act_mode (proved against the source's meaning by model.py), never
     # MOEPACK_ACT_MODE: verify proves what the pack says it runs
     mode = layer.entry.get("act_mode") or p.layout.act_modes[0]
     rkw = dict(act_mode=mode) if len(p.layout.act_modes) > 1 else {}  # the reference of a two-mode scheme takes it

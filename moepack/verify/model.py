@@ -1,34 +1,34 @@
 """Step 4 of verify: the whole model the source describes, against the pack's manifest.
 
-``_check_model`` compares the set of MoE layers the source reader finds, each layer's facts
+``check_model`` compares the set of MoE layers the source reader finds, each layer's facts
 (experts, shapes, activation, biases, act-order, shared expert, router, scheme) and the routing
 config convert derives from config.json with what the manifest records; ``_check_carried``
-compares the carried-over tensors as a set, with dtype, shape and bytes. Apart from verify_dir
+compares the carried-over tensors as a set, with dtype, shape and bytes. Apart from run.py
 and the layer check because it reads no packed weights at all: it is a comparison of metadata
 (and of the source's carried-over bytes against the manifest's sha256).
 """
 
 from __future__ import annotations
 
-from .errors import MoepackError
-from .runtime.model import PackedModel
-from .schemes import get_scheme
-from .verify_report import READ_CHUNK, file_sha256
+from ..errors import MoepackError
+from ..runtime.model import PackedModel
+from ..schemes import get_scheme
+from .report import READ_CHUNK, file_sha256
 
 
 def _norm_routing(r: dict | None) -> dict | None:
-    from .routing import RoutingConfig
+    from ..routing import RoutingConfig
 
     return None if r is None else RoutingConfig.from_dict(r).to_dict()
 
 
-def _check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | None = None) -> list[str]:
-    """Step 4 of moepack.verify_dir's docstring: what the source says the model is, against the manifest.
+def check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | None = None) -> list[str]:
+    """Step 4 of moepack.verify.run's docstring: what the source says the model is, against the manifest.
     Returns one line per difference (empty: the same model); ``notes`` gets what passed but must
     be reported (a layer run in a deliberate ``--act-mode`` other than the source's meaning)."""
     notes = notes if notes is not None else []
-    from .convert_plan import _routing_for, _swiglu_params, runnable_problems, silu_limit_of
-    from .sources import text_config
+    from ..convert.plan import routing_for, swiglu_params, runnable_problems, silu_limit_of
+    from ..sources import text_config
 
     out = []
     m = model.manifest
@@ -38,7 +38,7 @@ def _check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | No
         out.append(f"layer {idx} ({specs[idx].prefix}) is a MoE layer of the source but not in the pack")
     for idx in sorted(set(packed) - set(specs)):
         out.append(f"layer {idx} ({packed[idx]['prefix']}) is in the pack but is no MoE layer of the source")
-    alpha, limit = _swiglu_params(config)
+    alpha, limit = swiglu_params(config)
     for idx in sorted(set(specs) & set(packed)):
         s, e = specs[idx], packed[idx]
         lay = model.layers[idx].packed.layout
@@ -72,7 +72,7 @@ def _check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | No
         if s.shared and sh and model.layers[idx].shared is not None:
             out += _check_shared_scheme(idx, s, e, model.layers[idx].shared.layout, lay, ckpt, reader)
         out += _check_act_mode(idx, s, e, lay, scheme, m.get("act_mode_option"), notes, "act_mode_option" not in m)
-    src_routing, note = _routing_for(config)
+    src_routing, note = routing_for(config)
     consumed = {n for sp in specs.values() for n in sp.expert_tensors}
     # what the pack cannot compute that the source has: its routing, a clamp, a block part (convert refuses each)
     out += runnable_problems(ckpt, config, list(specs.values()), None if src_routing is not None else note, consumed)
@@ -99,8 +99,8 @@ def _check_shared_scheme(idx: int, spec, entry: dict, slay, lay, ckpt, reader) -
     keeps its scheme; a float one stays float (convert never quantizes unasked) unless the pack
     records the quantizer ``--quantize`` ran on it (the layer's ``quantizer``: a float source
     quantized whole; the shared entry's: a quantized source's float shared expert)."""
-    from .convert_plan import float_shared_dtype
-    from .schemes import float_scheme
+    from ..convert.plan import float_shared_dtype
+    from ..schemes import float_scheme
 
     sh = entry.get("shared") or {}
     got = get_scheme(slay)
@@ -186,7 +186,7 @@ def _short(v) -> str:
 def _check_config(m: dict, ckpt) -> list[str]:
     """The model config the manifest stores (load_model and generate build the model from it)
     against the source's config.json, key for key, and the two fields derived from it."""
-    from .sources import text_config
+    from ..sources import text_config
 
     out = []
     diff = _first_difference(m["model"].get("config"), ckpt.config, "model.config")

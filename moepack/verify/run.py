@@ -3,7 +3,7 @@
 1. Structure: the manifest, every shard header, alignment, shapes against layout math
    (everything ``moepack.open`` checks).
 2. Integrity: the sha256 of every tensor's bytes against the manifest (a flipped byte names the
-   tensor); every packed expert tensor's values against its role's rule (moepack.verify_values:
+   tensor); every packed expert tensor's values against its role's rule (moepack.verify.values:
    scales finite and >= 0, zero points 0..15, permutations, finite bf16 weights and biases, int8
    column sums equal to the codes' sums; a ``--tp`` pack's tensors kept once per rank: w2's
    bias zero on ranks > 0, every other copy equal to rank 0's, moepack.tp's
@@ -25,7 +25,7 @@
    gate bit for bit, and its gated output is part of the layer output compared.
    A differing tensor is named with its first differing element ([expert, row, col] of the
    unpacked values), both values and the rule; the report counts the tensors compared.
-4. With the source, the whole model, not only what the manifest lists (``_check_model``): the
+4. With the source, the whole model, not only what the manifest lists (``check_model``): the
    set of MoE layers (index, prefix) the source reader finds, each layer's experts (count, H, I,
    activation and swigluoai's alpha/limit, row order, biases, act-order, shared expert and its
    gate, router tensors, the scheme a quantized source keeps) and the routing config convert
@@ -52,8 +52,8 @@ block; the reference sees the block's routes only). Peak memory is therefore a f
 whatever the number of experts or layers.
 
 Modules: this one drives verify and owns its memory budget (``BLOCK_BYTES``);
-moepack.verify_report holds the report types and sha256 helpers, moepack.verify_layer step 3
-(weights and outputs, block by block), moepack.verify_model step 4 (the model against the
+moepack.verify.report holds the report types and sha256 helpers, moepack.verify.layer step 3
+(weights and outputs, block by block), moepack.verify.model step 4 (the model against the
 source). Names outside code imports from here (``tensor_sha256``, ``file_sha256``, ...) are
 re-exported.
 """
@@ -63,12 +63,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
-from .errors import MoepackError, PackedDirError
-from .runtime.model import PackedModel, open_packed
-from .verify_layer import _check_layer, _unpacked  # _unpacked: re-exported (tests import it from here)
-from .verify_model import _check_model
+from ..errors import MoepackError, PackedDirError
+from ..runtime.model import PackedModel, open_packed
+from .layer import check_layer, unpacked_values  # unpacked_values: re-exported (tests import it from here)
+from .model import check_model
 # re-exported from their old home too: CHUNK, LayerCheck, TensorCheck, tensor_sha256
-from .verify_report import CHUNK, READ_CHUNK, LayerCheck, TensorCheck, VerifyReport, file_sha256, tensor_sha256
+from .report import CHUNK, READ_CHUNK, LayerCheck, TensorCheck, VerifyReport, file_sha256, tensor_sha256
 
 # fp32 bytes of the experts one step of the weight/output check holds (the source's weights, and
 # the packed and recomputed tensors are of the same order): 64 MiB is 3 experts of
@@ -78,10 +78,10 @@ BLOCK_BYTES = 64 << 20
 
 def _check_tensors(model: PackedModel, report: VerifyReport, notify) -> None:
     """Step 2: every tensor's sha256 against the manifest and, for packed expert tensors, its
-    values against its role's rule (moepack.verify_values): bf16 codes while they are hashed (one
+    values against its role's rule (moepack.verify.values): bf16 codes while they are hashed (one
     read), the small tensors (scales, zero points, biases, permutations) read once more whole,
     int8 column sums against the codes, block by block."""
-    from .verify_values import roles_of
+    from .values import roles_of, streamed
 
     buf = bytearray(READ_CHUNK)
     roles = dict(roles_of(model))
@@ -92,7 +92,7 @@ def _check_tensors(model: PackedModel, report: VerifyReport, notify) -> None:
         role = roles.get(name)
         problems: list[str] = []
         inspect = None
-        if (role == "codes" and info.torch_dtype.is_floating_point) or role == "f8codes":
+        if streamed(role, info.torch_dtype):
             inspect = _piece_check(name, role, info.torch_dtype, problems)
         digest = file_sha256(shard.path, info.file_offset, info.nbytes, buf, inspect)
         ok = digest == e.get("sha256")
@@ -118,7 +118,7 @@ def _piece_check(name: str, role: str, dtype, problems: list):
     first problem kept)."""
     import torch
 
-    from .verify_values import value_problem
+    from .values import value_problem
 
     size = torch.empty(0, dtype=dtype).element_size()
 
@@ -138,11 +138,11 @@ def _piece_check(name: str, role: str, dtype, problems: list):
 def _small_check(model: PackedModel, name: str, role: str, info) -> list[str]:
     """The value rule of a small tensor (read whole with pread), or of int8 column sums against
     their codes (one block of experts at a time)."""
-    from .verify_layer import _read_rows
-    from .verify_values import colsum_problem, value_problem
+    from .layer import read_rows
+    from .values import colsum_problem, value_problem
 
     if role != "sum":
-        msg = value_problem(name, role, _read_rows(model, name, 0, info.shape[0]))
+        msg = value_problem(name, role, read_rows(model, name, 0, info.shape[0]))
         return [msg] if msg else []
     codes_name, layout = _codes_of(model, name)
     if codes_name is None:
@@ -152,7 +152,7 @@ def _small_check(model: PackedModel, name: str, role: str, info) -> list[str]:
     step = max(1, BLOCK_BYTES // row)
     for e0 in range(0, e_all, step):
         e1 = min(e_all, e0 + step)
-        msg = colsum_problem(name, codes_name, layout, _read_rows(model, codes_name, e0, e1), _read_rows(model, name, e0, e1), e0)
+        msg = colsum_problem(name, codes_name, layout, read_rows(model, codes_name, e0, e1), read_rows(model, name, e0, e1), e0)
         if msg:
             return [msg]
     return []
@@ -161,7 +161,7 @@ def _small_check(model: PackedModel, name: str, role: str, info) -> list[str]:
 def _rank_copies(model: PackedModel) -> dict:
     """The tensors a ``--tp`` pack keeps once per rank (moepack.tp's ``rank_copy_kind``): tensor
     name -> (its layer's packed experts, its role)."""
-    from .tp import rank_copy_kind
+    from ..tp import rank_copy_kind
 
     out = {}
     for layer in model.layers.values():
@@ -178,15 +178,15 @@ def _rank_check(model: PackedModel, name: str, info, p, role: str) -> list[str]:
     bias zero on ranks > 0, the other copies equal to rank 0's), one block of experts at a time."""
     import torch
 
-    from .tp import rank_copy_problem
-    from .verify_layer import _read_rows
+    from ..tp import rank_copy_problem
+    from .layer import read_rows
 
     e_all = p.num_experts
     row = max(1, info.nbytes // max(1, info.shape[0]))
     step = max(1, BLOCK_BYTES // (row * p.tp))
     for e0 in range(0, e_all, step):
         e1 = min(e_all, e0 + step)
-        t = torch.cat([_read_rows(model, name, r * e_all + e0, r * e_all + e1) for r in range(p.tp)])
+        t = torch.cat([read_rows(model, name, r * e_all + e0, r * e_all + e1) for r in range(p.tp)])
         msg = rank_copy_problem(p.layout, role, name, t, p.tp, e0)
         if msg:
             return [msg]
@@ -232,7 +232,7 @@ def _options(layer):
     q = layer.entry.get("quantizer")
     if not q:
         return None
-    from .convert_plan import parse_quantize  # where it lives: not the convert driver (threads, signals)
+    from ..convert.plan import parse_quantize  # where it lives: not the convert driver (threads, signals)
 
     try:
         return parse_quantize(q)[1]
@@ -259,17 +259,17 @@ def verify(
     _check_tensors(model, report, notify)
     _check_files(model, report, notify)
     if source is not None:
-        from .sources import open_source
+        from ..sources import open_source
 
         ckpt, reader = open_source(source)
         report.source = str(source)
         report.fingerprint_match = ckpt.fingerprint() == model.manifest["source"].get("fingerprint")
         specs = {s.index: s for s in reader.layers(ckpt)}
-        report.model = _check_model(model, ckpt, reader, specs, report.notes)
+        report.model = check_model(model, ckpt, reader, specs, report.notes)
         for idx in sorted(model.layers):
             if idx not in specs:
                 continue  # named in report.model
-            report.layers.append(_check_layer(model, idx, ckpt, reader, specs[idx], tokens, seed, _options(model.layers[idx]),
+            report.layers.append(check_layer(model, idx, ckpt, reader, specs[idx], tokens, seed, _options(model.layers[idx]),
                                               block_bytes=BLOCK_BYTES))  # fmt: skip
             notify("layer", index=idx, ok=report.layers[-1].ok)
     return report

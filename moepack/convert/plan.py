@@ -1,10 +1,10 @@
 """Stage 1 of convert: the plan, made from config.json and the source's headers alone.
 
-``_plan`` opens the source, picks the scheme and layout it packs into (``parse_quantize``,
+``make_plan`` opens the source, picks the scheme and layout it packs into (``parse_quantize``,
 ``_target_scheme``, ``_target_layout``), lists every layer's packed tensors, splits the layers
 and the carried-over tensors into shards and plans each shard (``ShardPlan``), so bad input is
-refused before anything is written. Apart from convert_dir because it reads and decides, never
-writes: the resume key (moepack.convert_resume) and verify's model check (the routing and
+refused before anything is written. Apart from run.py because it reads and decides, never
+writes: the resume key (moepack.convert.resume) and verify's model check (the routing and
 swiglu parameters convert derives) use it too.
 """
 
@@ -16,25 +16,25 @@ from typing import Callable
 
 import torch
 
-from .container.plan import ShardPlan
-from .errors import ConvertError, LayoutError, MoepackError
-from .errors import UnsupportedError
-from .layout import PackedLayout, layout_tensor_plan
-from .schemes import Scheme, float_scheme, get_scheme, schemes
-from .sources import Checkpoint, LayerSpec, SourceReader, open_source, text_config
-from .sources.dense import FLOAT_DTYPES
-from .sources.linears import CarriedView, check_linear, find_linears
+from ..container.plan import ShardPlan
+from ..errors import ConvertError, LayoutError, MoepackError
+from ..errors import UnsupportedError
+from ..layout import PackedLayout, layout_tensor_plan
+from ..schemes import Scheme, float_scheme, get_scheme, schemes
+from ..sources import Checkpoint, LayerSpec, SourceReader, open_source, text_config
+from ..sources.dense import FLOAT_DTYPES
+from ..sources.linears import CarriedView, check_linear, find_linears
 
 
 def expert_tensor_name(layer: int, role: str) -> str:
     return f"moepack.layers.{layer}.{role}"
 
 
-def _swiglu_params(config: dict) -> tuple[float, float]:
+def swiglu_params(config: dict) -> tuple[float, float]:
     """config.json's swigluoai ``swiglu_alpha`` and ``swiglu_limit`` (gpt-oss's defaults when
     absent), refused before anything is written by the rule open applies to the manifest's
     ``alpha`` / ``limit`` (moepack.manifest's ``swiglu_param_problem``)."""
-    from .manifest import swiglu_param_problem
+    from ..manifest import swiglu_param_problem
 
     out = []
     for key, default in (("alpha", 1.702), ("limit", 7.0)):
@@ -46,9 +46,9 @@ def _swiglu_params(config: dict) -> tuple[float, float]:
     return out[0], out[1]
 
 
-def _routing_for(config: dict) -> tuple[dict | None, str]:
+def routing_for(config: dict) -> tuple[dict | None, str]:
     try:
-        from .routing import RoutingConfig
+        from ..routing import RoutingConfig
     except ImportError:  # pragma: no cover
         return None, "moepack.routing is not available"
     try:
@@ -89,7 +89,7 @@ def block_leftovers(ckpt: Checkpoint, spec: LayerSpec, consumed: set) -> list[st
 
 def routing_problem(config: dict, note: str) -> str:
     """The one line that says a family's routing cannot be run (convert's refusal, verify's problem)."""
-    from .routing import SUPPORTED_MODEL_TYPES
+    from ..routing import SUPPORTED_MODEL_TYPES
 
     mt = config.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
@@ -101,11 +101,11 @@ def _refuse_unknown_family(ckpt: Checkpoint) -> None:
     """A MoE family whose routing moepack does not run at all is refused first, naming it: its
     tensors (other expert names, other shared experts) are then no reason to blame. A checkpoint
     with no experts at all is left to the reader ("not a MoE checkpoint")."""
-    from .routing import SUPPORTED_MODEL_TYPES
-    from .sources.dense import looks_moe
+    from ..routing import SUPPORTED_MODEL_TYPES
+    from ..sources.dense import looks_moe
 
     config = text_config(ckpt.config)
-    routing, note = _routing_for(config)
+    routing, note = routing_for(config)
     if routing is None and config.get("model_type") not in SUPPORTED_MODEL_TYPES and looks_moe(ckpt):
         raise ConvertError(f"refused at convert: {routing_problem(config, note)}")
 
@@ -130,7 +130,7 @@ _SILU_CLAMP = {"deepseek_v4": "swiglu_limit"}
 def silu_limit_of(config: dict, spec) -> float | None:
     """The ``silu_limit`` convert records for ``spec``'s layer (None: none): the family's clamp key
     (``_SILU_CLAMP``) on silu experts. A value the manifest would refuse is refused here, naming it."""
-    from .manifest import silu_limit_problem
+    from ..manifest import silu_limit_problem
 
     key = _SILU_CLAMP.get(config.get("model_type"))
     v = config.get(key) if key else None
@@ -267,7 +267,7 @@ def _target_layout(lay: PackedLayout, scheme: Scheme, options, reader: SourceRea
         raise ConvertError(str(e)) from None
 
 
-def _nbytes(dtype: torch.dtype, shape) -> int:
+def tensor_nbytes(dtype: torch.dtype, shape) -> int:
     n = 1
     for s in shape:
         n *= int(s)
@@ -289,7 +289,7 @@ def _split_shards(items: list, size_of: Callable, limit: int) -> list[list]:
 
 
 @dataclass(frozen=True)
-class _Options:
+class Options:
     quantize: str | None
     act_mode: str | None
     shard_bytes: int
@@ -298,7 +298,7 @@ class _Options:
 
 
 @dataclass
-class _Plan:
+class Plan:
     """Everything a convert will write, decided from config.json and the headers alone."""
 
     src: Path
@@ -339,7 +339,7 @@ class _Plan:
         return self.options.key() if self.options is not None else self.scheme.name
 
 
-def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: str | None = None) -> _Plan:
+def make_plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: str | None = None) -> Plan:
     """Stage 1: the source, the scheme and layout it packs into, every tensor and shard."""
     ckpt, reader = open_source(src)
     _refuse_unknown_family(ckpt)  # before the layers: an unknown family's tensors are no reason to blame
@@ -368,19 +368,19 @@ def _plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode: st
     act_modes = {s.index: act_mode or scheme.default_act_mode(s, lay) for s in specs}
     shared_layouts, shared_quantizer = _float_shared_plan(ckpt, specs, scheme, reader, lay, quantize)
     layer_tensors = {s.index: _plan_layer_tensors(s, lay, scheme, shared_layouts.get(s.index)) for s in specs}
-    expert_shards = _split_shards(specs, lambda s: sum(_nbytes(d, sh) for _, d, sh in layer_tensors[s.index]), shard_bytes)
+    expert_shards = _split_shards(specs, lambda s: sum(tensor_nbytes(d, sh) for _, d, sh in layer_tensors[s.index]), shard_bytes)
     other_shards = _split_shards(other, lambda n: ckpt.info(n).nbytes, shard_bytes) if other else []
     ne, no = len(expert_shards), len(other_shards)
-    alpha, limit = _swiglu_params(config)  # before transformers reads them (check_config_against_tensors)
+    alpha, limit = swiglu_params(config)  # before transformers reads them (check_config_against_tensors)
     _check_top_k(config, specs)
     check_config_against_tensors(_LogicalShapes(ckpt, carried_linears), config, specs)
-    routing, routing_note = _routing_for(config)
+    routing, routing_note = routing_for(config)
     problems = runnable_problems(ckpt, config, specs, None if routing is not None else routing_note, expert_names)
     if problems:
         raise ConvertError(f"refused at convert: {problems[0]}")
     for s in specs:
         silu_limit_of(config, s)  # a clamp the manifest would refuse: refused before anything is written
-    pl = _Plan(
+    pl = Plan(
         src, ckpt, reader, scheme, lay, specs, options, config, layer_tensors, expert_shards,
         [f"experts-{i + 1:05d}-of-{ne:05d}.safetensors" for i in range(ne)], other_shards,
         [f"model-{i + 1:05d}-of-{no:05d}.safetensors" for i in range(no)], routing, routing_note, alpha, limit, act_modes,
@@ -426,7 +426,7 @@ def _float_shared_plan(ckpt: Checkpoint, specs: list, scheme: Scheme, reader: So
     return {s.index: flt for s in floats}, None
 
 
-def check_float_shared_values(pl: _Plan) -> None:
+def check_float_shared_values(pl: Plan) -> None:
     """A float shared expert kept float is packed in the float layout, whose values are bf16: a
     BF16 one exactly; an F16 / F32 one only when every value has a bf16 form (rounding it would
     change the model unasked). The first value without one is refused naming the tensor, the
@@ -451,7 +451,7 @@ def check_float_shared_values(pl: _Plan) -> None:
                 )  # fmt: skip
 
 
-def _check_carried_values(pl: _Plan) -> None:
+def check_carried_values(pl: Plan) -> None:
     """Every quantized Linear convert carries (attention, dense MLPs, ...) validated by the rules
     its expert readers apply (scales finite and > 0, zero points in range, g_idx, NaN FP8 codes):
     a SourceError naming the tensor, raised before anything is written. Reads their values once."""
@@ -566,9 +566,9 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
     """The meta-device model load_model would build from the config, against the tensors (see
     check_config_against_tensors); skipped without transformers or for a family moepack does not
     run whole (convert packs its experts all the same)."""
-    from .hf import FAMILIES
-    from .sources.checkpoint import decode_special_floats
-    from .sources.dense import text_config_key
+    from ..hf import FAMILIES
+    from ..sources.checkpoint import decode_special_floats
+    from ..sources.dense import text_config_key
 
     mt = config.get("model_type")
     if not any(n.endswith("embed_tokens.weight") for n in ckpt.tensors):
@@ -585,7 +585,7 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
         return
     if mt not in CONFIG_MAPPING:
         return
-    from .hf import SplitPart, _block_shapes, _decoder_layers, _moe_blocks, checkpoint_renames, quiet_transformers
+    from ..hf import SplitPart, _block_shapes, _decoder_layers, _moe_blocks, checkpoint_renames, quiet_transformers
 
     # the dtype does not change which parameters there are ("auto" and other words included)
     cfgd = {k: v for k, v in decode_special_floats(ckpt.config).items() if k not in ("model_type", "dtype", "torch_dtype")}

@@ -3,8 +3,8 @@
 A convert keeps ``.moepack-resume/`` inside its temporary directory: ``plan.json`` (the resume
 key: source fingerprint and file stats (size, mtime, ctime, inode), layout, scheme, options, moepack version, every shard's
 header) and one ``<file>.json`` per shard closed and fsync'd. ``atomic_directory``'s ``reuse``
-hook asks ``_Resume.matches`` whether a dead run's directory can be continued; a journaled shard
-is trusted only once its bytes re-hash to the journal's sha256. Apart from convert_dir because it
+hook asks ``Resume.matches`` whether a dead run's directory can be continued; a journaled shard
+is trusted only once its bytes re-hash to the journal's sha256. Apart from run.py because it
 is a self-contained protocol on files, independent of how layers are packed.
 """
 
@@ -17,17 +17,17 @@ import os
 import shutil
 from pathlib import Path
 
-from ._version import __version__
-from .container.plan import ShardPlan
-from .container.reader import read_safetensors_header
-from .convert_plan import _Options, _Plan
-from .errors import MoepackError
+from .._version import __version__
+from ..container.plan import ShardPlan
+from ..container.reader import read_safetensors_header
+from .plan import Options, Plan
+from ..errors import MoepackError
 
 
 RESUME_DIR = ".moepack-resume"  # inside the temporary directory: the plan's key and one journal per finished shard
 
 
-def _resume_key(pl: _Plan, opts: _Options) -> dict:
+def resume_key(pl: Plan, opts: Options) -> dict:
     """What must be identical for a temporary directory to be continued: the source (fingerprint
     of config.json and headers, plus every file's size, mtime, ctime and inode, so rewritten
     data counts even with its mtime restored), the
@@ -63,7 +63,7 @@ def _write_json_atomic(path: Path, obj) -> None:
     os.replace(part, path)
 
 
-class _Resume:
+class Resume:
     """The journal of one convert inside its temporary directory (``RESUME_DIR``): ``plan.json``
     (the resume key and the run's ``created_at``) and, per finished shard, ``<file>.json`` with
     the manifest entries it produced. A shard is journaled only after it is closed and fsync'd."""

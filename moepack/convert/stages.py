@@ -1,11 +1,11 @@
 """Stages 2 to 4 of convert: pack and write one layer, copy the other tensors, build the manifest.
 
-``_write_layer`` runs the scheme's streaming layer packer (one expert at a time) into an open
+``write_layer`` runs the scheme's streaming layer packer (one expert at a time) into an open
 ``ShardWriter`` and returns the layer's manifest entry; a non-finite source value is refused
-naming the SOURCE tensor and element (``_pack_checked``, ``_source_element``). ``_write_other``
-copies the carried-over tensors unchanged; ``_manifest`` assembles docs/PACKED_FORMAT.md §4.
-Apart from convert_dir because these are the per-shard work, free of the run's control flow
-(temporary directory, resume, signals) that convert_dir keeps.
+naming the SOURCE tensor and element (``_pack_checked``, ``_source_element``). ``write_other``
+copies the carried-over tensors unchanged; ``build_manifest`` assembles docs/PACKED_FORMAT.md §4.
+Apart from run.py because these are the per-shard work, free of the run's control flow
+(temporary directory, resume, signals) that run.py keeps.
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from typing import Callable
 
 import torch
 
-from ._version import __version__
-from .container.plan import ShardPlan
-from .container.writer import ShardWriter
-from .convert_plan import _Plan, expert_tensor_name, silu_limit_of
-from .errors import ConvertError, LayoutError
-from .layout import layout_expert_shapes, layout_tensor_plan
-from .manifest import FORMAT_VERSION
-from .schemes import LayerSource, QuantError, get_scheme
-from .sources import LayerSpec
-from .sources.dense import FLOAT_DTYPES
+from .._version import __version__
+from ..container.plan import ShardPlan
+from ..container.writer import ShardWriter
+from .plan import Plan, expert_tensor_name, silu_limit_of
+from ..errors import ConvertError, LayoutError
+from ..layout import layout_expert_shapes, layout_tensor_plan
+from ..manifest import FORMAT_VERSION
+from ..schemes import LayerSource, QuantError, get_scheme
+from ..sources import LayerSpec
+from ..sources.dense import FLOAT_DTYPES
 
 
 def _source_element(s: LayerSpec, role: str, e: int, idx: list[int]) -> tuple[str, list[int]]:
@@ -71,9 +71,9 @@ def _pack_checked(pack: Callable, t: torch.Tensor, s: LayerSpec, role: str, e: i
         ) from None
 
 
-def layer_entry(pl: _Plan, s: LayerSpec) -> dict:
+def layer_entry(pl: Plan, s: LayerSpec) -> dict:
     """One layer's manifest entry as the plan states it, every tensor named but none written:
-    what ``_write_layer`` returns, and what ``draft_manifest`` checks before anything is written."""
+    what ``write_layer`` returns, and what ``draft_manifest`` checks before anything is written."""
     lay, scheme, reader = pl.layout, pl.scheme, pl.reader
     entry_tensors = {t.name: expert_tensor_name(s.index, t.name)
                      for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias,
@@ -122,14 +122,14 @@ def layer_entry(pl: _Plan, s: LayerSpec) -> dict:
     }
 
 
-def _shared_plan(pl: _Plan, s: LayerSpec):
+def _shared_plan(pl: Plan, s: LayerSpec):
     """The shared expert's tensor plan (one expert), in its own layout when it has one."""
     slay = pl.shared_layouts.get(s.index)
     return layout_tensor_plan(slay or pl.layout, 1, s.hidden, s.shared["intermediate"],
                               perm=False if slay is not None else pl.scheme.has_perm(s, True))  # fmt: skip
 
 
-def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fname: str, tensors: dict, report,
+def write_layer(pl: Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fname: str, tensors: dict, report,
                  error: QuantError) -> dict:  # fmt: skip
     """Stage 2, one layer: the scheme's streaming packer writes the layer's tensors in plan order,
     one expert at a time (peak memory is one expert, not one layer); returns its manifest entry
@@ -165,7 +165,7 @@ def _write_layer(pl: _Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fnam
 _NAN_CHECKED = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _write_other(pl: _Plan, fname: str, names: list, w: ShardWriter, tensors: dict, report) -> None:
+def write_other(pl: Plan, fname: str, names: list, w: ShardWriter, tensors: dict, report) -> None:
     """Stage 3, one shard: its non-expert tensors, unchanged (names and bytes). A NaN in a float one
     (16 or 32 bits; FP8 Linears are checked with their scales, ``_check_carried_values``) is refused
     naming the tensor and the first index: a damaged checkpoint, which would otherwise run and give
@@ -185,18 +185,18 @@ def _write_other(pl: _Plan, fname: str, names: list, w: ShardWriter, tensors: di
 _UNWRITTEN = "0" * 64  # the sha256 of a tensor or file in the draft manifest, before it is written
 
 
-def check_draft_manifest(pl: _Plan, dst: Path, act_mode_option: str | None) -> None:
+def check_draft_manifest(pl: Plan, dst: Path, act_mode_option: str | None) -> None:
     """Before convert writes anything: the manifest it will write, every field as the plan states
     it (checksums not yet known), through the one schema ``moepack.open`` runs
     (``moepack.manifest.check_manifest``); a field that breaks a rule is refused here, naming it,
     instead of a finished pack that open refuses. The written manifest is checked again
     (``write_manifest``), with its checksums, before it is written."""
-    from .manifest import ManifestError, check_manifest, seal_manifest
+    from ..manifest import ManifestError, check_manifest, seal_manifest
 
     tensors = {e.name: {"file": f, "dtype": str(e.torch_dtype).replace("torch.", ""), "shape": list(e.shape), "sha256": _UNWRITTEN}
                for f, shard in pl.shard_plans.items() for e in shard.entries if not e.is_filler}  # fmt: skip
     carried = [p.name for p in pl.ckpt.carried_files()]
-    draft = _manifest(pl, None, [layer_entry(pl, s) for s in pl.specs], tensors, carried, None, "",
+    draft = build_manifest(pl, None, [layer_entry(pl, s) for s in pl.specs], tensors, carried, None, "",
                       dict.fromkeys(carried, _UNWRITTEN), act_mode_option,
                       files={f: {"size": shard.nbytes} for f, shard in pl.shard_plans.items()})  # fmt: skip
     try:
@@ -205,7 +205,7 @@ def check_draft_manifest(pl: _Plan, dst: Path, act_mode_option: str | None) -> N
         raise ConvertError(f"{e} (the manifest convert would write; nothing was written)") from None
 
 
-def _manifest(pl: _Plan, tmp: Path | None, layers: list, tensors: dict, carried: list, report, created_at: str,
+def build_manifest(pl: Plan, tmp: Path | None, layers: list, tensors: dict, carried: list, report, created_at: str,
               carried_sha: dict | None = None, act_mode_option: str | None = None, files: dict | None = None) -> dict:  # fmt: skip
     """Stage 4: the manifest (docs/PACKED_FORMAT.md §4); ``files`` the shards' sizes (default:
     ``report.files`` as written in ``tmp``)."""

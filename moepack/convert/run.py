@@ -13,8 +13,8 @@ re-quantized); a float source is packed as is, or quantized one expert at a time
 layer's manifest entry records ``scheme`` and ``scheme_source``; the report carries the
 quantization error of what was quantized (``ConvertReport.quant_error``).
 
-The stages live in their own modules: moepack.convert_plan (the plan), moepack.convert_stages
-(packing a layer, the other tensors, the manifest), moepack.convert_resume (the resume journal).
+The stages live in their own modules: moepack.convert.plan (the plan), moepack.convert.stages
+(packing a layer, the other tensors, the manifest), moepack.convert.resume (the resume journal).
 This module keeps the public ``convert``, its report and the run's control flow (temporary
 directory, resume, signals, torch threads); the names outside code imports from here
 (``parse_quantize``, ``expert_tensor_name``, ``MANIFEST``, ...) are re-exported.
@@ -35,17 +35,17 @@ from typing import Callable
 
 import torch
 
-from .container.atomic import atomic_directory, os_reason
-from .container.writer import ShardWriter
-from .convert_plan import _check_carried_values, check_float_shared_values, _nbytes, _Options, _plan, expert_tensor_name, parse_quantize
-from .convert_resume import _Resume, _resume_key
-from .convert_stages import _manifest, _write_layer, _write_other, check_draft_manifest
-from .errors import ConvertError, LayoutError, MoepackError
-from .layout import DEFAULT_LAYOUT, PackedLayout, layout_get
-from .manifest import write_manifest
-from .runtime.model import FORMAT_VERSION, MANIFEST
-from .schemes import QuantError
-from .sources import Checkpoint
+from ..container.atomic import atomic_directory, os_reason
+from ..container.writer import ShardWriter
+from .plan import check_carried_values, check_float_shared_values, tensor_nbytes, Options, make_plan, expert_tensor_name, parse_quantize
+from .resume import Resume, resume_key
+from .stages import build_manifest, write_layer, write_other, check_draft_manifest
+from ..errors import ConvertError, LayoutError, MoepackError
+from ..layout import DEFAULT_LAYOUT, PackedLayout, layout_get
+from ..manifest import write_manifest
+from ..runtime.model import FORMAT_VERSION, MANIFEST
+from ..schemes import QuantError
+from ..sources import Checkpoint
 
 DEFAULT_SHARD_BYTES = 2 << 30
 MAX_THREADS = 1024  # convert's ``threads``: past it torch cannot start them (100000 crashed the process)
@@ -127,7 +127,7 @@ def convert(
     parse_quantize(quantize)  # refused before anything is opened
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ConvertError(f"tp={tp!r}: the tensor-parallel degree must be an integer >= 1")
-    opts = _Options(quantize, act_mode, shard_bytes, resume, pipeline)
+    opts = Options(quantize, act_mode, shard_bytes, resume, pipeline)
     with torch_threads(threads), _signals_interrupt():
         if tp == 1:
             return _convert(src, dst, lay, overwrite, progress, t0, opts)
@@ -150,18 +150,18 @@ def _convert_tp(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progre
     import dataclasses
     import shutil
 
-    from .container.atomic import _FileLock
-    from .tp import reshard_dir, tp_slice_size
+    from ..container.atomic import FileLock
+    from ..tp import reshard_dir, tp_slice_size
 
     notify = progress or (lambda *a, **k: None)
     # every layer's slice checked from the plan (the source's headers), before anything is packed
-    pl = _plan(src, lay, opts.quantize, opts.shard_bytes, opts.act_mode)
+    pl = make_plan(src, lay, opts.quantize, opts.shard_bytes, opts.act_mode)
     for spec in pl.specs:
         try:
             tp_slice_size(pl.layout, int(spec.intermediate), tp, f"layer {spec.index} ({spec.prefix})")
         except LayoutError as ex:
             raise ConvertError(f"--tp {tp}: {ex}") from None
-    run_lock = _FileLock(dst.parent / f".{dst.name}.tp-lock")
+    run_lock = FileLock(dst.parent / f".{dst.name}.tp-lock")
     try:
         taken = run_lock.acquire()
     except OSError as e:
@@ -171,7 +171,7 @@ def _convert_tp(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progre
                            "wait for that run to finish or choose another destination")  # fmt: skip
     whole = dst.parent / f".{dst.name}.tp-whole"
     try:
-        key = _resume_key(pl, opts)
+        key = resume_key(pl, opts)
         report = _reusable_whole(whole, key, notify) if opts.resume else None
         if report is None:
             if whole.exists():
@@ -199,7 +199,7 @@ def _reusable_whole(whole: Path, key: dict, notify) -> ConvertReport | None:
     """The ConvertReport of the whole pack a hard-killed ``--tp`` run left at ``whole`` when its
     plan is ``key`` and every byte still matches its manifest (verify's integrity steps), else
     None (the caller deletes it). ``notify``: "tp_whole_reused" or "stale_removed"."""
-    from .verify_dir import verify
+    from ..verify.run import verify
 
     rec_path = whole / TP_WHOLE_KEY
     if not rec_path.is_file():
@@ -284,13 +284,13 @@ def torch_threads(n: int | None):
         torch.set_num_threads(before)
 
 
-def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress, t0: float, opts: _Options):
+def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress, t0: float, opts: Options):
     """plan -> per layer, the scheme's packer streams into the expert shards -> the other tensors
     -> the manifest, all inside a temporary directory renamed to ``dst`` only when complete; a
     hard-killed run's directory with the same plan is continued from its last complete shard."""
     notify = progress or (lambda *a, **k: None)
-    pl = _plan(src, lay, opts.quantize, opts.shard_bytes, opts.act_mode)
-    _check_carried_values(pl)  # before anything is written
+    pl = make_plan(src, lay, opts.quantize, opts.shard_bytes, opts.act_mode)
+    check_carried_values(pl)  # before anything is written
     check_float_shared_values(pl)  # likewise: a float shared expert kept float must have an exact bf16 form
     check_draft_manifest(pl, dst, opts.act_mode)  # likewise: the manifest as planned, through open's own schema
     notify("plan", layers=len(pl.specs), expert_files=len(pl.expert_files), other_files=len(pl.other_files),
@@ -301,7 +301,7 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
     error = QuantError()
     tensors: dict[str, dict] = {}
     layers = []
-    journal = _Resume(_resume_key(pl, opts), notify)
+    journal = Resume(resume_key(pl, opts), notify)
     reuse = journal.matches if opts.resume else None
     with atomic_directory(dst, overwrite=overwrite, reuse=reuse) as tmp:
         journal.start(tmp)
@@ -333,11 +333,11 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
                 if kind == "experts":
                     for s in items:
                         notify("layer_start", layer=s.index, num_experts=s.num_experts)
-                        layers.append(_write_layer(pl, s, w, shard, fname, tensors, report, error))
+                        layers.append(write_layer(pl, s, w, shard, fname, tensors, report, error))
                         report.layers += 1
-                        notify("layer_done", layer=s.index, bytes=sum(_nbytes(d, shp) for _, d, shp in pl.layer_tensors[s.index]))
+                        notify("layer_done", layer=s.index, bytes=sum(tensor_nbytes(d, shp) for _, d, shp in pl.layer_tensors[s.index]))
                 else:
-                    _write_other(pl, fname, items, w, tensors, report)
+                    write_other(pl, fname, items, w, tensors, report)
             report.files.append(fname)
             journal.done(tmp, fname, {
                 "tensors": {k: v for k, v in tensors.items() if k not in before[0]}, "layers": layers[before[1] :],
@@ -357,7 +357,7 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
                 # the copy's own bytes (what verify re-hashes), read back after the copy
                 carried_sha[p.name] = _file_digest(tmp / p.name)
             journal.finish(tmp)
-            manifest = _manifest(pl, tmp, layers, tensors, carried, report, journal.created_at, carried_sha, opts.act_mode)
+            manifest = build_manifest(pl, tmp, layers, tensors, carried, report, journal.created_at, carried_sha, opts.act_mode)
             what = dst / MANIFEST
             write_manifest(tmp, manifest, dst)  # sealed, and checked by open's own schema before it is written
         except OSError as e:
@@ -371,7 +371,7 @@ def _convert(src: Path, dst: Path, lay: PackedLayout, overwrite: bool, progress,
 
 def _file_digest(path: Path) -> str:
     """sha256 of a whole (small) file: a carried file's checksum in the manifest."""
-    from .verify_report import file_sha256
+    from ..verify.report import file_sha256
 
     return file_sha256(path, 0, path.stat().st_size)
 
