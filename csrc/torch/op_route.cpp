@@ -15,7 +15,7 @@ RouteArgs check_route(const at::Tensor& logits, int64_t top_k, std::string_view 
   const std::string mname(method);
   TORCH_CHECK_VALUE(route_method_parse(mname.c_str(), &a.method), "method='", mname,
                     "' is not one of softmax, sigmoid, grouped_softmax, grouped_sigmoid, topk_softmax, llama4, "
-                    "sparsemixer, sqrtsoftplus");
+                    "sparsemixer, sqrtsoftplus, biased_logit_sigmoid");
   check_cpu(logits, "router_logits");
   a.logits_dtype = dtype_of(logits, "router_logits");
   TORCH_CHECK_VALUE(logits.dim() == 2, "router_logits has shape ", shape_str(logits),
@@ -58,11 +58,11 @@ RouteArgs check_route(const at::Tensor& logits, int64_t top_k, std::string_view 
   const bool fixed_weights = a.method == RouteMethod::topk_softmax || a.method == RouteMethod::llama4 ||
                              a.method == RouteMethod::sparsemixer;
   TORCH_CHECK_VALUE(!(renormalize && fixed_weights), "renormalize=True with method ", mname,
-                    ": only softmax, sigmoid, sqrtsoftplus, grouped_softmax and grouped_sigmoid renormalize");
+                    ": only softmax, sigmoid, sqrtsoftplus, biased_logit_sigmoid, grouped_softmax and grouped_sigmoid renormalize");
   a.renormalize = renormalize;
   if (bias) {
     TORCH_CHECK_VALUE(!fixed_weights, "correction_bias given with method ", mname,
-                      ": only softmax, sigmoid, sqrtsoftplus, grouped_softmax and grouped_sigmoid take an "
+                      ": only softmax, sigmoid, sqrtsoftplus, biased_logit_sigmoid, grouped_softmax and grouped_sigmoid take an "
                       "e_score_correction_bias");
     check_exact(*bias, "correction_bias", at::kFloat, {a.experts}, "fp32 [experts], one per expert of router_logits");
   }
