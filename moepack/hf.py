@@ -250,9 +250,13 @@ class PackedMoEBlock(torch.nn.Module):
 def _decoder_layers(model):
     fam = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
     path = fam.layers if fam is not None else "model.layers"
-    layers = model
-    for part in path.split("."):
-        layers = getattr(layers, part, None)
+    layers = None
+    for start, rest in ((model, path), (model, path.partition(".")[2])):  # the causal LM, or its inner model itself
+        layers = start
+        for part in rest.split("."):
+            layers = getattr(layers, part, None)
+        if layers is not None:
+            break
     if layers is None:
         raise ModelMismatchError(f"{type(model).__name__}: no decoder layers at model.{path}")
     return layers
