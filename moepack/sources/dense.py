@@ -328,6 +328,9 @@ def _dbrx_spec(ckpt, prefix, t, num_experts, hidden, act, weights=DENSE_WEIGHTS)
     for p in ("w1", "v1", "w2"):
         dtype = _check_dtype(ckpt, t[p], dtype, weights)
         _check_shape(ckpt, t[p], (rows, hidden))
+    if dtype not in FLOAT_DTYPES:  # the quantized readers know fused and per-expert layouts only
+        raise SourceError(f"tensor {t['w1']!r} is {dtype}: moepack reads DBRX's stacked experts from float (BF16, F16, F32) "
+                          "tensors only")  # fmt: skip
     names = {"gate": t["w1"], "up": t["v1"], "down_t": t["w2"]}
     return LayerSpec(index=_layer_index(prefix), prefix=prefix, kind="dbrx", num_experts=num_experts, hidden=hidden,
                      intermediate=inter, dtype=dtype, interleaved=False, has_bias=False, activation=act, names=names,

@@ -94,6 +94,18 @@ def test_dbrx_reads_its_stacked_experts(tmp_path):
     assert (r.method, r.top_k, r.renormalize) == ("softmax", 2, True)
 
 
+def test_dbrx_stacked_experts_are_read_from_float_tensors_only(tmp_path):
+    """A reader that allows other dtypes (a quantized one) does not get DBRX's stacked experts as codes."""
+    from moepack.sources.dense import discover_layers
+
+    p = "transformer.blocks.0.ffn"
+    t = {f"{p}.router.layer.weight": _t(E, H), **{f"{p}.experts.mlp.{w}": torch.ones(E * I, H, dtype=torch.int8) for w in ("w1", "v1", "w2")}}
+    cfg = {"model_type": "dbrx", "d_model": H, "n_layers": 1, "ffn_config": {"moe_num_experts": E, "moe_top_k": 2}}
+    src = _write(tmp_path / "src", t, cfg)
+    with pytest.raises(SourceError, match=r"experts\.mlp\.w1' is I8: moepack reads DBRX's stacked experts from float"):
+        discover_layers(Checkpoint(src), ({"BF16", "I8"}, "BF16 or I8"))
+
+
 def test_dbrx_refuses_another_norm_of_its_weights(tmp_path):
     """DBRX divides its top-k weights by their p-norm: p = 1 (the sum) and None (no division) run;
     another p is refused at convert, naming the key."""
