@@ -21,7 +21,7 @@ from .container.writer import ShardWriter
 from .convert_plan import _Plan, expert_tensor_name, post_norm_of, shared_silu_limit_of, silu_limit_of
 from .errors import ConvertError, LayoutError
 from .layout import layout_expert_shapes, layout_tensor_plan
-from .manifest import FORMAT_VERSION, SHARED_ACTIVATION_FORMAT_VERSION
+from .manifest import FORMAT_VERSION, BLOCK_PARTS_FORMAT_VERSION
 from .schemes import LayerSource, QuantError, get_scheme
 from .sources import LayerSpec
 from .sources.dense import FLOAT_DTYPES
@@ -222,12 +222,12 @@ def _manifest(pl: _Plan, tmp: Path | None, layers: list, tensors: dict, carried:
         files = {f: {"size": (tmp / f).stat().st_size} for f in report.files}
     return {
         "format": "moepack",
-        # version 6 for every directory (docs/PACKED_FORMAT.md §7): the manifest is sealed
+        # version 6 for every directory but those of version 7 below (docs/PACKED_FORMAT.md §7): the manifest is sealed
         # (manifest_sha256, set by moepack.manifest.write_manifest); its w13_perm (3), --tp (4)
         # and shared-layout (5) features are all part of 6
-        # 7 (SHARED_ACTIVATION_FORMAT_VERSION) only when a layer's shared expert runs another activation than silu,
-        # or a layer has a post_norm
-        "format_version": SHARED_ACTIVATION_FORMAT_VERSION
+        # 7 (BLOCK_PARTS_FORMAT_VERSION) only when a layer has a post_norm, a shared expert with its own
+        # silu_limit, or a shared expert running another activation than silu
+        "format_version": BLOCK_PARTS_FORMAT_VERSION
         if any((e["shared"] and (e["activation"] != "silu" or "silu_limit" in e["shared"])) or e.get("post_norm")
                for e in layers) else FORMAT_VERSION,
         "created_by": f"moepack {__version__}",

@@ -67,7 +67,7 @@ SHARED_LAYOUT_FORMAT_VERSION = 5
 # brings two DeepSeek-V4 features: a layer's ``silu_limit`` (a clamped SwiGLU on silu experts,
 # routed and shared) and its ``router.hash`` (a token id -> expert ids table); a version 1-5
 # manifest with either is refused (its reader would run the layer unclamped, or route by
-# logits). convert writes version 6 for every directory (its perm, tp and shared-layout features
+# logits). convert writes version 6 for every directory but version 7's (its perm, tp and shared-layout features
 # included); versions 1-5 still open without a seal (verify says so in its notes).
 SEALED_FORMAT_VERSION = 6
 FORMAT_VERSION = SEALED_FORMAT_VERSION  # what convert writes
@@ -76,7 +76,7 @@ FORMAT_VERSION = SEALED_FORMAT_VERSION  # what convert writes
 # ``post_norm`` (A.X-K1: an RMSNorm of the block's output, {"weight": a carried tensor, "eps"}). Written
 # only by directories that have one: a version-6 reader ran every shared expert as silu and would
 # ignore post_norm, so it must refuse such a file rather than read it.
-SHARED_ACTIVATION_FORMAT_VERSION = 7
+BLOCK_PARTS_FORMAT_VERSION = 7
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 SILU_LIMIT_FORMAT_VERSION = SEALED_FORMAT_VERSION  # the first version with silu_limit / router.hash
 INT_DTYPES = ("int64", "int32")
@@ -446,8 +446,8 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
     c.val(entry, "interleaved", f"{at}.interleaved", "bool")
     pn = c.obj(entry, "post_norm", f"{at}.post_norm", required=False, null=False)
     if pn is not None:
-        if version < SHARED_ACTIVATION_FORMAT_VERSION:
-            c.fail(f"{at}.post_norm", "a norm after the block", f"needs format_version {SHARED_ACTIVATION_FORMAT_VERSION} "
+        if version < BLOCK_PARTS_FORMAT_VERSION:
+            c.fail(f"{at}.post_norm", "a norm after the block", f"needs format_version {BLOCK_PARTS_FORMAT_VERSION} "
                    f"(the file says {version}): a version-6 reader would not apply it")  # fmt: skip
         eps = pn.get("eps", _MISSING)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
@@ -488,8 +488,8 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
         c.val(sh, "quantizer", f"{at}.shared.quantizer", "str", required=False, null=True)
         if "silu_limit" in sh:  # version 7: the shared expert's own clamp (null: none; hy_v4 clamps routed experts only)
             ssl = sh["silu_limit"]
-            if version < SHARED_ACTIVATION_FORMAT_VERSION:
-                c.fail(f"{at}.shared.silu_limit", ssl, f"needs format_version {SHARED_ACTIVATION_FORMAT_VERSION} (the file "
+            if version < BLOCK_PARTS_FORMAT_VERSION:
+                c.fail(f"{at}.shared.silu_limit", ssl, f"needs format_version {BLOCK_PARTS_FORMAT_VERSION} (the file "
                        f"says {version}): a version-6 reader would clamp the shared expert with the layer's silu_limit")  # fmt: skip
             rule = None if ssl is None else silu_limit_problem(ssl)
             if rule:
@@ -497,9 +497,9 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
             if entry["activation"] != "silu":
                 c.fail(f"{at}.shared.silu_limit", ssl, f"is an option of silu experts only (this layer's activation is "
                        f"{entry['activation']!r})")  # fmt: skip
-        if entry["activation"] != "silu" and version < SHARED_ACTIVATION_FORMAT_VERSION:
+        if entry["activation"] != "silu" and version < BLOCK_PARTS_FORMAT_VERSION:
             c.fail(f"{at}.shared", "a shared expert", f"on a {entry['activation']} layer needs format_version "
-                   f"{SHARED_ACTIVATION_FORMAT_VERSION} (the file says {version}): a version-6 reader runs it as silu")  # fmt: skip
+                   f"{BLOCK_PARTS_FORMAT_VERSION} (the file says {version}): a version-6 reader runs it as silu")  # fmt: skip
     for what, group, glay in (("", names, lay), ("shared.", sh or {}, slay)):
         if "w13_perm" in group:
             if glay.scheme not in PERM_SCHEMES:
@@ -641,5 +641,5 @@ def _no_constant(name: str):
 
 
 __all__ = ["MANIFEST", "FORMAT_VERSION", "PERM_FORMAT_VERSION", "TP_FORMAT_VERSION", "SHARED_LAYOUT_FORMAT_VERSION",
-           "SEALED_FORMAT_VERSION", "SILU_LIMIT_FORMAT_VERSION", "SHARED_ACTIVATION_FORMAT_VERSION", "silu_limit_problem", "READABLE_VERSIONS", "ManifestError",
+           "SEALED_FORMAT_VERSION", "SILU_LIMIT_FORMAT_VERSION", "BLOCK_PARTS_FORMAT_VERSION", "silu_limit_problem", "READABLE_VERSIONS", "ManifestError",
            "check_manifest", "load_manifest", "manifest_digest", "seal_manifest", "write_manifest", "MoepackError"]  # fmt: skip
