@@ -281,7 +281,11 @@ void route_one(const RouteArgs& a, Scratch& s, const float* x, float mx, float* 
   const bool soft = m == RouteMethod::softmax || m == RouteMethod::grouped_softmax;
   float* score = s.score.data();
   const float* key = x;
-  if (a.bias) {
+  if (a.bias && m == RouteMethod::biased_logit_sigmoid) {  // the bias on the logits, not on the scores
+    float* kb = s.key.data();
+    for (int64_t e = 0; e < E; ++e) kb[e] = x[e] + a.bias[e];
+    key = kb;
+  } else if (a.bias) {
     if (soft) softmax_row(x, E, mx, score);
     else if (m == RouteMethod::sqrtsoftplus) sqrtsoftplus_row(x, score, E);
     else sigmoid_row(x, score, E);
@@ -348,7 +352,8 @@ void route_one(const RouteArgs& a, Scratch& s, const float* x, float mx, float* 
     case RouteMethod::grouped_sigmoid:
     case RouteMethod::llama4:
     case RouteMethod::sqrtsoftplus:
-      if (a.bias)
+    case RouteMethod::biased_logit_sigmoid:
+      if (a.bias && m != RouteMethod::biased_logit_sigmoid)
         for (int64_t j = 0; j < k; ++j) w[j] = score[ids[j]];
       else {  // the chosen logits' scores, by the method's scoring function
         float* t = s.tmp.data();
@@ -421,6 +426,7 @@ const char* route_method_name(RouteMethod m) {
     case RouteMethod::llama4: return "llama4";
     case RouteMethod::sparsemixer: return "sparsemixer";
     case RouteMethod::sqrtsoftplus: return "sqrtsoftplus";
+    case RouteMethod::biased_logit_sigmoid: return "biased_logit_sigmoid";
   }
   return "?";
 }

@@ -48,7 +48,8 @@ class Family:
     ``shared``: the attribute of the shared expert module (None: the family has none).
     ``router_attr``: the block's router module, whose class transformers' OutputRecorder watches
     to collect ``router_logits`` (``output_router_logits=True``, the aux loss); ``logits_index``:
-    where the logits sit in that router's output tuple.
+    where the logits sit in that router's output tuple. ``layers``: the dotted path of the decoder
+    layers in the causal-LM model (DBRX: ``transformer.blocks``).
     """
 
     block_attr: str
@@ -58,6 +59,7 @@ class Family:
     router_fp32: bool = False
     in_major: bool = False
     shared: str | None = None
+    layers: str = "model.layers"
 
 
 FAMILIES: dict[str, Family] = {
@@ -104,6 +106,17 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v4": Family("mlp", shared="shared_experts"),
     # its correction bias in moe_statics ([1, E]); the router kept in fp32
     "ernie4_5_moe": Family("mlp", router_fp32=True, shared="shared_experts"),
+    # minimax_m2's router; swigluoai experts (gate then up halves) and a swigluoai shared expert of one gate_up Linear
+    "minimax_m3_vl_text": Family("mlp", shared="shared_experts"),
+    # its router ranks logit + correction bias, weighs sigmoid(logit) (biased_logit_sigmoid); fp32 logits
+    "kolibri1": Family("mlp", router_fp32=True, shared="shared_experts"),
+    # AXK1MoE (DeepSeek-V3's block) normalizes its own output: the packed layer's post_norm (format version 7)
+    "axk1": Family("mlp", router_fp32=True, shared="shared_experts"),
+    # noaux_tc; its routed experts' clamped SwiGLU (silu_limit), its shared expert unclamped (shared.silu_limit null);
+    # its hyper-connections and attention sinks are transformers' own modules
+    "hy_v4": Family("mlp", router_fp32=True, shared="shared_experts"),
+    # DbrxFFN: softmax top-k / their sum; its experts stacked [E x I, H] (w1, v1, w2 transposed)
+    "dbrx": Family("ffn", router_attr="router", layers="transformer.blocks"),
     "lfm2_moe": Family("feed_forward"),  # its expert_bias beside the gate; short conv layers are transformers' own
     "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
     "llama4": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
@@ -235,10 +248,17 @@ class PackedMoEBlock(torch.nn.Module):
 
 
 def _decoder_layers(model):
-    inner = getattr(model, "model", model)
-    layers = getattr(inner, "layers", None)
+    fam = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    path = fam.layers if fam is not None else "model.layers"
+    layers = None
+    for start, rest in ((model, path), (model, path.partition(".")[2])):  # the causal LM, or its inner model itself
+        layers = start
+        for part in rest.split("."):
+            layers = getattr(layers, part, None)
+        if layers is not None:
+            break
     if layers is None:
-        raise ModelMismatchError(f"{type(model).__name__}: no decoder layers at model.model.layers")
+        raise ModelMismatchError(f"{type(model).__name__}: no decoder layers at model.{path}")
     return layers
 
 
@@ -273,6 +293,8 @@ def _block_shapes(block, fam: Family) -> tuple[int, int, int] | None:
 def _shared_intermediate(block, fam: Family) -> int | None:
     m = getattr(block, fam.shared, None) if fam.shared else None
     g = getattr(m, "gate_proj", None) if m is not None else None
+    if g is None and getattr(m, "gate_up_proj", None) is not None:  # one gate/up Linear (MiniMax-M3): half its rows
+        return int(m.gate_up_proj.weight.shape[0]) // 2
     return None if g is None else int(g.weight.shape[0])
 
 

@@ -1,7 +1,7 @@
 """The schema of ``moepack.json``, checked once before anything reads the manifest.
 
 docs/PACKED_FORMAT.md §4 describes every field; this module is the same description as code.
-``check_manifest(path, m)`` walks the whole manifest (every version still readable: 1 to 6)
+``check_manifest(path, m)`` walks the whole manifest (every version still readable: 1 to 7)
 and refuses the first field that breaks a rule with ONE ``ManifestError`` line that names the
 file, the field's path, its value and the rule::
 
@@ -67,16 +67,22 @@ SHARED_LAYOUT_FORMAT_VERSION = 5
 # brings two DeepSeek-V4 features: a layer's ``silu_limit`` (a clamped SwiGLU on silu experts,
 # routed and shared) and its ``router.hash`` (a token id -> expert ids table); a version 1-5
 # manifest with either is refused (its reader would run the layer unclamped, or route by
-# logits). convert writes version 6 for every directory (its perm, tp and shared-layout features
+# logits). convert writes version 6 for every directory but version 7's (its perm, tp and shared-layout features
 # included); versions 1-5 still open without a seal (verify says so in its notes).
 SEALED_FORMAT_VERSION = 6
 FORMAT_VERSION = SEALED_FORMAT_VERSION  # what convert writes
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+# 7: version 6 plus a shared expert on a layer whose activation is not silu (MiniMax-M3's swigluoai
+# shared expert): it runs the layer's activation (alpha, limit), gate rows then up rows; and a layer's
+# ``post_norm`` (A.X-K1: an RMSNorm of the block's output, {"weight": a carried tensor, "eps"}). Written
+# only by directories that have one: a version-6 reader ran every shared expert as silu and would
+# ignore post_norm, so it must refuse such a file rather than read it.
+BLOCK_PARTS_FORMAT_VERSION = 7
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 SILU_LIMIT_FORMAT_VERSION = SEALED_FORMAT_VERSION  # the first version with silu_limit / router.hash
 INT_DTYPES = ("int64", "int32")
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
-SOURCE_KINDS = ("per_expert", "fused_out", "fused_in", "granite")
+SOURCE_KINDS = ("per_expert", "fused_out", "fused_in", "granite", "dbrx")
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _VALUE_CHARS = 60  # a value in a message is cut to this many characters (one line, readable)
@@ -438,6 +444,14 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
         if entry["activation"] != "silu":
             c.fail(f"{at}.silu_limit", sl, f"is an option of silu experts only (this layer's activation is {entry['activation']!r})")
     c.val(entry, "interleaved", f"{at}.interleaved", "bool")
+    pn = c.obj(entry, "post_norm", f"{at}.post_norm", required=False, null=False)
+    if pn is not None:
+        if version < BLOCK_PARTS_FORMAT_VERSION:
+            c.fail(f"{at}.post_norm", "a norm after the block", f"needs format_version {BLOCK_PARTS_FORMAT_VERSION} "
+                   f"(the file says {version}): a version-6 reader would not apply it")  # fmt: skip
+        eps = pn.get("eps", _MISSING)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+            c.fail(f"{at}.post_norm.eps", None if eps is _MISSING else eps, "must be a finite number > 0")
     lid = c.val(entry, "layout_id", f"{at}.layout_id", "int")
     if str(lid) not in m["layouts"]:
         raise ManifestError(f"{c.path}: {MANIFEST}: {at}.layout_id={lid!r} is not described in the manifest's "
@@ -472,6 +486,20 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
                                                   f"format_version {SHARED_LAYOUT_FORMAT_VERSION} (the file says {version})")  # fmt: skip
     if sh:
         c.val(sh, "quantizer", f"{at}.shared.quantizer", "str", required=False, null=True)
+        if "silu_limit" in sh:  # version 7: the shared expert's own clamp (null: none; hy_v4 clamps routed experts only)
+            ssl = sh["silu_limit"]
+            if version < BLOCK_PARTS_FORMAT_VERSION:
+                c.fail(f"{at}.shared.silu_limit", ssl, f"needs format_version {BLOCK_PARTS_FORMAT_VERSION} (the file "
+                       f"says {version}): a version-6 reader would clamp the shared expert with the layer's silu_limit")  # fmt: skip
+            rule = None if ssl is None else silu_limit_problem(ssl)
+            if rule:
+                c.fail(f"{at}.shared.silu_limit", ssl, rule)
+            if entry["activation"] != "silu":
+                c.fail(f"{at}.shared.silu_limit", ssl, f"is an option of silu experts only (this layer's activation is "
+                       f"{entry['activation']!r})")  # fmt: skip
+        if entry["activation"] != "silu" and version < BLOCK_PARTS_FORMAT_VERSION:
+            c.fail(f"{at}.shared", "a shared expert", f"on a {entry['activation']} layer needs format_version "
+                   f"{BLOCK_PARTS_FORMAT_VERSION} (the file says {version}): a version-6 reader runs it as silu")  # fmt: skip
     for what, group, glay in (("", names, lay), ("shared.", sh or {}, slay)):
         if "w13_perm" in group:
             if glay.scheme not in PERM_SCHEMES:
@@ -527,6 +555,10 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
         _check_ref(c, m, router, key, f"{at}.router.{key}", shape, idx)
     if sh:
         _check_ref(c, m, sh, "gate", f"{at}.shared.gate", [1, h], idx)
+    if entry.get("post_norm"):
+        _check_ref(c, m, entry["post_norm"], "weight", f"{at}.post_norm.weight", [h], idx)
+        if not entry["post_norm"].get("weight"):
+            c.fail(f"{at}.post_norm.weight", None, "must name the norm's carried weight")
     hashed = _check_hash(c, m, router, f"{at}.router.hash", routing, version)
     # a hash layer selects by token id: no correction bias (DeepseekV4HashRouter has none)
     if (routing is not None and routing.method != "custom"
@@ -609,5 +641,5 @@ def _no_constant(name: str):
 
 
 __all__ = ["MANIFEST", "FORMAT_VERSION", "PERM_FORMAT_VERSION", "TP_FORMAT_VERSION", "SHARED_LAYOUT_FORMAT_VERSION",
-           "SEALED_FORMAT_VERSION", "SILU_LIMIT_FORMAT_VERSION", "silu_limit_problem", "READABLE_VERSIONS", "ManifestError",
+           "SEALED_FORMAT_VERSION", "SILU_LIMIT_FORMAT_VERSION", "BLOCK_PARTS_FORMAT_VERSION", "silu_limit_problem", "READABLE_VERSIONS", "ManifestError",
            "check_manifest", "load_manifest", "manifest_digest", "seal_manifest", "write_manifest", "MoepackError"]  # fmt: skip

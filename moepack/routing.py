@@ -29,7 +29,7 @@ from .errors import UnsupportedError
 
 # Methods of the native op, in the order of csrc/include/moepack/routing.h RouteMethod.
 METHODS = ("softmax", "sigmoid", "grouped_softmax", "grouped_sigmoid", "topk_softmax", "llama4", "sparsemixer",
-           "sqrtsoftplus")
+           "sqrtsoftplus", "biased_logit_sigmoid")
 # "custom": a Python callable supplied to route(); not an op method.
 CONFIG_METHODS = METHODS + ("custom",)
 GROUPED_METHODS = ("grouped_softmax", "grouped_sigmoid")
@@ -44,6 +44,7 @@ SCORING = {
     "llama4": "sigmoid",
     "sparsemixer": "softmax",
     "sqrtsoftplus": "sqrtsoftplus",
+    "biased_logit_sigmoid": "sigmoid",  # the bias on the logits (selection), the weights sigmoid(logit)
     "custom": "custom",
 }
 
@@ -229,6 +230,10 @@ SUPPORTED_MODEL_TYPES = (
     "deepseek_v4",  # sqrt(softplus) + correction bias, renormalized, x routed_scaling_factor; hash layers by token id
     "ernie4_5_moe",  # softmax; top-k of softmax + correction bias (moe_statics); / max(sum, moe_norm_min)
     "lfm2_moe",  # sigmoid; top-k of sigmoid + expert_bias (use_expert_bias); / (sum + 1e-6) if norm_topk_prob; x rsf
+    "minimax_m3_vl_text",  # minimax_m2's router; the block multiplies the routed sum by routed_scaling_factor
+    "kolibri1",  # top-k of logit + e_score_correction_bias; sigmoid(logit) at the ids; / sum if norm_topk_prob
+    "hy_v4",  # noaux_tc (HYV4TopkRouter: DeepSeek-V3's, its groups default to one)
+    "dbrx",  # softmax top-k / their p-norm (moe_normalize_expert_weights: 1 = the sum), its keys in ffn_config
 )
 # model_type -> (n_group, topk_group, routed_scaling_factor, norm_topk_prob) defaults of the noaux_tc families
 _NOAUX_DEFAULTS = {
@@ -237,6 +242,7 @@ _NOAUX_DEFAULTS = {
     "glm_moe_dsa": (1, 1, 2.5, True), "solar_open": (1, 1, 1.0, True), "exaone_moe": (1, 1, 2.5, True),
     "dots1": (1, 1, 1.0, False), "beam": (8, 4, 2.5, True), "mimo_v2_flash": (1, 1, 1.0, True),
     "axk1": (8, 4, 2.5, True), "axk2": (1, 1, 2.5, True), "bailing_hybrid": (8, 4, 2.5, True),
+    "hy_v4": (1, 1, 2.827, True),
 }  # fmt: skip
 # softmax families: model_type -> renormalize (True/False: always, as their router does; None: norm_topk_prob, default False)
 _SOFTMAX_RENORM = {"mixtral": True, "qwen2_moe": None, "qwen3_moe": None, "olmoe": None, "qwen3_next": None,
@@ -258,6 +264,10 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
             inner["model_type"] = "deepseek_v3"
         r = _from_hf_config(cls, inner)
         return dataclasses.replace(r, model_type=mt)
+    if mt == "dbrx":  # its MoE keys nest in ffn_config (DbrxFFNConfig): moe_top_k, moe_num_experts
+        ffn = config.get("ffn_config")
+        ffn = ffn if isinstance(ffn, Mapping) else {}
+        return _dbrx(cls, ffn)
     if mt not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedError(
             f"config.json model_type={mt!r}: moepack does not know how this family routes "
@@ -342,18 +352,31 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
     raise AssertionError(mt)  # pragma: no cover
 
 
+def _dbrx(cls, ffn: Mapping[str, Any]) -> RoutingConfig:
+    """DbrxFFN.route_tokens_to_experts: softmax over the experts; top-k; the k weights divided by their
+    p-norm, p = moe_normalize_expert_weights (None: not divided). The weights being positive, p = 1 is
+    the sum (renormalize, moepack's / (sum + 1e-20)); another p is refused."""
+    k = int(_need(ffn, "dbrx", "moe_top_k"))
+    e = int(_need(ffn, "dbrx", "moe_num_experts"))
+    p = ffn.get("moe_normalize_expert_weights", 1.0)
+    if p is not None and float(p) != 1.0:
+        raise UnsupportedError(f"config.json dbrx ffn_config.moe_normalize_expert_weights={p!r}: moepack divides the "
+                               "top-k weights by their sum (p = 1) or not at all (None)")  # fmt: skip
+    return cls("softmax", k, renormalize=p is not None, num_experts=e, model_type="dbrx")
+
+
 # where each family states its expert count, in the order looked at (others: num_experts first)
 _EXPERT_KEYS = {
     **dict.fromkeys(("mixtral", "phimoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss",
-                     "llama4_text", "mellum", "minimax", "minimax_m2"), ("num_local_experts", "num_experts")),
+                     "llama4_text", "mellum", "minimax", "minimax_m2", "minimax_m3_vl_text"), ("num_local_experts", "num_experts")),
     "aria_text": ("moe_num_experts",),
     "ernie4_5_moe": ("moe_num_experts", "num_experts"),
     **dict.fromkeys(("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
-                     "solar_open", "dots1", "mimo_v2_flash", "axk1", "axk2"), ("n_routed_experts", "num_local_experts", "num_experts")),
+                     "solar_open", "dots1", "mimo_v2_flash", "axk1", "axk2", "hy_v4"), ("n_routed_experts", "num_local_experts", "num_experts")),
 }  # fmt: skip
 
 # sigmoid-scored families (and cohere2_moe, which may be): _sigmoid_family
-_SIGMOID_FAMILIES = ("minimax_m2", "flint", "cohere2_moe", "afmoe", "hy_v3", "laguna", "lfm2_moe")
+_SIGMOID_FAMILIES = ("minimax_m2", "minimax_m3_vl_text", "kolibri1", "flint", "cohere2_moe", "afmoe", "hy_v3", "laguna", "lfm2_moe")
 
 
 def _sigmoid_family(cls, config: Mapping[str, Any], mt: str, k: int, e: int) -> RoutingConfig:
@@ -362,6 +385,15 @@ def _sigmoid_family(cls, config: Mapping[str, Any], mt: str, k: int, e: int) -> 
     factor; flint: top-k of the logits; cohere2_moe: per expert_selection_fn)."""
     if mt == "minimax_m2":  # sigmoid; top-k of sigmoid + correction bias; / sum
         return cls("sigmoid", k, renormalize=True, has_correction_bias=True, num_experts=e, model_type=mt)
+    if mt == "minimax_m3_vl_text":  # MiniMaxM3VLTopKRouter (M2's) then the block's routed sum x routed_scaling_factor:
+        # the experts being linear in their weight, the factor is the routing's
+        return cls("sigmoid", k, renormalize=True, has_correction_bias=True,
+                   routed_scaling_factor=float(_get(config, "routed_scaling_factor", default=2.0)), num_experts=e,
+                   model_type=mt)  # fmt: skip
+    if mt == "kolibri1":  # Kolibri1TopKRouter: fp32 logits; top-k of logits + correction bias; sigmoid at the ids
+        # / sum if norm_topk_prob (moepack: / (sum + 1e-20): the same for sums of k sigmoids, >= 1e-20)
+        return cls("biased_logit_sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=False)),
+                   has_correction_bias=True, num_experts=e, model_type=mt)  # fmt: skip
     if mt == "flint":  # sigmoid; top-k of the logits; / sum if norm_topk_prob
         return cls("sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=True)), num_experts=e, model_type=mt)
     if mt == "cohere2_moe":  # top-k of the logits; softmax over those k, or their sigmoid (/ sum if norm_topk_prob)
@@ -635,7 +667,8 @@ def route_reference(
     Mixtral/Qwen2-MoE/Qwen3-MoE/OLMoE ``*TopKRouter`` (softmax), DeepseekV2TopkRouter
     (grouped_softmax), DeepseekV3/Glm4Moe/KimiLinear ``TopkRouter`` (grouped_sigmoid),
     GptOss/GraniteMoe ``TopKRouter`` (topk_softmax), Llama4Router (llama4), phimoe
-    ``sparsemixer`` (sparsemixer), DeepseekV4TopKRouter (sqrtsoftplus: sqrt(softplus(x)) scores). moepack's own rules on top: ties -> lower id; without a bias
+    ``sparsemixer`` (sparsemixer), DeepseekV4TopKRouter (sqrtsoftplus: sqrt(softplus(x)) scores), Kolibri1TopKRouter
+    (biased_logit_sigmoid: the bias added to the logits, sigmoid weights). moepack's own rules on top: ties -> lower id; without a bias
     the logits are the selection keys (same order as the scores, finer where fp32 scores
     saturate); rows with nothing finite get weight 0. No argument checking: see the op."""
     x = logits.float()
@@ -654,7 +687,10 @@ def route_reference(
         return (w * routed_scaling_factor).contiguous(), ids.to(torch.int32).contiguous()
     scores = (_softmax0(x) if method in ("softmax", "grouped_softmax")
               else torch.nn.functional.softplus(x).sqrt() if method == "sqrtsoftplus" else torch.sigmoid(x))  # fmt: skip
-    key = scores + b if b is not None else x
+    if method == "biased_logit_sigmoid":  # Kolibri1TopKRouter: the bias on the logits
+        key = x + b if b is not None else x
+    else:
+        key = scores + b if b is not None else x
     allowed = None
     if method in GROUPED_METHODS:
         g = num_expert_group

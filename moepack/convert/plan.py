@@ -110,9 +110,33 @@ def _refuse_unknown_family(ckpt: Checkpoint) -> None:
         raise ConvertError(f"refused at convert: {routing_problem(config, note)}")
 
 
-# model_type -> the norm its MoE block applies to its own output, stored beside the block in the
-# decoder layer (transformers' conversion mapping moves it there): moepack's layer has no such step.
-_POST_BLOCK_NORMS = {"axk1": "post_mlp_layernorm"}
+# model_type -> (the RMSNorm its MoE block applies to its own output, stored beside the block in the
+# decoder layer, where transformers' conversion mapping takes it from; its eps key): convert records
+# it as the layer's ``post_norm`` (format version 7), which the packed layer's forward applies.
+_POST_BLOCK_NORMS = {"axk1": ("post_mlp_layernorm", "rms_norm_eps")}
+
+
+def post_norm_of(ckpt: Checkpoint, config: dict, spec) -> dict | None:
+    """The ``post_norm`` convert records for ``spec``'s layer: {"weight": the carried norm weight,
+    "eps": the config's eps} for a family whose block normalizes its own output (``_POST_BLOCK_NORMS``)
+    when the checkpoint holds the norm; None otherwise. An eps that is not a finite number > 0 is refused."""
+    import math
+
+    fam = _POST_BLOCK_NORMS.get(config.get("model_type"))
+    if fam is None:
+        return None
+    norm, eps_key = fam
+    name = f"{spec.prefix.rpartition('.')[0]}.{norm}.weight"  # beside the block, in its decoder layer
+    if name not in ckpt.tensors:
+        return None
+    eps = config.get(eps_key, 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ConvertError(f"config.json: {eps_key}={eps!r}: the eps of the norm after the MoE block must be a finite number > 0")
+    if ckpt.info(name).shape != (spec.hidden,) or ckpt.info(name).dtype_str not in FLOAT_DTYPES:
+        raise ConvertError(f"tensor {name!r} is {ckpt.info(name).dtype_str} {list(ckpt.info(name).shape)}: the norm "
+                           f"after the MoE block must be a float [{spec.hidden}]")  # fmt: skip
+    return {"weight": name, "eps": float(eps)}
+
 
 # model_type -> the routed experts' fixed activation (aria's; its shared expert follows hidden_act)
 _ROUTED_ACTIVATION = {"aria_text": "silu", "aria": "silu"}
@@ -124,7 +148,16 @@ _CLAMP_KEYS = ("swiglu_limit", "swiglu_clamp", "clamp_limit")
 # silu(gate) * up, routed and shared experts alike: DeepseekV4Experts._apply_gate, DeepseekV4MLP),
 # which convert records as each layer's ``silu_limit`` (format version 6). A clamp key of another
 # family stays refused: its clamp is not known to be this one.
-_SILU_CLAMP = {"deepseek_v4": "swiglu_limit"}
+_SILU_CLAMP = {"deepseek_v4": "swiglu_limit", "hy_v4": "swiglu_limit"}
+# families whose clamp is on the routed experts only (HYV4Experts._apply_gate clamps, HYV4MLP does not):
+# their shared expert records ``shared.silu_limit`` null (format version 7)
+_UNCLAMPED_SHARED = {"hy_v4"}
+
+
+def shared_silu_limit_of(config: dict, spec) -> float | None:
+    """The clamp of ``spec``'s shared expert: the layer's ``silu_limit_of``, or None for a family
+    whose shared expert is not clamped (``_UNCLAMPED_SHARED``)."""
+    return None if config.get("model_type") in _UNCLAMPED_SHARED else silu_limit_of(config, spec)
 
 
 def silu_limit_of(config: dict, spec) -> float | None:
@@ -161,11 +194,10 @@ def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note:
     norm = _POST_BLOCK_NORMS.get(mt)
     for s in specs if norm else []:
         layer = s.prefix.rpartition(".")[0]  # the decoder layer the block sits in
-        names = sorted(n for n in ckpt.tensors if n.startswith(f"{layer}.{norm}."))
-        if names:
-            out.append(f"model_type={mt!r} layer {s.index}: tensor {names[0]!r} is a norm after the MoE block (transformers' "
-                       "block normalizes its own output; the checkpoint keeps the norm beside it), which moepack's layer "
-                       "does not apply")  # fmt: skip
+        names = sorted(n for n in ckpt.tensors if n.startswith(f"{layer}.{norm[0]}.") and n != f"{layer}.{norm[0]}.weight")
+        if names:  # a norm with more than its weight (a bias): not the RMSNorm post_norm runs
+            out.append(f"model_type={mt!r} layer {s.index}: tensor {names[0]!r} is part of a norm after the MoE block "
+                       "that moepack's post_norm (an RMSNorm weight) does not apply")  # fmt: skip
             break
     for key in _ZERO_EXPERT_KEYS:
         v = config.get(key)
@@ -608,7 +640,7 @@ def _check_against_model(ckpt: Checkpoint, config: dict, specs: list, refuse) ->
         if got is not None and got != (s.num_experts, s.hidden, s.intermediate):
             raise refuse("model_type", f"a {mt} model with this config has layer {i}'s experts (E, H, I) = {got}, the "
                                        f"checkpoint's {(s.num_experts, s.hidden, s.intermediate)}")  # fmt: skip
-    skip = tuple(f"model.layers.{i}.{fam.block_attr}." for i in blocks)
+    skip = tuple(f"{fam.layers}.{i}.{fam.block_attr}." for i in blocks)
     names = ckpt.tensors
     renamed = checkpoint_renames(mt, names)  # what transformers renames on load (load_model follows it too)
     for pname, p in model.named_parameters():  # tied parameters once, by their first name

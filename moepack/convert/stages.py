@@ -18,10 +18,10 @@ import torch
 from .._version import __version__
 from ..container.plan import ShardPlan
 from ..container.writer import ShardWriter
-from .plan import Plan, expert_tensor_name, silu_limit_of
+from .plan import Plan, expert_tensor_name, post_norm_of, shared_silu_limit_of, silu_limit_of
 from ..errors import ConvertError, LayoutError
 from ..layout import layout_expert_shapes, layout_tensor_plan
-from ..manifest import FORMAT_VERSION
+from ..manifest import FORMAT_VERSION, BLOCK_PARTS_FORMAT_VERSION
 from ..schemes import LayerSource, QuantError, get_scheme
 from ..sources import LayerSpec
 from ..sources.dense import FLOAT_DTYPES
@@ -35,6 +35,8 @@ def _source_element(s: LayerSpec, role: str, e: int, idx: list[int]) -> tuple[st
         si = s.shared["intermediate"]
         if role == "shared_w2":
             return s.shared["down_proj"], [r, c]
+        if s.shared.get("fused"):  # one [2 x I_shared, H] tensor (MiniMax-M3)
+            return s.shared["gate_proj"], [r, c]
         return (s.shared["gate_proj"], [r, c]) if r < si else (s.shared["up_proj"], [r - si, c])
     i = s.intermediate
     if role.endswith("_bias"):
@@ -45,6 +47,10 @@ def _source_element(s: LayerSpec, role: str, e: int, idx: list[int]) -> tuple[st
             return s.names[(e, "down", "bias")], [r]
         return (s.names[(e, "gate", "bias")], [r]) if r < i else (s.names[(e, "up", "bias")], [r - i])
     _, r, c = idx
+    if s.kind == "dbrx":  # [E x I, H] stacks; w2's are the down projections transposed
+        if role == "w2":
+            return s.names["down_t"], [e * i + c, r]
+        return (s.names["gate"], [e * i + r, c]) if r < i else (s.names["up"], [e * i + r - i, c])
     if s.kind == "per_expert":
         if role == "w2":
             return s.names[(e, "down", "weight")], [r, c]
@@ -87,9 +93,11 @@ def layer_entry(pl: Plan, s: LayerSpec) -> dict:
             "intermediate": s.shared["intermediate"],
             "padded_intermediate": layout_expert_shapes(slay or lay, 1, s.hidden, s.shared["intermediate"]).padded_intermediate,
             "gate": s.shared.get("gate"),
-            "source_tensors": [s.shared[p] for p in ("gate_proj", "up_proj", "down_proj")],
+            "source_tensors": list(dict.fromkeys(s.shared[p] for p in ("gate_proj", "up_proj", "down_proj"))),
             "scheme_source": sscheme.source_note(sdt, reader, pl.options),
         }
+        if shared_silu_limit_of(pl.config, s) != silu_limit_of(pl.config, s):  # format version 7: hy_v4's unclamped one
+            shared_entry["silu_limit"] = shared_silu_limit_of(pl.config, s)
         if slay is not None:  # format version 5 (docs/PACKED_FORMAT.md §7): the shared expert's own layout
             shared_entry["layout_id"] = slay.id
         elif pl.shared_quantizer is not None and sdt in FLOAT_DTYPES:  # --quantize on a quantized source's float one
@@ -110,6 +118,7 @@ def layer_entry(pl: Plan, s: LayerSpec) -> dict:
         "limit": pl.limit,
         **({"silu_limit": sl} if (sl := silu_limit_of(pl.config, s)) is not None else {}),  # format version 6
         "interleaved": s.interleaved,
+        **({"post_norm": pn} if (pn := post_norm_of(pl.ckpt, pl.config, s)) is not None else {}),  # format version 7
         "layout_id": lay.id,
         "act_mode": pl.act_modes[s.index],
         "scheme": scheme.name,
@@ -213,10 +222,14 @@ def build_manifest(pl: Plan, tmp: Path | None, layers: list, tensors: dict, carr
         files = {f: {"size": (tmp / f).stat().st_size} for f in report.files}
     return {
         "format": "moepack",
-        # version 6 for every directory (docs/PACKED_FORMAT.md §7): the manifest is sealed
+        # version 6 for every directory but those of version 7 below (docs/PACKED_FORMAT.md §7): the manifest is sealed
         # (manifest_sha256, set by moepack.manifest.write_manifest); its w13_perm (3), --tp (4)
         # and shared-layout (5) features are all part of 6
-        "format_version": FORMAT_VERSION,
+        # 7 (BLOCK_PARTS_FORMAT_VERSION) only when a layer has a post_norm, a shared expert with its own
+        # silu_limit, or a shared expert running another activation than silu
+        "format_version": BLOCK_PARTS_FORMAT_VERSION
+        if any((e["shared"] and (e["activation"] != "silu" or "silu_limit" in e["shared"])) or e.get("post_norm")
+               for e in layers) else FORMAT_VERSION,
         "created_by": f"moepack {__version__}",
         "created_at": created_at,  # when the convert started (a resumed one: the first run's start)
         "source": {

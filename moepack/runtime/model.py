@@ -62,6 +62,10 @@ class PackedMoELayer(torch.nn.Module):
         self.router_bias = model.tensor(router["bias"]) if router.get("bias") else None
         # routing by token id (format version 6; DeepSeek-V4's hash_moe layers): [vocab, k] expert ids
         self.hash_table = model.tensor(router["hash"]) if router.get("hash") else None
+        # a norm of the block's output (format version 7; A.X-K1's post_mlp_layernorm): forward applies it last
+        pn = entry.get("post_norm")
+        self.post_norm_weight = model.tensor(pn["weight"]) if pn else None
+        self.post_norm_eps = float(pn["eps"]) if pn else None
         self.shared = None  # the shared expert as a one-expert pack, run for every token
         self.shared_gate = None  # Qwen2-MoE: sigmoid(x . gate) scales the shared expert
         sh = entry.get("shared")
@@ -81,6 +85,10 @@ class PackedMoELayer(torch.nn.Module):
             )
             if sh.get("gate"):
                 self.shared_gate = model.tensor(sh["gate"])
+        # the shared expert's clamp: the layer's, or its own (format version 7; hy_v4's shared expert is not clamped)
+        self.shared_silu_limit = self.silu_limit
+        if sh and "silu_limit" in sh:
+            self.shared_silu_limit = float(sh["silu_limit"]) if sh["silu_limit"] is not None else None
 
     @property
     def act_mode(self) -> str:
@@ -199,9 +207,19 @@ class PackedMoELayer(torch.nn.Module):
             x, weights = apply_router_weight_on_input(hidden_states, weights, ids)
         out = self.experts(x, weights, ids, act_mode=act_mode)
         shared = self.shared_expert(hidden_states, act_mode=act_mode)
-        if shared is None:
+        if shared is not None:
+            out = (out.float() + shared.float()).to(hidden_states.dtype)
+        return out if self.post_norm_weight is None else self.post_norm(out)
+
+    def post_norm(self, out: torch.Tensor) -> torch.Tensor:
+        """The layer's norm after the block (``post_norm``): an RMSNorm as the family's (A.X-K1's
+        AXK1RMSNorm): the mean square in fp32, x * rsqrt(mean + eps) cast back to x's dtype, then times
+        the weight (in x's dtype). The identity for a layer without one."""
+        if self.post_norm_weight is None:
             return out
-        return (out.float() + shared.float()).to(hidden_states.dtype)
+        h = out.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.post_norm_eps)
+        return _like(self.post_norm_weight, out).to(out.dtype) * h.to(out.dtype)
 
     def shared_expert(self, hidden_states: torch.Tensor, act_mode: str | None = None) -> torch.Tensor | None:
         """The shared expert's part of the block output ``[T, H]`` (Qwen2-MoE: scaled by
@@ -215,8 +233,9 @@ class PackedMoELayer(torch.nn.Module):
         else:
             sw = torch.ones(t, 1, dtype=torch.float32, device=dev)
         ids = torch.zeros(t, 1, dtype=torch.int32, device=dev)
-        return run_experts(self.shared, hidden_states, sw.contiguous(), ids, act_mode=self.shared_act_mode(act_mode),
-                           silu_limit=self.silu_limit)  # fmt: skip
+        # the layer's one activation (MiniMax-M3's shared expert is swigluoai as its routed ones), gate rows then up rows
+        return run_experts(self.shared, hidden_states, sw.contiguous(), ids, activation=self.activation, alpha=self.alpha,
+                           limit=self.limit, act_mode=self.shared_act_mode(act_mode), silu_limit=self.shared_silu_limit)  # fmt: skip
 
     def extra_repr(self) -> str:
         return (

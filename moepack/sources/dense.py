@@ -33,12 +33,15 @@ _NUM_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "mo
 _HIDDEN_KEYS = ("hidden_size", "d_model")  # d_model: DBRX
 _IN_MAJOR_FAMILIES = {"llama4", "llama4_text", "gpt_oss", "aria", "aria_text"}
 _INTERLEAVED_FAMILIES = {"gpt_oss"}
+_SWIGLUOAI_FAMILIES = {"gpt_oss", "minimax_m3_vl_text"}
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>weight|bias)$")
 _FUSED = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|down_proj|fc1|fc2)(?P<bias>_bias)?(?:\.weight)?$")
 _FUSED_ALIAS = {"fc1": "gate_up_proj", "fc2": "down_proj"}  # aria's names (transformers renames them on load)
 _GRANITE = re.compile(r"^(?P<prefix>.+)\.(?P<proj>input_linear|output_linear)\.weight$")
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+# DBRX: every expert's gate (w1), up (v1) and down (w2, stored [I, H] per expert) stacked in one 2-D [E x I, H] each
+_DBRX = re.compile(r"^(?P<prefix>.+)\.experts\.mlp\.(?P<proj>w1|v1|w2)$")
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|blocks)\.(\d+)(?:\.|$)")  # blocks: DBRX's transformer.blocks.<n>
 
 _ROLE = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
@@ -127,10 +130,15 @@ def mtp_skipped(ckpt) -> tuple[list, str]:
 
 
 def activation_of(config: dict) -> str:
-    """The expert activation from config.json (gpt-oss: swigluoai)."""
-    if config.get("model_type") == "gpt_oss":
+    """The expert activation from config.json (gpt-oss: swigluoai; MiniMax-M3, whose config says
+    hidden_act="silu" while its experts compute gpt-oss's clamped gate with its swiglu_alpha / swiglu_limit
+    on halves that are not interleaved)."""
+    if config.get("model_type") in _SWIGLUOAI_FAMILIES:
         return "swigluoai"
     act = _cfg(config, "hidden_act", "hidden_activation", "activation_function", default="silu")
+    ffn = config.get("ffn_config")  # DBRX: ffn_config.ffn_act_fn = {"name": ...} (DbrxExpertGLU's default silu)
+    if isinstance(ffn, dict) and isinstance(ffn.get("ffn_act_fn"), dict):
+        act = ffn["ffn_act_fn"].get("name", "silu")
     table = {
         "silu": "silu",
         "swish": "silu",
@@ -214,6 +222,11 @@ def discover_layers(ckpt: Checkpoint, weights: tuple[set, str] = DENSE_WEIGHTS) 
                 raise SourceError(f"{name}: fused expert tensors mixed with per-expert tensors under {m['prefix']!r}")
             g["t"][(_FUSED_ALIAS.get(m["proj"], m["proj"]), "bias" if m["bias"] else "weight")] = name
             continue
+        m = _DBRX.match(name)
+        if m and ti.shape and len(ti.shape) == 2:
+            g = groups.setdefault(m["prefix"], {"kind": "dbrx", "t": {}})
+            g["t"][m["proj"]] = name
+            continue
         m = _GRANITE.match(name)
         if m and ti.shape and len(ti.shape) == 3:
             g = groups.setdefault(m["prefix"], {"kind": "granite", "t": {}})
@@ -231,6 +244,8 @@ def discover_layers(ckpt: Checkpoint, weights: tuple[set, str] = DENSE_WEIGHTS) 
     for prefix, g in sorted(groups.items(), key=lambda kv: _layer_index(kv[0])):
         if g["kind"] == "per_expert":
             specs.append(_per_expert_spec(ckpt, prefix, g["t"], num_experts, hidden, act, weights))
+        elif g["kind"] == "dbrx":
+            specs.append(_dbrx_spec(ckpt, prefix, g["t"], num_experts, hidden, act, weights))
         else:
             specs.append(_fused_spec(ckpt, prefix, g["kind"], g["t"], num_experts, hidden, act, model_type, weights))
     seen = {}
@@ -297,6 +312,39 @@ def _per_expert_spec(ckpt, prefix, t, num_experts, hidden, act, weights=DENSE_WE
         names={k: v for k, v in t.items()},
         expert_tensors=sorted(t.values()),
     )
+
+
+def _dbrx_spec(ckpt, prefix, t, num_experts, hidden, act, weights=DENSE_WEIGHTS) -> LayerSpec:
+    """DBRX's experts: ``experts.mlp.{w1, v1, w2}``, each [E x I, H] (expert e's rows e*I .. (e+1)*I; w2's
+    rows are its down projection transposed, [I, H]: DbrxExpertGLU computes ``a @ w2``)."""
+    missing = [p for p in ("w1", "v1", "w2") if p not in t]
+    if missing:
+        raise SourceError(f"layer {prefix!r}: DBRX experts need experts.mlp.w1, v1 and w2: {missing} missing")
+    rows = ckpt.info(t["w1"]).shape[0]
+    if rows % num_experts:
+        raise SourceError(f"tensor {t['w1']!r} has {rows} rows: not a multiple of the {num_experts} experts of config.json")
+    inter = rows // num_experts
+    dtype = None
+    for p in ("w1", "v1", "w2"):
+        dtype = _check_dtype(ckpt, t[p], dtype, weights)
+        _check_shape(ckpt, t[p], (rows, hidden))
+    if dtype not in FLOAT_DTYPES:  # the quantized readers know fused and per-expert layouts only
+        raise SourceError(f"tensor {t['w1']!r} is {dtype}: moepack reads DBRX's stacked experts from float (BF16, F16, F32) "
+                          "tensors only")  # fmt: skip
+    names = {"gate": t["w1"], "up": t["v1"], "down_t": t["w2"]}
+    return LayerSpec(index=_layer_index(prefix), prefix=prefix, kind="dbrx", num_experts=num_experts, hidden=hidden,
+                     intermediate=inter, dtype=dtype, interleaved=False, has_bias=False, activation=act, names=names,
+                     expert_tensors=sorted(names.values()))  # fmt: skip
+
+
+def _read_rows(ckpt: Checkpoint, name: str, r0: int, r1: int) -> torch.Tensor:
+    """Rows ``r0 .. r1`` of a 2-D tensor, read from disk without the rest."""
+    from .checkpoint import TensorInfo
+
+    ti = ckpt.info(name)
+    row = ti.nbytes // ti.shape[0]
+    part = TensorInfo(name, ti.file, ti.dtype_str, (r1 - r0, *ti.shape[1:]), ti.offset + r0 * row, (r1 - r0) * row)
+    return ckpt._read_info(part, None)
 
 
 def _fused_spec(ckpt, prefix, kind, t, num_experts, hidden, act, model_type, weights=DENSE_WEIGHTS) -> LayerSpec:
@@ -379,6 +427,17 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
     for c in (f"{moe}.e_score_correction_bias", f"{moe}.expert_bias", f"{moe}.experts.e_score_correction_bias"):
         if c in ckpt.tensors:
             s.router["correction_bias"] = c
+    # stored outside the block, where transformers' own mapping takes it into the gate (kolibri1's
+    # <layer>.moe.router.expert_bias): the mapping decides, by the name it loads the tensor under
+    layer = moe.rpartition(".")[0] + "."
+    outside = [n for n in ckpt.tensors if n.startswith(layer) and not n.startswith(moe + ".") and "bias" in n.rsplit(".", 1)[-1]]
+    if outside and "correction_bias" not in s.router:
+        from ..hf import checkpoint_renames
+
+        mt = text_config(ckpt.config).get("model_type")
+        for target, stored in checkpoint_renames(mt, outside).items():
+            if target == f"{moe}.gate.e_score_correction_bias" and isinstance(stored, str):
+                s.router["correction_bias"] = stored
     c = f"{moe}.moe_statics.e_score_correction_bias"  # ernie4_5_moe's ([1, E]), which its mapping moves into the gate
     if c in ckpt.tensors and _loads_as(ckpt, c, ".gate.moe_statics.e_score_correction_bias"):
         s.router["correction_bias"] = c
@@ -386,6 +445,13 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
     # DeepSeek-V4's names (w1 gate, w3 up, w2 down), where transformers' mapping loads them as those
     if _loads_as(ckpt, f"{moe}.shared_experts.w1.weight", ".shared_experts.gate_proj.weight"):
         subs.append(("shared_experts", ("w1", "w3", "w2")))
+    # hy_v4's gate_proj stored as linear_gate (transformers' mapping renames every .linear_gate to .gate_proj on load)
+    if _loads_as(ckpt, f"{moe}.shared_experts.linear_gate.weight", ".shared_experts.gate_proj.weight"):
+        subs.insert(0, ("shared_experts", ("linear_gate", "up_proj", "down_proj")))
+    # MiniMax-M3's shared expert is one Linear gate_up_proj [2I, H] (gate rows, then up rows) and a down_proj
+    fused = f"{moe}.shared_experts.gate_up_proj.weight"
+    if fused in ckpt.tensors:
+        subs = [("shared_experts", ("gate_up_proj", "gate_up_proj", "down_proj"))]
     for sub, parts in subs:  # shared_mlp: hy_v3, hunyuan_v1_moe
         names = {p: f"{moe}.{sub}.{x}.weight" for p, x in zip(("gate_proj", "up_proj", "down_proj"), parts)}
         present = [n for n in names.values() if n in ckpt.tensors]
@@ -395,15 +461,22 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
             missing = sorted(set(names.values()) - set(present))
             raise SourceError(f"layer {s.prefix!r}: shared expert is incomplete: {missing} missing")
         g, u, d = (ckpt.info(names[p]) for p in ("gate_proj", "up_proj", "down_proj"))
-        if len(g.shape) != 2 or g.shape[1] != s.hidden:
-            raise SourceError(f"tensor {g.name!r} has shape {list(g.shape)}: expected [I_shared, H={s.hidden}]")
-        si = g.shape[0]
-        _check_shape(ckpt, u.name, (si, s.hidden))
+        is_fused = g.name == u.name
+        if len(g.shape) != 2 or g.shape[1] != s.hidden or (is_fused and g.shape[0] % 2):
+            want = "[2 x I_shared, H" if is_fused else "[I_shared, H"
+            raise SourceError(f"tensor {g.name!r} has shape {list(g.shape)}: expected {want}={s.hidden}]")
+        si = g.shape[0] // 2 if is_fused else g.shape[0]
+        _check_shape(ckpt, u.name, (2 * si if is_fused else si, s.hidden))
         _check_shape(ckpt, d.name, (s.hidden, si))
         dt = _check_dtype(ckpt, g.name, None, weights)
         _check_dtype(ckpt, u.name, dt, weights)
         _check_dtype(ckpt, d.name, dt, weights)
+        if is_fused and dt not in FLOAT_DTYPES:
+            raise SourceError(f"tensor {g.name!r} is a fused gate/up shared expert stored as {dt}: moepack reads a fused "
+                              "shared expert from a float (BF16, F16, F32) tensor only")  # fmt: skip
         s.shared = {"gate_proj": g.name, "up_proj": u.name, "down_proj": d.name, "intermediate": si, "gate": None}
+        if is_fused:
+            s.shared["fused"] = True  # gate_proj and up_proj name one [2 x I_shared, H] tensor: gate rows, then up rows
         gate = f"{moe}.shared_expert_gate.weight"
         if gate in ckpt.tensors:
             _check_shape(ckpt, gate, (1, s.hidden))
@@ -447,6 +520,9 @@ def read_layer(ckpt: Checkpoint, s: LayerSpec) -> CanonicalLayer:
     elif s.kind in ("fused_out", "granite"):
         w13 = ckpt.read(s.names["gate_up"])
         w2 = ckpt.read(s.names["down"])
+    elif s.kind == "dbrx":
+        w13 = torch.cat([ckpt.read(s.names["gate"]).view(e, i, h), ckpt.read(s.names["up"]).view(e, i, h)], 1)
+        w2 = ckpt.read(s.names["down_t"]).view(e, i, h).transpose(1, 2).contiguous()
     else:  # fused_in: [E, H, 2I] and [E, I, H] -> transpose (last-dim halves gate/up, or interleaved)
         w13 = ckpt.read(s.names["gate_up"]).transpose(1, 2).contiguous()
         w2 = ckpt.read(s.names["down"]).transpose(1, 2).contiguous()
@@ -464,6 +540,8 @@ def read_expert_w13(ckpt: Checkpoint, s: LayerSpec, e: int) -> torch.Tensor:
         ckpt.read(s.names[(e, "gate", "weight")], out[:i])
         ckpt.read(s.names[(e, "up", "weight")], out[i:])
         return out
+    if s.kind == "dbrx":
+        return torch.cat([_read_rows(ckpt, s.names[p], e * i, (e + 1) * i) for p in ("gate", "up")], 0)
     part = ckpt.read_slice(s.names["gate_up"], e)
     return part if s.kind in ("fused_out", "granite") else part.t().contiguous()
 
@@ -472,6 +550,8 @@ def read_expert_w2(ckpt: Checkpoint, s: LayerSpec, e: int) -> torch.Tensor:
     """Expert ``e``'s canonical down ``[H, I]``."""
     if s.kind == "per_expert":
         return ckpt.read(s.names[(e, "down", "weight")])
+    if s.kind == "dbrx":
+        return _read_rows(ckpt, s.names["down_t"], e * s.intermediate, (e + 1) * s.intermediate).t().contiguous()
     part = ckpt.read_slice(s.names["down"], e)
     return part if s.kind in ("fused_out", "granite") else part.t().contiguous()
 
@@ -496,7 +576,9 @@ def read_shared(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor, torch.Ten
     """The shared expert as a one-expert canonical pair (w13 [1, 2Is, H], w2 [1, H, Is]), or None."""
     if not s.shared:
         return None
+    d = ckpt.read(s.shared["down_proj"])
+    if s.shared.get("fused"):  # one [2 x I_shared, H] tensor, gate rows then up rows: already canonical
+        return ckpt.read(s.shared["gate_proj"])[None], d[None]
     g = ckpt.read(s.shared["gate_proj"])
     u = ckpt.read(s.shared["up_proj"])
-    d = ckpt.read(s.shared["down_proj"])
     return torch.cat([g, u], 0)[None], d[None]

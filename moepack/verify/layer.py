@@ -351,10 +351,14 @@ def check_layer(model: PackedModel, layer_index: int, ckpt, reader, spec, tokens
         sw = torch.ones(x.shape[0], 1) if gate is None else torch.sigmoid(torch.nn.functional.linear(x, gate.float()))
         sid = torch.zeros(x.shape[0], 1, dtype=torch.int32)
         out = out + layer.shared_expert(x, act_mode=mode)
-        ref32 = ref32 + moe_reference(x, shared.w13, shared.w2, sw, sid, silu_limit=src_sl)
+        from ..convert.plan import shared_silu_limit_of
+
+        # the layer's activation, the source's clamp of its shared expert; a shared expert is gate rows then up rows
+        skw = dict(kw, interleaved=False, silu_limit=shared_silu_limit_of(text_config(ckpt.config), spec))
+        ref32 = ref32 + moe_reference(x, shared.w13, shared.w2, sw, sid, **skw)
         slay = layer.shared.layout  # its own layout (a float shared expert kept float) runs its own mode
         smode = layer.shared_act_mode(mode)
-        r, f = get_scheme(slay).reference(x, shared.canonical, sw, sid, silu_limit=src_sl,
+        r, f = get_scheme(slay).reference(x, shared.canonical, sw, sid, **skw,
                                           **(dict(act_mode=smode) if len(slay.act_modes) > 1 else {}))  # fmt: skip
         ref, flip = ref + r, max(flip, f)
     sdt = ckpt.info(spec.shared["gate_proj"]).dtype_str if shared is not None else None

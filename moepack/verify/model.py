@@ -27,7 +27,7 @@ def check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | Non
     Returns one line per difference (empty: the same model); ``notes`` gets what passed but must
     be reported (a layer run in a deliberate ``--act-mode`` other than the source's meaning)."""
     notes = notes if notes is not None else []
-    from ..convert.plan import routing_for, swiglu_params, runnable_problems, silu_limit_of
+    from ..convert.plan import routing_for, swiglu_params, post_norm_of, runnable_problems, shared_silu_limit_of, silu_limit_of
     from ..sources import text_config
 
     out = []
@@ -54,6 +54,7 @@ def check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | Non
             "alpha": (alpha, e.get("alpha", 1.702)),
             "limit": (limit, e.get("limit", 7.0)),
             "silu_limit (clamped SwiGLU)": (silu_limit_of(config, s), e.get("silu_limit")),
+            "post_norm (a norm after the block)": (post_norm_of(ckpt, config, s), e.get("post_norm")),
             "interleaved": (s.interleaved, e["interleaved"]),
             "biases": (s.has_bias, "w13_bias" in e["tensors"] or "w2_bias" in e["tensors"]),
             "act-order w13_perm": (scheme.has_perm(s), "w13_perm" in e["tensors"]),
@@ -63,6 +64,7 @@ def check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | Non
         if s.shared and sh:
             want["shared.intermediate"] = (s.shared["intermediate"], sh["intermediate"])
             want["shared.gate"] = (s.shared.get("gate"), sh.get("gate"))
+            want["shared silu_limit"] = (shared_silu_limit_of(config, s), sh.get("silu_limit", e.get("silu_limit")))
             want["shared act-order w13_perm"] = (scheme.has_perm(s, True), "w13_perm" in sh)
         if get_scheme(reader.scheme).quantized:  # a quantized source keeps its scheme (convert never re-quantizes)
             want["scheme"] = (reader.scheme, lay.scheme)

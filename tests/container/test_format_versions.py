@@ -47,9 +47,9 @@ def test_an_unknown_version_is_refused_with_what_to_do(tmp_path):
     d = tmp_path / "packed"
     moepack.convert(fixture_dir("olmoe"), d)
     m = json.loads((d / MANIFEST).read_text())
-    m["format_version"] = 7
+    m["format_version"] = 8
     (d / MANIFEST).write_text(json.dumps(reseal(m)))
-    with pytest.raises(PackedDirError, match=r"format_version=7; this moepack reads versions 1, 2, 3, 4, 5, 6: convert the checkpoint "
+    with pytest.raises(PackedDirError, match=r"format_version=8; this moepack reads versions 1, 2, 3, 4, 5, 6, 7: convert the checkpoint "
                                              r"again with this moepack \(`moepack convert SRC DST --overwrite`\)"):  # fmt: skip
         moepack.open(d)
 

@@ -467,8 +467,8 @@ def test_manifest_wrong_format(damaged):
 
 
 def test_manifest_wrong_format_version(damaged):
-    edit_manifest(damaged, lambda m: m.update(format_version=7))
-    assert_open_refused(damaged, "format_version=7", "this moepack reads versions 1, 2, 3, 4, 5, 6", "moepack convert SRC DST --overwrite")
+    edit_manifest(damaged, lambda m: m.update(format_version=8))
+    assert_open_refused(damaged, "format_version=8", "this moepack reads versions 1, 2, 3, 4, 5, 6, 7", "moepack convert SRC DST --overwrite")
 
 
 def test_manifest_layout_descriptor_differs_from_this_build(damaged):

@@ -398,3 +398,14 @@ def test_intermediate_is_rounded_to_the_activation_dtype(isa, dtype, activation)
         f"{len(mismatch)} outputs differ; first {tuple(mismatch[0].tolist())}: "
         f"{out[tuple(mismatch[0])].item()!r} != {expected[tuple(mismatch[0])].item()!r}"
     )
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [F32, BF16])
+def test_swigluoai_runs_on_either_row_order(isa, dtype, interleaved):
+    """swigluoai on gate-then-up halves (MiniMax-M3's experts) as on interleaved pairs (gpt-oss's):
+    the driver splits the rows by the pack's order before the activation, so every level computes
+    the reference of that order (scalar vs the reference, the level vs scalar)."""
+    inp = make_moe_inputs(tokens=33, hidden=72, intermediate=40, topk=2, dtype=dtype, bias=True,
+                          interleaved=interleaved, seed=61)  # fmt: skip
+    check_every_path(isa, inp, f"swigluoai interleaved={interleaved}", activation="swigluoai", alpha=1.702, limit=0.5)

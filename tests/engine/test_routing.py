@@ -127,7 +127,8 @@ def test_route_matches_reference(method, kind):
 # 3 dtypes x 3 T x (sum over E of the variants): E in {2, 8, 13} has k sets {1,2}, {1,2,8},
 # {1,2,13} (8 k); grouped E in {16, 24} has 6 k; x4 for renormalize x bias.
 EXPECTED_CASES = {"softmax": 9 * 8 * 4, "sigmoid": 9 * 8 * 4, "grouped_softmax": 9 * 6 * 4, "grouped_sigmoid": 9 * 6 * 4,
-                  "topk_softmax": 9 * 8, "llama4": 9 * 3, "sparsemixer": 9 * 3 * 3, "sqrtsoftplus": 9 * 8 * 4}  # fmt: skip
+                  "topk_softmax": 9 * 8, "llama4": 9 * 3, "sparsemixer": 9 * 3 * 3, "sqrtsoftplus": 9 * 8 * 4,
+                  "biased_logit_sigmoid": 9 * 8 * 4}  # fmt: skip
 
 
 def test_route_large_t_parallel_equals_serial(threads):
@@ -606,6 +607,9 @@ HF_ROUTERS = {
                     dict(num_experts=64, num_experts_per_tok=6, routed_scaling_factor=1.5, scoring_func="sqrtsoftplus"),
                     "sqrtsoftplus", dict(renormalize=True, routed_scaling_factor=1.5),
                     {"model_type": "deepseek_v4", "n_routed_experts": 64, "num_experts_per_tok": 6}),
+    "kolibri1": ("kolibri1", "Kolibri1TopKRouter", dict(num_experts=32, num_experts_per_tok=4, norm_topk_prob=True),
+                 "biased_logit_sigmoid", dict(renormalize=True),
+                 {"model_type": "kolibri1", "num_experts": 32, "num_experts_per_tok": 4, "norm_topk_prob": True}),
     "phimoe": ("phimoe", "PhimoeTopKRouter", dict(num_experts=16, num_experts_per_tok=2), "sparsemixer",
                dict(sparsemixer_eps=0.0), {"model_type": "phimoe", "num_local_experts": 16, "num_experts_per_tok": 2,
                                            "router_jitter_noise": 0.0}),

@@ -64,7 +64,10 @@ OVERRIDES = {
     # its default "average" is refused at convert (tests/sources/test_families.py); "sum" is what runs
     "cohere2_moe": dict(shared_expert_combination_strategy="sum"),
     "deepseek_v4": dict(swiglu_limit=0.5),  # its default 10.0 never bites at this size: the clamp must be tested
-    "dbrx": dict(attn_config=dict(kv_n_heads=1, rope_theta=10000.0),
+    "minimax_m3_vl_text": dict(swiglu_limit=0.5),
+    "hy_v4": dict(swiglu_limit=0.5),  # its default 10.0 never bites (routed experts only; its shared expert is unclamped)  # its default 7.0 never bites at this size (routed and shared experts)
+    # clip_qkv: DBRX's own 8.0 (its default None fails in DbrxAttention: clamp(min=None, max=None))
+    "dbrx": dict(attn_config=dict(kv_n_heads=1, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(moe_num_experts=4, moe_top_k=2, ffn_hidden_size=32)),
 }  # fmt: skip
 # Model types the recipe cannot make tiny, each with why (test_unbuilt_and_dense_model_types_are_what_they_say checks it).
@@ -80,17 +83,17 @@ NOT_MOE = {"bamba", "doge", "gemma4_unified", "gemma4_unified_assistant", "gemma
 
 _UNKNOWN = "routing: moepack does not run this family's routing"
 EXPECTED = {
-    "afmoe": "WORKS", "aria_text": "WORKS", "axk1": "a norm after the MoE block", "axk2": "WORKS", "bailing_hybrid": "WORKS",
-    "beam": "WORKS", "cohere2_moe": "WORKS", "dbrx": _UNKNOWN, "deepseek_v2": "WORKS", "deepseek_v3": "WORKS",
+    "afmoe": "WORKS", "aria_text": "WORKS", "axk1": "WORKS", "axk2": "WORKS", "bailing_hybrid": "WORKS",
+    "beam": "WORKS", "cohere2_moe": "WORKS", "dbrx": "WORKS", "deepseek_v2": "WORKS", "deepseek_v3": "WORKS",
     "deepseek_v32": "WORKS", "deepseek_v4": "WORKS", "dots1": "WORKS", "ernie4_5_moe": "WORKS",
     "exaone_moe": "WORKS", "flex_olmo": "WORKS", "flint": "WORKS", "gemma4": _UNKNOWN, "gemma4_text": _UNKNOWN,
     "glm4_moe": "WORKS", "glm4_moe_lite": "WORKS", "glm_moe_dsa": "WORKS", "gpt_oss": "WORKS", "granitemoe": "WORKS",
     "granitemoe_swa": "WORKS", "granitemoehybrid": "WORKS", "granitemoeshared": "WORKS", "hunyuan_v1_moe": "WORKS",
-    "hy_v3": "WORKS", "hy_v4": _UNKNOWN, "inkling2_loop_text": _UNKNOWN, "inkling2_text": _UNKNOWN,
-    "inkling_text": _UNKNOWN, "jamba": "WORKS", "jetmoe": _UNKNOWN, "kimi_linear": "WORKS", "kolibri1": _UNKNOWN, "llama4": "WORKS",
+    "hy_v3": "WORKS", "hy_v4": "WORKS", "inkling2_loop_text": _UNKNOWN, "inkling2_text": _UNKNOWN,
+    "inkling_text": _UNKNOWN, "jamba": "WORKS", "jetmoe": _UNKNOWN, "kimi_linear": "WORKS", "kolibri1": "WORKS", "llama4": "WORKS",
     "laguna": "WORKS", "lara_mini": "WORKS", "lfm2_moe": "WORKS", "llama4_text": "WORKS", "longcat_flash": _UNKNOWN,
     "mellum": "WORKS", "mimo_v2_flash": "WORKS", "minimax": "WORKS", "minimax_m2": "WORKS",
-    "minimax_m3_vl_text": _UNKNOWN, "mixtral": "WORKS", "nemotron_h": _UNKNOWN, "olmoe": "WORKS", "phimoe": "WORKS",
+    "minimax_m3_vl_text": "WORKS", "mixtral": "WORKS", "nemotron_h": _UNKNOWN, "olmoe": "WORKS", "phimoe": "WORKS",
     "qwen2_moe": "WORKS", "qwen3_5_moe": "WORKS", "qwen3_5_moe_text": "WORKS", "qwen3_moe": "WORKS",
     "qwen3_next": "WORKS", "solar_open": "WORKS", "zaya": _UNKNOWN,
 }  # fmt: skip
@@ -259,7 +262,7 @@ def test_sweep_covers_every_family():
     assert sorted(EXPECTED) == SWEPT
     works = [m for m, v in EXPECTED.items() if v == "WORKS"]
     refused = [m for m, v in EXPECTED.items() if v != "WORKS"]
-    assert (len(works), len(refused)) == (45, 14), (len(works), len(refused))
+    assert (len(works), len(refused)) == (50, 9), (len(works), len(refused))
 
 
 def test_unbuilt_and_dense_model_types_are_what_they_say():
@@ -299,3 +302,73 @@ def test_checkpoint_renames_follow_transformers_own_mapping():
     assert got == {p: hf.SplitPart(src, tuple(parts), i) for i, p in enumerate(parts)}
     assert hf.checkpoint_renames("qwen3_moe", names) == {}
     assert hf.checkpoint_renames("no_such_family", names) == {}
+
+
+def _router_logits_out(router, block, x: torch.Tensor, ids: torch.Tensor, fam) -> torch.Tensor:
+    """The router's logits for ``x`` [T, H]; a router whose forward takes more (its block's correction
+    bias, DeepSeek-V4's token ids) is given what its block gives it."""
+    import inspect
+
+    extra = {}
+    for name, par in list(inspect.signature(router.forward).parameters.items())[1:]:
+        if par.kind is par.POSITIONAL_OR_KEYWORD and (name == "input_ids" or hasattr(block, name)):
+            extra[name] = ids if name == "input_ids" else getattr(block, name)
+    out = router(x, **extra)
+    return out[fam.logits_index] if isinstance(out, tuple) else out
+
+
+def _linear_params(router, e: int, h: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The router's [E, H] weight and its [E] bias (if any), whatever the attribute names."""
+    w = [p for p in router.parameters() if tuple(p.shape) == (e, h)]
+    b = [p for n, p in router.named_parameters() if n.endswith("bias") and tuple(p.shape) == (e,)]
+    assert len(w) == 1, f"{type(router).__name__}: {len(w)} parameters of shape [{e}, {h}]"
+    return w[0], (b[0] if b else None)
+
+
+@pytest.mark.parametrize("mt", sorted(set(hf.FAMILIES) & set(SWEPT)))
+@torch.no_grad()
+def test_family_entry_matches_transformers(mt):
+    """Each ``moepack.hf.FAMILIES`` entry's claims, against the transformers modules of the family's
+    tiny model (bf16, as checkpoints are run): the MoE block sits at ``block_attr`` in every decoder
+    layer that has experts (and nowhere else), its router at ``router_attr`` returns [T, E] logits
+    at ``logits_index``, in fp32 exactly when ``router_fp32`` says so; the shared expert is at
+    ``shared`` (and a block without that entry has no shared child); ``in_major`` is the fused
+    weights' orientation; and the block returns what ``returns`` says."""
+    from transformers import AutoModelForCausalLM
+
+    fam = hf.FAMILIES[mt]
+    torch.manual_seed(0)
+    with hf.quiet_transformers():
+        model = AutoModelForCausalLM.from_config(tiny_config(mt), dtype=torch.bfloat16).eval()
+    blocks = hf._moe_blocks(model, fam)
+    assert blocks, f"{mt}: no decoder layer has a block with experts at {fam.block_attr!r}"
+    for i, layer in enumerate(hf._decoder_layers(model)):
+        holders = [n for n, c in layer.named_children() if hasattr(c, "experts")]
+        assert holders == ([fam.block_attr] if i in blocks else []), f"{mt} layer {i}: experts under {holders}"
+    h = model.config.get_text_config().hidden_size
+    x = torch.randn(1, 7, h, dtype=torch.bfloat16)
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, 7))
+    for i, block in blocks.items():
+        router = getattr(block, fam.router_attr, None)
+        assert isinstance(router, torch.nn.Module), f"{mt} layer {i}: no router module at {fam.router_attr!r}"
+        logits = _router_logits_out(router, block, x, ids, fam)  # [1, 7, H]: routers flatten it (afmoe needs it 3-D)
+        logits = logits.reshape(-1, logits.shape[-1])
+        e = logits.shape[-1]
+        assert tuple(logits.shape) == (7, e), f"{mt} layer {i}: router output {fam.logits_index} is {list(logits.shape)}"
+        # router_fp32: the logits are the fp32 product (else the product in the model's dtype, as PackedMoEBlock computes)
+        w, b = _linear_params(router, e, h)
+        in32 = torch.nn.functional.linear(x.reshape(7, h).float(), w.float(), None if b is None else b.float())
+        in16 = torch.nn.functional.linear(x.reshape(7, h), w.to(x.dtype), None if b is None else b.to(x.dtype)).float()
+        assert torch.equal(logits.float(), in32 if fam.router_fp32 else in16), f"{mt} layer {i}: router_fp32={fam.router_fp32}"
+        shared_children = [n for n, _ in block.named_children() if "shared" in n and n != "shared_expert_gate"]
+        assert shared_children == ([fam.shared] if fam.shared else []), f"{mt} layer {i}: shared children {shared_children}"
+        gu = getattr(block.experts, "gate_up_proj", None)
+        if isinstance(gu, torch.Tensor) and gu.dim() == 3:
+            assert (gu.shape[1] == h and gu.shape[2] != h) == fam.in_major, f"{mt} layer {i}: gate_up_proj {list(gu.shape)}"
+        out = block(x, **({"input_ids": ids} if mt == "deepseek_v4" else {}))
+        if fam.returns == "tensor":
+            assert isinstance(out, torch.Tensor) and out.shape == x.shape, f"{mt} layer {i}: the block returns {type(out)}"
+        else:
+            assert isinstance(out, tuple) and out[0].numel() == x.numel(), f"{mt} layer {i}: the block returns {type(out)}"
+            want = (7, e) if fam.returns == "llama4" else (7, model.config.get_text_config().num_experts_per_tok)
+            assert tuple(out[1].shape) == want, f"{mt} layer {i}: the block's second output is {list(out[1].shape)}"

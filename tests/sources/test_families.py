@@ -66,19 +66,55 @@ def test_experts_directly_under_a_decoder_layer_have_its_index(tmp_path):
     assert moepack.verify(tmp_path / "dst", source=tmp_path / "src", tokens=2).ok
 
 
-def test_dbrx_is_named_by_its_expert_names_not_a_missing_hidden_size(tmp_path):
+def test_dbrx_reads_its_stacked_experts(tmp_path):
     """DBRX states H as ``d_model`` and E as ``ffn_config.moe_num_experts``; its experts are
-    ``ffn.experts.mlp.{w1,v1,w2}`` [E*I, H]: the reader says so (it used to say hidden_size=None)."""
+    ``ffn.experts.mlp.{w1,v1,w2}`` [E*I, H] (expert e's rows e*I..(e+1)*I; w2 the down projection
+    transposed, as DbrxExpertGLU computes ``a @ w2``): read into the canonical gate/up and down, the
+    whole layer and one expert at a time alike (it used to say hidden_size=None, then "names moepack
+    does not read"), and converted and verified."""
+    from moepack.sources.dense import read_expert_w13, read_expert_w2, read_layer
+
     p = "transformer.blocks.0.ffn"
-    t = {f"{p}.router.layer.weight": _t(E, H), f"{p}.experts.mlp.w1": _t(E * I, H), f"{p}.experts.mlp.v1": _t(E * I, H),
-         f"{p}.experts.mlp.w2": _t(E * I, H)}  # fmt: skip
+    w1, v1, w2 = _t(E * I, H, seed=1), _t(E * I, H, seed=2), _t(E * I, H, seed=3)
+    t = {f"{p}.router.layer.weight": _t(E, H), f"{p}.experts.mlp.w1": w1, f"{p}.experts.mlp.v1": v1, f"{p}.experts.mlp.w2": w2}
     cfg = {"model_type": "dbrx", "d_model": H, "n_layers": 1, "ffn_config": {"moe_num_experts": E, "moe_top_k": 2}}
-    ckpt, reader = open_source(_write(tmp_path, t, cfg))
-    with pytest.raises(SourceError) as ei:
-        reader.layers(ckpt)
-    msg = str(ei.value)
-    assert "model_type='dbrx' is a MoE model" in msg and "'transformer.blocks.0.ffn.experts.mlp.v1'" in msg
-    assert "names moepack does not read" in msg and "hidden_size" not in msg and "not a MoE checkpoint" not in msg
+    src = _write(tmp_path / "src", t, cfg)
+    ckpt, reader = open_source(src)
+    (spec,) = reader.layers(ckpt)
+    assert (spec.kind, spec.index, spec.num_experts, spec.hidden, spec.intermediate) == ("dbrx", 0, E, H, I)
+    assert spec.router["weight"] == f"{p}.router.layer.weight"
+    whole = read_layer(ckpt, spec)
+    for e in range(E):
+        rows = slice(e * I, (e + 1) * I)
+        assert torch.equal(whole.w13[e], torch.cat([w1[rows], v1[rows]])) and torch.equal(whole.w2[e], w2[rows].T)
+        assert torch.equal(read_expert_w13(ckpt, spec, e), whole.w13[e]) and torch.equal(read_expert_w2(ckpt, spec, e), whole.w2[e])
+    moepack.convert(src, tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=src).ok
+    r = moepack.open(tmp_path / "dst").layers[0].routing
+    assert (r.method, r.top_k, r.renormalize) == ("softmax", 2, True)
+
+
+def test_dbrx_stacked_experts_are_read_from_float_tensors_only(tmp_path):
+    """A reader that allows other dtypes (a quantized one) does not get DBRX's stacked experts as codes."""
+    from moepack.sources.dense import discover_layers
+
+    p = "transformer.blocks.0.ffn"
+    t = {f"{p}.router.layer.weight": _t(E, H), **{f"{p}.experts.mlp.{w}": torch.ones(E * I, H, dtype=torch.int8) for w in ("w1", "v1", "w2")}}
+    cfg = {"model_type": "dbrx", "d_model": H, "n_layers": 1, "ffn_config": {"moe_num_experts": E, "moe_top_k": 2}}
+    src = _write(tmp_path / "src", t, cfg)
+    with pytest.raises(SourceError, match=r"experts\.mlp\.w1' is I8: moepack reads DBRX's stacked experts from float"):
+        discover_layers(Checkpoint(src), ({"BF16", "I8"}, "BF16 or I8"))
+
+
+def test_dbrx_refuses_another_norm_of_its_weights(tmp_path):
+    """DBRX divides its top-k weights by their p-norm: p = 1 (the sum) and None (no division) run;
+    another p is refused at convert, naming the key."""
+    from moepack.routing import RoutingConfig
+
+    ffn = {"moe_num_experts": E, "moe_top_k": 2}
+    assert not RoutingConfig.from_hf_config({"model_type": "dbrx", "ffn_config": {**ffn, "moe_normalize_expert_weights": None}}).renormalize
+    with pytest.raises(MoepackError, match=r"dbrx ffn_config\.moe_normalize_expert_weights=2\.0: moepack divides"):
+        RoutingConfig.from_hf_config({"model_type": "dbrx", "ffn_config": {**ffn, "moe_normalize_expert_weights": 2.0}})
 
 
 def test_ernie_counts_its_experts_from_moe_num_experts(tmp_path):
@@ -232,14 +268,50 @@ def test_identity_experts_are_refused(tmp_path):
     _refused(tmp_path, t, c, r"model_type='qwen3_moe': zero_expert_num=2: identity \(zero-computation\) experts")
 
 
-def test_a_norm_after_the_block_is_refused(tmp_path):
+def _edited_copies(dst: Path, edit) -> tuple[Path, Path]:
+    """Two copies of the packed directory ``dst``, resealed (tests.support.packdir_edit.reseal): one with
+    ``edit`` applied to its manifest, one with the manifest as convert wrote it but format_version 6."""
+    import shutil
+
+    from tests.support.packdir_edit import reseal
+
+    out = []
+    for name, change in (("edited", edit), ("as_v6", lambda m: m.update(format_version=6))):
+        d = dst.parent / name
+        shutil.copytree(dst, d)
+        m = json.loads((dst / "moepack.json").read_text())
+        change(m)
+        (d / "moepack.json").write_text(json.dumps(reseal(m)))
+        out.append(d)
+    return out[0], out[1]
+
+
+def test_a_norm_after_the_block_is_recorded_applied_and_verified(tmp_path):
     """axk1's block normalizes its output (post_mlp_layernorm), which its checkpoint stores beside the
-    block in the decoder layer: a pack without it would pass verify and compute another layer."""
+    block in the decoder layer: convert records it as the layer's post_norm (format version 7) and the
+    layer's forward applies it (AXK1RMSNorm's formula) after the routed and shared experts; a pack
+    without it fails verify --source, and the same manifest sealed as version 6 is refused."""
     p = "model.layers.0.mlp"
-    t, c = _qwen3(extra={f"{p}.gate.e_score_correction_bias": torch.zeros(E), "model.layers.0.post_mlp_layernorm.weight": _t(H)},
-                  model_type="axk1", n_routed_experts=E, n_group=1, topk_group=1)  # fmt: skip
-    _refused(tmp_path, t, c, r"model_type='axk1' layer 0: tensor 'model.layers.0.post_mlp_layernorm.weight' is a norm after "
-                             "the MoE block")  # fmt: skip
+    norm = (1.0 + _t(H, seed=9).float()).to(BF16)
+    t, c = _qwen3(extra={f"{p}.gate.e_score_correction_bias": torch.zeros(E), "model.layers.0.post_mlp_layernorm.weight": norm},
+                  model_type="axk1", n_routed_experts=E, n_group=1, topk_group=1, rms_norm_eps=1e-5)  # fmt: skip
+    src = _write(tmp_path / "src", t, c)
+    moepack.convert(src, tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=src, tokens=2).ok
+    m = json.loads((tmp_path / "dst" / "moepack.json").read_text())
+    assert m["format_version"] == 7
+    assert m["layers"][0]["post_norm"] == {"weight": "model.layers.0.post_mlp_layernorm.weight", "eps": 1e-5}
+    layer = moepack.open(tmp_path / "dst").layers[0]
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(2))
+    w, ids = layer.route(layer.router_logits(x), x)
+    y = layer.experts(x, w, ids)
+    want = norm.float() * (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(layer(x), want, rtol=1e-6, atol=1e-6)
+    edited, as_v6 = _edited_copies(tmp_path / "dst", lambda m: m["layers"][0].pop("post_norm"))
+    rep = moepack.verify(edited, source=src, tokens=2)
+    assert any("layer 0 post_norm (a norm after the block): pack None" in line for line in rep.model), rep.model
+    with pytest.raises(MoepackError, match=r"layers\[0\]\.post_norm.*needs format_version 7 .*would not apply it"):
+        moepack.open(as_v6)
 
 
 def test_verify_fails_a_pack_that_leaves_out_a_part_of_the_block(tmp_path):
@@ -259,3 +331,80 @@ def test_verify_fails_a_pack_that_leaves_out_a_part_of_the_block(tmp_path):
     _write(src, {k: v for k, v in t.items() if "shared_mlp" not in k}, c)
     rep = moepack.verify(tmp_path / "dst", source=src, tokens=2)
     assert any("swiglu_limit=7.0 with silu experts" in line for line in rep.model), rep.model
+
+
+def _minimax_m3(tmp_path) -> Path:
+    """A minimax_m3_vl_text checkpoint: swigluoai experts (gate then up halves) and a shared expert of
+    one gate_up Linear [2 x Is, H]."""
+    t, cfg = _qwen3()
+    t["model.layers.0.mlp.gate.e_score_correction_bias"] = _t(E, seed=3).float()
+    t["model.layers.0.mlp.shared_experts.gate_up_proj.weight"] = _t(2 * I, H, seed=4)
+    t["model.layers.0.mlp.shared_experts.down_proj.weight"] = _t(H, I, seed=5)
+    cfg.update(model_type="minimax_m3_vl_text", num_local_experts=E, intermediate_size=I, swiglu_limit=0.3,
+               routed_scaling_factor=2.0)  # fmt: skip
+    return _write(tmp_path / "src", t, cfg)
+
+
+def test_minimax_m3_runs_its_fused_swigluoai_shared_expert_and_guards_its_format(tmp_path):
+    """MiniMax-M3: the shared expert's one gate_up Linear is read as gate rows then up rows and run
+    in the layer's swigluoai (alpha, limit), as MiniMaxM3VLDenseMLP does; the pack is format version
+    7, and the same manifest sealed as version 6 (whose readers run a shared expert as silu) is refused."""
+    src = _minimax_m3(tmp_path)
+    moepack.convert(src, tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=src).ok
+    layer = moepack.open(tmp_path / "dst").layers[0]
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(1))
+    gu = _t(2 * I, H, seed=4).float()
+    gate, up = (x @ gu.T).chunk(2, dim=-1)
+    g = gate.clamp(max=0.3)  # MiniMaxM3VLDenseMLP's gate, written out
+    want = ((up.clamp(-0.3, 0.3) + 1) * g * torch.sigmoid(1.702 * g)) @ _t(H, I, seed=5).float().T
+    got = layer.shared_expert(x.to(BF16)).float()
+    assert float((got - want).norm() / want.norm()) < 2e-2  # bf16 activations (SEMANTICS.md §4)
+    m = json.loads((tmp_path / "dst" / "moepack.json").read_text())
+    assert m["format_version"] == 7 and m["layers"][0]["activation"] == "swigluoai"
+    assert m["layers"][0]["shared"]["source_tensors"] == ["model.layers.0.mlp.shared_experts.gate_up_proj.weight",
+                                                          "model.layers.0.mlp.shared_experts.down_proj.weight"]  # fmt: skip
+    _, as_v6 = _edited_copies(tmp_path / "dst", lambda m: None)
+    with pytest.raises(MoepackError, match=r"layers\[0\]\.shared.*swigluoai layer needs format_version 7 .*runs it as silu"):
+        moepack.open(as_v6)
+
+
+def test_a_quantized_fused_shared_expert_is_refused(tmp_path):
+    """A fused gate/up shared expert is read from float tensors only: stored as codes (a reader that
+    allows I8 weights) it is refused naming it, not split as if it were float."""
+    from moepack.sources.dense import discover_layers
+
+    t, cfg = _qwen3()
+    t["model.layers.0.mlp.shared_experts.gate_up_proj.weight"] = torch.ones(2 * I, H, dtype=torch.int8)
+    t["model.layers.0.mlp.shared_experts.down_proj.weight"] = torch.ones(H, I, dtype=torch.int8)
+    src = _write(tmp_path / "src", t, cfg)
+    with pytest.raises(SourceError, match=r"shared_experts\.gate_up_proj\.weight' is a fused gate/up shared expert stored as I8"):
+        discover_layers(Checkpoint(src), ({"BF16", "I8"}, "BF16 or I8"))
+
+
+def test_hy_v4_clamps_its_routed_experts_only(tmp_path):
+    """hy_v4 clamps its routed experts' SwiGLU (HYV4Experts._apply_gate) and not its shared expert
+    (HYV4MLP), whose gate transformers loads from ``shared_experts.linear_gate``: the layer records
+    ``silu_limit`` and ``shared.silu_limit`` null (format version 7); the shared expert computes the
+    unclamped silu; a pack whose shared expert is clamped fails verify --source, and the manifest
+    sealed as version 6 is refused."""
+    p = "model.layers.0.mlp"
+    g, u, d = _t(I, H, seed=4) * 20, _t(I, H, seed=5) * 20, _t(H, I, seed=6)  # large enough for the clamp to bite
+    t, c = _qwen3(extra={f"{p}.gate.e_score_correction_bias": torch.zeros(E), f"{p}.shared_experts.linear_gate.weight": g,
+                         f"{p}.shared_experts.up_proj.weight": u, f"{p}.shared_experts.down_proj.weight": d},
+                  model_type="hy_v4", n_routed_experts=E, swiglu_limit=0.5)  # fmt: skip
+    src = _write(tmp_path / "src", t, c)
+    moepack.convert(src, tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=src, tokens=2).ok
+    m = json.loads((tmp_path / "dst" / "moepack.json").read_text())
+    assert m["format_version"] == 7 and m["layers"][0]["silu_limit"] == 0.5 and m["layers"][0]["shared"]["silu_limit"] is None
+    layer = moepack.open(tmp_path / "dst").layers[0]
+    x = torch.randn(5, H, generator=torch.Generator().manual_seed(3))
+    want = (torch.nn.functional.silu(x @ g.float().T) * (x @ u.float().T)) @ d.float().T
+    assert float((layer.shared_expert(x) - want).norm() / want.norm()) < 1e-5
+    # without shared.silu_limit the layer's clamp applies to the shared expert too
+    edited, as_v6 = _edited_copies(tmp_path / "dst", lambda m: m["layers"][0]["shared"].pop("silu_limit"))
+    rep = moepack.verify(edited, source=src, tokens=2)
+    assert any("layer 0 shared silu_limit: pack 0.5, source None" in line for line in rep.model), rep.model
+    with pytest.raises(MoepackError, match=r"layers\[0\]\.shared\.silu_limit.*needs format_version 7"):
+        moepack.open(as_v6)

@@ -148,7 +148,9 @@ def meaning(m: dict) -> str:
             "tensors": {r: e["tensors"][r] for r in roles if r in e["tensors"]},
             "router": {k: router.get(k) or None for k in ("weight", "bias", "correction_bias")},
             "shared": None if not sh else {"I": sh["intermediate"], "Ip": sh["padded_intermediate"], "gate": sh.get("gate") or None,
-                                           "tensors": {r: sh[r] for r in roles if r in sh}},
+                                           "tensors": {r: sh[r] for r in roles if r in sh},
+                                           "silu_limit": sh["silu_limit"] if "silu_limit" in sh else e.get("silu_limit")},
+            "silu_limit": e.get("silu_limit"), "post_norm": e.get("post_norm") or None,
         })  # fmt: skip
     return json.dumps({"routing": routing, "layers": layers}, sort_keys=True)
 

@@ -19,8 +19,9 @@ enum class RouteMethod : int32_t {
   llama4 = 5,           // top-1, sigmoid(logit) (the layer applies it on the input)
   sparsemixer = 6,      // Phi-3.5-MoE sparsemixer at inference, k = 2
   sqrtsoftplus = 7,     // DeepSeek-V4: top-k; sqrt(softplus(logit)) (renormalize: / (sum + 1e-20))
+  biased_logit_sigmoid = 8,  // Kolibri-1: top-k of logit + bias (the bias on the logits); sigmoid(logit)
 };
-constexpr int kNumRouteMethods = 8;
+constexpr int kNumRouteMethods = 9;
 const char* route_method_name(RouteMethod m);
 // Returns false when `name` is not a method name.
 bool route_method_parse(const char* name, RouteMethod* out);
