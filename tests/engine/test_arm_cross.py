@@ -129,8 +129,9 @@ def test_every_arm_level_equals_scalar_under_qemu(test_binary):
 
 # The Python extension cross-built for aarch64 (tools/cross_build_ext.py) against the aarch64 torch
 # wheel, where the wheel is here (MOEPACK_ARM_TORCH_WHEEL names it, or `make setup-test` / `make
-# cross-ext` downloaded it into build/cross-arm/wheel; ~430 MB, fetched once). About 80 s of CPU
-# (13 files at -O3), the same objects as `make cross-ext` (rebuilt only when a source changed).
+# cross-ext` downloaded it into build/cross-arm/wheel; ~430 MB, fetched once). About 120 CPU s on
+# the 2-core Zen 3 (10 files at -O3), the same objects as `make cross-ext` (rebuilt only when a
+# source changed).
 @pytest.mark.requires("arm_wheel")
 def test_the_extension_cross_builds_for_aarch64(tmp_path):
     """tools/cross_build_ext.py: every source with setup.py's flags for arm, linked against the
