@@ -28,8 +28,8 @@ SLOW = {
     "test_convert.py::test_convert_then_verify": 10.1,  # 12 cases
     "test_convert.py::test_experts_match_transformers": 9.6,  # 12 cases
     "test_convert.py::test_forward_matches_transformers_block": 10.0,  # 12 cases
-    "test_convert_resume.py::test_cli_resume_flag_and_note": 41.2,  # 1 case
     "test_convert_resume.py::test_a_hangup_under_nohup_does_not_stop_the_convert": 5.0,  # 1 case
+    "test_convert_resume.py::test_cli_resume_flag_and_note": 41.2,  # 1 case
     "test_convert_resume.py::test_in_place_source_edit_with_mtime_restored_is_not_resumed": 17.4,  # 1 case
     "test_convert_resume.py::test_kill9_then_resume_is_byte_identical": 86.3,  # 4 cases
     "test_convert_resume.py::test_live_run_is_left_alone_and_a_second_writer_refused": 11.9,  # 1 case
@@ -42,6 +42,7 @@ SLOW = {
     "test_dispatch.py::test_mx4_a16_dot_choice_override_and_refusal": 16.9,  # 1 case
     "test_dispatch.py::test_strict_never_refuses_on_this_host": 1.8,  # 18 cases
     "test_errors.py::test_a_meta_tensor_beside_cpu_hidden_states_is_refused": 2.2,  # 4 cases (added with the test, measured loaded)
+    "test_family_sweep.py::test_family": 19.6,  # 59 cases (stop 54, quiet: the whole-suite run)
     "test_family_sweep.py::test_family_entry_matches_transformers": 49.0,  # 50 cases (t48e, measured on the shared VM)
     "test_float_shared.py::test_a_quantized_shared_expert_keeps_its_scheme": 1.1,  # 1 case
     "test_float_shared.py::test_a_tp_pack_keeps_the_float_shared_expert_and_version_5": 1.2,  # 1 case
@@ -165,6 +166,8 @@ SLOW = {
     "test_mxfp4_sources.py::test_gpt_oss_reader_matches_transformers_decoding": 1.1,  # 1 case
     "test_mxfp4_sources.py::test_transformers_loads_the_written_checkpoint": 0.7,  # 1 case
     "test_mxfp4_sources.py::test_writer_checkpoint_follows_formats_md": 1.4,  # 1 case
+    "test_nvfp4_convert.py::test_cli_convert_inspect_verify_run_bench": 3.8,  # 1 case (stop 54, quiet)
+    "test_nvfp4_model.py::test_whole_nvfp4_model": 2.6,  # 3 cases (stop 54, quiet)
     "test_open.py::test_open_advises_its_maps_for_huge_pages": 1.2,  # 1 case
     "test_open.py::test_open_maps_instead_of_reading": 34.1,  # 2 cases
     "test_open.py::test_packed_directory_is_self_contained": 0.6,  # 1 case
@@ -200,6 +203,7 @@ SLOW = {
     "test_routing.py::test_route_matches_reference": 19.4,  # 28 cases
     "test_routing.py::test_route_matches_transformers": 0.9,  # 13 cases
     "test_row_order.py::test_dense_any_activation_on_either_row_order": 0.9,  # 8 cases
+    "test_scheme_docs.py::test_every_scheme_has_its_page_as_the_code_says": 3.6,  # 1 case (stop 54, quiet)
     "test_schemes.py::test_generic_modules_do_not_name_a_scheme": 1.1,  # 22 cases
     "test_tp.py::test_a_kill_in_the_reshard_phase_reuses_the_whole_pack": 33.8,  # 2 cases
     "test_tp.py::test_a_left_whole_pack_is_not_reused_when_stale": 100.3,  # 1 case
