@@ -26,6 +26,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <array>
 #include <vector>
@@ -144,83 +145,82 @@ int main(int argc, char** argv) {
   const Shape shapes[4] = {{200, 88}, {93, 40}, {130, 176}, {68, 20}};
   uint64_t seed = 1000;
   int variant = 0;
-  auto t_dense = std::chrono::steady_clock::now();
-  for (const Shape& s : shapes) {
-    for (int T : {1, 3, 67}) {
-      const int E = 5;
-      // every k x bias
-      for (const Activation act : acts) {
-        for (const DType dt : dts) {
-          const int ks[3] = {1, 2, E};
-          const int nk = 3;
-          for (int ki = 0; ki < nk; ++ki) {
-            for (int bias = 0; bias < 2; ++bias) {
-              ++variant;
-              if (g_quick && variant % 5 != 0) continue;
-              Case c;
-              c.T = T;
-              c.H = s.H;
-              c.I = s.I;
-              c.E = E;
-              c.k = ks[ki];
-              c.act = act;
-              c.dt = dt;
-              c.bias = bias != 0;
-              c.emap = variant % 4 == 1;
-              if (c.emap && c.k == E) c.k = E + 3;  // k = E_global: every expert, 3 of them remote
-              c.par = variant % 3;
-              c.x_pad = variant % 5 == 2 ? 7 : 0;
-              if (act == Activation::swigluoai && variant % 2) {
-                c.alpha = 1.702f;
-                c.limit = 1.25f;  // the clamps bite (h ~ N(0, 1.5^2))
+  timed("dense cases", [&] {
+    for (const Shape& s : shapes) {
+      for (int T : {1, 3, 67}) {
+        const int E = 5;
+        // every k x bias
+        for (const Activation act : acts) {
+          for (const DType dt : dts) {
+            const int ks[3] = {1, 2, E};
+            const int nk = 3;
+            for (int ki = 0; ki < nk; ++ki) {
+              for (int bias = 0; bias < 2; ++bias) {
+                ++variant;
+                if (g_quick && variant % 5 != 0) continue;
+                Case c;
+                c.T = T;
+                c.H = s.H;
+                c.I = s.I;
+                c.E = E;
+                c.k = ks[ki];
+                c.act = act;
+                c.dt = dt;
+                c.bias = bias != 0;
+                c.emap = variant % 4 == 1;
+                if (c.emap && c.k == E) c.k = E + 3;  // k = E_global: every expert, 3 of them remote
+                c.par = variant % 3;
+                c.x_pad = variant % 5 == 2 ? 7 : 0;
+                if (act == Activation::swigluoai && variant % 2) {
+                  c.alpha = 1.702f;
+                  c.limit = 1.25f;  // the clamps bite (h ~ N(0, 1.5^2))
+                }
+                if (act == Activation::silu && variant % 2) c.silu_limit = 1.25f;  // DeepSeek-V4's clamped SwiGLU
+                c.seed = seed++;
+                run_case(c);
               }
-              if (act == Activation::silu && variant % 2) c.silu_limit = 1.25f;  // DeepSeek-V4's clamped SwiGLU
-              c.seed = seed++;
-              run_case(c);
             }
           }
         }
       }
     }
-  }
-  g_section_seconds.emplace_back("dense cases", std::chrono::duration<double>(std::chrono::steady_clock::now() - t_dense).count());
-  t_dense = std::chrono::steady_clock::now();
+  });
   // Every expert with exactly 4 rows (T = 4, k = E): the 4-row decode streams of every kernel.
-  for (const Shape& sh : shapes) {
-    for (const DType dt : dts) {
-      ++variant;
-      Case c{4, sh.H, sh.I, 5, 5, Activation::silu, dt, variant % 2 == 0, false, variant % 3, 0};
-      c.seed = seed++;
-      run_case(c);
+  timed("dense 4-row cases", [&] {
+    for (const Shape& sh : shapes) {
+      for (const DType dt : dts) {
+        ++variant;
+        Case c{4, sh.H, sh.I, 5, 5, Activation::silu, dt, variant % 2 == 0, false, variant % 3, 0};
+        c.seed = seed++;
+        run_case(c);
+      }
     }
-  }
-  g_section_seconds.emplace_back("dense 4-row cases", std::chrono::duration<double>(std::chrono::steady_clock::now() - t_dense).count());
-  t_dense = std::chrono::steady_clock::now();
+  });
   // An expert with > 64 rows (several row chunks per expert), T*k = 300 over 3 experts.
-  for (const Activation act : acts) {
-    for (const DType dt : dts) {
-      ++variant;
-      Case c{150, 93, 40, 3, 2, act, dt, variant % 2 == 0, false, variant % 3, 0};
-      if (act == Activation::swigluoai) c.limit = 1.25f;
-      if (act == Activation::silu) c.silu_limit = 0.75f;
-      c.seed = seed++;
-      run_case(c);
+  timed("dense > 64 rows", [&] {
+    for (const Activation act : acts) {
+      for (const DType dt : dts) {
+        ++variant;
+        Case c{150, 93, 40, 3, 2, act, dt, variant % 2 == 0, false, variant % 3, 0};
+        if (act == Activation::swigluoai) c.limit = 1.25f;
+        if (act == Activation::silu) c.silu_limit = 0.75f;
+        c.seed = seed++;
+        run_case(c);
+      }
     }
-  }
-  g_section_seconds.emplace_back("dense > 64 rows", std::chrono::duration<double>(std::chrono::steady_clock::now() - t_dense).count());
-  t_dense = std::chrono::steady_clock::now();
+  });
   // Past 2 MiB of stage 2 outputs (fused_moe_driver.inc kStreamYBytes): y written with
   // non-temporal stores (MK::out_row's streamed branch; SIMDe's stores under emulation). 500 x 4
   // slots x Np 544 x 4 bytes = 4.4 MB; with the expert_map 5 of 8 experts are local (~2.7 MB).
-  for (int emap = 0; emap < 2; ++emap) {
-    ++variant;
-    if (g_quick && emap == 0) continue;  // --quick: the expert_map case alone (2.7 MB; each was ~9% of the ARM run)
-    Case c{500, 520, 40, 5, 4, Activation::silu, DType::bf16, true, emap != 0, 1, 0};
-    c.seed = seed++;
-    run_case(c);
-  }
-  g_section_seconds.emplace_back("dense past 2 MiB", std::chrono::duration<double>(std::chrono::steady_clock::now() - t_dense).count());
-  t_dense = std::chrono::steady_clock::now();
+  timed("dense past 2 MiB", [&] {
+    for (int emap = 0; emap < 2; ++emap) {
+      ++variant;
+      if (g_quick && emap == 0) continue;  // --quick: the expert_map case alone (2.7 MB; each was ~9% of the ARM run)
+      Case c{500, 520, 40, 5, 4, Activation::silu, DType::bf16, true, emap != 0, 1, 0};
+      c.seed = seed++;
+      run_case(c);
+    }
+  });
   // Row-count coverage of the GEMM tiles: bf16 rows run MR=8 tiles (remainders 1..7, m==1 has
   // its own path), fp32 rows MR=4 (remainders 1..3).
   {
