@@ -137,6 +137,8 @@ def pytest_collectreport(report):
 def pytest_sessionfinish(session, exitstatus):
     if _offending and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if _cpu_log is not None:
+        _cpu_log.close()
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -43,6 +43,9 @@ class Recorder:
 
         return done
 
+    def close(self) -> None:
+        self.f.close()
+
 
 def recorder_from_env() -> Recorder | None:
     path = os.environ.get(ENV)

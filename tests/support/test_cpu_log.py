@@ -14,6 +14,7 @@ def test_a_recorded_test_counts_its_waited_children(tmp_path):
     subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)
     done()
     rec.measure("tests/x.py::test_child[b]")()
+    rec.close()
     rows = [json.loads(x) for x in log.read_text().splitlines()]
     assert [r["id"] for r in rows] == ["tests/x.py::test_child[a]", "tests/x.py::test_child[b]"]
     assert rows[0]["children"] > 0.05 and rows[0]["wall"] >= rows[0]["children"] * 0.5
