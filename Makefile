@@ -7,7 +7,7 @@ PIP := $(PYTHON) -m pip
 # torch is pinned everywhere: an unpinned torch pulls a multi-GB CUDA build.
 TORCH := torch==2.13.0
 RUNTIME_DEPS := $(TORCH) numpy "safetensors>=0.4" "typer>=0.12" "rich>=13"
-TEST_DEPS := "pytest>=8" expecttest hypothesis $(TORCH) "transformers==5.24.0" "compressed-tensors==0.20.1" "accelerate==1.15.0"
+TEST_DEPS := "pytest>=8" "pytest-xdist==3.8.0" expecttest hypothesis $(TORCH) "transformers==5.24.0" "compressed-tensors==0.20.1" "accelerate==1.15.0"
 BUILD_DEPS := "setuptools>=69" wheel
 # What the Makefile could not provide is written to build/missing/<what> (the tests name it). Under
 # CI=true that is an error: the tests that need it fail (tests/support/skips.py), and so does the run.

@@ -61,9 +61,10 @@ VLLM_NO_TP_COMPILED = "tensor_parallel_size=2 under vLLM's compiled CPU graph (e
 TP_EAGER = {} if VLLM_SHM else {"eager": True}
 # vLLM's compiled graph (its default: Dynamo capture, Inductor off on CPU, so the same kernels
 # run as eagerly) costs 20-30 s of warm-up per engine on a 2-core machine. The plugin's op under
-# that graph is tested once per weight scheme (bf16, int8, int4, mxfp4) and under TP; the runs
-# whose point is something else run eager: vLLM's own engine as a baseline, a shape, a family
-# whose routing differs (Mixtral).
+# that graph is tested once per weight scheme (bf16, int8, int4, mxfp4, nvfp4; gpt-oss's mxfp4 pack
+# brings the biases and swigluoai's alpha and limit) and under TP; the runs whose point is
+# something else run eager: vLLM's own engine as a baseline, a shape, a family whose routing
+# differs (Mixtral, OLMoE, gpt-oss in bf16 against vLLM's own experts).
 BASELINE = {"eager": True}
 
 
@@ -267,7 +268,9 @@ class VllmSession:
     """One vLLM process (tests/integrations/vllm_driver.py) that builds the tests' engines one after
     the other, its engine core in-process (a tensor parallel engine spawns its workers, as a
     user's does): vLLM is imported once, and no engine-core process is spawned per engine. After
-    ``MAX_REQUESTS`` engines (torch.compile's per-code caches) and when the process died or hung,
+    ``MAX_COMPILED`` engines under vLLM's compiled graph (torch.compile's per-code caches; an
+    eager engine does not touch them, and a fresh process costs an import of vLLM, 15-30 s of
+    CPU here) and when the process died or hung,
     the next request gets a fresh process, started at once so that its import overlaps the
     test's own work. A refusal (an engine that failed to build) does not restart it: the driver
     tears vLLM's distributed state down after every request, as vLLM's own tests do between
@@ -275,12 +278,12 @@ class VllmSession:
     (``_vllm``), so that state a refusal left behind can never fail a test. Each request's
     output (vLLM's log, moepack's lines) is in its own file."""
 
-    MAX_REQUESTS = 8
+    MAX_COMPILED = 8
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.ready = False
-        self.served = 0
+        self.compiled = 0
         self.dir: Path | None = None
 
     def _spawn(self) -> None:
@@ -290,7 +293,7 @@ class VllmSession:
         with open(self.log, "w") as err:
             self.proc = subprocess.Popen([VLLM_PY, str(DRIVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                          text=True, env=env, start_new_session=True)  # fmt: skip
-        self.ready, self.served, self.refused = False, 0, False
+        self.ready, self.compiled, self.refused = False, 0, False
 
     def _answer(self, timeout: float) -> str | None:
         ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
@@ -313,7 +316,7 @@ class VllmSession:
     def run(self, tmp: Path, args: dict, env: dict, timeout: float = 900) -> tuple[dict | None, str]:
         """(the driver's answer, the request's log); the answer is None when the process died."""
         self.dir = self.dir or tmp
-        if self.proc is None or self.proc.poll() is not None or self.served >= self.MAX_REQUESTS:
+        if self.proc is None or self.proc.poll() is not None or self.compiled >= self.MAX_COMPILED:
             self.restart()
         if not self.ready:
             assert self._answer(600) == "READY", f"the vLLM session did not start:\n{self.log.read_text()[-6000:]}"
@@ -321,7 +324,7 @@ class VllmSession:
         log = tmp / f"vllm-{time.time_ns()}.log"
         self.proc.stdin.write(json.dumps({**args, "env": env, "log": str(log)}) + "\n")
         self.proc.stdin.flush()
-        self.served += 1
+        self.compiled += "code" not in args and not args.get("eager")
         self.refused_before = self.refused
         ans = self._answer(timeout)
         text = log.read_text() if log.exists() else ""
@@ -680,7 +683,7 @@ def test_olmoe_bf16_equals_vllm_own_experts(family_packs, tmp_path):
     differs from both on the first prompt from its first token, where its logits rank 184 0.25
     above the next: vLLM's non-expert path, not the experts, since vLLM's own experts make the same
     choice; docs/VLLM.md "Families".)"""
-    got = _vllm(tmp_path, family_packs["olmoe_bf16"])["tokens"]
+    got = _vllm(tmp_path, family_packs["olmoe_bf16"], **BASELINE)["tokens"]
     own = _vllm(tmp_path, family_packs["olmoe_src"], quant=None, **BASELINE)["tokens"]
     _assert_same_up_to_near_tie(family_packs["olmoe_bf16"], got, own)
     assert got[1] == _greedy(family_packs["olmoe_bf16"])[1]
@@ -693,7 +696,7 @@ def test_gpt_oss_bf16_equals_vllm_own_experts(family_packs, tmp_path):
     token. (Both differ from transformers / load_model, identically: on the first prompt from its
     second new token, on the second at its last; the difference is in vLLM's non-expert path,
     docs/VLLM.md "Families".)"""
-    got = _vllm(tmp_path, family_packs["gpt_oss_bf16"])["tokens"]
+    got = _vllm(tmp_path, family_packs["gpt_oss_bf16"], **BASELINE)["tokens"]
     own = _vllm(tmp_path, family_packs["gpt_oss_src"], quant=None, **BASELINE)["tokens"]
     assert got == own
 

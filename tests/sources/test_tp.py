@@ -317,11 +317,17 @@ def test_a_kill_in_the_reshard_phase_reuses_the_whole_pack(src, tp_reference, tm
 
 def test_a_left_whole_pack_is_not_reused_when_stale(src, tmp_path):
     """The whole pack a killed run left is packed again when its bytes changed, when the plan
-    differs (another quantizer), or with resume=False; each time the output is the new plan's."""
-    dst = tmp_path / "tp2"
+    differs (another quantizer), or with resume=False; each time the output is the new plan's.
+    One run is killed; the other two destinations get copies of what it left (the whole pack's
+    record names no destination: ``resume_key``)."""
+    import shutil
+
+    dst, dst2, dst3 = tmp_path / "tp2", tmp_path / "tp2b", tmp_path / "tp2c"
     p = _tp_child(src, dst, "tp_reshard")
     assert p.wait(120) == -9, p.stderr.read()
     whole = dst.parent / f".{dst.name}.tp-whole"
+    for d in (dst2, dst3):
+        shutil.copytree(whole, d.parent / f".{d.name}.tp-whole")
     shard = next(f for f in sorted(whole.iterdir()) if f.suffix == ".safetensors")
     b = bytearray(shard.read_bytes())
     b[-3] ^= 0xFF  # a flipped byte in the last tensor's data
@@ -333,17 +339,11 @@ def test_a_left_whole_pack_is_not_reused_when_stale(src, tmp_path):
     assert "layer_start" in [ev for ev, _ in events] and _tp_leftovers(dst) == []
     assert moepack.verify(dst).ok
 
-    dst2 = tmp_path / "tp2b"
-    p = _tp_child(src, dst2, "tp_reshard")
-    assert p.wait(120) == -9, p.stderr.read()
     events = []
     moepack.convert(src, dst2, tp=2, quantize="int4:g32", progress=lambda ev, **kw: events.append((ev, kw)))
     assert [kw["reason"] for ev, kw in events if ev == "stale_removed"] == [
         "a different plan (source, layout, options or moepack version)"]
     assert json.loads((dst2 / MANIFEST).read_text())["layers"][0]["scheme"] == "int4_group"
-    dst3 = tmp_path / "tp2c"
-    p = _tp_child(src, dst3, "tp_reshard")
-    assert p.wait(120) == -9, p.stderr.read()
     events = []
     moepack.convert(src, dst3, tp=2, resume=False, progress=lambda ev, **kw: events.append(ev))
     assert "tp_whole_reused" not in events and "layer_start" in events and _tp_leftovers(dst3) == []
