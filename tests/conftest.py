@@ -75,12 +75,16 @@ GATED = ("emulated", "arm", "vllm")  # markers whose suites need something the M
 
 
 def pytest_collection_modifyitems(items):
-    """``slow``: the test functions tests/support/slow.py lists (measured; keyed by file name and function)."""
-    from tests.support.slow import SLOW
+    """``slow``: the test functions tests/support/slow.py lists (measured; keyed by file name and
+    function). And the files of ``FIRST`` run first (a stable reorder): under pytest-xdist
+    (``--dist loadfile``, tools/test_suites.py) files go to the workers in this order, and the
+    longest file started last is what the whole suite waits for at its end."""
+    from tests.support.slow import FIRST, SLOW
 
     for item in items:
         if f"{item.path.name}::{getattr(item, 'originalname', item.name)}" in SLOW:
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: item.path.name not in FIRST)
 
 
 def pytest_runtest_setup(item):

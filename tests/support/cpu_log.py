@@ -4,8 +4,10 @@ With ``MOEPACK_TEST_CPU_LOG=FILE`` set, tests/conftest.py appends one JSON line 
 ``{"id": nodeid, "self": s, "children": s, "wall": s}``: the CPU seconds (user + system) that
 the pytest process spent in the test, those of the child processes it waited for during it
 (compilers, ``python -m moepack``, qemu; a long-lived child such as the vLLM driver is counted
-when it exits), and the wall seconds. CPU seconds barely change with the machine's load, wall
-seconds do: on a shared 2-core machine, this is the figure to compare. tools/test_suites.py sets
+when it exits), and the wall seconds. CPU seconds change far less with the machine's load than
+wall seconds, provided OpenMP threads do not spin while they wait (``OMP_WAIT_POLICY=PASSIVE``,
+which tools/test_suites.py sets; with libgomp's default spinning, small kernel tests took twice
+the CPU seconds on a loaded 2-core machine): there, this is the figure to compare. tools/test_suites.py sets
 it for each suite (build/test-cpu-<suite>.jsonl) and prints each suite's largest functions.
 
 ``summary(path)`` aggregates a log by test function (parameters folded)."""

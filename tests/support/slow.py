@@ -272,3 +272,8 @@ SLOW = {
     "test_verify_shared.py::test_layers_without_a_shared_expert_report_none": 2.5,  # 1 case
     "test_verify_shared.py::test_verify_compares_and_counts_the_shared_expert": 9.3,  # 6 cases
 }
+
+# The files whose tests take the most CPU seconds together, run first (tests/conftest.py): tests/cpp
+# (its two binaries built and run, ~250 CPU s of the main suite's ~1000) ended the main suite alone
+# on one core when its file came up in the middle of the order (2026-12-07, Zen 3).
+FIRST = ("test_cpp_kernels.py",)

@@ -32,3 +32,16 @@ def test_the_conftest_marks_them(request, key):
     if not items:  # not collected in this run (a selection): the marking is checked where it is
         return
     assert all(i.get_closest_marker("slow") for i in items), key
+
+
+def test_first_names_test_files_and_they_are_collected_first(request):
+    from tests.support.slow import FIRST
+
+    funcs = _test_functions()
+    assert FIRST and all(name in funcs for name in FIRST), f"tests/support/slow.py FIRST names no test file: {FIRST}"
+    # in a whole-suite collection the FIRST files' tests precede every other file's
+    names = [item.path.name for item in request.session.items]
+    if set(FIRST) & set(names) and len(set(names)) > len(FIRST):
+        last_first = max(i for i, n in enumerate(names) if n in FIRST)
+        first_other = min(i for i, n in enumerate(names) if n not in FIRST)
+        assert last_first < first_other, names[: last_first + 1]
