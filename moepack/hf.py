@@ -117,6 +117,9 @@ FAMILIES: dict[str, Family] = {
     "hy_v4": Family("mlp", router_fp32=True, shared="shared_experts"),
     # DbrxFFN: softmax top-k / their sum; its experts stacked [E x I, H] (w1, v1, w2 transposed)
     "dbrx": Family("ffn", router_attr="router", layers="transformer.blocks"),
+    # LongcatFlashMoE: its router's ids E .. E+Z-1 are identity experts (the layer's identity_experts); the
+    # decoder layer adds the block's output as a shortcut after its second dense MLP (transformers' own code)
+    "longcat_flash": Family("mlp", router_attr="router", router_fp32=True),
     "lfm2_moe": Family("feed_forward"),  # its expert_bias beside the gate; short conv layers are transformers' own
     "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
     "llama4": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
@@ -286,7 +289,9 @@ def _block_shapes(block, fam: Family) -> tuple[int, int, int] | None:
     gu = getattr(ex, "gate_up_proj", None)
     if gu is None or gu.dim() != 3:
         return None
-    e = gu.shape[0]
+    dn = getattr(ex, "down_proj", None)
+    # E from down_proj: LongCat-Flash's gate_up_proj has rows for its identity experts too (never used)
+    e = dn.shape[0] if isinstance(dn, torch.Tensor) and dn.dim() == 3 else gu.shape[0]
     return (e, gu.shape[1], gu.shape[2] // 2) if fam.in_major else (e, gu.shape[2], gu.shape[1] // 2)
 
 

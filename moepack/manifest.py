@@ -73,9 +73,10 @@ SEALED_FORMAT_VERSION = 6
 FORMAT_VERSION = SEALED_FORMAT_VERSION  # what convert writes
 # 7: version 6 plus a shared expert on a layer whose activation is not silu (MiniMax-M3's swigluoai
 # shared expert): it runs the layer's activation (alpha, limit), gate rows then up rows; and a layer's
-# ``post_norm`` (A.X-K1: an RMSNorm of the block's output, {"weight": a carried tensor, "eps"}). Written
-# only by directories that have one: a version-6 reader ran every shared expert as silu and would
-# ignore post_norm, so it must refuse such a file rather than read it.
+# ``post_norm`` (A.X-K1: an RMSNorm of the block's output, {"weight": a carried tensor, "eps"}); and a
+# layer's ``identity_experts`` Z (LongCat-Flash: router ids E .. E+Z-1 return the token times its weight).
+# Written only by directories that have one: a version-6 reader ran every shared expert as silu and would
+# ignore post_norm and identity experts, so it must refuse such a file rather than read it.
 BLOCK_PARTS_FORMAT_VERSION = 7
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 SILU_LIMIT_FORMAT_VERSION = SEALED_FORMAT_VERSION  # the first version with silu_limit / router.hash
@@ -452,6 +453,10 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
         eps = pn.get("eps", _MISSING)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
             c.fail(f"{at}.post_norm.eps", None if eps is _MISSING else eps, "must be a finite number > 0")
+    z = c.val(entry, "identity_experts", f"{at}.identity_experts", "int", required=False, lo=1) or 0
+    if z and version < BLOCK_PARTS_FORMAT_VERSION:
+        c.fail(f"{at}.identity_experts", z, f"needs format_version {BLOCK_PARTS_FORMAT_VERSION} (the file says {version}): a "
+               "version-6 reader would refuse the router's identity-expert ids or run them as packed experts")  # fmt: skip
     lid = c.val(entry, "layout_id", f"{at}.layout_id", "int")
     if str(lid) not in m["layouts"]:
         raise ManifestError(f"{c.path}: {MANIFEST}: {at}.layout_id={lid!r} is not described in the manifest's "
@@ -467,10 +472,13 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
     sh = c.obj(entry, "shared", f"{at}.shared", required=False, null=True)
     if routing is not None:
         k = routing.top_k
-        if routing.num_experts is not None and routing.num_experts != e:
-            c.fail(f"{at}.num_experts", e, f"must equal routing.num_experts={routing.num_experts}")
-        if k > e:
-            c.fail("routing.top_k", k, f"must be in 1..{e} (layer {idx} has num_experts={e})")
+        # the router picks among the E packed experts and the layer's Z identity experts (ids E .. E+Z-1)
+        if routing.num_experts is not None and routing.num_experts != e + z:
+            c.fail(f"{at}.num_experts", e, f"must equal routing.num_experts={routing.num_experts}"
+                   + (f" less the layer's identity_experts={z}" if z else ""))  # fmt: skip
+        if k > e + z:
+            c.fail("routing.top_k", k, f"must be in 1..{e + z} (layer {idx} has num_experts={e}"
+                   + (f" and identity_experts={z})" if z else ")"))  # fmt: skip
     slay = lay  # the shared expert's layout: the layer's, or its own (version 5: a float one kept float)
     if sh and "layout_id" in sh:
         sid = c.val(sh, "layout_id", f"{at}.shared.layout_id", "int")
@@ -547,11 +555,11 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
             c.fail(f"{at}.{what.strip() + '.' if what else ''}padded_intermediate", holder["padded_intermediate"],
                    f"layout math says {want_ip} (layout {glay.name})")  # fmt: skip
     router = c.obj(entry, "router", f"{at}.router", required=False, null=True) or {}
-    refs = [("weight", [e, h]), ("bias", [e]), ("correction_bias", [e])]
+    refs = [("weight", [e + z, h]), ("bias", [e + z]), ("correction_bias", [e + z])]
     for key, shape in refs:
         cb = m["tensors"].get(router.get(key) or "") if key == "correction_bias" else None
-        if cb is not None and list(cb["shape"]) == [1, e]:  # ernie4_5_moe stores it as [1, E] (carried as stored)
-            shape = [1, e]
+        if cb is not None and list(cb["shape"]) == [1, e + z]:  # ernie4_5_moe stores it as [1, E] (carried as stored)
+            shape = [1, e + z]
         _check_ref(c, m, router, key, f"{at}.router.{key}", shape, idx)
     if sh:
         _check_ref(c, m, sh, "gate", f"{at}.shared.gate", [1, h], idx)

@@ -234,6 +234,7 @@ SUPPORTED_MODEL_TYPES = (
     "kolibri1",  # top-k of logit + e_score_correction_bias; sigmoid(logit) at the ids; / sum if norm_topk_prob
     "hy_v4",  # noaux_tc (HYV4TopkRouter: DeepSeek-V3's, its groups default to one)
     "dbrx",  # softmax top-k / their p-norm (moe_normalize_expert_weights: 1 = the sum), its keys in ffn_config
+    "longcat_flash",  # softmax over E + Z (Z identity experts); top-k of softmax + correction bias; x routed_scaling_factor
 )
 # model_type -> (n_group, topk_group, routed_scaling_factor, norm_topk_prob) defaults of the noaux_tc families
 _NOAUX_DEFAULTS = {
@@ -291,6 +292,14 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
             raise UnsupportedError(f"config.json ernie4_5_moe moe_norm_min={norm_min!r}: moepack renormalizes by "
                                    "sum + 1e-20, the same only for a floor in (0, 1e-6]")  # fmt: skip
         return cls("softmax", k, renormalize=True, has_correction_bias=True, num_experts=e, model_type=mt)
+    if mt == "longcat_flash":
+        # LongcatFlashTopkRouter: softmax of the fp32 logits over the E routed and the Z identity
+        # (zero-computation) experts alike; top-k of softmax + e_score_correction_bias; the unbiased
+        # softmax at the ids, not renormalized, x routed_scaling_factor. The ids >= E are identity
+        # experts (the layer's identity_experts): num_experts here is E + Z, the router's width.
+        z = _get(config, "zero_expert_num", default=0)
+        return cls("softmax", k, has_correction_bias=True, num_experts=e + int(z),
+                   routed_scaling_factor=float(_get(config, "routed_scaling_factor", default=6.0)), model_type=mt)  # fmt: skip
     if mt == "deepseek_v4":
         # DeepseekV4TopKRouter: score_fn(logits) (scoring_func: sqrtsoftplus, or sigmoid); top-k of
         # score + e_score_correction_bias; / (sum + 1e-20) always (norm_topk_prob is not read); x

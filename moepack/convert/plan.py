@@ -22,7 +22,7 @@ from ..errors import UnsupportedError
 from ..layout import PackedLayout, layout_tensor_plan
 from ..schemes import Scheme, float_scheme, get_scheme, schemes
 from ..sources import Checkpoint, LayerSpec, SourceReader, open_source, text_config
-from ..sources.dense import FLOAT_DTYPES
+from ..sources.dense import FLOAT_DTYPES, IDENTITY_EXPERT_KEYS
 from ..sources.linears import CarriedView, check_linear, find_linears
 
 
@@ -80,11 +80,27 @@ def block_leftovers(ckpt: Checkpoint, spec: LayerSpec, consumed: set) -> list[st
     for m in spec.shared.get("modules") or []:
         mods.add(m + ".")
     out = []
+    ident = set(spec.identity_tensors)  # identity experts' unused gate/up rows: carried, accounted for
     for n in ckpt.tensors:
-        if not n.startswith(spec.prefix + ".") or n in consumed or any(n.startswith(m) for m in mods):
+        if not n.startswith(spec.prefix + ".") or n in consumed or n in ident or any(n.startswith(m) for m in mods):
             continue
         out.append(n)
     return sorted(out)
+
+
+# model_type -> what its MoE block computes that moepack does not run, read from the family's transformers
+# modeling code (5.24): convert refuses it naming this, before its tensors are read
+UNSUPPORTED_FEATURES = {
+    **dict.fromkeys(("gemma4", "gemma4_text"), "a MoE block woven into the decoder layer (Gemma4TextRouter normalizes "
+                    "its input with its own RMSNorm and scales, and weighs each expert by a per_expert_scale; the experts "
+                    "run beside the dense MLP between their own pre and post norms)"),
+    "zaya": "a router that is an MLP carrying its state from layer to layer (ZayaRouter's router_states) and a skip expert",
+    "inkling_text": "shared experts weighted by the router (InklingTopkRouter normalizes their logits with the routed ones)",
+    **dict.fromkeys(("inkling2_text", "inkling2_loop_text"), "a softcapped SwiGLU on the experts (mlp_gate_softcap, "
+                    "mlp_up_softcap: tanh softcaps of the gate factor and of up)"),
+    "jetmoe": "a bias added to the MoE block's output (JetMoeMoE.bias) and attention experts (JetMoeMoA) under the same names",
+    "nemotron_h": "non-gated relu2 experts (up -> relu(x)^2 -> down, no gate: NemotronHExperts)",
+}  # fmt: skip
 
 
 def routing_problem(config: dict, note: str) -> str:
@@ -92,6 +108,8 @@ def routing_problem(config: dict, note: str) -> str:
     from ..routing import SUPPORTED_MODEL_TYPES
 
     mt = config.get("model_type")
+    if mt in UNSUPPORTED_FEATURES:
+        return f"model_type={mt!r}: {UNSUPPORTED_FEATURES[mt]}: moepack does not run this family"
     if mt not in SUPPORTED_MODEL_TYPES:
         return f"model_type={mt!r}: routing: moepack does not run this family's routing (it routes {', '.join(SUPPORTED_MODEL_TYPES)})"
     return f"model_type={mt!r}: routing: {note}"
@@ -141,7 +159,9 @@ def post_norm_of(ckpt: Checkpoint, config: dict, spec) -> dict | None:
 # model_type -> the routed experts' fixed activation (aria's; its shared expert follows hidden_act)
 _ROUTED_ACTIVATION = {"aria_text": "silu", "aria": "silu"}
 
-_ZERO_EXPERT_KEYS = ("zero_expert_num", "num_zero_experts")  # longcat_flash
+# identity (zero-computation) experts: run for the families of sources.dense.IDENTITY_EXPERT_KEYS (longcat_flash),
+# refused for any other family whose config states them
+_ZERO_EXPERT_KEYS = ("zero_expert_num", "num_zero_experts")
 
 _CLAMP_KEYS = ("swiglu_limit", "swiglu_clamp", "clamp_limit")
 # model_type -> the config key of its silu experts' clamped SwiGLU (gate <= L, up in [-L, L], then
@@ -201,6 +221,8 @@ def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note:
             break
     for key in _ZERO_EXPERT_KEYS:
         v = config.get(key)
+        if key == IDENTITY_EXPERT_KEYS.get(mt):  # the family's own: recorded as each layer's identity_experts and run
+            continue
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
             out.append(f"model_type={mt!r}: {key}={v!r}: identity (zero-computation) experts, which the router may pick "
                        "and which return their input: moepack's experts are gated MLPs only")  # fmt: skip

@@ -34,6 +34,21 @@ _HIDDEN_KEYS = ("hidden_size", "d_model")  # d_model: DBRX
 _IN_MAJOR_FAMILIES = {"llama4", "llama4_text", "gpt_oss", "aria", "aria_text"}
 _INTERLEAVED_FAMILIES = {"gpt_oss"}
 _SWIGLUOAI_FAMILIES = {"gpt_oss", "minimax_m3_vl_text"}
+# model_type -> the config key of its identity (zero-computation) experts: ids E .. E+Z-1 of the router,
+# which return their input times the routing weight (LongcatFlashExperts). Their gate/up rows that
+# transformers keeps (never used) are carried unchanged; the packed layer records Z (``identity_experts``).
+IDENTITY_EXPERT_KEYS = {"longcat_flash": "zero_expert_num"}
+
+
+def identity_experts_of(config: dict) -> int:
+    """Z, the identity experts the family's routing picks after its E packed experts (0: none)."""
+    key = IDENTITY_EXPERT_KEYS.get(config.get("model_type"))
+    v = config.get(key) if key else None
+    if v is None:
+        return 0
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise SourceError(f"config.json: {key}={v!r}: the number of identity (zero-computation) experts must be an integer >= 0")
+    return v
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>weight|bias)$")
 _FUSED = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|down_proj|fc1|fc2)(?P<bias>_bias)?(?:\.weight)?$")
@@ -68,6 +83,10 @@ class LayerSpec:
     # (the int4 readers: moepack.schemes.int4.facts.Int4Facts). None for float sources and for
     # sources whose scheme needs none (int8 per channel).
     quant: object | None = None
+    # identity (zero-computation) experts routed after the E packed ones (longcat_flash), and the source
+    # tensors stored for them (transformers' unused gate/up rows): carried unchanged, never packed
+    identity_experts: int = 0
+    identity_tensors: list = field(default_factory=list)
 
 
 @dataclass
@@ -240,16 +259,18 @@ def discover_layers(ckpt: Checkpoint, weights: tuple[set, str] = DENSE_WEIGHTS) 
         raise SourceError(f"config.json: number of experts ({'/'.join(_NUM_EXPERTS_KEYS)}) is missing or not positive")
 
     act = activation_of(config)
+    z = identity_experts_of(config)
     specs = []
     for prefix, g in sorted(groups.items(), key=lambda kv: _layer_index(kv[0])):
         if g["kind"] == "per_expert":
-            specs.append(_per_expert_spec(ckpt, prefix, g["t"], num_experts, hidden, act, weights))
+            specs.append(_per_expert_spec(ckpt, prefix, g["t"], num_experts, hidden, act, weights, z))
         elif g["kind"] == "dbrx":
             specs.append(_dbrx_spec(ckpt, prefix, g["t"], num_experts, hidden, act, weights))
         else:
             specs.append(_fused_spec(ckpt, prefix, g["kind"], g["t"], num_experts, hidden, act, model_type, weights))
     seen = {}
     for s in specs:
+        s.identity_experts = z
         if s.index in seen:
             raise SourceError(f"layer {s.index} has two expert groups: {seen[s.index]!r} and {s.prefix!r}")
         seen[s.index] = s.prefix
@@ -272,7 +293,10 @@ def _check_shape(ckpt: Checkpoint, name: str, want: tuple) -> None:
         raise SourceError(f"tensor {name!r} has shape {list(got)}: expected {list(want)}")
 
 
-def _per_expert_spec(ckpt, prefix, t, num_experts, hidden, act, weights=DENSE_WEIGHTS) -> LayerSpec:
+def _per_expert_spec(ckpt, prefix, t, num_experts, hidden, act, weights=DENSE_WEIGHTS, identity: int = 0) -> LayerSpec:
+    # an identity expert's gate/up rows (transformers' LongcatFlashExperts keeps E+Z of them, unused): set aside
+    ident = sorted(n for (e, role, _), n in t.items() if num_experts <= e < num_experts + identity and role != "down")
+    t = {k: v for k, v in t.items() if v not in ident}
     ids = sorted({e for (e, _, _) in t})
     extra = [e for e in ids if e >= num_experts]
     if extra:
@@ -311,6 +335,7 @@ def _per_expert_spec(ckpt, prefix, t, num_experts, hidden, act, weights=DENSE_WE
         activation=act,
         names={k: v for k, v in t.items()},
         expert_tensors=sorted(t.values()),
+        identity_tensors=ident,
     )
 
 
@@ -407,7 +432,7 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
     moe = parent
     # (hy_v3 stores its router as router.gate, hunyuan_v1_moe as gate.wg)
     cands_w = [f"{moe}.gate.weight", f"{moe}.router.weight", f"{moe}.router.layer.weight", f"{moe}.router.gate.weight",
-               f"{moe}.gate.wg.weight"]  # fmt: skip
+               f"{moe}.gate.wg.weight", f"{moe}.router.classifier.weight"]  # fmt: skip
     for c in cands_w:
         if c in ckpt.tensors:
             s.router["weight"] = c
@@ -424,7 +449,9 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
                 s.router["hash"] = f"{base}.tid2eid"
             break
     # some layouts keep it beside the gate (hy_v3 as expert_bias), laguna beside the experts
-    for c in (f"{moe}.e_score_correction_bias", f"{moe}.expert_bias", f"{moe}.experts.e_score_correction_bias"):
+    # (longcat_flash: beside its router.classifier, in the router)
+    for c in (f"{moe}.e_score_correction_bias", f"{moe}.expert_bias", f"{moe}.experts.e_score_correction_bias",
+              f"{moe}.router.e_score_correction_bias"):  # fmt: skip
         if c in ckpt.tensors:
             s.router["correction_bias"] = c
     # stored outside the block, where transformers' own mapping takes it into the gate (kolibri1's

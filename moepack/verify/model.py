@@ -55,6 +55,7 @@ def check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | Non
             "limit": (limit, e.get("limit", 7.0)),
             "silu_limit (clamped SwiGLU)": (silu_limit_of(config, s), e.get("silu_limit")),
             "post_norm (a norm after the block)": (post_norm_of(ckpt, config, s), e.get("post_norm")),
+            "identity_experts (zero-computation experts)": (s.identity_experts, e.get("identity_experts") or 0),
             "interleaved": (s.interleaved, e["interleaved"]),
             "biases": (s.has_bias, "w13_bias" in e["tensors"] or "w2_bias" in e["tensors"]),
             "act-order w13_perm": (scheme.has_perm(s), "w13_perm" in e["tensors"]),

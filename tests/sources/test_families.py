@@ -193,14 +193,17 @@ def _refused(tmp_path: Path, t: dict, cfg: dict, pattern: str) -> None:
     assert not (tmp_path / "dst").exists()
 
 
-def test_a_family_whose_routing_moepack_lacks_is_refused_before_its_tensors(tmp_path):
-    """nemotron_h's non-gated experts used to be refused as "expert 0 has no gate weight": the family's
-    routing is the first thing convert cannot run, and the refusal says so."""
+def test_a_family_whose_block_moepack_lacks_is_refused_before_its_tensors(tmp_path):
+    """nemotron_h's non-gated experts used to be refused as "expert 0 has no gate weight": what the
+    family's block computes that moepack does not run is the first thing convert names."""
     p = "backbone.layers.0.mixer"
     t = {f"{p}.gate.weight": _t(E, H), **{f"{p}.experts.{e}.up_proj.weight": _t(I, H) for e in range(E)},
          **{f"{p}.experts.{e}.down_proj.weight": _t(H, I) for e in range(E)}}  # fmt: skip
     _refused(tmp_path, t, {"model_type": "nemotron_h", "hidden_size": H, "n_routed_experts": E, "num_experts_per_tok": 2},
-             r"^refused at convert: model_type='nemotron_h': routing: moepack does not run this family's routing")
+             r"^refused at convert: model_type='nemotron_h': non-gated relu2 experts .*: moepack does not run this family$")
+    # a family moepack knows nothing of is refused for its routing
+    _refused(tmp_path / "other", t, {"model_type": "no_such_moe", "hidden_size": H, "n_routed_experts": E, "num_experts_per_tok": 2},
+             r"^refused at convert: model_type='no_such_moe': routing: moepack does not run this family's routing")
 
 
 def test_a_clamped_swiglu_on_silu_experts_is_refused(tmp_path):
@@ -266,6 +269,83 @@ def test_identity_experts_are_refused(tmp_path):
     route among fewer and never return the input."""
     t, c = _qwen3(zero_expert_num=2)
     _refused(tmp_path, t, c, r"model_type='qwen3_moe': zero_expert_num=2: identity \(zero-computation\) experts")
+
+
+Z = 2  # longcat_flash's identity experts in the checkpoints below
+
+
+def _longcat(tmp_path) -> tuple[Path, dict]:
+    """A longcat_flash checkpoint as transformers saves it: per-expert weights of E experts, gate/up rows
+    (no down) for the Z identity experts (LongcatFlashExperts keeps E + Z of them, never used), a router
+    classifier [E + Z, H] and its correction bias [E + Z]."""
+    p = "model.layers.0.mlp"
+    t = {f"{p}.router.classifier.weight": _t(E + Z, H, seed=1) * 4, f"{p}.router.e_score_correction_bias": _t(E + Z, seed=2)}
+    for e in range(E + Z):
+        t[f"{p}.experts.{e}.gate_proj.weight"] = _t(I, H, seed=10 + e)
+        t[f"{p}.experts.{e}.up_proj.weight"] = _t(I, H, seed=20 + e)
+        if e < E:
+            t[f"{p}.experts.{e}.down_proj.weight"] = _t(H, I, seed=30 + e)
+    cfg = {"model_type": "longcat_flash", "hidden_size": H, "n_routed_experts": E, "zero_expert_num": Z,
+           "num_experts_per_tok": 2, "expert_ffn_hidden_size": I, "hidden_act": "silu", "num_layers": 1,
+           "routed_scaling_factor": 6.0}  # fmt: skip
+    return _write(tmp_path / "src", t, cfg), t
+
+
+def test_longcat_identity_experts_are_recorded_run_and_verified(tmp_path):
+    """longcat_flash's router picks among E experts and Z identity (zero-computation) experts, ids
+    E .. E+Z-1, which return the token times its routing weight: convert packs the E, records Z as the
+    layer's identity_experts (format version 7) and carries the identity experts' unused gate/up rows
+    unchanged; the layer equals transformers' LongcatFlashMoE (identity slots included), verify --source
+    passes it, and fails a pack whose identity_experts is gone; the manifest sealed as version 6 is refused."""
+    from transformers import LongcatFlashConfig
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMoE
+
+    src, t = _longcat(tmp_path)
+    moepack.convert(src, tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=src, tokens=2).ok
+    m = json.loads((tmp_path / "dst" / "moepack.json").read_text())
+    assert m["format_version"] == 7 and m["layers"][0]["identity_experts"] == Z and m["layers"][0]["num_experts"] == E
+    assert m["routing"]["num_experts"] == E + Z and m["routing"]["method"] == "softmax" and not m["routing"]["renormalize"]
+    kept = [f"model.layers.0.mlp.experts.{e}.{w}_proj.weight" for e in range(E, E + Z) for w in ("gate", "up")]
+    assert all(n in m["tensors"] and not n.startswith("moepack.") for n in kept)  # carried as stored
+    layer = moepack.open(tmp_path / "dst").layers[0]
+    x = torch.randn(64, H, generator=torch.Generator().manual_seed(3))
+    w, ids = layer.route(layer.router_logits(x), x)
+    assert bool((ids >= E).any()) and bool((ids < E).any())  # both kinds of slot are exercised
+    cfg = LongcatFlashConfig(hidden_size=H, n_routed_experts=E, zero_expert_num=Z, num_experts_per_tok=2,
+                             expert_ffn_hidden_size=I, routed_scaling_factor=6.0)  # fmt: skip
+    block = LongcatFlashMoE(cfg).float().eval()
+    p = "model.layers.0.mlp"
+    with torch.no_grad():
+        block.router.classifier.weight.copy_(t[f"{p}.router.classifier.weight"].float())
+        block.router.e_score_correction_bias.copy_(t[f"{p}.router.e_score_correction_bias"].float())
+        for e in range(E + Z):
+            block.experts.gate_up_proj[e].copy_(torch.cat([t[f"{p}.experts.{e}.{w}_proj.weight"] for w in ("gate", "up")]).float())
+            if e < E:
+                block.experts.down_proj[e].copy_(t[f"{p}.experts.{e}.down_proj.weight"].float())
+        want = block(x[None])[0]
+    got = layer(x)
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    # experts() computes the identity slots too: a token routed to identity experts only is its input times their weights
+    only = torch.tensor([[E, E + 1]], dtype=torch.int32)
+    torch.testing.assert_close(layer.experts(x[:1], torch.tensor([[0.25, 0.5]]), only), 0.75 * x[:1])
+    with pytest.raises(MoepackError, match=r"identity experts .*expert_map is not taken"):
+        layer.experts(x, w, ids, expert_map=torch.arange(E + Z, dtype=torch.int32))
+    edited, as_v6 = _edited_copies(tmp_path / "dst", lambda m: m["layers"][0].pop("identity_experts"))
+    with pytest.raises(MoepackError, match=r"layers\[0\]\.num_experts.*must equal routing\.num_experts=6"):
+        moepack.open(edited)
+    with pytest.raises(MoepackError, match=r"layers\[0\]\.identity_experts.*needs format_version 7"):
+        moepack.open(as_v6)
+
+
+def test_longcat_refuses_a_down_projection_for_an_identity_expert(tmp_path):
+    """An identity expert returns its input: a checkpoint that stores a down projection for one of the
+    ids E .. E+Z-1 holds an expert moepack would not run, and is refused naming the tensor."""
+    src, t = _longcat(tmp_path)
+    t[f"model.layers.0.mlp.experts.{E}.down_proj.weight"] = _t(H, I)
+    _write(src, t, json.loads((src / "config.json").read_text()))
+    with pytest.raises(SourceError, match=rf"extra expert tensors \['model.layers.0.mlp.experts.{E}.down_proj.weight'\]"):
+        moepack.convert(src, tmp_path / "dst")
 
 
 def _edited_copies(dst: Path, edit) -> tuple[Path, Path]:
