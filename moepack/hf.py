@@ -120,6 +120,8 @@ FAMILIES: dict[str, Family] = {
     # LongcatFlashMoE: its router's ids E .. E+Z-1 are identity experts (the layer's identity_experts); the
     # decoder layer adds the block's output as a shortcut after its second dense MLP (transformers' own code)
     "longcat_flash": Family("mlp", router_attr="router", router_fp32=True),
+    # NemotronHMoE: non-gated relu2 experts and shared expert (activation relu2); its Mamba mixers are transformers' own
+    "nemotron_h": Family("mixer", router_fp32=True, shared="shared_experts"),
     "lfm2_moe": Family("feed_forward"),  # its expert_bias beside the gate; short conv layers are transformers' own
     "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
     "llama4": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
@@ -287,6 +289,9 @@ def _block_shapes(block, fam: Family) -> tuple[int, int, int] | None:
     """(E, H, I) of a transformers block's fused expert weights, or None when it holds none."""
     ex = getattr(block, "experts", None)
     gu = getattr(ex, "gate_up_proj", None)
+    up = getattr(ex, "up_proj", None)
+    if gu is None and isinstance(up, torch.Tensor) and up.dim() == 3 and not fam.in_major:  # non-gated: up [E, I, H]
+        return up.shape[0], up.shape[2], up.shape[1]
     if gu is None or gu.dim() != 3:
         return None
     dn = getattr(ex, "down_proj", None)
@@ -300,6 +305,8 @@ def _shared_intermediate(block, fam: Family) -> int | None:
     g = getattr(m, "gate_proj", None) if m is not None else None
     if g is None and getattr(m, "gate_up_proj", None) is not None:  # one gate/up Linear (MiniMax-M3): half its rows
         return int(m.gate_up_proj.weight.shape[0]) // 2
+    if g is None and getattr(m, "up_proj", None) is not None:  # non-gated (NemotronHMLP): up and down only
+        return int(m.up_proj.weight.shape[0])
     return None if g is None else int(g.weight.shape[0])
 
 

@@ -82,7 +82,8 @@ READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 SILU_LIMIT_FORMAT_VERSION = SEALED_FORMAT_VERSION  # the first version with silu_limit / router.hash
 INT_DTYPES = ("int64", "int32")
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "relu2")
+GATED = lambda activation: activation != "relu2"  # noqa: E731 - relu2 experts are non-gated: w13 holds up rows only
 SOURCE_KINDS = ("per_expert", "fused_out", "fused_in", "granite", "dbrx")
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -445,6 +446,12 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
         if entry["activation"] != "silu":
             c.fail(f"{at}.silu_limit", sl, f"is an option of silu experts only (this layer's activation is {entry['activation']!r})")
     c.val(entry, "interleaved", f"{at}.interleaved", "bool")
+    gated = GATED(entry["activation"])
+    if not gated and version < BLOCK_PARTS_FORMAT_VERSION:
+        c.fail(f"{at}.activation", entry["activation"], f"(non-gated experts) needs format_version {BLOCK_PARTS_FORMAT_VERSION} "
+               f"(the file says {version})")  # fmt: skip
+    if not gated and entry["interleaved"]:
+        c.fail(f"{at}.interleaved", True, "non-gated (relu2) experts have no (gate, up) pairs to interleave")
     pn = c.obj(entry, "post_norm", f"{at}.post_norm", required=False, null=False)
     if pn is not None:
         if version < BLOCK_PARTS_FORMAT_VERSION:
@@ -527,14 +534,15 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
             tp_slice_size(lay, i, tp)
         except LayoutError as ex:
             c.fail(f"{at}.tp", tp, str(ex))
-    sets = [("", names, layout_tensor_plan(lay, e * tp, h, i // tp, bias=True, perm="w13_perm" in names),
+    sets = [("", names, layout_tensor_plan(lay, e * tp, h, i // tp, bias=True, perm="w13_perm" in names, gated=gated),
              layout_padded_i(lay, i // tp), entry)]  # fmt: skip
     if sh:  # a one-expert set of the layer's layout, or of its own (shared.layout_id)
         si = c.val(sh, "intermediate", f"{at}.shared.intermediate", "int", lo=1)
         c.val(sh, "padded_intermediate", f"{at}.shared.padded_intermediate", "int", lo=1)
         c.val(sh, "source_tensors", f"{at}.shared.source_tensors", "strs", required=False)
         c.val(sh, "scheme_source", f"{at}.shared.scheme_source", "str", required=False, null=True)
-        sets.append(("shared ", sh, layout_tensor_plan(slay, 1, h, si, perm="w13_perm" in sh), layout_padded_i(slay, si), sh, slay))
+        sets.append(("shared ", sh, layout_tensor_plan(slay, 1, h, si, perm="w13_perm" in sh, gated=gated), layout_padded_i(slay, si),
+                     sh, slay))  # fmt: skip
     sets[0] = (*sets[0], lay)
     for what, group, plan, want_ip, holder, glay in sets:
         fg = f"{at}.{'shared' if what else 'tensors'}"

@@ -234,6 +234,7 @@ SUPPORTED_MODEL_TYPES = (
     "kolibri1",  # top-k of logit + e_score_correction_bias; sigmoid(logit) at the ids; / sum if norm_topk_prob
     "hy_v4",  # noaux_tc (HYV4TopkRouter: DeepSeek-V3's, its groups default to one)
     "dbrx",  # softmax top-k / their p-norm (moe_normalize_expert_weights: 1 = the sum), its keys in ffn_config
+    "nemotron_h",  # noaux_tc (NemotronHTopkRouter: DeepSeek-V3's, its groups default to one)
     "longcat_flash",  # softmax over E + Z (Z identity experts); top-k of softmax + correction bias; x routed_scaling_factor
 )
 # model_type -> (n_group, topk_group, routed_scaling_factor, norm_topk_prob) defaults of the noaux_tc families
@@ -243,7 +244,7 @@ _NOAUX_DEFAULTS = {
     "glm_moe_dsa": (1, 1, 2.5, True), "solar_open": (1, 1, 1.0, True), "exaone_moe": (1, 1, 2.5, True),
     "dots1": (1, 1, 1.0, False), "beam": (8, 4, 2.5, True), "mimo_v2_flash": (1, 1, 1.0, True),
     "axk1": (8, 4, 2.5, True), "axk2": (1, 1, 2.5, True), "bailing_hybrid": (8, 4, 2.5, True),
-    "hy_v4": (1, 1, 2.827, True),
+    "hy_v4": (1, 1, 2.827, True), "nemotron_h": (1, 1, 1.0, True),
 }  # fmt: skip
 # softmax families: model_type -> renormalize (True/False: always, as their router does; None: norm_topk_prob, default False)
 _SOFTMAX_RENORM = {"mixtral": True, "qwen2_moe": None, "qwen3_moe": None, "olmoe": None, "qwen3_next": None,

@@ -99,7 +99,6 @@ UNSUPPORTED_FEATURES = {
     **dict.fromkeys(("inkling2_text", "inkling2_loop_text"), "a softcapped SwiGLU on the experts (mlp_gate_softcap, "
                     "mlp_up_softcap: tanh softcaps of the gate factor and of up)"),
     "jetmoe": "a bias added to the MoE block's output (JetMoeMoE.bias) and attention experts (JetMoeMoA) under the same names",
-    "nemotron_h": "non-gated relu2 experts (up -> relu(x)^2 -> down, no gate: NemotronHExperts)",
 }  # fmt: skip
 
 
@@ -231,6 +230,10 @@ def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note:
     if fixed and acts and acts != [fixed]:
         out.append(f"model_type={mt!r}: hidden_act={config.get('hidden_act')!r}: its routed experts are always {fixed} "
                    f"and only its shared expert follows hidden_act; moepack runs one activation per layer")  # fmt: skip
+    latent = config.get("moe_latent_size")  # nemotron_h: Linears around the experts (fc1/fc2_latent_proj)
+    if latent is not None:
+        out.append(f"model_type={mt!r}: moe_latent_size={latent!r}: a latent projection around the experts "
+                   "(fc1_latent_proj, fc2_latent_proj), which moepack does not run")  # fmt: skip
     how = config.get("shared_expert_combination_strategy")  # cohere2_moe: "sum" or "average"
     if how not in (None, "sum") and any(s.shared for s in specs):
         out.append(f"model_type={mt!r}: shared_expert_combination_strategy={how!r}: an averaged shared expert "
@@ -260,12 +263,13 @@ def _plan_layer_tensors(spec: LayerSpec, layout: PackedLayout, scheme: Scheme,
     layout's tensor plan (moepack.layout.layout_tensor_plan) for the routed experts (+ biases,
     + the act-order w13_perm), then the shared expert's (in ``shared_layout`` when it has its
     own: a float shared expert of a quantized checkpoint, kept float)."""
+    gated = spec.activation != "relu2"  # non-gated (relu2) experts: w13 holds the up rows alone
     plan = layout_tensor_plan(layout, spec.num_experts, spec.hidden, spec.intermediate, bias=spec.has_bias,
-                              perm=scheme.has_perm(spec))  # fmt: skip
+                              perm=scheme.has_perm(spec), gated=gated)  # fmt: skip
     if spec.shared:
         own = shared_layout is not None and shared_layout is not layout
         plan += layout_tensor_plan(shared_layout if own else layout, 1, spec.hidden, spec.shared["intermediate"],
-                                   perm=False if own else scheme.has_perm(spec, True), prefix="shared_")  # fmt: skip
+                                   perm=False if own else scheme.has_perm(spec, True), prefix="shared_", gated=gated)  # fmt: skip
     return [(expert_tensor_name(spec.index, t.name), getattr(torch, t.dtype), t.shape) for t in plan]
 
 
@@ -432,6 +436,10 @@ def make_plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode
     problems = runnable_problems(ckpt, config, specs, None if routing is not None else routing_note, expert_names)
     if problems:
         raise ConvertError(f"refused at convert: {problems[0]}")
+    if scheme.quantized and any(s.activation == "relu2" for s in specs):  # the packers of quantized schemes are gated
+        raise ConvertError(f"refused at convert: model_type={config.get('model_type')!r}: non-gated relu2 experts are packed "
+                           f"from float weights into the float layout only, not as {scheme.name} ({reader.name} source"
+                           f"{', --quantize' if qscheme is not None else ''})")  # fmt: skip
     for s in specs:
         silu_limit_of(config, s)  # a clamp the manifest would refuse: refused before anything is written
     pl = Plan(

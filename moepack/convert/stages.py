@@ -83,7 +83,7 @@ def layer_entry(pl: Plan, s: LayerSpec) -> dict:
     lay, scheme, reader = pl.layout, pl.scheme, pl.reader
     entry_tensors = {t.name: expert_tensor_name(s.index, t.name)
                      for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias,
-                                                 perm=scheme.has_perm(s))}  # fmt: skip
+                                                 perm=scheme.has_perm(s), gated=s.activation != "relu2")}  # fmt: skip
     shared_entry = None
     slay = pl.shared_layouts.get(s.index)  # a float shared expert of a quantized source: its own (float) layout
     if s.shared:
@@ -136,7 +136,7 @@ def layer_entry(pl: Plan, s: LayerSpec) -> dict:
 def _shared_plan(pl: Plan, s: LayerSpec):
     """The shared expert's tensor plan (one expert), in its own layout when it has one."""
     slay = pl.shared_layouts.get(s.index)
-    return layout_tensor_plan(slay or pl.layout, 1, s.hidden, s.shared["intermediate"],
+    return layout_tensor_plan(slay or pl.layout, 1, s.hidden, s.shared["intermediate"], gated=s.activation != "relu2",
                               perm=False if slay is not None else pl.scheme.has_perm(s, True))  # fmt: skip
 
 
@@ -149,7 +149,8 @@ def write_layer(pl: Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fname:
     entry = layer_entry(pl, s)
     checked = lambda pack, t, role, e: _pack_checked(pack, t, s, role, e)  # noqa: E731
     packer = scheme.layer_packer(LayerSource(ckpt, reader, s, lay, checked, pl.options, error))
-    for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias, perm=scheme.has_perm(s)):
+    for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias, perm=scheme.has_perm(s),
+                                gated=s.activation != "relu2"):  # fmt: skip
         name = entry["tensors"][t.name]
         digest = w.write_parts(name, packer.parts(t.name))
         tensors[name] = {"file": fname, "dtype": t.dtype, "shape": list(t.shape), "sha256": digest}
@@ -228,10 +229,10 @@ def build_manifest(pl: Plan, tmp: Path | None, layers: list, tensors: dict, carr
         # (manifest_sha256, set by moepack.manifest.write_manifest); its w13_perm (3), --tp (4)
         # and shared-layout (5) features are all part of 6
         # 7 (BLOCK_PARTS_FORMAT_VERSION) only when a layer has a post_norm, a shared expert with its own
-        # silu_limit, a shared expert running another activation than silu, or identity experts
+        # silu_limit, a shared expert running another activation than silu, identity experts, or relu2 experts
         "format_version": BLOCK_PARTS_FORMAT_VERSION
         if any((e["shared"] and (e["activation"] != "silu" or "silu_limit" in e["shared"])) or e.get("post_norm")
-               or e.get("identity_experts") for e in layers) else FORMAT_VERSION,
+               or e.get("identity_experts") or e["activation"] == "relu2" for e in layers) else FORMAT_VERSION,
         "created_by": f"moepack {__version__}",
         "created_at": created_at,  # when the convert started (a resumed one: the first run's start)
         "source": {

@@ -85,6 +85,7 @@ class PackedMoELayer(torch.nn.Module):
                 interleaved=False,
                 tensors=model.declared_tensors(sh, slay, bias=False),
                 act_mode=experts.act_mode if slay is experts.layout else None,
+                gated=experts.gated,  # a relu2 layer's shared expert is non-gated too
             )
             if sh.get("gate"):
                 self.shared_gate = model.tensor(sh["gate"])
@@ -323,6 +324,7 @@ class PackedModel:
             tensors=self.declared_tensors(t, lay, bias=True),
             act_mode=entry.get("act_mode"),
             tp=int(entry.get("tp", 1)),
+            gated=entry["activation"] != "relu2",  # relu2: non-gated experts, w13 of up rows alone
         )
 
     def declared_tensors(self, names: dict, lay, *, bias: bool) -> dict[str, torch.Tensor]:

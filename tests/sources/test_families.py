@@ -194,15 +194,14 @@ def _refused(tmp_path: Path, t: dict, cfg: dict, pattern: str) -> None:
 
 
 def test_a_family_whose_block_moepack_lacks_is_refused_before_its_tensors(tmp_path):
-    """nemotron_h's non-gated experts used to be refused as "expert 0 has no gate weight": what the
-    family's block computes that moepack does not run is the first thing convert names."""
-    p = "backbone.layers.0.mixer"
-    t = {f"{p}.gate.weight": _t(E, H), **{f"{p}.experts.{e}.up_proj.weight": _t(I, H) for e in range(E)},
-         **{f"{p}.experts.{e}.down_proj.weight": _t(H, I) for e in range(E)}}  # fmt: skip
-    _refused(tmp_path, t, {"model_type": "nemotron_h", "hidden_size": H, "n_routed_experts": E, "num_experts_per_tok": 2},
-             r"^refused at convert: model_type='nemotron_h': non-gated relu2 experts .*: moepack does not run this family$")
+    """What a family's block computes that moepack does not run is the first thing convert names
+    (nemotron_h's non-gated experts used to be refused as "expert 0 has no gate weight")."""
+    p = "model.layers.0.mlp"
+    t = {f"{p}.router.weight": _t(E, H), f"{p}.experts.gate_up_proj": _t(E, 2 * I, H), f"{p}.experts.down_proj": _t(E, H, I)}
+    _refused(tmp_path, t, {"model_type": "zaya", "hidden_size": H, "num_experts": E, "num_experts_per_tok": 1},
+             r"^refused at convert: model_type='zaya': a router that is an MLP carrying its state .*: moepack does not run this family$")
     # a family moepack knows nothing of is refused for its routing
-    _refused(tmp_path / "other", t, {"model_type": "no_such_moe", "hidden_size": H, "n_routed_experts": E, "num_experts_per_tok": 2},
+    _refused(tmp_path / "other", t, {"model_type": "no_such_moe", "hidden_size": H, "num_experts": E, "num_experts_per_tok": 2},
              r"^refused at convert: model_type='no_such_moe': routing: moepack does not run this family's routing")
 
 
@@ -346,6 +345,66 @@ def test_longcat_refuses_a_down_projection_for_an_identity_expert(tmp_path):
     _write(src, t, json.loads((src / "config.json").read_text()))
     with pytest.raises(SourceError, match=rf"extra expert tensors \['model.layers.0.mlp.experts.{E}.down_proj.weight'\]"):
         moepack.convert(src, tmp_path / "dst")
+
+
+def _nemotron_h(tmp_path, **cfg) -> tuple[Path, dict, dict]:
+    """A nemotron_h checkpoint: non-gated per-expert up/down, an fp32 router and correction bias, a
+    non-gated shared expert (NemotronHMLP: up and down), under backbone.layers.<n>.mixer."""
+    p = "backbone.layers.0.mixer"
+    t = {f"{p}.gate.weight": _t(E, H, seed=1).float() * 4, f"{p}.gate.e_score_correction_bias": _t(E, seed=2).float(),
+         f"{p}.shared_experts.up_proj.weight": _t(I, H, seed=3), f"{p}.shared_experts.down_proj.weight": _t(H, I, seed=4)}
+    for e in range(E):
+        t[f"{p}.experts.{e}.up_proj.weight"] = _t(I, H, seed=10 + e) * 4
+        t[f"{p}.experts.{e}.down_proj.weight"] = _t(H, I, seed=20 + e)
+    c = {"model_type": "nemotron_h", "hidden_size": H, "n_routed_experts": E, "num_experts_per_tok": 2,
+         "moe_intermediate_size": I, "moe_shared_expert_intermediate_size": I, "mlp_hidden_act": "relu2",
+         "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_hidden_layers": 1, **cfg}
+    return _write(tmp_path / "src", t, c), t, c
+
+
+def test_nemotron_h_runs_its_non_gated_relu2_experts(tmp_path):
+    """nemotron_h's experts and shared expert are non-gated (up -> relu(x)^2 -> down): convert packs
+    w13 as the up rows alone (activation relu2, format version 7), the layer equals transformers'
+    NemotronHMoE (noaux_tc routing, shared expert added), verify --source passes it; the manifest
+    sealed as version 6 is refused; a gate tensor, a latent projection and a quantized target are
+    refused at convert."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+
+    src, t, c = _nemotron_h(tmp_path)
+    moepack.convert(src, tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=src, tokens=2).ok
+    m = json.loads((tmp_path / "dst" / "moepack.json").read_text())
+    e0 = m["layers"][0]
+    assert m["format_version"] == 7 and e0["activation"] == "relu2" and e0["shared"]["intermediate"] == I
+    ip = e0["padded_intermediate"]
+    assert m["tensors"][e0["tensors"]["w13"]]["shape"][:2] == [E, ip]  # Ip rows: no gate half
+    layer = moepack.open(tmp_path / "dst").layers[0]
+    cfg = NemotronHConfig(hidden_size=H, n_routed_experts=E, num_experts_per_tok=2, moe_intermediate_size=I,
+                          moe_shared_expert_intermediate_size=I, n_group=1, topk_group=1, routed_scaling_factor=2.5)  # fmt: skip
+    block = NemotronHMoE(cfg).float().eval()
+    p = "backbone.layers.0.mixer"
+    with torch.no_grad():
+        block.gate.weight.copy_(t[f"{p}.gate.weight"])
+        block.gate.e_score_correction_bias.copy_(t[f"{p}.gate.e_score_correction_bias"])
+        for e in range(E):
+            block.experts.up_proj[e].copy_(t[f"{p}.experts.{e}.up_proj.weight"].float())
+            block.experts.down_proj[e].copy_(t[f"{p}.experts.{e}.down_proj.weight"].float())
+        block.shared_experts.up_proj.weight.copy_(t[f"{p}.shared_experts.up_proj.weight"].float())
+        block.shared_experts.down_proj.weight.copy_(t[f"{p}.shared_experts.down_proj.weight"].float())
+        x = torch.randn(1, 11, H, generator=torch.Generator().manual_seed(4))
+        want = block(x)[0]
+    got = layer(x[0])
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    _, as_v6 = _edited_copies(tmp_path / "dst", lambda m: None)
+    with pytest.raises(MoepackError, match=r"layers\[0\]\.activation='relu2'.*needs format_version 7"):
+        moepack.open(as_v6)
+    with pytest.raises(ConvertError, match=r"non-gated relu2 experts are packed from float weights into the float layout only"):
+        moepack.convert(src, tmp_path / "q", quantize="int8")
+    _refused(tmp_path / "latent", t, {**c, "moe_latent_size": 8}, r"moe_latent_size=8: a latent projection around the experts")
+    t[f"{p}.experts.0.gate_proj.weight"] = _t(I, H)
+    with pytest.raises(SourceError, match=r"experts.0.gate_proj.weight'.*non-gated \(relu2: up and down only\)"):
+        moepack.convert(_write(tmp_path / "gated", t, c), tmp_path / "g")
 
 
 def _edited_copies(dst: Path, edit) -> tuple[Path, Path]:
