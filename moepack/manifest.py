@@ -571,6 +571,13 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
         _check_ref(c, m, router, key, f"{at}.router.{key}", shape, idx)
     if sh:
         _check_ref(c, m, sh, "gate", f"{at}.shared.gate", [1, h], idx)
+    if "out_bias" in entry:  # version 7: a bias [H] the block adds to its output (JetMoE)
+        if version < BLOCK_PARTS_FORMAT_VERSION:
+            c.fail(f"{at}.out_bias", entry["out_bias"], f"needs format_version {BLOCK_PARTS_FORMAT_VERSION} (the file says "
+                   f"{version}): a version-6 reader would not add it")  # fmt: skip
+        if not isinstance(entry["out_bias"], str) or not entry["out_bias"]:
+            c.fail(f"{at}.out_bias", entry["out_bias"], "must name the bias's carried tensor")
+        _check_ref(c, m, entry, "out_bias", f"{at}.out_bias", [h], idx)
     if entry.get("post_norm"):
         _check_ref(c, m, entry["post_norm"], "weight", f"{at}.post_norm.weight", [h], idx)
         if not entry["post_norm"].get("weight"):

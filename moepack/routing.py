@@ -234,6 +234,7 @@ SUPPORTED_MODEL_TYPES = (
     "kolibri1",  # top-k of logit + e_score_correction_bias; sigmoid(logit) at the ids; / sum if norm_topk_prob
     "hy_v4",  # noaux_tc (HYV4TopkRouter: DeepSeek-V3's, its groups default to one)
     "dbrx",  # softmax top-k / their p-norm (moe_normalize_expert_weights: 1 = the sum), its keys in ffn_config
+    "jetmoe",  # JetMoeTopKGating: top-k of the logits, softmax over those k
     "nemotron_h",  # noaux_tc (NemotronHTopkRouter: DeepSeek-V3's, its groups default to one)
     "longcat_flash",  # softmax over E + Z (Z identity experts); top-k of softmax + correction bias; x routed_scaling_factor
 )
@@ -345,7 +346,7 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
         renorm = bool(_get(config, "norm_topk_prob", "moe_renormalize", default=defaults[3]))
         return cls("grouped_sigmoid", k, renormalize=renorm, num_expert_group=g, topk_group=tg,
                    routed_scaling_factor=rsf, has_correction_bias=True, num_experts=e, model_type=mt)  # fmt: skip
-    if mt in ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss", "aria_text"):
+    if mt in ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss", "aria_text", "jetmoe"):
         # top-k of the logits, softmax over those k. gpt-oss's router Linear has a bias: it is part
         # of the logits the layer computes, not a routing parameter.
         return cls("topk_softmax", k, num_experts=e, model_type=mt)

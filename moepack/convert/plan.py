@@ -79,6 +79,9 @@ def block_leftovers(ckpt: Checkpoint, spec: LayerSpec, consumed: set) -> list[st
             mods.add(n.rpartition(".")[0] + ".")  # the module: its quantization tensors (scales, zeros) belong to it
     for m in spec.shared.get("modules") or []:
         mods.add(m + ".")
+    leaf = _BLOCK_OUT_BIAS.get(config_model_type(ckpt))
+    if leaf:  # the block's output bias: recorded as the layer's out_bias
+        consumed = consumed | {f"{spec.prefix}.{leaf}"}
     out = []
     ident = set(spec.identity_tensors)  # identity experts' unused gate/up rows: carried, accounted for
     for n in ckpt.tensors:
@@ -98,8 +101,11 @@ UNSUPPORTED_FEATURES = {
     "inkling_text": "shared experts weighted by the router (InklingTopkRouter normalizes their logits with the routed ones)",
     **dict.fromkeys(("inkling2_text", "inkling2_loop_text"), "a softcapped SwiGLU on the experts (mlp_gate_softcap, "
                     "mlp_up_softcap: tanh softcaps of the gate factor and of up)"),
-    "jetmoe": "a bias added to the MoE block's output (JetMoeMoE.bias) and attention experts (JetMoeMoA) under the same names",
 }  # fmt: skip
+
+
+def config_model_type(ckpt: Checkpoint) -> str | None:
+    return text_config(ckpt.config).get("model_type")
 
 
 def routing_problem(config: dict, note: str) -> str:
@@ -131,6 +137,22 @@ def _refuse_unknown_family(ckpt: Checkpoint) -> None:
 # decoder layer, where transformers' conversion mapping takes it from; its eps key): convert records
 # it as the layer's ``post_norm`` (format version 7), which the packed layer's forward applies.
 _POST_BLOCK_NORMS = {"axk1": ("post_mlp_layernorm", "rms_norm_eps")}
+# model_type -> the name (under the MoE block) of a bias [H] its block adds to its output (JetMoeMoE.bias):
+# convert records it as the layer's ``out_bias`` (format version 7), which the packed layer's forward adds.
+_BLOCK_OUT_BIAS = {"jetmoe": "bias"}
+
+
+def out_bias_of(ckpt: Checkpoint, config: dict, spec) -> str | None:
+    """The carried tensor convert records as ``spec``'s layer ``out_bias`` (None: the family has none,
+    or the checkpoint does not hold it). One that is not a float [H] is refused, naming it."""
+    leaf = _BLOCK_OUT_BIAS.get(config.get("model_type"))
+    name = f"{spec.prefix}.{leaf}" if leaf else None
+    if name is None or name not in ckpt.tensors:
+        return None
+    if ckpt.info(name).shape != (spec.hidden,) or ckpt.info(name).dtype_str not in FLOAT_DTYPES:
+        raise ConvertError(f"tensor {name!r} is {ckpt.info(name).dtype_str} {list(ckpt.info(name).shape)}: the bias the MoE "
+                           f"block adds to its output must be a float [{spec.hidden}]")  # fmt: skip
+    return name
 
 
 def post_norm_of(ckpt: Checkpoint, config: dict, spec) -> dict | None:

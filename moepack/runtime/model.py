@@ -69,6 +69,8 @@ class PackedMoELayer(torch.nn.Module):
         pn = entry.get("post_norm")
         self.post_norm_weight = model.tensor(pn["weight"]) if pn else None
         self.post_norm_eps = float(pn["eps"]) if pn else None
+        # a bias the block adds to its output (format version 7; JetMoE's mlp.bias): forward adds it
+        self.out_bias = model.tensor(entry["out_bias"]) if entry.get("out_bias") else None
         self.shared = None  # the shared expert as a one-expert pack, run for every token
         self.shared_gate = None  # Qwen2-MoE: sigmoid(x . gate) scales the shared expert
         sh = entry.get("shared")
@@ -230,6 +232,8 @@ class PackedMoELayer(torch.nn.Module):
         shared = self.shared_expert(hidden_states, act_mode=act_mode)
         if shared is not None:
             out = (out.float() + shared.float()).to(hidden_states.dtype)
+        if self.out_bias is not None:  # JetMoeMoE: the combined output in the model's dtype, then + bias
+            out = out + _like(self.out_bias, out).to(out.dtype)
         return out if self.post_norm_weight is None else self.post_norm(out)
 
     def post_norm(self, out: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,9 @@ _HIDDEN_KEYS = ("hidden_size", "d_model")  # d_model: DBRX
 _IN_MAJOR_FAMILIES = {"llama4", "llama4_text", "gpt_oss", "aria", "aria_text"}
 _INTERLEAVED_FAMILIES = {"gpt_oss"}
 _SWIGLUOAI_FAMILIES = {"gpt_oss", "minimax_m3_vl_text"}
+# model_type -> the module whose experts are attention experts, not MoE experts (JetMoE's mixture of attention,
+# JetMoeMoA, stores Granite-style input_linear / output_linear too): carried unchanged, run by transformers
+_ATTENTION_EXPERTS = {"jetmoe": ".self_attention.experts"}
 # non-gated experts (up -> relu(x)^2 -> down, no gate: NemotronHExperts), read as activation relu2
 _NON_GATED_FAMILIES = {"nemotron_h"}
 # model_type -> the config key of its identity (zero-computation) experts: ids E .. E+Z-1 of the router,
@@ -235,7 +238,10 @@ def discover_layers(ckpt: Checkpoint, weights: tuple[set, str] = DENSE_WEIGHTS) 
         raise SourceError(f"config.json: {key}={hidden!r} must be a positive integer")
 
     groups: dict[str, dict] = {}
+    attention = _ATTENTION_EXPERTS.get(model_type)
     for name, ti in ckpt.tensors.items():
+        if attention and f"{attention}." in name:
+            continue
         m = _PER_EXPERT.match(name)
         if m:
             g = groups.setdefault(m["prefix"], {"kind": "per_expert", "t": {}})

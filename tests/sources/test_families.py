@@ -407,6 +407,46 @@ def test_nemotron_h_runs_its_non_gated_relu2_experts(tmp_path):
         moepack.convert(_write(tmp_path / "gated", t, c), tmp_path / "g")
 
 
+def test_jetmoe_output_bias_is_recorded_applied_and_verified(tmp_path):
+    """JetMoeMoE adds a bias [H] to its combined output (mlp.bias) and keeps Granite-style experts
+    (input_linear, output_linear) in the block itself; its attention experts (JetMoeMoA) use the same
+    names under self_attention.experts: convert packs the MLP's experts only, records the bias as the
+    layer's out_bias (format version 7), carries the attention experts; the layer equals transformers'
+    JetMoeMoE; verify --source fails a pack without the bias, and the manifest sealed as version 6 is refused."""
+    from transformers import JetMoeConfig
+    from transformers.models.jetmoe.modeling_jetmoe import JetMoeMoE
+
+    p, a = "model.layers.0.mlp", "model.layers.0.self_attention.experts"
+    t = {f"{p}.router.layer.weight": _t(E, H, seed=1) * 4, f"{p}.input_linear.weight": _t(E, 2 * I, H, seed=2) * 4,
+         f"{p}.output_linear.weight": _t(E, H, I, seed=3), f"{p}.bias": _t(H, seed=4),
+         f"{a}.router.layer.weight": _t(E, H, seed=5), f"{a}.input_linear.weight": _t(E, I, H, seed=6),
+         f"{a}.output_linear.weight": _t(E, H, I, seed=7), f"{a}.bias": _t(H, seed=8)}  # fmt: skip
+    c = {"model_type": "jetmoe", "hidden_size": H, "num_local_experts": E, "num_experts_per_tok": 2, "intermediate_size": I,
+         "activation_function": "silu", "num_hidden_layers": 1}  # fmt: skip
+    src = _write(tmp_path / "src", t, c)
+    moepack.convert(src, tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=src, tokens=2).ok
+    m = json.loads((tmp_path / "dst" / "moepack.json").read_text())
+    assert m["format_version"] == 7 and m["layers"][0]["out_bias"] == f"{p}.bias" and [e["prefix"] for e in m["layers"]] == [p]
+    assert all(n in m["tensors"] for n in t if n.startswith(a))  # the attention experts, carried as stored
+    cfg = JetMoeConfig(hidden_size=H, num_local_experts=E, num_experts_per_tok=2, intermediate_size=I)
+    block = JetMoeMoE(cfg).float().eval()
+    with torch.no_grad():
+        block.router.layer.weight.copy_(t[f"{p}.router.layer.weight"].float())
+        block.input_linear.weight.copy_(t[f"{p}.input_linear.weight"].float())
+        block.output_linear.weight.copy_(t[f"{p}.output_linear.weight"].float())
+        block.bias.copy_(t[f"{p}.bias"].float())
+        x = torch.randn(1, 9, H, generator=torch.Generator().manual_seed(5))
+        want = block(x)[0]
+    got = moepack.open(tmp_path / "dst").layers[0](x[0])
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    edited, as_v6 = _edited_copies(tmp_path / "dst", lambda m: m["layers"][0].pop("out_bias"))
+    rep = moepack.verify(edited, source=src, tokens=2)
+    assert any("layer 0 out_bias (a bias added to the block's output): pack None" in line for line in rep.model), rep.model
+    with pytest.raises(MoepackError, match=r"layers\[0\]\.out_bias.*needs format_version 7 .*would not add it"):
+        moepack.open(as_v6)
+
+
 def _edited_copies(dst: Path, edit) -> tuple[Path, Path]:
     """Two copies of the packed directory ``dst``, resealed (tests.support.packdir_edit.reseal): one with
     ``edit`` applied to its manifest, one with the manifest as convert wrote it but format_version 6."""
