@@ -25,6 +25,8 @@ fuzzes that). Rules, beyond each field's type:
   the directory (never a path out of it), ``w13_perm`` only in version 3 and int4_group layers,
   a shared expert's own ``layout_id`` (of the layer's family) only in version 5 and later, a layer's
   ``silu_limit`` (silu layers) and ``router.hash`` (an integer [vocab, k] table) only in version 6;
+  ``post_norm``, ``identity_experts``, ``out_bias`` and the activation relu2 only in version 7, with
+  ``routing.num_experts`` = a layer's ``num_experts`` + its ``identity_experts``;
 * the seal (version 6): ``manifest_sha256`` equal to ``manifest_digest`` of the other fields,
   checked last, so that a field edited to a value the rules above accept is still refused.
 
@@ -73,17 +75,25 @@ SEALED_FORMAT_VERSION = 6
 FORMAT_VERSION = SEALED_FORMAT_VERSION  # what convert writes
 # 7: version 6 plus a shared expert on a layer whose activation is not silu (MiniMax-M3's swigluoai
 # shared expert): it runs the layer's activation (alpha, limit), gate rows then up rows; and a layer's
-# ``post_norm`` (A.X-K1: an RMSNorm of the block's output, {"weight": a carried tensor, "eps"}); and a
-# layer's ``identity_experts`` Z (LongCat-Flash: router ids E .. E+Z-1 return the token times its weight).
-# Written only by directories that have one: a version-6 reader ran every shared expert as silu and would
-# ignore post_norm and identity experts, so it must refuse such a file rather than read it.
+# ``post_norm`` (A.X-K1: an RMSNorm of the block's output, {"weight": a carried tensor, "eps"}); a layer's
+# ``identity_experts`` Z (LongCat-Flash: router ids E .. E+Z-1 return the token times its weight); a layer's
+# ``out_bias`` (JetMoE: a carried [H] bias added to the block output); the non-gated activation "relu2"
+# (Nemotron-H: w13 of up rows alone). Written only by directories that have one: a version-6 reader ran
+# every shared expert as silu and would ignore post_norm, identity experts and out_bias, so it must refuse
+# such a file rather than read it.
 BLOCK_PARTS_FORMAT_VERSION = 7
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 SILU_LIMIT_FORMAT_VERSION = SEALED_FORMAT_VERSION  # the first version with silu_limit / router.hash
 INT_DTYPES = ("int64", "int32")
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "relu2")
-GATED = lambda activation: activation != "relu2"  # noqa: E731 - relu2 experts are non-gated: w13 holds up rows only
+
+
+def gated(activation: str) -> bool:
+    """Whether a layer of this activation has gate rows in w13 (relu2's non-gated experts hold up rows only)."""
+    return activation != "relu2"
+
+
 SOURCE_KINDS = ("per_expert", "fused_out", "fused_in", "granite", "dbrx")
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -446,11 +456,11 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
         if entry["activation"] != "silu":
             c.fail(f"{at}.silu_limit", sl, f"is an option of silu experts only (this layer's activation is {entry['activation']!r})")
     c.val(entry, "interleaved", f"{at}.interleaved", "bool")
-    gated = GATED(entry["activation"])
-    if not gated and version < BLOCK_PARTS_FORMAT_VERSION:
+    is_gated = gated(entry["activation"])
+    if not is_gated and version < BLOCK_PARTS_FORMAT_VERSION:
         c.fail(f"{at}.activation", entry["activation"], f"(non-gated experts) needs format_version {BLOCK_PARTS_FORMAT_VERSION} "
                f"(the file says {version})")  # fmt: skip
-    if not gated and entry["interleaved"]:
+    if not is_gated and entry["interleaved"]:
         c.fail(f"{at}.interleaved", True, "non-gated (relu2) experts have no (gate, up) pairs to interleave")
     pn = c.obj(entry, "post_norm", f"{at}.post_norm", required=False, null=False)
     if pn is not None:
@@ -534,14 +544,14 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
             tp_slice_size(lay, i, tp)
         except LayoutError as ex:
             c.fail(f"{at}.tp", tp, str(ex))
-    sets = [("", names, layout_tensor_plan(lay, e * tp, h, i // tp, bias=True, perm="w13_perm" in names, gated=gated),
+    sets = [("", names, layout_tensor_plan(lay, e * tp, h, i // tp, bias=True, perm="w13_perm" in names, gated=is_gated),
              layout_padded_i(lay, i // tp), entry)]  # fmt: skip
     if sh:  # a one-expert set of the layer's layout, or of its own (shared.layout_id)
         si = c.val(sh, "intermediate", f"{at}.shared.intermediate", "int", lo=1)
         c.val(sh, "padded_intermediate", f"{at}.shared.padded_intermediate", "int", lo=1)
         c.val(sh, "source_tensors", f"{at}.shared.source_tensors", "strs", required=False)
         c.val(sh, "scheme_source", f"{at}.shared.scheme_source", "str", required=False, null=True)
-        sets.append(("shared ", sh, layout_tensor_plan(slay, 1, h, si, perm="w13_perm" in sh, gated=gated), layout_padded_i(slay, si),
+        sets.append(("shared ", sh, layout_tensor_plan(slay, 1, h, si, perm="w13_perm" in sh, gated=is_gated), layout_padded_i(slay, si),
                      sh, slay))  # fmt: skip
     sets[0] = (*sets[0], lay)
     for what, group, plan, want_ip, holder, glay in sets:
