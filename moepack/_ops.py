@@ -15,7 +15,7 @@ import torch
 from .errors import ExtensionError, LayoutError
 from .layout import DEFAULT_LAYOUT, PackedLayout, layout_get
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "relu2")  # relu2: non-gated experts (w13 of up rows alone)
 
 _loaded = False
 

@@ -49,7 +49,9 @@ class Family:
     ``router_attr``: the block's router module, whose class transformers' OutputRecorder watches
     to collect ``router_logits`` (``output_router_logits=True``, the aux loss); ``logits_index``:
     where the logits sit in that router's output tuple. ``layers``: the dotted path of the decoder
-    layers in the causal-LM model (DBRX: ``transformer.blocks``).
+    layers in the causal-LM model (DBRX: ``transformer.blocks``). ``experts_attr``: the attribute that
+    marks the block (its experts module, or JetMoE's ``input_linear``, whose block holds its expert
+    weights itself).
     """
 
     block_attr: str
@@ -60,6 +62,7 @@ class Family:
     in_major: bool = False
     shared: str | None = None
     layers: str = "model.layers"
+    experts_attr: str = "experts"
 
 
 FAMILIES: dict[str, Family] = {
@@ -117,6 +120,14 @@ FAMILIES: dict[str, Family] = {
     "hy_v4": Family("mlp", router_fp32=True, shared="shared_experts"),
     # DbrxFFN: softmax top-k / their sum; its experts stacked [E x I, H] (w1, v1, w2 transposed)
     "dbrx": Family("ffn", router_attr="router", layers="transformer.blocks"),
+    # LongcatFlashMoE: its router's ids E .. E+Z-1 are identity experts (the layer's identity_experts); the
+    # decoder layer adds the block's output as a shortcut after its second dense MLP (transformers' own code)
+    "longcat_flash": Family("mlp", router_attr="router", router_fp32=True),
+    # NemotronHMoE: non-gated relu2 experts and shared expert (activation relu2); its Mamba mixers are transformers' own
+    "nemotron_h": Family("mixer", router_fp32=True, shared="shared_experts"),
+    # JetMoeMoE holds its experts (input_linear, output_linear) and adds its bias (the layer's out_bias); its router
+    # returns the logits last; its attention experts (JetMoeMoA, self_attention.experts) are transformers' own
+    "jetmoe": Family("mlp", router_attr="router", logits_index=4, experts_attr="input_linear"),
     "lfm2_moe": Family("feed_forward"),  # its expert_bias beside the gate; short conv layers are transformers' own
     "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
     "llama4": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
@@ -275,7 +286,7 @@ def _moe_blocks(model, fam: Family) -> dict[int, torch.nn.Module]:
     out = {}
     for i, layer in enumerate(_decoder_layers(model)):
         m = getattr(layer, fam.block_attr, None)
-        if m is not None and (hasattr(m, "experts") or isinstance(m, PackedMoEBlock)):
+        if m is not None and (hasattr(m, fam.experts_attr) or isinstance(m, PackedMoEBlock)):
             out[i] = m
     return out
 
@@ -283,10 +294,18 @@ def _moe_blocks(model, fam: Family) -> dict[int, torch.nn.Module]:
 def _block_shapes(block, fam: Family) -> tuple[int, int, int] | None:
     """(E, H, I) of a transformers block's fused expert weights, or None when it holds none."""
     ex = getattr(block, "experts", None)
+    lin = getattr(getattr(block, "input_linear", None), "weight", None)  # JetMoE: [E, 2I, H] in the block itself
+    if ex is None and isinstance(lin, torch.Tensor) and lin.dim() == 3:
+        return lin.shape[0], lin.shape[2], lin.shape[1] // 2
     gu = getattr(ex, "gate_up_proj", None)
+    up = getattr(ex, "up_proj", None)
+    if gu is None and isinstance(up, torch.Tensor) and up.dim() == 3 and not fam.in_major:  # non-gated: up [E, I, H]
+        return up.shape[0], up.shape[2], up.shape[1]
     if gu is None or gu.dim() != 3:
         return None
-    e = gu.shape[0]
+    dn = getattr(ex, "down_proj", None)
+    # E from down_proj: LongCat-Flash's gate_up_proj has rows for its identity experts too (never used)
+    e = dn.shape[0] if isinstance(dn, torch.Tensor) and dn.dim() == 3 else gu.shape[0]
     return (e, gu.shape[1], gu.shape[2] // 2) if fam.in_major else (e, gu.shape[2], gu.shape[1] // 2)
 
 
@@ -295,6 +314,8 @@ def _shared_intermediate(block, fam: Family) -> int | None:
     g = getattr(m, "gate_proj", None) if m is not None else None
     if g is None and getattr(m, "gate_up_proj", None) is not None:  # one gate/up Linear (MiniMax-M3): half its rows
         return int(m.gate_up_proj.weight.shape[0]) // 2
+    if g is None and getattr(m, "up_proj", None) is not None:  # non-gated (NemotronHMLP): up and down only
+        return int(m.up_proj.weight.shape[0])
     return None if g is None else int(g.weight.shape[0])
 
 

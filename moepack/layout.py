@@ -507,13 +507,14 @@ class ExpertShapes:
     hidden: int  # H
     intermediate: int  # I (real)
     padded_intermediate: int  # Ip
-    w13_shape: tuple[int, int, int]  # packed [E, 2*Ip, Kp(H)]
+    w13_shape: tuple[int, int, int]  # packed [E, 2*Ip, Kp(H)]; [E, Ip, Kp(H)] for non-gated (relu2) experts
     w2_shape: tuple[int, int, int]  # packed [E, Np(H), Ip]
 
 
-def layout_expert_shapes(layout: PackedLayout, num_experts: int, hidden: int, intermediate: int) -> ExpertShapes:
+def layout_expert_shapes(layout: PackedLayout, num_experts: int, hidden: int, intermediate: int,
+                         gated: bool = True) -> ExpertShapes:  # fmt: skip
     """The packed matrix shapes for a layer (logical [N, K] of the codes); all padding decisions
-    are made here."""
+    are made here. ``gated=False``: non-gated experts (relu2), whose w13 holds the up rows alone."""
     if num_experts <= 0 or hidden <= 0 or intermediate <= 0:
         raise LayoutError(
             f"expert shapes E={num_experts}, H={hidden}, I={intermediate}: every size must be positive"
@@ -524,7 +525,7 @@ def layout_expert_shapes(layout: PackedLayout, num_experts: int, hidden: int, in
         hidden=hidden,
         intermediate=intermediate,
         padded_intermediate=ip,
-        w13_shape=(num_experts, 2 * ip, layout_padded_k(layout, hidden)),
+        w13_shape=(num_experts, (2 if gated else 1) * ip, layout_padded_k(layout, hidden)),
         w2_shape=(num_experts, layout_padded_n(layout, hidden), layout_padded_k(layout, ip)),
     )
 
@@ -552,20 +553,21 @@ class TensorPlan:
 
 def layout_tensor_plan(
     layout: PackedLayout, num_experts: int, hidden: int, intermediate: int, *, bias: bool = False, perm: bool = False,
-    prefix: str = "",
+    prefix: str = "", gated: bool = True,
 ) -> list[TensorPlan]:
     """THE shape function: every tensor of one layer's packed experts, in the order the op takes
     them (w13's declared tensors, then w2's; then the fp32 biases w13_bias [E, 2*Ip] and w2_bias
     [E, Np(H)] when ``bias``; then, when ``perm``, the act-order permutation w13_perm int32 [E, H]:
     column j of w13's codes is input channel w13_perm[e, j], docs/SEMANTICS.md §3; int4_group
-    layouts only). convert's plan, the manifest check, ``moepack.open``, verify and the packers
-    use it; the op checks the same shapes in C++ (layout_shapes.h)."""
+    layouts only). ``gated=False``: non-gated experts (activation relu2), w13 of Ip up rows alone.
+    convert's plan, the manifest check, ``moepack.open``, verify and the packers use it; the op
+    checks the same shapes in C++ (layout_shapes.h)."""
     if perm and layout.scheme not in PERM_SCHEMES:
         raise LayoutError(
             f"w13_perm with layout {layout.name} (scheme {layout.scheme}): only {' / '.join(PERM_SCHEMES)} layouts carry an "
             "act-order permutation"
         )
-    sh = layout_expert_shapes(layout, num_experts, hidden, intermediate)
+    sh = layout_expert_shapes(layout, num_experts, hidden, intermediate, gated)
     out = []
     for w, (e, np_, kp) in (("w13", sh.w13_shape), ("w2", sh.w2_shape)):
         for spec in layout.tensors:

@@ -25,6 +25,8 @@ fuzzes that). Rules, beyond each field's type:
   the directory (never a path out of it), ``w13_perm`` only in version 3 and int4_group layers,
   a shared expert's own ``layout_id`` (of the layer's family) only in version 5 and later, a layer's
   ``silu_limit`` (silu layers) and ``router.hash`` (an integer [vocab, k] table) only in version 6;
+  ``post_norm``, ``identity_experts``, ``out_bias`` and the activation relu2 only in version 7, with
+  ``routing.num_experts`` = a layer's ``num_experts`` + its ``identity_experts``;
 * the seal (version 6): ``manifest_sha256`` equal to ``manifest_digest`` of the other fields,
   checked last, so that a field edited to a value the rules above accept is still refused.
 
@@ -73,15 +75,25 @@ SEALED_FORMAT_VERSION = 6
 FORMAT_VERSION = SEALED_FORMAT_VERSION  # what convert writes
 # 7: version 6 plus a shared expert on a layer whose activation is not silu (MiniMax-M3's swigluoai
 # shared expert): it runs the layer's activation (alpha, limit), gate rows then up rows; and a layer's
-# ``post_norm`` (A.X-K1: an RMSNorm of the block's output, {"weight": a carried tensor, "eps"}). Written
-# only by directories that have one: a version-6 reader ran every shared expert as silu and would
-# ignore post_norm, so it must refuse such a file rather than read it.
+# ``post_norm`` (A.X-K1: an RMSNorm of the block's output, {"weight": a carried tensor, "eps"}); a layer's
+# ``identity_experts`` Z (LongCat-Flash: router ids E .. E+Z-1 return the token times its weight); a layer's
+# ``out_bias`` (JetMoE: a carried [H] bias added to the block output); the non-gated activation "relu2"
+# (Nemotron-H: w13 of up rows alone). Written only by directories that have one: a version-6 reader ran
+# every shared expert as silu and would ignore post_norm, identity experts and out_bias, so it must refuse
+# such a file rather than read it.
 BLOCK_PARTS_FORMAT_VERSION = 7
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 SILU_LIMIT_FORMAT_VERSION = SEALED_FORMAT_VERSION  # the first version with silu_limit / router.hash
 INT_DTYPES = ("int64", "int32")
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "relu2")
+
+
+def gated(activation: str) -> bool:
+    """Whether a layer of this activation has gate rows in w13 (relu2's non-gated experts hold up rows only)."""
+    return activation != "relu2"
+
+
 SOURCE_KINDS = ("per_expert", "fused_out", "fused_in", "granite", "dbrx")
 FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -444,6 +456,12 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
         if entry["activation"] != "silu":
             c.fail(f"{at}.silu_limit", sl, f"is an option of silu experts only (this layer's activation is {entry['activation']!r})")
     c.val(entry, "interleaved", f"{at}.interleaved", "bool")
+    is_gated = gated(entry["activation"])
+    if not is_gated and version < BLOCK_PARTS_FORMAT_VERSION:
+        c.fail(f"{at}.activation", entry["activation"], f"(non-gated experts) needs format_version {BLOCK_PARTS_FORMAT_VERSION} "
+               f"(the file says {version})")  # fmt: skip
+    if not is_gated and entry["interleaved"]:
+        c.fail(f"{at}.interleaved", True, "non-gated (relu2) experts have no (gate, up) pairs to interleave")
     pn = c.obj(entry, "post_norm", f"{at}.post_norm", required=False, null=False)
     if pn is not None:
         if version < BLOCK_PARTS_FORMAT_VERSION:
@@ -452,6 +470,10 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
         eps = pn.get("eps", _MISSING)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
             c.fail(f"{at}.post_norm.eps", None if eps is _MISSING else eps, "must be a finite number > 0")
+    z = c.val(entry, "identity_experts", f"{at}.identity_experts", "int", required=False, lo=1) or 0
+    if z and version < BLOCK_PARTS_FORMAT_VERSION:
+        c.fail(f"{at}.identity_experts", z, f"needs format_version {BLOCK_PARTS_FORMAT_VERSION} (the file says {version}): a "
+               "version-6 reader would refuse the router's identity-expert ids or run them as packed experts")  # fmt: skip
     lid = c.val(entry, "layout_id", f"{at}.layout_id", "int")
     if str(lid) not in m["layouts"]:
         raise ManifestError(f"{c.path}: {MANIFEST}: {at}.layout_id={lid!r} is not described in the manifest's "
@@ -467,10 +489,13 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
     sh = c.obj(entry, "shared", f"{at}.shared", required=False, null=True)
     if routing is not None:
         k = routing.top_k
-        if routing.num_experts is not None and routing.num_experts != e:
-            c.fail(f"{at}.num_experts", e, f"must equal routing.num_experts={routing.num_experts}")
-        if k > e:
-            c.fail("routing.top_k", k, f"must be in 1..{e} (layer {idx} has num_experts={e})")
+        # the router picks among the E packed experts and the layer's Z identity experts (ids E .. E+Z-1)
+        if routing.num_experts is not None and routing.num_experts != e + z:
+            c.fail(f"{at}.num_experts", e, f"must equal routing.num_experts={routing.num_experts}"
+                   + (f" less the layer's identity_experts={z}" if z else ""))  # fmt: skip
+        if k > e + z:
+            c.fail("routing.top_k", k, f"must be in 1..{e + z} (layer {idx} has num_experts={e}"
+                   + (f" and identity_experts={z})" if z else ")"))  # fmt: skip
     slay = lay  # the shared expert's layout: the layer's, or its own (version 5: a float one kept float)
     if sh and "layout_id" in sh:
         sid = c.val(sh, "layout_id", f"{at}.shared.layout_id", "int")
@@ -519,14 +544,15 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
             tp_slice_size(lay, i, tp)
         except LayoutError as ex:
             c.fail(f"{at}.tp", tp, str(ex))
-    sets = [("", names, layout_tensor_plan(lay, e * tp, h, i // tp, bias=True, perm="w13_perm" in names),
+    sets = [("", names, layout_tensor_plan(lay, e * tp, h, i // tp, bias=True, perm="w13_perm" in names, gated=is_gated),
              layout_padded_i(lay, i // tp), entry)]  # fmt: skip
     if sh:  # a one-expert set of the layer's layout, or of its own (shared.layout_id)
         si = c.val(sh, "intermediate", f"{at}.shared.intermediate", "int", lo=1)
         c.val(sh, "padded_intermediate", f"{at}.shared.padded_intermediate", "int", lo=1)
         c.val(sh, "source_tensors", f"{at}.shared.source_tensors", "strs", required=False)
         c.val(sh, "scheme_source", f"{at}.shared.scheme_source", "str", required=False, null=True)
-        sets.append(("shared ", sh, layout_tensor_plan(slay, 1, h, si, perm="w13_perm" in sh), layout_padded_i(slay, si), sh, slay))
+        sets.append(("shared ", sh, layout_tensor_plan(slay, 1, h, si, perm="w13_perm" in sh, gated=is_gated), layout_padded_i(slay, si),
+                     sh, slay))  # fmt: skip
     sets[0] = (*sets[0], lay)
     for what, group, plan, want_ip, holder, glay in sets:
         fg = f"{at}.{'shared' if what else 'tensors'}"
@@ -547,14 +573,21 @@ def _check_layer(c: _Check, m: dict, pos: int, entry: Any, version: int, routing
             c.fail(f"{at}.{what.strip() + '.' if what else ''}padded_intermediate", holder["padded_intermediate"],
                    f"layout math says {want_ip} (layout {glay.name})")  # fmt: skip
     router = c.obj(entry, "router", f"{at}.router", required=False, null=True) or {}
-    refs = [("weight", [e, h]), ("bias", [e]), ("correction_bias", [e])]
+    refs = [("weight", [e + z, h]), ("bias", [e + z]), ("correction_bias", [e + z])]
     for key, shape in refs:
         cb = m["tensors"].get(router.get(key) or "") if key == "correction_bias" else None
-        if cb is not None and list(cb["shape"]) == [1, e]:  # ernie4_5_moe stores it as [1, E] (carried as stored)
-            shape = [1, e]
+        if cb is not None and list(cb["shape"]) == [1, e + z]:  # ernie4_5_moe stores it as [1, E] (carried as stored)
+            shape = [1, e + z]
         _check_ref(c, m, router, key, f"{at}.router.{key}", shape, idx)
     if sh:
         _check_ref(c, m, sh, "gate", f"{at}.shared.gate", [1, h], idx)
+    if "out_bias" in entry:  # version 7: a bias [H] the block adds to its output (JetMoE)
+        if version < BLOCK_PARTS_FORMAT_VERSION:
+            c.fail(f"{at}.out_bias", entry["out_bias"], f"needs format_version {BLOCK_PARTS_FORMAT_VERSION} (the file says "
+                   f"{version}): a version-6 reader would not add it")  # fmt: skip
+        if not isinstance(entry["out_bias"], str) or not entry["out_bias"]:
+            c.fail(f"{at}.out_bias", entry["out_bias"], "must name the bias's carried tensor")
+        _check_ref(c, m, entry, "out_bias", f"{at}.out_bias", [h], idx)
     if entry.get("post_norm"):
         _check_ref(c, m, entry["post_norm"], "weight", f"{at}.post_norm.weight", [h], idx)
         if not entry["post_norm"].get("weight"):

@@ -17,19 +17,22 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai", "relu2")
 
 
 def activation_reference(
     h: torch.Tensor, activation: str, alpha: float = 1.702, limit: float = 7.0, interleaved: bool | None = None,
     silu_limit: float | None = None,
 ) -> torch.Tensor:
-    """act(h) for h [..., 2I] fp32 -> [..., I] (docs/SEMANTICS.md §2 table). ``interleaved``: h's
+    """act(h) for h [..., 2I] fp32 -> [..., I] (docs/SEMANTICS.md §2 table); relu2 (non-gated,
+    Nemotron-H's NemotronHExperts): h [..., I] of up rows -> relu(h)^2. ``interleaved``: h's
     row order, (gate, up) pairs or gate then up; default: pairs for swigluoai, as checkpoints
     store it. ``silu_limit`` (silu only; None or 0: none): the clamped SwiGLU of DeepSeek-V4's
     experts (``DeepseekV4Experts._apply_gate``): gate clamped to <= L, up to [-L, L], then silu."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation={activation!r} is not one of {ACTIVATIONS}")
+    if activation == "relu2":
+        return torch.relu(h).square()
     if interleaved is None:
         interleaved = activation == "swigluoai"
     i = h.shape[-1] // 2
@@ -67,8 +70,8 @@ def moe_reference(
 ) -> torch.Tensor:
     """Experts of one MoE layer on canonical (unpacked) weights.
 
-    w13 [E, 2I, H] (gate then up; interleaved pairs for swigluoai), w2 [E, H, I], biases
-    [E, 2I] / [E, H]; weights are used at their own precision, computed in fp32. Returns
+    w13 [E, 2I, H] (gate then up; interleaved pairs for swigluoai; [E, I, H] of up rows for the
+    non-gated relu2), w2 [E, H, I], biases [E, 2I] / [E, H]; weights are used at their own precision, computed in fp32. Returns
     [T, H] in the input dtype.
     """
     dtype = hidden_states.dtype

@@ -234,6 +234,9 @@ SUPPORTED_MODEL_TYPES = (
     "kolibri1",  # top-k of logit + e_score_correction_bias; sigmoid(logit) at the ids; / sum if norm_topk_prob
     "hy_v4",  # noaux_tc (HYV4TopkRouter: DeepSeek-V3's, its groups default to one)
     "dbrx",  # softmax top-k / their p-norm (moe_normalize_expert_weights: 1 = the sum), its keys in ffn_config
+    "jetmoe",  # JetMoeTopKGating: top-k of the logits, softmax over those k
+    "nemotron_h",  # noaux_tc (NemotronHTopkRouter: DeepSeek-V3's, its groups default to one)
+    "longcat_flash",  # softmax over E + Z (Z identity experts); top-k of softmax + correction bias; x routed_scaling_factor
 )
 # model_type -> (n_group, topk_group, routed_scaling_factor, norm_topk_prob) defaults of the noaux_tc families
 _NOAUX_DEFAULTS = {
@@ -242,7 +245,7 @@ _NOAUX_DEFAULTS = {
     "glm_moe_dsa": (1, 1, 2.5, True), "solar_open": (1, 1, 1.0, True), "exaone_moe": (1, 1, 2.5, True),
     "dots1": (1, 1, 1.0, False), "beam": (8, 4, 2.5, True), "mimo_v2_flash": (1, 1, 1.0, True),
     "axk1": (8, 4, 2.5, True), "axk2": (1, 1, 2.5, True), "bailing_hybrid": (8, 4, 2.5, True),
-    "hy_v4": (1, 1, 2.827, True),
+    "hy_v4": (1, 1, 2.827, True), "nemotron_h": (1, 1, 1.0, True),
 }  # fmt: skip
 # softmax families: model_type -> renormalize (True/False: always, as their router does; None: norm_topk_prob, default False)
 _SOFTMAX_RENORM = {"mixtral": True, "qwen2_moe": None, "qwen3_moe": None, "olmoe": None, "qwen3_next": None,
@@ -291,6 +294,14 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
             raise UnsupportedError(f"config.json ernie4_5_moe moe_norm_min={norm_min!r}: moepack renormalizes by "
                                    "sum + 1e-20, the same only for a floor in (0, 1e-6]")  # fmt: skip
         return cls("softmax", k, renormalize=True, has_correction_bias=True, num_experts=e, model_type=mt)
+    if mt == "longcat_flash":
+        # LongcatFlashTopkRouter: softmax of the fp32 logits over the E routed and the Z identity
+        # (zero-computation) experts alike; top-k of softmax + e_score_correction_bias; the unbiased
+        # softmax at the ids, not renormalized, x routed_scaling_factor. The ids >= E are identity
+        # experts (the layer's identity_experts): num_experts here is E + Z, the router's width.
+        z = _get(config, "zero_expert_num", default=0)
+        return cls("softmax", k, has_correction_bias=True, num_experts=e + int(z),
+                   routed_scaling_factor=float(_get(config, "routed_scaling_factor", default=6.0)), model_type=mt)  # fmt: skip
     if mt == "deepseek_v4":
         # DeepseekV4TopKRouter: score_fn(logits) (scoring_func: sqrtsoftplus, or sigmoid); top-k of
         # score + e_score_correction_bias; / (sum + 1e-20) always (norm_topk_prob is not read); x
@@ -335,7 +346,7 @@ def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
         renorm = bool(_get(config, "norm_topk_prob", "moe_renormalize", default=defaults[3]))
         return cls("grouped_sigmoid", k, renormalize=renorm, num_expert_group=g, topk_group=tg,
                    routed_scaling_factor=rsf, has_correction_bias=True, num_experts=e, model_type=mt)  # fmt: skip
-    if mt in ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss", "aria_text"):
+    if mt in ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss", "aria_text", "jetmoe"):
         # top-k of the logits, softmax over those k. gpt-oss's router Linear has a bias: it is part
         # of the logits the layer computes, not a routing parameter.
         return cls("topk_softmax", k, num_experts=e, model_type=mt)

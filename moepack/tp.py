@@ -241,6 +241,8 @@ def tp_slice(packed, tp: int):
 
     if packed.tp != 1:
         raise LayoutError(f"tp_slice: the experts are already sliced for tp={packed.tp}")
+    if not packed.gated:
+        raise LayoutError(f"tp_slice: non-gated (relu2) experts: --tp slices gate and up halves, which they do not have")
     s = tp_slice_size(packed.layout, packed.intermediate, tp)
     if packed.padded_intermediate != packed.intermediate:
         raise LayoutError(f"tp_slice: padded intermediate {packed.padded_intermediate} != I={packed.intermediate}")

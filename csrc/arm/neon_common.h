@@ -268,6 +268,15 @@ struct NeonBase {
         for (; j < n; ++j) out[j] = act_swigluoai(g[j], u[j], a.alpha, a.limit);
         break;
       }
+      case Activation::relu2: {  // non-gated: g is the up row; vmaxq_f32 returns NaN when either operand is
+        const float32x4_t zero = vdupq_n_f32(0.0f);
+        for (; j + 4 <= n; j += 4) {
+          const float32x4_t r = vmaxq_f32(zero, vld1q_f32(g + j));
+          vst1q_f32(out + j, vmulq_f32(r, r));
+        }
+        for (; j < n; ++j) out[j] = act_relu2(g[j]);
+        break;
+      }
       case Activation::gelu:  // erf: scalar libm (exact GELU is rare in MoE models)
         for (; j < n; ++j) out[j] = act_gelu(g[j], u[j]);
         break;

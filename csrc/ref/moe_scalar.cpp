@@ -68,6 +68,9 @@ struct MK {
       case Activation::swigluoai:
         for (int j = 0; j < n; ++j) out[j] = act_swigluoai(g[j], u[j], a.alpha, a.limit);
         break;
+      case Activation::relu2:  // non-gated: g is the up row (the driver passes it as both)
+        for (int j = 0; j < n; ++j) out[j] = act_relu2(g[j]);
+        break;
     }
   }
 

@@ -47,7 +47,8 @@ Activation parse_activation(const std::string& s) {
   if (s == "gelu") return Activation::gelu;
   if (s == "gelu_tanh") return Activation::gelu_tanh;
   if (s == "swigluoai") return Activation::swigluoai;
-  TORCH_CHECK_VALUE(false, "activation='", s, "' is not one of silu, gelu, gelu_tanh, swigluoai");
+  if (s == "relu2") return Activation::relu2;
+  TORCH_CHECK_VALUE(false, "activation='", s, "' is not one of silu, gelu, gelu_tanh, swigluoai, relu2");
 }
 
 DType dtype_of(const at::Tensor& t, const char* name) {

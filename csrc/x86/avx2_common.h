@@ -86,6 +86,15 @@ struct Avx2Elementwise {
         for (; j < n; ++j) out[j] = act_swigluoai(g[j], u[j], a.alpha, a.limit);
         break;
       }
+      case Activation::relu2: {  // non-gated: g is the up row; vmaxps(0, NaN) keeps the NaN (second operand)
+        const __m256 zero = _mm256_setzero_ps();
+        for (; j + 8 <= n; j += 8) {
+          const __m256 r = _mm256_max_ps(zero, _mm256_loadu_ps(g + j));
+          _mm256_storeu_ps(out + j, _mm256_mul_ps(r, r));
+        }
+        for (; j < n; ++j) out[j] = act_relu2(g[j]);
+        break;
+      }
       case Activation::gelu:  // erf: scalar libm (exact GELU is rare in MoE models)
         for (; j < n; ++j) out[j] = act_gelu(g[j], u[j]);
         break;

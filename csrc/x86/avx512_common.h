@@ -303,6 +303,15 @@ struct Avx512Base {
         for (; j < n; ++j) out[j] = act_swigluoai(g[j], u[j], a.alpha, a.limit);
         break;
       }
+      case Activation::relu2: {  // non-gated: g is the up row; vmaxps(0, NaN) keeps the NaN (second operand)
+        const __m512 zero = _mm512_setzero_ps();
+        for (; j + 16 <= n; j += 16) {
+          const __m512 r = _mm512_max_ps(zero, _mm512_loadu_ps(g + j));
+          _mm512_storeu_ps(out + j, _mm512_mul_ps(r, r));
+        }
+        for (; j < n; ++j) out[j] = act_relu2(g[j]);
+        break;
+      }
       case Activation::gelu:
         for (; j < n; ++j) out[j] = act_gelu(g[j], u[j]);
         break;

@@ -22,7 +22,7 @@ from ..errors import UnsupportedError
 from ..layout import PackedLayout, layout_tensor_plan
 from ..schemes import Scheme, float_scheme, get_scheme, schemes
 from ..sources import Checkpoint, LayerSpec, SourceReader, open_source, text_config
-from ..sources.dense import FLOAT_DTYPES
+from ..sources.dense import FLOAT_DTYPES, IDENTITY_EXPERT_KEYS
 from ..sources.linears import CarriedView, check_linear, find_linears
 
 
@@ -79,12 +79,33 @@ def block_leftovers(ckpt: Checkpoint, spec: LayerSpec, consumed: set) -> list[st
             mods.add(n.rpartition(".")[0] + ".")  # the module: its quantization tensors (scales, zeros) belong to it
     for m in spec.shared.get("modules") or []:
         mods.add(m + ".")
+    leaf = _BLOCK_OUT_BIAS.get(config_model_type(ckpt))
+    if leaf:  # the block's output bias: recorded as the layer's out_bias
+        consumed = consumed | {f"{spec.prefix}.{leaf}"}
     out = []
+    ident = set(spec.identity_tensors)  # identity experts' unused gate/up rows: carried, accounted for
     for n in ckpt.tensors:
-        if not n.startswith(spec.prefix + ".") or n in consumed or any(n.startswith(m) for m in mods):
+        if not n.startswith(spec.prefix + ".") or n in consumed or n in ident or any(n.startswith(m) for m in mods):
             continue
         out.append(n)
     return sorted(out)
+
+
+# model_type -> what its MoE block computes that moepack does not run, read from the family's transformers
+# modeling code (5.24): convert refuses it naming this, before its tensors are read
+UNSUPPORTED_FEATURES = {
+    **dict.fromkeys(("gemma4", "gemma4_text"), "a MoE block woven into the decoder layer (Gemma4TextRouter normalizes "
+                    "its input with its own RMSNorm and scales, and weighs each expert by a per_expert_scale; the experts "
+                    "run beside the dense MLP between their own pre and post norms)"),
+    "zaya": "a router that is an MLP carrying its state from layer to layer (ZayaRouter's router_states) and a skip expert",
+    "inkling_text": "shared experts weighted by the router (InklingTopkRouter normalizes their logits with the routed ones)",
+    **dict.fromkeys(("inkling2_text", "inkling2_loop_text"), "a softcapped SwiGLU on the experts (mlp_gate_softcap, "
+                    "mlp_up_softcap: tanh softcaps of the gate factor and of up)"),
+}  # fmt: skip
+
+
+def config_model_type(ckpt: Checkpoint) -> str | None:
+    return text_config(ckpt.config).get("model_type")
 
 
 def routing_problem(config: dict, note: str) -> str:
@@ -92,6 +113,8 @@ def routing_problem(config: dict, note: str) -> str:
     from ..routing import SUPPORTED_MODEL_TYPES
 
     mt = config.get("model_type")
+    if mt in UNSUPPORTED_FEATURES:
+        return f"model_type={mt!r}: {UNSUPPORTED_FEATURES[mt]}: moepack does not run this family"
     if mt not in SUPPORTED_MODEL_TYPES:
         return f"model_type={mt!r}: routing: moepack does not run this family's routing (it routes {', '.join(SUPPORTED_MODEL_TYPES)})"
     return f"model_type={mt!r}: routing: {note}"
@@ -114,6 +137,22 @@ def _refuse_unknown_family(ckpt: Checkpoint) -> None:
 # decoder layer, where transformers' conversion mapping takes it from; its eps key): convert records
 # it as the layer's ``post_norm`` (format version 7), which the packed layer's forward applies.
 _POST_BLOCK_NORMS = {"axk1": ("post_mlp_layernorm", "rms_norm_eps")}
+# model_type -> the name (under the MoE block) of a bias [H] its block adds to its output (JetMoeMoE.bias):
+# convert records it as the layer's ``out_bias`` (format version 7), which the packed layer's forward adds.
+_BLOCK_OUT_BIAS = {"jetmoe": "bias"}
+
+
+def out_bias_of(ckpt: Checkpoint, config: dict, spec) -> str | None:
+    """The carried tensor convert records as ``spec``'s layer ``out_bias`` (None: the family has none,
+    or the checkpoint does not hold it). One that is not a float [H] is refused, naming it."""
+    leaf = _BLOCK_OUT_BIAS.get(config.get("model_type"))
+    name = f"{spec.prefix}.{leaf}" if leaf else None
+    if name is None or name not in ckpt.tensors:
+        return None
+    if ckpt.info(name).shape != (spec.hidden,) or ckpt.info(name).dtype_str not in FLOAT_DTYPES:
+        raise ConvertError(f"tensor {name!r} is {ckpt.info(name).dtype_str} {list(ckpt.info(name).shape)}: the bias the MoE "
+                           f"block adds to its output must be a float [{spec.hidden}]")  # fmt: skip
+    return name
 
 
 def post_norm_of(ckpt: Checkpoint, config: dict, spec) -> dict | None:
@@ -141,7 +180,9 @@ def post_norm_of(ckpt: Checkpoint, config: dict, spec) -> dict | None:
 # model_type -> the routed experts' fixed activation (aria's; its shared expert follows hidden_act)
 _ROUTED_ACTIVATION = {"aria_text": "silu", "aria": "silu"}
 
-_ZERO_EXPERT_KEYS = ("zero_expert_num", "num_zero_experts")  # longcat_flash
+# identity (zero-computation) experts: run for the families of sources.dense.IDENTITY_EXPERT_KEYS (longcat_flash),
+# refused for any other family whose config states them
+_ZERO_EXPERT_KEYS = ("zero_expert_num", "num_zero_experts")
 
 _CLAMP_KEYS = ("swiglu_limit", "swiglu_clamp", "clamp_limit")
 # model_type -> the config key of its silu experts' clamped SwiGLU (gate <= L, up in [-L, L], then
@@ -201,6 +242,8 @@ def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note:
             break
     for key in _ZERO_EXPERT_KEYS:
         v = config.get(key)
+        if key == IDENTITY_EXPERT_KEYS.get(mt):  # the family's own: recorded as each layer's identity_experts and run
+            continue
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
             out.append(f"model_type={mt!r}: {key}={v!r}: identity (zero-computation) experts, which the router may pick "
                        "and which return their input: moepack's experts are gated MLPs only")  # fmt: skip
@@ -209,6 +252,10 @@ def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note:
     if fixed and acts and acts != [fixed]:
         out.append(f"model_type={mt!r}: hidden_act={config.get('hidden_act')!r}: its routed experts are always {fixed} "
                    f"and only its shared expert follows hidden_act; moepack runs one activation per layer")  # fmt: skip
+    latent = config.get("moe_latent_size")  # nemotron_h: Linears around the experts (fc1/fc2_latent_proj)
+    if latent is not None:
+        out.append(f"model_type={mt!r}: moe_latent_size={latent!r}: a latent projection around the experts "
+                   "(fc1_latent_proj, fc2_latent_proj), which moepack does not run")  # fmt: skip
     how = config.get("shared_expert_combination_strategy")  # cohere2_moe: "sum" or "average"
     if how not in (None, "sum") and any(s.shared for s in specs):
         out.append(f"model_type={mt!r}: shared_expert_combination_strategy={how!r}: an averaged shared expert "
@@ -238,12 +285,13 @@ def _plan_layer_tensors(spec: LayerSpec, layout: PackedLayout, scheme: Scheme,
     layout's tensor plan (moepack.layout.layout_tensor_plan) for the routed experts (+ biases,
     + the act-order w13_perm), then the shared expert's (in ``shared_layout`` when it has its
     own: a float shared expert of a quantized checkpoint, kept float)."""
+    gated = spec.activation != "relu2"  # non-gated (relu2) experts: w13 holds the up rows alone
     plan = layout_tensor_plan(layout, spec.num_experts, spec.hidden, spec.intermediate, bias=spec.has_bias,
-                              perm=scheme.has_perm(spec))  # fmt: skip
+                              perm=scheme.has_perm(spec), gated=gated)  # fmt: skip
     if spec.shared:
         own = shared_layout is not None and shared_layout is not layout
         plan += layout_tensor_plan(shared_layout if own else layout, 1, spec.hidden, spec.shared["intermediate"],
-                                   perm=False if own else scheme.has_perm(spec, True), prefix="shared_")  # fmt: skip
+                                   perm=False if own else scheme.has_perm(spec, True), prefix="shared_", gated=gated)  # fmt: skip
     return [(expert_tensor_name(spec.index, t.name), getattr(torch, t.dtype), t.shape) for t in plan]
 
 
@@ -410,6 +458,10 @@ def make_plan(src: Path, lay: PackedLayout, quantize, shard_bytes: int, act_mode
     problems = runnable_problems(ckpt, config, specs, None if routing is not None else routing_note, expert_names)
     if problems:
         raise ConvertError(f"refused at convert: {problems[0]}")
+    if scheme.quantized and any(s.activation == "relu2" for s in specs):  # the packers of quantized schemes are gated
+        raise ConvertError(f"refused at convert: model_type={config.get('model_type')!r}: non-gated relu2 experts are packed "
+                           f"from float weights into the float layout only, not as {scheme.name} ({reader.name} source"
+                           f"{', --quantize' if qscheme is not None else ''})")  # fmt: skip
     for s in specs:
         silu_limit_of(config, s)  # a clamp the manifest would refuse: refused before anything is written
     pl = Plan(

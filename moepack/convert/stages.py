@@ -18,7 +18,7 @@ import torch
 from .._version import __version__
 from ..container.plan import ShardPlan
 from ..container.writer import ShardWriter
-from .plan import Plan, expert_tensor_name, post_norm_of, shared_silu_limit_of, silu_limit_of
+from .plan import Plan, expert_tensor_name, out_bias_of, post_norm_of, shared_silu_limit_of, silu_limit_of
 from ..errors import ConvertError, LayoutError
 from ..layout import layout_expert_shapes, layout_tensor_plan
 from ..manifest import FORMAT_VERSION, BLOCK_PARTS_FORMAT_VERSION
@@ -83,7 +83,7 @@ def layer_entry(pl: Plan, s: LayerSpec) -> dict:
     lay, scheme, reader = pl.layout, pl.scheme, pl.reader
     entry_tensors = {t.name: expert_tensor_name(s.index, t.name)
                      for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias,
-                                                 perm=scheme.has_perm(s))}  # fmt: skip
+                                                 perm=scheme.has_perm(s), gated=s.activation != "relu2")}  # fmt: skip
     shared_entry = None
     slay = pl.shared_layouts.get(s.index)  # a float shared expert of a quantized source: its own (float) layout
     if s.shared:
@@ -119,6 +119,10 @@ def layer_entry(pl: Plan, s: LayerSpec) -> dict:
         **({"silu_limit": sl} if (sl := silu_limit_of(pl.config, s)) is not None else {}),  # format version 6
         "interleaved": s.interleaved,
         **({"post_norm": pn} if (pn := post_norm_of(pl.ckpt, pl.config, s)) is not None else {}),  # format version 7
+        # format version 7: a bias the block adds to its output (JetMoE's mlp.bias)
+        **({"out_bias": ob} if (ob := out_bias_of(pl.ckpt, pl.config, s)) is not None else {}),
+        # format version 7: the router's ids E .. E+Z-1 are identity experts (longcat_flash's zero-computation experts)
+        **({"identity_experts": s.identity_experts} if s.identity_experts else {}),
         "layout_id": lay.id,
         "act_mode": pl.act_modes[s.index],
         "scheme": scheme.name,
@@ -134,7 +138,7 @@ def layer_entry(pl: Plan, s: LayerSpec) -> dict:
 def _shared_plan(pl: Plan, s: LayerSpec):
     """The shared expert's tensor plan (one expert), in its own layout when it has one."""
     slay = pl.shared_layouts.get(s.index)
-    return layout_tensor_plan(slay or pl.layout, 1, s.hidden, s.shared["intermediate"],
+    return layout_tensor_plan(slay or pl.layout, 1, s.hidden, s.shared["intermediate"], gated=s.activation != "relu2",
                               perm=False if slay is not None else pl.scheme.has_perm(s, True))  # fmt: skip
 
 
@@ -147,7 +151,8 @@ def write_layer(pl: Plan, s: LayerSpec, w: ShardWriter, shard: ShardPlan, fname:
     entry = layer_entry(pl, s)
     checked = lambda pack, t, role, e: _pack_checked(pack, t, s, role, e)  # noqa: E731
     packer = scheme.layer_packer(LayerSource(ckpt, reader, s, lay, checked, pl.options, error))
-    for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias, perm=scheme.has_perm(s)):
+    for t in layout_tensor_plan(lay, s.num_experts, s.hidden, s.intermediate, bias=s.has_bias, perm=scheme.has_perm(s),
+                                gated=s.activation != "relu2"):  # fmt: skip
         name = entry["tensors"][t.name]
         digest = w.write_parts(name, packer.parts(t.name))
         tensors[name] = {"file": fname, "dtype": t.dtype, "shape": list(t.shape), "sha256": digest}
@@ -226,10 +231,11 @@ def build_manifest(pl: Plan, tmp: Path | None, layers: list, tensors: dict, carr
         # (manifest_sha256, set by moepack.manifest.write_manifest); its w13_perm (3), --tp (4)
         # and shared-layout (5) features are all part of 6
         # 7 (BLOCK_PARTS_FORMAT_VERSION) only when a layer has a post_norm, a shared expert with its own
-        # silu_limit, or a shared expert running another activation than silu
+        # silu_limit, a shared expert running another activation than silu, identity experts, an out_bias or relu2 experts
         "format_version": BLOCK_PARTS_FORMAT_VERSION
         if any((e["shared"] and (e["activation"] != "silu" or "silu_limit" in e["shared"])) or e.get("post_norm")
-               for e in layers) else FORMAT_VERSION,
+               or e.get("identity_experts") or e.get("out_bias") or e["activation"] == "relu2" for e in layers)
+        else FORMAT_VERSION,
         "created_by": f"moepack {__version__}",
         "created_at": created_at,  # when the convert started (a resumed one: the first run's start)
         "source": {

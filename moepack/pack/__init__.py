@@ -58,12 +58,13 @@ class PackedExperts:
     # intermediate I/tp, rank-major; num_experts and intermediate stay the model's E and I, and
     # padded_intermediate is one slice's
     tp: int = 1
+    gated: bool = True  # False: non-gated experts (activation relu2), w13 of Ip up rows alone
 
     def __post_init__(self) -> None:
         if self.tp < 1 or self.intermediate % self.tp:
             raise LayoutError(f"tp={self.tp}: must be >= 1 and divide the intermediate size I={self.intermediate}")
         want = layout_tensor_plan(self.layout, self.num_experts * self.tp, self.hidden, self.intermediate // self.tp,
-                                  bias=True, perm="w13_perm" in self.tensors)  # fmt: skip
+                                  bias=True, perm="w13_perm" in self.tensors, gated=self.gated)  # fmt: skip
         if self.act_mode is not None and self.act_mode not in self.layout.act_modes:
             raise LayoutError(f"act_mode={self.act_mode!r}: layout {self.layout.name} runs with "
                               f"{' or '.join(self.layout.act_modes)} activations")  # fmt: skip
@@ -152,11 +153,22 @@ def _pack(weight: torch.Tensor, lay: PackedLayout, use_cpp: bool, n_padded: int 
 
 
 def pack_w13(
-    w13: torch.Tensor, *, interleaved: bool = False, layout: int | str | PackedLayout = DEFAULT_LAYOUT, use_cpp: bool = True
+    w13: torch.Tensor, *, interleaved: bool = False, layout: int | str | PackedLayout = DEFAULT_LAYOUT, use_cpp: bool = True,
+    gated: bool = True,
 ) -> torch.Tensor:
     """[E, 2I, H] canonical gate/up -> packed [E, 2*Ip, Kp(H)]: gate rows [0, I), up rows
-    [Ip, Ip + I); interleaved (gate, up) pairs are padded with zero pairs at the end instead."""
+    [Ip, Ip + I); interleaved (gate, up) pairs are padded with zero pairs at the end instead.
+    ``gated=False`` (non-gated relu2 experts): [E, I, H] up rows -> [E, Ip, Kp(H)]."""
     lay = layout_get(layout)
+    if not gated:
+        if w13.dim() != 3 or interleaved:
+            raise LayoutError(f"w13 has shape {list(w13.shape)}{' (interleaved)' if interleaved else ''}: non-gated experts' "
+                              "up rows must be 3-D [E, I, H], not interleaved")  # fmt: skip
+        check_weight_dtype("w13", w13, lay)
+        try:
+            return _pack(w13, lay, use_cpp, n_padded=layout_padded_i(lay, w13.shape[1]))
+        except ValueError as e:
+            raise LayoutError(f"w13: {e}".split("\n")[0]) from None
     if w13.dim() != 3 or w13.shape[1] % 2:
         raise LayoutError(f"w13 has shape {list(w13.shape)}: must be 3-D [E, 2I, H]")
     check_weight_dtype("w13", w13, lay)

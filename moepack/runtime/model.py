@@ -46,6 +46,9 @@ class PackedMoELayer(torch.nn.Module):
         # silu experts' clamped SwiGLU (format version 6; DeepSeek-V4's swiglu_limit), routed and shared
         self.silu_limit = float(entry["silu_limit"]) if entry.get("silu_limit") is not None else None
         self.num_experts = experts.num_experts
+        # identity (zero-computation) experts (format version 7; LongCat-Flash): the router's ids E .. E+Z-1,
+        # each returning its token times the routing weight
+        self.identity_experts = int(entry.get("identity_experts") or 0)
         self.hidden_size = experts.hidden
         self.intermediate_size = experts.intermediate
         self._model = model
@@ -66,6 +69,8 @@ class PackedMoELayer(torch.nn.Module):
         pn = entry.get("post_norm")
         self.post_norm_weight = model.tensor(pn["weight"]) if pn else None
         self.post_norm_eps = float(pn["eps"]) if pn else None
+        # a bias the block adds to its output (format version 7; JetMoE's mlp.bias): forward adds it
+        self.out_bias = model.tensor(entry["out_bias"]) if entry.get("out_bias") else None
         self.shared = None  # the shared expert as a one-expert pack, run for every token
         self.shared_gate = None  # Qwen2-MoE: sigmoid(x . gate) scales the shared expert
         sh = entry.get("shared")
@@ -82,6 +87,7 @@ class PackedMoELayer(torch.nn.Module):
                 interleaved=False,
                 tensors=model.declared_tensors(sh, slay, bias=False),
                 act_mode=experts.act_mode if slay is experts.layout else None,
+                gated=experts.gated,  # a relu2 layer's shared expert is non-gated too
             )
             if sh.get("gate"):
                 self.shared_gate = model.tensor(sh["gate"])
@@ -146,10 +152,11 @@ class PackedMoELayer(torch.nn.Module):
         """(topk_weights fp32, topk_ids int32) for ``router_logits [T, E]`` per the manifest.
         ``token_ids`` (one integer per token): required by a layer that routes by token id
         (``hash_table``: DeepSeek-V4's hash layers), ignored by the others."""
-        if router_logits.dim() != 2 or router_logits.shape[1] != self.num_experts:
-            raise UnsupportedError(
-                f"router_logits has shape {list(router_logits.shape)}: must be [tokens, E={self.num_experts}]"
-            )
+        width = self.num_experts + self.identity_experts
+        if router_logits.dim() != 2 or router_logits.shape[1] != width:
+            what = f"E={self.num_experts}" if not self.identity_experts else \
+                f"E + Z={width}: {self.num_experts} experts and {self.identity_experts} identity experts"  # fmt: skip
+            raise UnsupportedError(f"router_logits has shape {list(router_logits.shape)}: must be [tokens, {what}]")
         if self.routing is None:
             raise UnsupportedError(
                 f"layer {self.index}: the manifest has no routing config ({self._model.manifest.get('routing_note')}); "
@@ -174,9 +181,20 @@ class PackedMoELayer(torch.nn.Module):
     ) -> torch.Tensor:
         """Only the experts: ``[T, H]`` from routed tokens (``act_mode``: this call's, else
         ``self.act_mode``), with the whole expert math the manifest records (activation, its
-        swigluoai alpha / limit, a silu layer's ``silu_limit``)."""
+        swigluoai alpha / limit, a silu layer's ``silu_limit``, its identity experts: an id in
+        E .. E+Z-1 adds its token times its weight; SEMANTICS.md §2 "Identity experts")."""
         self.check_strict()
-        return run_experts(
+        z = self.identity_experts
+        if z and expert_map is not None:
+            raise UnsupportedError(f"layer {self.index} has {z} identity experts (ids {self.num_experts}..{self.num_experts + z - 1}): "
+                                   "expert_map is not taken with them (the layer maps those ids itself)")  # fmt: skip
+        if z:
+            e = self.num_experts
+            dev = hidden_states.device if hidden_states.device.type == "meta" else None
+            # the identity ids run no packed expert here (-1: their slots add nothing in the kernel)
+            expert_map = torch.cat([torch.arange(e, dtype=torch.int32, device=dev),
+                                    torch.full((z,), -1, dtype=torch.int32, device=dev)])  # fmt: skip
+        out = run_experts(
             self.packed,
             hidden_states,
             topk_weights,
@@ -188,6 +206,11 @@ class PackedMoELayer(torch.nn.Module):
             act_mode=act_mode,
             silu_limit=self.silu_limit,
         )
+        if not z:
+            return out
+        # each identity slot: weight x token (fp32 sum of the slots' weights, then one multiply-add, cast once)
+        ident = (topk_weights.float() * (topk_ids >= self.num_experts)).sum(1, keepdim=True)
+        return (out.float() + ident * hidden_states.float()).to(out.dtype)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None = None, *,
                 act_mode: str | None = None, token_ids: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -209,6 +232,8 @@ class PackedMoELayer(torch.nn.Module):
         shared = self.shared_expert(hidden_states, act_mode=act_mode)
         if shared is not None:
             out = (out.float() + shared.float()).to(hidden_states.dtype)
+        if self.out_bias is not None:  # JetMoeMoE: the combined output in the model's dtype, then + bias
+            out = out + _like(self.out_bias, out).to(out.dtype)
         return out if self.post_norm_weight is None else self.post_norm(out)
 
     def post_norm(self, out: torch.Tensor) -> torch.Tensor:
@@ -241,7 +266,8 @@ class PackedMoELayer(torch.nn.Module):
         return (
             f"index={self.index}, experts={self.num_experts}, hidden={self.hidden_size}, "
             f"intermediate={self.intermediate_size}, activation={self.activation}"
-            f"{f', silu_limit={self.silu_limit:g}' if self.silu_limit else ''}{', hash routing' if self.hash_table is not None else ''}, "
+            f"{f', silu_limit={self.silu_limit:g}' if self.silu_limit else ''}{', hash routing' if self.hash_table is not None else ''}"
+            f"{f', identity_experts={self.identity_experts}' if self.identity_experts else ''}, "
             f"layout={self.packed.layout.name}, "
             f"act_mode={self.act_mode}"
         )
@@ -302,6 +328,7 @@ class PackedModel:
             tensors=self.declared_tensors(t, lay, bias=True),
             act_mode=entry.get("act_mode"),
             tp=int(entry.get("tp", 1)),
+            gated=entry["activation"] != "relu2",  # relu2: non-gated experts, w13 of up rows alone
         )
 
     def declared_tensors(self, names: dict, lay, *, bias: bool) -> dict[str, torch.Tensor]:

@@ -34,6 +34,26 @@ _HIDDEN_KEYS = ("hidden_size", "d_model")  # d_model: DBRX
 _IN_MAJOR_FAMILIES = {"llama4", "llama4_text", "gpt_oss", "aria", "aria_text"}
 _INTERLEAVED_FAMILIES = {"gpt_oss"}
 _SWIGLUOAI_FAMILIES = {"gpt_oss", "minimax_m3_vl_text"}
+# model_type -> the module whose experts are attention experts, not MoE experts (JetMoE's mixture of attention,
+# JetMoeMoA, stores Granite-style input_linear / output_linear too): carried unchanged, run by transformers
+_ATTENTION_EXPERTS = {"jetmoe": ".self_attention.experts"}
+# non-gated experts (up -> relu(x)^2 -> down, no gate: NemotronHExperts), read as activation relu2
+_NON_GATED_FAMILIES = {"nemotron_h"}
+# model_type -> the config key of its identity (zero-computation) experts: ids E .. E+Z-1 of the router,
+# which return their input times the routing weight (LongcatFlashExperts). Their gate/up rows that
+# transformers keeps (never used) are carried unchanged; the packed layer records Z (``identity_experts``).
+IDENTITY_EXPERT_KEYS = {"longcat_flash": "zero_expert_num"}
+
+
+def identity_experts_of(config: dict) -> int:
+    """Z, the identity experts the family's routing picks after its E packed experts (0: none)."""
+    key = IDENTITY_EXPERT_KEYS.get(config.get("model_type"))
+    v = config.get(key) if key else None
+    if v is None:
+        return 0
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise SourceError(f"config.json: {key}={v!r}: the number of identity (zero-computation) experts must be an integer >= 0")
+    return v
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>weight|bias)$")
 _FUSED = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|down_proj|fc1|fc2)(?P<bias>_bias)?(?:\.weight)?$")
@@ -68,6 +88,10 @@ class LayerSpec:
     # (the int4 readers: moepack.schemes.int4.facts.Int4Facts). None for float sources and for
     # sources whose scheme needs none (int8 per channel).
     quant: object | None = None
+    # identity (zero-computation) experts routed after the E packed ones (longcat_flash), and the source
+    # tensors stored for them (transformers' unused gate/up rows): carried unchanged, never packed
+    identity_experts: int = 0
+    identity_tensors: list = field(default_factory=list)
 
 
 @dataclass
@@ -135,6 +159,12 @@ def activation_of(config: dict) -> str:
     on halves that are not interleaved)."""
     if config.get("model_type") in _SWIGLUOAI_FAMILIES:
         return "swigluoai"
+    if config.get("model_type") in _NON_GATED_FAMILIES:  # its experts' activation (its Mamba layers have their own)
+        act = config.get("mlp_hidden_act", "relu2")
+        if act != "relu2":
+            raise SourceError(f"config.json mlp_hidden_act={act!r}: moepack runs {config['model_type']}'s non-gated experts "
+                              "with relu2 only")  # fmt: skip
+        return "relu2"
     act = _cfg(config, "hidden_act", "hidden_activation", "activation_function", default="silu")
     ffn = config.get("ffn_config")  # DBRX: ffn_config.ffn_act_fn = {"name": ...} (DbrxExpertGLU's default silu)
     if isinstance(ffn, dict) and isinstance(ffn.get("ffn_act_fn"), dict):
@@ -148,7 +178,8 @@ def activation_of(config: dict) -> str:
         "gelu_fast": "gelu_tanh",
     }
     if act not in table:
-        raise SourceError(f"config.json hidden_act={act!r}: moepack runs silu, gelu, gelu_tanh (and gpt-oss swigluoai)")
+        raise SourceError(f"config.json hidden_act={act!r}: moepack runs silu, gelu, gelu_tanh (and gpt-oss swigluoai, "
+                          "Nemotron-H's non-gated relu2)")  # fmt: skip
     return table[act]
 
 
@@ -207,7 +238,10 @@ def discover_layers(ckpt: Checkpoint, weights: tuple[set, str] = DENSE_WEIGHTS) 
         raise SourceError(f"config.json: {key}={hidden!r} must be a positive integer")
 
     groups: dict[str, dict] = {}
+    attention = _ATTENTION_EXPERTS.get(model_type)
     for name, ti in ckpt.tensors.items():
+        if attention and f"{attention}." in name:
+            continue
         m = _PER_EXPERT.match(name)
         if m:
             g = groups.setdefault(m["prefix"], {"kind": "per_expert", "t": {}})
@@ -240,16 +274,18 @@ def discover_layers(ckpt: Checkpoint, weights: tuple[set, str] = DENSE_WEIGHTS) 
         raise SourceError(f"config.json: number of experts ({'/'.join(_NUM_EXPERTS_KEYS)}) is missing or not positive")
 
     act = activation_of(config)
+    z = identity_experts_of(config)
     specs = []
     for prefix, g in sorted(groups.items(), key=lambda kv: _layer_index(kv[0])):
         if g["kind"] == "per_expert":
-            specs.append(_per_expert_spec(ckpt, prefix, g["t"], num_experts, hidden, act, weights))
+            specs.append(_per_expert_spec(ckpt, prefix, g["t"], num_experts, hidden, act, weights, z))
         elif g["kind"] == "dbrx":
             specs.append(_dbrx_spec(ckpt, prefix, g["t"], num_experts, hidden, act, weights))
         else:
             specs.append(_fused_spec(ckpt, prefix, g["kind"], g["t"], num_experts, hidden, act, model_type, weights))
     seen = {}
     for s in specs:
+        s.identity_experts = z
         if s.index in seen:
             raise SourceError(f"layer {s.index} has two expert groups: {seen[s.index]!r} and {s.prefix!r}")
         seen[s.index] = s.prefix
@@ -272,24 +308,36 @@ def _check_shape(ckpt: Checkpoint, name: str, want: tuple) -> None:
         raise SourceError(f"tensor {name!r} has shape {list(got)}: expected {list(want)}")
 
 
-def _per_expert_spec(ckpt, prefix, t, num_experts, hidden, act, weights=DENSE_WEIGHTS) -> LayerSpec:
+def _per_expert_spec(ckpt, prefix, t, num_experts, hidden, act, weights=DENSE_WEIGHTS, identity: int = 0) -> LayerSpec:
+    # an identity expert's gate/up rows (transformers' LongcatFlashExperts keeps E+Z of them, unused): set aside
+    ident = sorted(n for (e, role, _), n in t.items() if num_experts <= e < num_experts + identity and role != "down")
+    t = {k: v for k, v in t.items() if v not in ident}
     ids = sorted({e for (e, _, _) in t})
     extra = [e for e in ids if e >= num_experts]
     if extra:
         names = sorted(n for (e, _, _), n in t.items() if e >= num_experts)
         raise SourceError(f"layer {prefix!r}: extra expert tensors {names[:3]} (config.json says {num_experts} experts)")
+    # non-gated (relu2) experts: up and down only (NemotronHExperts); a gate would be a part moepack does not run
+    roles = ("up", "down") if act == "relu2" else ("gate", "up", "down")
+    gates = sorted(n for (e, role, _), n in t.items() if role not in roles)
+    if gates:
+        raise SourceError(f"tensor {gates[0]!r}: the experts of this family are non-gated (relu2: up and down only)")
     for e in range(num_experts):
-        for role in ("gate", "up", "down"):
+        for role in roles:
             if (e, role, "weight") not in t:
                 raise SourceError(f"layer {prefix!r}: expert {e} has no {role} weight (config.json says {num_experts} experts)")
-    gate0 = ckpt.info(t[(0, "gate", "weight")])
+    gate0 = ckpt.info(t[(0, roles[0], "weight")])
     if len(gate0.shape) != 2:
         raise SourceError(f"tensor {gate0.name!r} has shape {list(gate0.shape)}: expected 2-D [I, H]")
     inter = gate0.shape[0]
     dtype = None
     has_bias = any(k == "bias" for (_, _, k) in t)
+    if has_bias and act == "relu2":
+        raise SourceError(f"layer {prefix!r}: non-gated (relu2) experts with biases: moepack runs them without")
     for e in range(num_experts):
         for role, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+            if role not in roles:
+                continue
             n = t[(e, role, "weight")]
             dtype = _check_dtype(ckpt, n, dtype, weights)
             _check_shape(ckpt, n, shape)
@@ -311,6 +359,7 @@ def _per_expert_spec(ckpt, prefix, t, num_experts, hidden, act, weights=DENSE_WE
         activation=act,
         names={k: v for k, v in t.items()},
         expert_tensors=sorted(t.values()),
+        identity_tensors=ident,
     )
 
 
@@ -407,7 +456,7 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
     moe = parent
     # (hy_v3 stores its router as router.gate, hunyuan_v1_moe as gate.wg)
     cands_w = [f"{moe}.gate.weight", f"{moe}.router.weight", f"{moe}.router.layer.weight", f"{moe}.router.gate.weight",
-               f"{moe}.gate.wg.weight"]  # fmt: skip
+               f"{moe}.gate.wg.weight", f"{moe}.router.classifier.weight"]  # fmt: skip
     for c in cands_w:
         if c in ckpt.tensors:
             s.router["weight"] = c
@@ -424,7 +473,9 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
                 s.router["hash"] = f"{base}.tid2eid"
             break
     # some layouts keep it beside the gate (hy_v3 as expert_bias), laguna beside the experts
-    for c in (f"{moe}.e_score_correction_bias", f"{moe}.expert_bias", f"{moe}.experts.e_score_correction_bias"):
+    # (longcat_flash: beside its router.classifier, in the router)
+    for c in (f"{moe}.e_score_correction_bias", f"{moe}.expert_bias", f"{moe}.experts.e_score_correction_bias",
+              f"{moe}.router.e_score_correction_bias"):  # fmt: skip
         if c in ckpt.tensors:
             s.router["correction_bias"] = c
     # stored outside the block, where transformers' own mapping takes it into the gate (kolibri1's
@@ -452,20 +503,22 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
     fused = f"{moe}.shared_experts.gate_up_proj.weight"
     if fused in ckpt.tensors:
         subs = [("shared_experts", ("gate_up_proj", "gate_up_proj", "down_proj"))]
+    if s.activation == "relu2":  # a non-gated shared expert (NemotronHMLP: up and down), read as gate_proj = up_proj
+        subs = [("shared_experts", ("up_proj", "up_proj", "down_proj"))]
     for sub, parts in subs:  # shared_mlp: hy_v3, hunyuan_v1_moe
         names = {p: f"{moe}.{sub}.{x}.weight" for p, x in zip(("gate_proj", "up_proj", "down_proj"), parts)}
         present = [n for n in names.values() if n in ckpt.tensors]
         if not present:
             continue
-        if len(present) != 3:
+        if len(set(present)) != len(set(names.values())):
             missing = sorted(set(names.values()) - set(present))
             raise SourceError(f"layer {s.prefix!r}: shared expert is incomplete: {missing} missing")
         g, u, d = (ckpt.info(names[p]) for p in ("gate_proj", "up_proj", "down_proj"))
-        is_fused = g.name == u.name
+        is_fused = g.name == u.name and s.activation != "relu2"
         if len(g.shape) != 2 or g.shape[1] != s.hidden or (is_fused and g.shape[0] % 2):
             want = "[2 x I_shared, H" if is_fused else "[I_shared, H"
             raise SourceError(f"tensor {g.name!r} has shape {list(g.shape)}: expected {want}={s.hidden}]")
-        si = g.shape[0] // 2 if is_fused else g.shape[0]
+        si = g.shape[0] // 2 if is_fused else g.shape[0]  # (non-gated: g is the up projection)
         _check_shape(ckpt, u.name, (2 * si if is_fused else si, s.hidden))
         _check_shape(ckpt, d.name, (s.hidden, si))
         dt = _check_dtype(ckpt, g.name, None, weights)
@@ -503,7 +556,10 @@ def read_layer(ckpt: Checkpoint, s: LayerSpec) -> CanonicalLayer:
     dt = ckpt.info(s.expert_tensors[0]).dtype
     e, h, i = s.num_experts, s.hidden, s.intermediate
     b13 = b2 = None
-    if s.kind == "per_expert":
+    if s.kind == "per_expert" and s.activation == "relu2":  # non-gated: w13 is the up rows [E, I, H]
+        w13 = torch.stack([ckpt.read(s.names[(x, "up", "weight")]) for x in range(e)])
+        w2 = torch.stack([ckpt.read(s.names[(x, "down", "weight")]) for x in range(e)])
+    elif s.kind == "per_expert":
         w13 = torch.empty(e, 2 * i, h, dtype=dt)
         w2 = torch.empty(e, h, i, dtype=dt)
         if s.has_bias:
@@ -533,8 +589,11 @@ def read_layer(ckpt: Checkpoint, s: LayerSpec) -> CanonicalLayer:
 
 
 def read_expert_w13(ckpt: Checkpoint, s: LayerSpec, e: int) -> torch.Tensor:
-    """Expert ``e``'s canonical gate/up ``[2I, H]`` (interleaved pairs if ``s.interleaved``)."""
+    """Expert ``e``'s canonical gate/up ``[2I, H]`` (interleaved pairs if ``s.interleaved``); its up
+    rows ``[I, H]`` for non-gated (relu2) experts."""
     i = s.intermediate
+    if s.kind == "per_expert" and s.activation == "relu2":
+        return ckpt.read(s.names[(e, "up", "weight")])
     if s.kind == "per_expert":
         out = torch.empty(2 * i, s.hidden, dtype=ckpt.info(s.names[(e, "gate", "weight")]).dtype)
         ckpt.read(s.names[(e, "gate", "weight")], out[:i])
@@ -577,6 +636,8 @@ def read_shared(ckpt: Checkpoint, s: LayerSpec) -> tuple[torch.Tensor, torch.Ten
     if not s.shared:
         return None
     d = ckpt.read(s.shared["down_proj"])
+    if s.activation == "relu2":  # non-gated: w13 is the up rows [1, Is, H]
+        return ckpt.read(s.shared["up_proj"])[None], d[None]
     if s.shared.get("fused"):  # one [2 x I_shared, H] tensor, gate rows then up rows: already canonical
         return ckpt.read(s.shared["gate_proj"])[None], d[None]
     g = ckpt.read(s.shared["gate_proj"])

@@ -76,7 +76,13 @@ def _expected_tensors(p: PackedExperts, want: _Want, scheme) -> dict[str, tuple[
         c["w13_bias"] = want.w13_bias
     if want.w2_bias is not None and p.w2_bias is not None:
         c["w2_bias"] = want.w2_bias
-    spec = scheme.pack(c, interleaved=p.interleaved, layout=p.layout, use_cpp=False)
+    if p.gated:
+        spec = scheme.pack(c, interleaved=p.interleaved, layout=p.layout, use_cpp=False)
+    else:  # non-gated (relu2) experts: float only (convert refuses them in a quantized scheme), w13 the up rows
+        from ..pack import pack_w2, pack_w13
+
+        t = {"w13": pack_w13(c["w13"], layout=p.layout, use_cpp=False, gated=False), "w2": pack_w2(c["w2"], layout=p.layout, use_cpp=False)}
+        spec = PackedExperts(p.layout, p.num_experts, p.hidden, p.intermediate, p.padded_intermediate, False, t, gated=False)
     return {
         name: (unpacked_values(got, name, p), unpacked_values(spec.tensors[name], name, p))
         for name, got in p.tensors.items()
@@ -139,10 +145,11 @@ def _compare(p: PackedExperts, names: dict, want: _Want, what: str, results: dic
     ``p``/``want`` may be a block of a layer's experts (from ``e0``, of ``experts``): a tensor is
     equal when every block's part is, and named once, at its first differing block."""
     e, h, i = p.num_experts, p.hidden, p.intermediate
-    if tuple(want.w13.shape) != (e, 2 * i, h) or tuple(want.w2.shape) != (e, h, i):
+    r = 2 if p.gated else 1  # w13 rows per intermediate column: gate and up, or up alone (relu2)
+    if tuple(want.w13.shape) != (e, r * i, h) or tuple(want.w2.shape) != (e, h, i):
         problems.append(
             f"the source's {what}: w13 {list(want.w13.shape)}, w2 {list(want.w2.shape)}; the packed {what}: "
-            f"E={e}, H={h}, I={i} (w13 [{e}, {2 * i}, {h}], w2 [{e}, {h}, {i}]): shapes must agree"
+            f"E={e}, H={h}, I={i} (w13 [{e}, {r * i}, {h}], w2 [{e}, {h}, {i}]): shapes must agree"
         )
         results.update({names[r]: False for r in ("w13", "w2")})
         return False
@@ -243,11 +250,11 @@ def _packed_block(model: PackedModel, layer, e0: int, e1: int, rank_problems: di
                 rank_problems.setdefault(names[role], msg)
         return tp_unslice(PackedExperts(layout=p.layout, num_experts=e1 - e0, hidden=p.hidden, intermediate=p.intermediate,
                                         padded_intermediate=p.padded_intermediate, interleaved=p.interleaved,
-                                        tensors=tensors, act_mode=p.act_mode, tp=p.tp))  # fmt: skip
+                                        tensors=tensors, act_mode=p.act_mode, tp=p.tp, gated=p.gated))  # fmt: skip
     tensors = {role: read_rows(model, names[role], e0, e1) for role in p.tensors}
     return PackedExperts(layout=p.layout, num_experts=e1 - e0, hidden=p.hidden, intermediate=p.intermediate,
                          padded_intermediate=p.padded_intermediate, interleaved=p.interleaved, tensors=tensors,
-                         act_mode=p.act_mode)  # fmt: skip
+                         act_mode=p.act_mode, gated=p.gated)  # fmt: skip
 
 
 def _source_block(ckpt, reader, spec, scheme, layout, e0: int, e1: int, biases, options=None) -> _Want:

@@ -27,7 +27,8 @@ def check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | Non
     Returns one line per difference (empty: the same model); ``notes`` gets what passed but must
     be reported (a layer run in a deliberate ``--act-mode`` other than the source's meaning)."""
     notes = notes if notes is not None else []
-    from ..convert.plan import routing_for, swiglu_params, post_norm_of, runnable_problems, shared_silu_limit_of, silu_limit_of
+    from ..convert.plan import (out_bias_of, post_norm_of, routing_for, runnable_problems, shared_silu_limit_of, silu_limit_of,
+                                swiglu_params)  # fmt: skip
     from ..sources import text_config
 
     out = []
@@ -55,6 +56,8 @@ def check_model(model: PackedModel, ckpt, reader, specs: dict, notes: list | Non
             "limit": (limit, e.get("limit", 7.0)),
             "silu_limit (clamped SwiGLU)": (silu_limit_of(config, s), e.get("silu_limit")),
             "post_norm (a norm after the block)": (post_norm_of(ckpt, config, s), e.get("post_norm")),
+            "identity_experts (zero-computation experts)": (s.identity_experts, e.get("identity_experts") or 0),
+            "out_bias (a bias added to the block's output)": (out_bias_of(ckpt, config, s), e.get("out_bias")),
             "interleaved": (s.interleaved, e["interleaved"]),
             "biases": (s.has_bias, "w13_bias" in e["tensors"] or "w2_bias" in e["tensors"]),
             "act-order w13_perm": (scheme.has_perm(s), "w13_perm" in e["tensors"]),

@@ -136,7 +136,8 @@ int main(int argc, char** argv) {
   timed("test_nv4_hooks", [&] { test_nv4_hooks(runnable_registrars()); });
   timed("test_swiglu_nan", [&] { test_swiglu_nan(); });
 
-  const Activation acts[4] = {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::swigluoai};
+  const Activation acts[5] = {Activation::silu, Activation::gelu, Activation::gelu_tanh, Activation::swigluoai,
+                              Activation::relu2};
   const DType dts[3] = {DType::f32, DType::bf16, DType::f16};
   struct Shape {
     int H, I;

@@ -53,7 +53,8 @@ def test_matrix_is_what_it_claims():
     # the code-path axes are a full product
     seen = {tuple(r[n] for n in FULL_PRODUCT_AXES) for r in ROWS}
     assert len(seen) == 3 * 5 * 3
-    assert len(ACTIVATIONS) == 5 and {v["activation"] for v in ACTIVATIONS.values()} == set(moepack._ops.ACTIVATIONS)
+    # every gated activation (the non-gated relu2, whose w13 has no gate half, is tests/engine/test_relu2.py's)
+    assert len(ACTIVATIONS) == 5 and {v["activation"] for v in ACTIVATIONS.values()} == set(moepack._ops.ACTIVATIONS) - {"relu2"}
 
 
 @dataclass

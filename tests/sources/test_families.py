@@ -193,14 +193,16 @@ def _refused(tmp_path: Path, t: dict, cfg: dict, pattern: str) -> None:
     assert not (tmp_path / "dst").exists()
 
 
-def test_a_family_whose_routing_moepack_lacks_is_refused_before_its_tensors(tmp_path):
-    """nemotron_h's non-gated experts used to be refused as "expert 0 has no gate weight": the family's
-    routing is the first thing convert cannot run, and the refusal says so."""
-    p = "backbone.layers.0.mixer"
-    t = {f"{p}.gate.weight": _t(E, H), **{f"{p}.experts.{e}.up_proj.weight": _t(I, H) for e in range(E)},
-         **{f"{p}.experts.{e}.down_proj.weight": _t(H, I) for e in range(E)}}  # fmt: skip
-    _refused(tmp_path, t, {"model_type": "nemotron_h", "hidden_size": H, "n_routed_experts": E, "num_experts_per_tok": 2},
-             r"^refused at convert: model_type='nemotron_h': routing: moepack does not run this family's routing")
+def test_a_family_whose_block_moepack_lacks_is_refused_before_its_tensors(tmp_path):
+    """What a family's block computes that moepack does not run is the first thing convert names
+    (nemotron_h's non-gated experts used to be refused as "expert 0 has no gate weight")."""
+    p = "model.layers.0.mlp"
+    t = {f"{p}.router.weight": _t(E, H), f"{p}.experts.gate_up_proj": _t(E, 2 * I, H), f"{p}.experts.down_proj": _t(E, H, I)}
+    _refused(tmp_path, t, {"model_type": "zaya", "hidden_size": H, "num_experts": E, "num_experts_per_tok": 1},
+             r"^refused at convert: model_type='zaya': a router that is an MLP carrying its state .*: moepack does not run this family$")
+    # a family moepack knows nothing of is refused for its routing
+    _refused(tmp_path / "other", t, {"model_type": "no_such_moe", "hidden_size": H, "num_experts": E, "num_experts_per_tok": 2},
+             r"^refused at convert: model_type='no_such_moe': routing: moepack does not run this family's routing")
 
 
 def test_a_clamped_swiglu_on_silu_experts_is_refused(tmp_path):
@@ -266,6 +268,183 @@ def test_identity_experts_are_refused(tmp_path):
     route among fewer and never return the input."""
     t, c = _qwen3(zero_expert_num=2)
     _refused(tmp_path, t, c, r"model_type='qwen3_moe': zero_expert_num=2: identity \(zero-computation\) experts")
+
+
+Z = 2  # longcat_flash's identity experts in the checkpoints below
+
+
+def _longcat(tmp_path) -> tuple[Path, dict]:
+    """A longcat_flash checkpoint as transformers saves it: per-expert weights of E experts, gate/up rows
+    (no down) for the Z identity experts (LongcatFlashExperts keeps E + Z of them, never used), a router
+    classifier [E + Z, H] and its correction bias [E + Z]."""
+    p = "model.layers.0.mlp"
+    t = {f"{p}.router.classifier.weight": _t(E + Z, H, seed=1) * 4, f"{p}.router.e_score_correction_bias": _t(E + Z, seed=2)}
+    for e in range(E + Z):
+        t[f"{p}.experts.{e}.gate_proj.weight"] = _t(I, H, seed=10 + e)
+        t[f"{p}.experts.{e}.up_proj.weight"] = _t(I, H, seed=20 + e)
+        if e < E:
+            t[f"{p}.experts.{e}.down_proj.weight"] = _t(H, I, seed=30 + e)
+    cfg = {"model_type": "longcat_flash", "hidden_size": H, "n_routed_experts": E, "zero_expert_num": Z,
+           "num_experts_per_tok": 2, "expert_ffn_hidden_size": I, "hidden_act": "silu", "num_layers": 1,
+           "routed_scaling_factor": 6.0}  # fmt: skip
+    return _write(tmp_path / "src", t, cfg), t
+
+
+def test_longcat_identity_experts_are_recorded_run_and_verified(tmp_path):
+    """longcat_flash's router picks among E experts and Z identity (zero-computation) experts, ids
+    E .. E+Z-1, which return the token times its routing weight: convert packs the E, records Z as the
+    layer's identity_experts (format version 7) and carries the identity experts' unused gate/up rows
+    unchanged; the layer equals transformers' LongcatFlashMoE (identity slots included), verify --source
+    passes it, and fails a pack whose identity_experts is gone; the manifest sealed as version 6 is refused."""
+    from transformers import LongcatFlashConfig
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMoE
+
+    src, t = _longcat(tmp_path)
+    moepack.convert(src, tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=src, tokens=2).ok
+    m = json.loads((tmp_path / "dst" / "moepack.json").read_text())
+    assert m["format_version"] == 7 and m["layers"][0]["identity_experts"] == Z and m["layers"][0]["num_experts"] == E
+    assert m["routing"]["num_experts"] == E + Z and m["routing"]["method"] == "softmax" and not m["routing"]["renormalize"]
+    kept = [f"model.layers.0.mlp.experts.{e}.{w}_proj.weight" for e in range(E, E + Z) for w in ("gate", "up")]
+    assert all(n in m["tensors"] and not n.startswith("moepack.") for n in kept)  # carried as stored
+    layer = moepack.open(tmp_path / "dst").layers[0]
+    x = torch.randn(64, H, generator=torch.Generator().manual_seed(3))
+    w, ids = layer.route(layer.router_logits(x), x)
+    assert bool((ids >= E).any()) and bool((ids < E).any())  # both kinds of slot are exercised
+    cfg = LongcatFlashConfig(hidden_size=H, n_routed_experts=E, zero_expert_num=Z, num_experts_per_tok=2,
+                             expert_ffn_hidden_size=I, routed_scaling_factor=6.0)  # fmt: skip
+    block = LongcatFlashMoE(cfg).float().eval()
+    p = "model.layers.0.mlp"
+    with torch.no_grad():
+        block.router.classifier.weight.copy_(t[f"{p}.router.classifier.weight"].float())
+        block.router.e_score_correction_bias.copy_(t[f"{p}.router.e_score_correction_bias"].float())
+        for e in range(E + Z):
+            block.experts.gate_up_proj[e].copy_(torch.cat([t[f"{p}.experts.{e}.{w}_proj.weight"] for w in ("gate", "up")]).float())
+            if e < E:
+                block.experts.down_proj[e].copy_(t[f"{p}.experts.{e}.down_proj.weight"].float())
+        want = block(x[None])[0]
+    got = layer(x)
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    # experts() computes the identity slots too: a token routed to identity experts only is its input times their weights
+    only = torch.tensor([[E, E + 1]], dtype=torch.int32)
+    torch.testing.assert_close(layer.experts(x[:1], torch.tensor([[0.25, 0.5]]), only), 0.75 * x[:1])
+    with pytest.raises(MoepackError, match=r"identity experts .*expert_map is not taken"):
+        layer.experts(x, w, ids, expert_map=torch.arange(E + Z, dtype=torch.int32))
+    edited, as_v6 = _edited_copies(tmp_path / "dst", lambda m: m["layers"][0].pop("identity_experts"))
+    with pytest.raises(MoepackError, match=r"layers\[0\]\.num_experts.*must equal routing\.num_experts=6"):
+        moepack.open(edited)
+    with pytest.raises(MoepackError, match=r"layers\[0\]\.identity_experts.*needs format_version 7"):
+        moepack.open(as_v6)
+
+
+def test_longcat_refuses_a_down_projection_for_an_identity_expert(tmp_path):
+    """An identity expert returns its input: a checkpoint that stores a down projection for one of the
+    ids E .. E+Z-1 holds an expert moepack would not run, and is refused naming the tensor."""
+    src, t = _longcat(tmp_path)
+    t[f"model.layers.0.mlp.experts.{E}.down_proj.weight"] = _t(H, I)
+    _write(src, t, json.loads((src / "config.json").read_text()))
+    with pytest.raises(SourceError, match=rf"extra expert tensors \['model.layers.0.mlp.experts.{E}.down_proj.weight'\]"):
+        moepack.convert(src, tmp_path / "dst")
+
+
+def _nemotron_h(tmp_path, **cfg) -> tuple[Path, dict, dict]:
+    """A nemotron_h checkpoint: non-gated per-expert up/down, an fp32 router and correction bias, a
+    non-gated shared expert (NemotronHMLP: up and down), under backbone.layers.<n>.mixer."""
+    p = "backbone.layers.0.mixer"
+    t = {f"{p}.gate.weight": _t(E, H, seed=1).float() * 4, f"{p}.gate.e_score_correction_bias": _t(E, seed=2).float(),
+         f"{p}.shared_experts.up_proj.weight": _t(I, H, seed=3), f"{p}.shared_experts.down_proj.weight": _t(H, I, seed=4)}
+    for e in range(E):
+        t[f"{p}.experts.{e}.up_proj.weight"] = _t(I, H, seed=10 + e) * 4
+        t[f"{p}.experts.{e}.down_proj.weight"] = _t(H, I, seed=20 + e)
+    c = {"model_type": "nemotron_h", "hidden_size": H, "n_routed_experts": E, "num_experts_per_tok": 2,
+         "moe_intermediate_size": I, "moe_shared_expert_intermediate_size": I, "mlp_hidden_act": "relu2",
+         "n_group": 1, "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 2.5, "num_hidden_layers": 1, **cfg}
+    return _write(tmp_path / "src", t, c), t, c
+
+
+def test_nemotron_h_runs_its_non_gated_relu2_experts(tmp_path):
+    """nemotron_h's experts and shared expert are non-gated (up -> relu(x)^2 -> down): convert packs
+    w13 as the up rows alone (activation relu2, format version 7), the layer equals transformers'
+    NemotronHMoE (noaux_tc routing, shared expert added), verify --source passes it; the manifest
+    sealed as version 6 is refused; a gate tensor, a latent projection and a quantized target are
+    refused at convert."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+
+    src, t, c = _nemotron_h(tmp_path)
+    moepack.convert(src, tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=src, tokens=2).ok
+    m = json.loads((tmp_path / "dst" / "moepack.json").read_text())
+    e0 = m["layers"][0]
+    assert m["format_version"] == 7 and e0["activation"] == "relu2" and e0["shared"]["intermediate"] == I
+    ip = e0["padded_intermediate"]
+    assert m["tensors"][e0["tensors"]["w13"]]["shape"][:2] == [E, ip]  # Ip rows: no gate half
+    layer = moepack.open(tmp_path / "dst").layers[0]
+    cfg = NemotronHConfig(hidden_size=H, n_routed_experts=E, num_experts_per_tok=2, moe_intermediate_size=I,
+                          moe_shared_expert_intermediate_size=I, n_group=1, topk_group=1, routed_scaling_factor=2.5)  # fmt: skip
+    block = NemotronHMoE(cfg).float().eval()
+    p = "backbone.layers.0.mixer"
+    with torch.no_grad():
+        block.gate.weight.copy_(t[f"{p}.gate.weight"])
+        block.gate.e_score_correction_bias.copy_(t[f"{p}.gate.e_score_correction_bias"])
+        for e in range(E):
+            block.experts.up_proj[e].copy_(t[f"{p}.experts.{e}.up_proj.weight"].float())
+            block.experts.down_proj[e].copy_(t[f"{p}.experts.{e}.down_proj.weight"].float())
+        block.shared_experts.up_proj.weight.copy_(t[f"{p}.shared_experts.up_proj.weight"].float())
+        block.shared_experts.down_proj.weight.copy_(t[f"{p}.shared_experts.down_proj.weight"].float())
+        x = torch.randn(1, 11, H, generator=torch.Generator().manual_seed(4))
+        want = block(x)[0]
+    got = layer(x[0])
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    _, as_v6 = _edited_copies(tmp_path / "dst", lambda m: None)
+    with pytest.raises(MoepackError, match=r"layers\[0\]\.activation='relu2'.*needs format_version 7"):
+        moepack.open(as_v6)
+    with pytest.raises(ConvertError, match=r"non-gated relu2 experts are packed from float weights into the float layout only"):
+        moepack.convert(src, tmp_path / "q", quantize="int8")
+    _refused(tmp_path / "latent", t, {**c, "moe_latent_size": 8}, r"moe_latent_size=8: a latent projection around the experts")
+    t[f"{p}.experts.0.gate_proj.weight"] = _t(I, H)
+    with pytest.raises(SourceError, match=r"experts.0.gate_proj.weight'.*non-gated \(relu2: up and down only\)"):
+        moepack.convert(_write(tmp_path / "gated", t, c), tmp_path / "g")
+
+
+def test_jetmoe_output_bias_is_recorded_applied_and_verified(tmp_path):
+    """JetMoeMoE adds a bias [H] to its combined output (mlp.bias) and keeps Granite-style experts
+    (input_linear, output_linear) in the block itself; its attention experts (JetMoeMoA) use the same
+    names under self_attention.experts: convert packs the MLP's experts only, records the bias as the
+    layer's out_bias (format version 7), carries the attention experts; the layer equals transformers'
+    JetMoeMoE; verify --source fails a pack without the bias, and the manifest sealed as version 6 is refused."""
+    from transformers import JetMoeConfig
+    from transformers.models.jetmoe.modeling_jetmoe import JetMoeMoE
+
+    p, a = "model.layers.0.mlp", "model.layers.0.self_attention.experts"
+    t = {f"{p}.router.layer.weight": _t(E, H, seed=1) * 4, f"{p}.input_linear.weight": _t(E, 2 * I, H, seed=2) * 4,
+         f"{p}.output_linear.weight": _t(E, H, I, seed=3), f"{p}.bias": _t(H, seed=4),
+         f"{a}.router.layer.weight": _t(E, H, seed=5), f"{a}.input_linear.weight": _t(E, I, H, seed=6),
+         f"{a}.output_linear.weight": _t(E, H, I, seed=7), f"{a}.bias": _t(H, seed=8)}  # fmt: skip
+    c = {"model_type": "jetmoe", "hidden_size": H, "num_local_experts": E, "num_experts_per_tok": 2, "intermediate_size": I,
+         "activation_function": "silu", "num_hidden_layers": 1}  # fmt: skip
+    src = _write(tmp_path / "src", t, c)
+    moepack.convert(src, tmp_path / "dst")
+    assert moepack.verify(tmp_path / "dst", source=src, tokens=2).ok
+    m = json.loads((tmp_path / "dst" / "moepack.json").read_text())
+    assert m["format_version"] == 7 and m["layers"][0]["out_bias"] == f"{p}.bias" and [e["prefix"] for e in m["layers"]] == [p]
+    assert all(n in m["tensors"] for n in t if n.startswith(a))  # the attention experts, carried as stored
+    cfg = JetMoeConfig(hidden_size=H, num_local_experts=E, num_experts_per_tok=2, intermediate_size=I)
+    block = JetMoeMoE(cfg).float().eval()
+    with torch.no_grad():
+        block.router.layer.weight.copy_(t[f"{p}.router.layer.weight"].float())
+        block.input_linear.weight.copy_(t[f"{p}.input_linear.weight"].float())
+        block.output_linear.weight.copy_(t[f"{p}.output_linear.weight"].float())
+        block.bias.copy_(t[f"{p}.bias"].float())
+        x = torch.randn(1, 9, H, generator=torch.Generator().manual_seed(5))
+        want = block(x)[0]
+    got = moepack.open(tmp_path / "dst").layers[0](x[0])
+    assert float((got - want).norm() / want.norm()) < 1e-5
+    edited, as_v6 = _edited_copies(tmp_path / "dst", lambda m: m["layers"][0].pop("out_bias"))
+    rep = moepack.verify(edited, source=src, tokens=2)
+    assert any("layer 0 out_bias (a bias added to the block's output): pack None" in line for line in rep.model), rep.model
+    with pytest.raises(MoepackError, match=r"layers\[0\]\.out_bias.*needs format_version 7 .*would not add it"):
+        moepack.open(as_v6)
 
 
 def _edited_copies(dst: Path, edit) -> tuple[Path, Path]:

@@ -29,7 +29,8 @@ inline void advise_huge_pages(void* p, size_t bytes) {
 const char* isa_name(Isa isa);
 
 enum class DType : int32_t { f32 = 0, bf16 = 1, f16 = 2 };
-enum class Activation : int32_t { silu = 0, gelu = 1, gelu_tanh = 2, swigluoai = 3 };
+// relu2: non-gated experts (Nemotron-H): w13 holds the up rows only ([E, Ip, Kp]), a = relu(up)^2
+enum class Activation : int32_t { silu = 0, gelu = 1, gelu_tanh = 2, swigluoai = 3, relu2 = 4 };
 // How a kernel wants its GEMM A rows (activations, intermediate): fp32, or bf16 bits (only
 // for bf16 inputs, whose values are exactly bf16).
 enum class RowFormat : int32_t { f32 = 0, bf16 = 1 };
@@ -54,7 +55,8 @@ struct PackedWeight {
 //   x            [T, H] (x_stride)        activations, dtype
 //   out          [T, H] (H)               result, dtype
 //   w13          per the layout over [E, 2*Ip, Kp(H)] (layout_shapes.h: w13_dims); packed rows
-//                gate then up, or interleaved (gate, up) pairs when `interleaved`
+//                gate then up, or interleaved (gate, up) pairs when `interleaved`; [E, Ip, Kp(H)]
+//                of up rows alone for the non-gated relu2
 //   w2           per the layout over [E, Np(H), Ip] (w2_dims)
 //   b13, b2      [E, 2*Ip], [E, Np(H)]    fp32 biases in packed row order, or null
 //   topk_weights [T, k] fp32, topk_ids [T, k] int32 (global expert ids)

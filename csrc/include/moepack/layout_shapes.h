@@ -18,9 +18,9 @@ struct WeightDims {
   int64_t kp;
 };
 // w13 of a layer with hidden size H and padded intermediate Ip: [2*Ip, Kp(H)] (gate then up, or
-// interleaved pairs); w2: [Np(H), Ip].
-constexpr WeightDims w13_dims(const LayoutDesc& L, int64_t hidden, int64_t ip) {
-  return {2 * ip, round_up_to(hidden, L.k_pack)};
+// interleaved pairs), [Ip, Kp(H)] for non-gated experts (up rows alone: relu2); w2: [Np(H), Ip].
+constexpr WeightDims w13_dims(const LayoutDesc& L, int64_t hidden, int64_t ip, bool gated = true) {
+  return {gated ? 2 * ip : ip, round_up_to(hidden, L.k_pack)};
 }
 constexpr WeightDims w2_dims(const LayoutDesc& L, int64_t hidden, int64_t ip) {
   return {round_up_to(hidden, L.block_n), round_up_to(ip, L.k_pack)};

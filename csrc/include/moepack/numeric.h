@@ -84,6 +84,11 @@ static inline float act_gelu_tanh(float g, float u) {
   const float c = 0.7978845608028654f;  // sqrt(2/pi)
   return 0.5f * g * (1.0f + std::tanh(c * (g + 0.044715f * g * g * g))) * u;
 }
+// Non-gated relu^2 (Nemotron-H's relu2): relu(x)^2, a NaN stays NaN as torch.relu keeps it.
+static inline float act_relu2(float x) {
+  const float r = x > 0.0f ? x : (x == x ? 0.0f : x);
+  return r * r;
+}
 // Clamps as torch.clamp does: a NaN stays NaN (std::fmin/fmax would return the limit).
 static inline float act_swigluoai(float g, float u, float alpha, float limit) {
   g = g > limit ? limit : g;

@@ -525,7 +525,8 @@ class MoepackMoEMethod(FusedMoEMethodBase):
         act = getattr(layer.activation, "value", str(layer.activation))
         if act != self.activation:
             raise UnsupportedError(f"{where}: activation {self.activation!r} in {MANIFEST}, vLLM's layer has {act!r}")
-        for key, what in (("silu_limit", "a clamped SwiGLU"), ("hash", "routing by token id"), ("post_norm", "a norm after the block")):
+        for key, what in (("silu_limit", "a clamped SwiGLU"), ("hash", "routing by token id"), ("post_norm", "a norm after the block"),
+                          ("identity_experts", "zero-computation experts"), ("out_bias", "a bias added to the block's output")):  # fmt: skip
             v = e.get(key) if key != "hash" else (e.get("router") or {}).get(key)
             if v:  # DeepSeek-V4's (format version 6): vLLM's layer would run without it
                 raise UnsupportedError(f"{where}: {key}={v!r} in {MANIFEST} ({what}): the moepack vLLM plugin does not run it")

@@ -20,7 +20,11 @@ class DenseLayer(LayerPacker):
 
     def parts(self, name: str):
         src, s, lay = self.src, self.spec, self.layout
-        if name == "w13":
+        if name == "w13" and s.activation == "relu2":  # non-gated: the up rows alone ([I, H])
+            for e in range(s.num_experts):
+                yield src.checked(lambda t: pack_w13(t, layout=lay, gated=False), src.reader.read_expert_w13(src.ckpt, s, e)[None],
+                                  "w13", e)  # fmt: skip
+        elif name == "w13":
             for e in range(s.num_experts):
                 w = src.reader.read_expert_w13(src.ckpt, s, e)[None]
                 pieces = src.checked(lambda t: pack_w13_pieces(t, interleaved=s.interleaved, layout=lay), w, "w13", e)
@@ -38,10 +42,11 @@ class DenseLayer(LayerPacker):
         if pair is None:
             return None
         sw13, sw2 = pair
-        w13 = src.checked(lambda t: pack_w13(t, layout=lay), sw13, "shared_w13", 0)
+        gated = s.activation != "relu2"  # a relu2 layer's shared expert is non-gated too (NemotronHMLP)
+        w13 = src.checked(lambda t: pack_w13(t, layout=lay, gated=gated), sw13, "shared_w13", 0)
         w2 = src.checked(lambda t: pack_w2(t, layout=lay), sw2, "shared_w2", 0)
         si = sw2.shape[-1]
-        return PackedExperts(lay, 1, s.hidden, si, w2.shape[-1], False, {"w13": w13, "w2": w2})
+        return PackedExperts(lay, 1, s.hidden, si, w2.shape[-1], False, {"w13": w13, "w2": w2}, gated=gated)
 
 
 def pack_dense(
