@@ -275,6 +275,85 @@ static inline void gemm_e2m1a16_f32_rows(const float* const* x, int m, const uin
   }
 }
 
+// ---- W4A16, many fp32 rows: the block decoded once per K slice, the scale inside the K loop ----
+// For more rows than the tiles above take: a K slice of the block (kE2m1SliceK K, whole groups) is
+// decoded once by unpack_mx4_avx2 into the dense bf16_n32k2 block (exact, 16 KiB) and its groups'
+// fp32 scales (Sc::a16) into a small table; every row of the call then runs against it in tiles of
+// MR rows x 16 columns: per group the partial sums p = x . e2m1(q_g) stay in registers (one FMA
+// chain per 8 columns: the K pair's even then odd weight, as the dense gemm2), and one FMA per 8
+// columns adds p * s to C in memory. The grouped-decode path's operations per group, without its
+// per-group stores and scale loop; its decode serves every row of the call as the grouped path's
+// does. A row tile's slice (4 rows x 1 KiB) stays in L1 across the two column halves.
+constexpr int64_t kE2m1SliceK = 256;  // K per decoded slice: 128 pairs x 64 bf16 words = 16 KiB
+constexpr int kE2m1TileRows = 4;      // MR: 2 * MR accumulators + 4 weights + 2 row values <= 16 ymm
+
+// MR rows (x[r] + k1: the slice's first K) x the 16 columns 16h..16h+15 of the decoded slice w
+// (kk K, a multiple of 8), groups of G (the last one may be partial); sg[gi * 32 + n]: group gi's
+// fp32 scales. C[r * 32 + n] += the slice's groups, in order.
+template <int MR, int G>
+static inline void gemm_e2m1a16_slice_tile(const float* const* x, int64_t k1, int64_t kk, const uint16_t* w, const float* sg,
+                                           int h, float* C) {
+  const __m256i hi = _mm256_set1_epi32(int(0xffff0000u));
+  const float* xr[MR];
+  for (int r = 0; r < MR; ++r) xr[r] = x[r] + k1;
+  for (int64_t gk = 0, gi = 0; gk < kk; gk += G, ++gi) {
+    const int64_t gend = gk + G < kk ? gk + G : kk;
+    __m256 p[MR][2];
+    for (int r = 0; r < MR; ++r) p[r][0] = p[r][1] = _mm256_setzero_ps();
+    for (int64_t k = gk; k < gend; k += 2) {
+      const __m256i* b = reinterpret_cast<const __m256i*>(w + k / 2 * 64) + 2 * h;
+      const __m256i w0 = _mm256_load_si256(b), w1 = _mm256_load_si256(b + 1);
+      const __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(w0, hi));
+      const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(w1, hi));
+      for (int r = 0; r < MR; ++r) {
+        const __m256 x0 = _mm256_broadcast_ss(xr[r] + k), x1 = _mm256_broadcast_ss(xr[r] + k + 1);
+        p[r][0] = _mm256_fmadd_ps(o0, x1, _mm256_fmadd_ps(e0, x0, p[r][0]));
+        p[r][1] = _mm256_fmadd_ps(o1, x1, _mm256_fmadd_ps(e1, x0, p[r][1]));
+      }
+    }
+    const float* s = sg + gi * 32 + 16 * h;
+    const __m256 s0 = _mm256_load_ps(s), s1 = _mm256_load_ps(s + 8);
+    for (int r = 0; r < MR; ++r) {
+      float* c = C + r * 32 + 16 * h;
+      _mm256_storeu_ps(c, _mm256_fmadd_ps(p[r][0], s0, _mm256_loadu_ps(c)));
+      _mm256_storeu_ps(c + 8, _mm256_fmadd_ps(p[r][1], s1, _mm256_loadu_ps(c + 8)));
+    }
+  }
+}
+
+template <int MR, int G>
+static inline void gemm_e2m1a16_slice_rows(const float* const* x, int64_t k1, int64_t kk, const uint16_t* w, const float* sg,
+                                           float* C) {
+  for (int h = 0; h < 2; ++h) gemm_e2m1a16_slice_tile<MR, G>(x, k1, kk, w, sg, h, C);
+}
+
+// C[m, 32] for any m fp32 rows (kp a multiple of 8), the slices in K order.
+template <class Sc>
+static inline void gemm_e2m1a16_f32_many(const float* const* x, int m, const uint8_t* codes, int64_t kp, const Sc& sc, float* C) {
+  constexpr int G = Sc::kGroup;
+  static_assert(kE2m1SliceK % G == 0, "a slice is whole groups");
+  alignas(64) uint16_t w[kE2m1SliceK * 32];
+  alignas(64) float sg[kE2m1SliceK / G * 32];
+  for (int i = 0; i < m * 32; ++i) C[i] = 0.0f;
+  for (int64_t k1 = 0; k1 < kp; k1 += kE2m1SliceK) {
+    const int64_t kk = kp - k1 < kE2m1SliceK ? kp - k1 : kE2m1SliceK;
+    unpack_mx4_avx2(codes, k1, kk, w);
+    for (int64_t gi = 0; gi * G < kk; ++gi) {
+      __m256 s[4];
+      sc.a16(k1 / G + gi, s);
+      for (int q = 0; q < 4; ++q) _mm256_store_ps(sg + gi * 32 + 8 * q, s[q]);
+    }
+    int i = 0;
+    for (; i + kE2m1TileRows <= m; i += kE2m1TileRows) gemm_e2m1a16_slice_rows<kE2m1TileRows, G>(x + i, k1, kk, w, sg, C + i * 32);
+    switch (m - i) {
+      case 1: gemm_e2m1a16_slice_rows<1, G>(x + i, k1, kk, w, sg, C + i * 32); break;
+      case 2: gemm_e2m1a16_slice_rows<2, G>(x + i, k1, kk, w, sg, C + i * 32); break;
+      case 3: gemm_e2m1a16_slice_rows<3, G>(x + i, k1, kk, w, sg, C + i * 32); break;
+      default: break;
+    }
+  }
+}
+
 // ---- W4A8 ---------------------------------------------------------------------------------
 // The integer core with vpmaddubsw (the u8 weights 0..24 x s8 rows: each i16 pair at most
 // 2 x 24 x 128, the two nibbles' pairs together 12288 in magnitude: exact) and vpmaddwd:

@@ -291,14 +291,20 @@ struct MK : x86_avx2::Avx2Elementwise {
   }
 
   // nvfp4 layout (avx2_mx4_common.h: mxfp4's e2m1 decode, groups of 16, e4m3 scales under the
-  // columns' globals): W4A16, 1-4 fp32 rows straight from the codes (more rows: the grouped path's
-  // unpack_mx4 and dense kernel); W4A8, the fused block GEMM over the mxfp4 integer core.
-  static constexpr int kNv4A16MaxRows = 4;
+  // columns' globals): W4A16, 1-4 fp32 rows straight from the codes, more rows on the block decoded
+  // once per K slice with the group scales applied inside the K loop; W4A8, the fused block GEMM over
+  // the mxfp4 integer core.
+  static constexpr int kNv4A16FewRows = 4;
   static bool gemm_nv4a16(RowFormat fmt, const void* const* rows, int m, const uint8_t* codes, const uint8_t* scale,
                           const float* global, int64_t gstride, int64_t kp, int64_t G, float* C, void*) {
-    if (fmt != RowFormat::f32 || m > kNv4A16MaxRows || G != x86_avx2_mx4::kNv4Group || kp % 8) return false;
-    x86_avx2_mx4::gemm_e2m1a16_f32_rows(reinterpret_cast<const float* const*>(rows), m, codes, kp,
-                                        x86_avx2_mx4::Nv4Scales(scale, gstride, global), C);
+    if (fmt != RowFormat::f32 || G != x86_avx2_mx4::kNv4Group || kp % 8) return false;
+    const float* const* x = reinterpret_cast<const float* const*>(rows);
+    const x86_avx2_mx4::Nv4Scales sc(scale, gstride, global);
+    if (m <= kNv4A16FewRows) {
+      x86_avx2_mx4::gemm_e2m1a16_f32_rows(x, m, codes, kp, sc, C);
+    } else {
+      x86_avx2_mx4::gemm_e2m1a16_f32_many(x, m, codes, kp, sc, C);
+    }
     return true;
   }
   static bool gemm_nv4a8(const int8_t* const* x, const float* rs, int m, const uint8_t* codes, const uint8_t* scale,
