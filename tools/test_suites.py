@@ -53,7 +53,9 @@ def workers() -> int:
 
 
 def pytest_cmd(marker: str, name: str, extra: list[str], parallel: int = 0) -> list[str]:
-    split = ["-n", str(parallel), "--dist", "loadfile"] if parallel > 1 else []
+    # --no-loadscope-reorder: the files in collection order (tests/conftest.py puts the longest
+    # first), not xdist's default of the files with the most tests first
+    split = ["-n", str(parallel), "--dist", "loadfile", "--no-loadscope-reorder"] if parallel > 1 else []
     return [sys.executable, "-m", "pytest", "-q", "-rs", "--durations=25", "-m", marker, *split,
             f"--basetemp={BUILD / f'pytest-{name}'}", *extra]  # fmt: skip
 

@@ -970,15 +970,16 @@ def _free_port() -> int:
 
 @needs_vllm
 def test_openai_server(packs, tmp_path):
-    """`vllm serve PACKED --quantization moepack` on 127.0.0.1: a completion of token ids over
-    HTTP equals load_model's greedy tokens; the server stops on SIGTERM."""
+    """`vllm serve PACKED --quantization moepack` on 127.0.0.1 on an NVFP4 pack (vLLM's CPU build
+    has no NVFP4 path of its own): a completion of token ids over HTTP equals load_model's greedy
+    tokens; the server stops on SIGTERM."""
     port = _free_port()
     vllm_bin = str(Path(VLLM_PY).parent / "vllm")
-    cmd = [vllm_bin, "serve", str(packs["bf16"]), "--quantization", "moepack", "--host", "127.0.0.1", "--port", str(port),
+    cmd = [vllm_bin, "serve", str(packs["nvfp4"]), "--quantization", "moepack", "--host", "127.0.0.1", "--port", str(port),
            "--skip-tokenizer-init", "--max-model-len", "64", "--max-num-seqs", "4", "--dtype", "bfloat16",
            "--served-model-name", "tiny", "--enforce-eager"]  # fmt: skip
     # eager: the server's point is the plugin loaded by `vllm serve` and the HTTP path; the op under
-    # vLLM's compiled graph is tested on this pack by test_bf16_equals_load_model_and_vllm_own_experts
+    # vLLM's compiled graph is tested on this pack by test_quantized_equals_load_model[nvfp4]
     log = open(tmp_path / "serve.log", "w")
     srv = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(tmp_path), start_new_session=True)
     try:
@@ -1000,7 +1001,7 @@ def test_openai_server(packs, tmp_path):
         with urllib.request.urlopen(req, timeout=300) as r:
             ans = json.loads(r.read())
         choice = ans["choices"][0]
-        assert choice["token_ids"] == _greedy(packs["bf16"])[0], ans
+        assert choice["token_ids"] == _greedy(packs["nvfp4"])[0], ans
     finally:
         srv.terminate()
         try:

@@ -31,7 +31,8 @@ from tests.support.packdir_edit import reseal
 
 # (layout, I): I/2 a multiple of the layout's i_align and group size
 CASES = [("bf16_n32k2_x86", 64), ("i8_n32k4_x86", 64), ("u4g32_n32k8_x86", 64), ("u4ch_n32k8_x86", 64),
-         ("f8g128_n32k2_x86", 256), ("mx4g32_n32k8_x86", 64), ("bf16_n16k4_arm", 64)]  # fmt: skip
+         ("f8g128_n32k2_x86", 256), ("mx4g32_n32k8_x86", 64), ("nv4g16_n32k8_x86", 64), ("nv4g16_n16k8_arm", 64),
+         ("bf16_n16k4_arm", 64)]  # fmt: skip
 E, H = 3, 40  # H off every block size: w2's padded output rows stay whole
 
 
@@ -180,7 +181,7 @@ def _greedy(d) -> list[int]:
     return out[0, 4:].tolist()
 
 
-@pytest.mark.parametrize("quantize", [None, "int4:g32"])
+@pytest.mark.parametrize("quantize", [None, "int4:g32", "nvfp4"])
 def test_convert_tp2(src, tmp_path, quantize):
     whole, tp2 = tmp_path / "whole", tmp_path / "tp2"
     moepack.convert(src, whole, quantize=quantize)
