@@ -48,7 +48,6 @@ def identity_experts_of(config: dict) -> int:
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>weight|bias)$")
 _FUSED = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|down_proj|fc1|fc2)(?P<bias>_bias)?(?:\.weight)?$")
-_FUSED_ALIAS = {"fc1": "gate_up_proj", "fc2": "down_proj"}  # aria's names (transformers renames them on load)
 _GRANITE = re.compile(r"^(?P<prefix>.+)\.(?P<proj>input_linear|output_linear)\.weight$")
 # DBRX: every expert's gate (w1), up (v1) and down (w2, stored [I, H] per expert) stacked in one 2-D [E x I, H] each
 _DBRX = re.compile(r"^(?P<prefix>.+)\.experts\.mlp\.(?P<proj>w1|v1|w2)$")
@@ -242,11 +241,12 @@ def discover_layers(ckpt: Checkpoint, weights: tuple[set, str] = DENSE_WEIGHTS) 
             g["t"][(int(m["e"]), _ROLE[m["proj"]], m["kind"])] = name
             continue
         m = _FUSED.match(name)
-        if m:
+        role = _fused_role(model_type, name, m["proj"]) if m else None
+        if role is not None:
             g = groups.setdefault(m["prefix"], {"kind": "fused", "t": {}})
             if g["kind"] != "fused":
                 raise SourceError(f"{name}: fused expert tensors mixed with per-expert tensors under {m['prefix']!r}")
-            g["t"][(_FUSED_ALIAS.get(m["proj"], m["proj"]), "bias" if m["bias"] else "weight")] = name
+            g["t"][(role, "bias" if m["bias"] else "weight")] = name
             continue
         m = _DBRX.match(name)
         if m and ti.shape and len(ti.shape) == 2:
@@ -527,6 +527,21 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
             _check_shape(ckpt, gate, (1, s.hidden))
             s.shared["gate"] = gate
         break
+
+
+def _fused_role(model_type: str, name: str, proj: str) -> str | None:
+    """The role ("gate_up_proj" / "down_proj") of the fused expert tensor ``name``: its own name, or for
+    another stored name (aria's ``experts.fc1`` / ``fc2``) the name transformers' own conversion mapping
+    of the family loads it as (None: the mapping does not make it an expert tensor): not a second table here."""
+    if proj in ("gate_up_proj", "down_proj"):
+        return proj
+    from ..hf import checkpoint_renames
+
+    for target, stored in checkpoint_renames(model_type, [name]).items():
+        leaf = target.rpartition(".experts.")[2].removesuffix(".weight")
+        if stored == name and leaf in ("gate_up_proj", "down_proj"):
+            return leaf
+    return None
 
 
 def _loads_as(ckpt: Checkpoint, name: str, suffix: str) -> bool:
