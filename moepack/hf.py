@@ -13,8 +13,9 @@ kernel strict mode refuses is a ``ModelMismatchError`` / ``UnsupportedError`` na
 and the model is left as it was.
 
 transformers is imported lazily (moepack itself does not depend on it). Family knowledge (where
-the block sits, how its router computes logits, what the block returns) is ``FAMILIES`` below;
-the names are transformers 5's in-memory ones (docs/COMPATIBILITY.md lists what is tested).
+the block sits, how its router computes logits, what the block returns) is the table of
+``moepack.families``, whose whole-model entries are ``FAMILIES`` here; the names are
+transformers 5's in-memory ones (docs/COMPATIBILITY.md lists what is tested).
 """
 
 from __future__ import annotations
@@ -29,112 +30,16 @@ from pathlib import Path
 import torch
 
 from .errors import MoepackError, UnsupportedError
+from .families import WHOLE_MODEL, Family
 
 
 class ModelMismatchError(MoepackError, ValueError):
     """A transformers model and a packed directory describe different architectures."""
 
 
-@dataclass(frozen=True)
-class Family:
-    """What differs between the transformers MoE blocks (transformers 5 names, in memory).
-
-    ``returns``: "tensor" (the block returns hidden states [B, S, H]), "gpt_oss" (``(hidden [B, S, H],
-    router_scores [T, k])``) or "llama4" (``(hidden [T, H], router_logits [T, E])``).
-    ``router_fp32``: the family computes router logits in fp32 (its gate weight is kept fp32);
-    otherwise in the model's dtype, as ``F.linear(x, W, b)`` does, so that near-ties select the
-    experts transformers would select.
-    ``in_major``: the in-memory fused expert weights are ``[E, H, 2I]`` / ``[E, I, H]``.
-    ``shared``: the attribute of the shared expert module (None: the family has none).
-    ``router_attr``: the block's router module, whose class transformers' OutputRecorder watches
-    to collect ``router_logits`` (``output_router_logits=True``, the aux loss); ``logits_index``:
-    where the logits sit in that router's output tuple. ``layers``: the dotted path of the decoder
-    layers in the causal-LM model (DBRX: ``transformer.blocks``). ``experts_attr``: the attribute that
-    marks the block (its experts module, or JetMoE's ``input_linear``, whose block holds its expert
-    weights itself).
-    """
-
-    block_attr: str
-    router_attr: str = "gate"
-    logits_index: int = 0
-    returns: str = "tensor"
-    router_fp32: bool = False
-    in_major: bool = False
-    shared: str | None = None
-    layers: str = "model.layers"
-    experts_attr: str = "experts"
-
-
-FAMILIES: dict[str, Family] = {
-    "mixtral": Family("mlp"),
-    "minimax": Family("mlp"),
-    "aria_text": Family("mlp", router_attr="router", in_major=True, shared="shared_experts"),
-    "phimoe": Family("mlp", router_attr="router"),
-    "qwen2_moe": Family("mlp", shared="shared_expert"),
-    "qwen3_moe": Family("mlp"),
-    "olmoe": Family("mlp"),
-    "deepseek_v2": Family("mlp", router_fp32=True, shared="shared_experts"),
-    "deepseek_v3": Family("mlp", router_fp32=True, shared="shared_experts"),
-    "glm4_moe": Family("mlp", router_fp32=True, shared="shared_experts"),
-    "granitemoe": Family("block_sparse_moe", router_attr="router"),
-    # the shared MLP of these two sits beside the block in the decoder layer (``shared_mlp``): transformers runs it
-    "granitemoeshared": Family("block_sparse_moe", router_attr="router"),
-    "granitemoehybrid": Family("block_sparse_moe", router_attr="router"),
-    "granitemoe_swa": Family("block_sparse_moe", router_attr="router"),
-    # DeepSeek-V3's block (noaux_tc router kept in fp32, shared experts) under other names
-    **{mt: Family("mlp", router_fp32=True, shared="shared_experts")
-       for mt in ("deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "solar_open", "exaone_moe", "dots1")},
-    "beam": Family("mlp", router_fp32=True),
-    "qwen3_next": Family("mlp", shared="shared_expert"),
-    "qwen3_5_moe_text": Family("mlp", shared="shared_expert"),
-    "qwen3_5_moe": Family("mlp", shared="shared_expert"),
-    "mellum": Family("mlp"),
-    "flex_olmo": Family("mlp"),
-    "minimax_m2": Family("mlp"),
-    "jamba": Family("feed_forward", router_attr="router"),
-    "hy_v3": Family("mlp", router_fp32=True, shared="shared_experts"),
-    "hunyuan_v1_moe": Family("mlp", router_fp32=True, shared="shared_mlp"),
-    "afmoe": Family("mlp", router_attr="router", shared="shared_experts"),
-    # their attention sinks (and axk2's gated query) are stored under the names transformers renames on load
-    "mimo_v2_flash": Family("mlp", router_fp32=True),
-    "flint": Family("mlp", router_fp32=True, shared="shared_expert"),  # an ungated shared expert
-    "axk2": Family("mlp", router_fp32=True, shared="shared_experts"),
-    # their q/k/v conv1d weights are concatenated on load (a WeightConverter load_model follows)
-    "kimi_linear": Family("mlp", router_fp32=True, shared="shared_experts"),
-    "lara_mini": Family("mlp", router_fp32=True, shared="shared_expert"),  # an ungated shared expert; in_proj split on load
-    "bailing_hybrid": Family("mlp", router_fp32=True, shared="shared_experts"),
-    "cohere2_moe": Family("mlp", shared="shared_experts"),
-    "laguna": Family("mlp", shared="shared_experts"),
-    # sqrt(softplus) routing, hash layers routed by the decoder's input_ids, a clamped SwiGLU (silu_limit)
-    "deepseek_v4": Family("mlp", shared="shared_experts"),
-    # its correction bias in moe_statics ([1, E]); the router kept in fp32
-    "ernie4_5_moe": Family("mlp", router_fp32=True, shared="shared_experts"),
-    # minimax_m2's router; swigluoai experts (gate then up halves) and a swigluoai shared expert of one gate_up Linear
-    "minimax_m3_vl_text": Family("mlp", shared="shared_experts"),
-    # its router ranks logit + correction bias, weighs sigmoid(logit) (biased_logit_sigmoid); fp32 logits
-    "kolibri1": Family("mlp", router_fp32=True, shared="shared_experts"),
-    # AXK1MoE (DeepSeek-V3's block) normalizes its own output: the packed layer's post_norm (format version 7)
-    "axk1": Family("mlp", router_fp32=True, shared="shared_experts"),
-    # noaux_tc; its routed experts' clamped SwiGLU (silu_limit), its shared expert unclamped (shared.silu_limit null);
-    # its hyper-connections and attention sinks are transformers' own modules
-    "hy_v4": Family("mlp", router_fp32=True, shared="shared_experts"),
-    # DbrxFFN: softmax top-k / their sum; its experts stacked [E x I, H] (w1, v1, w2 transposed)
-    "dbrx": Family("ffn", router_attr="router", layers="transformer.blocks"),
-    # LongcatFlashMoE: its router's ids E .. E+Z-1 are identity experts (the layer's identity_experts); the
-    # decoder layer adds the block's output as a shortcut after its second dense MLP (transformers' own code)
-    "longcat_flash": Family("mlp", router_attr="router", router_fp32=True),
-    # NemotronHMoE: non-gated relu2 experts and shared expert (activation relu2); its Mamba mixers are transformers' own
-    "nemotron_h": Family("mixer", router_fp32=True, shared="shared_experts"),
-    # JetMoeMoE holds its experts (input_linear, output_linear) and adds its bias (the layer's out_bias); its router
-    # returns the logits last; its attention experts (JetMoeMoA, self_attention.experts) are transformers' own
-    "jetmoe": Family("mlp", router_attr="router", logits_index=4, experts_attr="input_linear"),
-    "lfm2_moe": Family("feed_forward"),  # its expert_bias beside the gate; short conv layers are transformers' own
-    "gpt_oss": Family("mlp", router_attr="router", returns="gpt_oss", in_major=True),
-    "llama4": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
-                     shared="shared_expert"),  # the multimodal config; its causal LM is the text model
-    "llama4_text": Family("feed_forward", router_attr="router", logits_index=1, returns="llama4", in_major=True,
-                          shared="shared_expert"),  # fmt: skip
-}
+# The family table lives in moepack/families.py (routing recipe, block shape, checkpoint facts per
+# model_type); FAMILIES here is its part that patch / load_model run whole.
+FAMILIES: dict[str, Family] = WHOLE_MODEL
 
 # config.json keys that decide the MoE layers' shapes and routing: a pack and a model must agree
 # on every one that both carry (transformers' attribute_map aliases are followed on the model side).

@@ -4,7 +4,8 @@ SEMANTICS.md §1 is the contract and docs/ROUTING.md the full description (formu
 ties, -inf). This module holds:
 
 * ``RoutingConfig``: how one model family routes, derived from a Hugging Face ``config.json``
-  dict (``RoutingConfig.from_hf_config``) and stored in a packed model's manifest
+  dict (``RoutingConfig.from_hf_config``, by the recipe of ``RECIPES`` the family's
+  ``moepack.families`` entry names) and stored in a packed model's manifest
   (``to_dict`` / ``from_dict``, JSON round-trippable).
 * ``route(logits, cfg, ...)``: what a packed layer calls; it runs the native op
   ``torch.ops.moepack.route`` (csrc/routing.cpp), or a user-supplied Python routing function.
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from .errors import UnsupportedError
+from .families import ROUTED, Family, family_of
 
 # Methods of the native op, in the order of csrc/include/moepack/routing.h RouteMethod.
 METHODS = ("softmax", "sigmoid", "grouped_softmax", "grouped_sigmoid", "topk_softmax", "llama4", "sparsemixer",
@@ -154,12 +156,11 @@ class RoutingConfig:
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
-        """The routing of a Hugging Face ``config.json`` (as a dict), per ``model_type``.
-
-        Families (transformers 5.x modeling code; docs/ROUTING.md has the table): mixtral,
-        qwen2_moe, qwen3_moe, olmoe, deepseek_v2, deepseek_v3, kimi_k2 / kimi_k25 / kimi_linear,
-        glm4_moe, granitemoe (+ shared/hybrid), gpt_oss, llama4 / llama4_text, phimoe. Any other
-        model_type is refused. Missing keys take the transformers config class defaults.
+        """The routing of a Hugging Face ``config.json`` (as a dict), per ``model_type``: the
+        recipe its ``moepack.families`` entry names (``RECIPES``), given that entry (its defaults,
+        the keys it reads). Families: ``SUPPORTED_MODEL_TYPES`` (transformers 5.x modeling code;
+        docs/ROUTING.md has the table). Any other model_type is refused. Missing keys take the
+        transformers config class defaults.
         """
         return _from_hf_config(cls, config)
 
@@ -178,268 +179,237 @@ def _need(cfg: Mapping[str, Any], mt: str, *names: str) -> Any:
     return v
 
 
-SUPPORTED_MODEL_TYPES = (
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "kimi_k2",
-    "kimi_k25",
-    "kimi_linear",
-    "glm4_moe",
-    "granitemoe",
-    "granitemoeshared",
-    "granitemoehybrid",
-    "gpt_oss",
-    "llama4",
-    "llama4_text",
-    "phimoe",
-    # DeepseekV3TopkRouter's copies (noaux_tc: grouped sigmoid + correction bias), transformers 5.24
-    "deepseek_v32",
-    "glm4_moe_lite",
-    "glm_moe_dsa",
-    "solar_open",
-    "exaone_moe",
-    "dots1",
-    "beam",  # its routed_scaling_factor multiplies the combined output: the same, the experts being linear in it
-    # Qwen-style softmax top-k
-    "qwen3_next",
-    "qwen3_5_moe",
-    "qwen3_5_moe_text",
-    "mellum",
-    "flex_olmo",
-    "minimax",
-    "jamba",
-    # sigmoid + correction bias, renormalized (MiniMaxM2TopKRouter)
-    "minimax_m2",
-    "granitemoe_swa",
-    "mimo_v2_flash",
-    "lara_mini",
-    "hy_v3",  # sigmoid + correction bias, renormalized, x router_scaling_factor
-    "laguna",  # the same, x moe_routed_scaling_factor
-    "hunyuan_v1_moe",  # softmax top-k, renormalized
-    "axk1",  # noaux_tc
-    "axk2",
-    "bailing_hybrid",  # noaux_tc, its correction bias stored as gate.expert_bias
-    "afmoe",  # sigmoid + correction bias (expert_bias), renormalized, x route_scale
-    "flint",  # sigmoid top-k (no bias), norm_topk_prob
-    "aria_text",  # top-k of the logits, softmax over those k
-    "cohere2_moe",  # expert_selection_fn: softmax over the top-k logits, or their sigmoid (norm_topk_prob)
-    "deepseek_v4",  # sqrt(softplus) + correction bias, renormalized, x routed_scaling_factor; hash layers by token id
-    "ernie4_5_moe",  # softmax; top-k of softmax + correction bias (moe_statics); / max(sum, moe_norm_min)
-    "lfm2_moe",  # sigmoid; top-k of sigmoid + expert_bias (use_expert_bias); / (sum + 1e-6) if norm_topk_prob; x rsf
-    "minimax_m3_vl_text",  # minimax_m2's router; the block multiplies the routed sum by routed_scaling_factor
-    "kolibri1",  # top-k of logit + e_score_correction_bias; sigmoid(logit) at the ids; / sum if norm_topk_prob
-    "hy_v4",  # noaux_tc (HYV4TopkRouter: DeepSeek-V3's, its groups default to one)
-    "dbrx",  # softmax top-k / their p-norm (moe_normalize_expert_weights: 1 = the sum), its keys in ffn_config
-    "jetmoe",  # JetMoeTopKGating: top-k of the logits, softmax over those k
-    "nemotron_h",  # noaux_tc (NemotronHTopkRouter: DeepSeek-V3's, its groups default to one)
-    "longcat_flash",  # softmax over E + Z (Z identity experts); top-k of softmax + correction bias; x routed_scaling_factor
-)
-# model_type -> (n_group, topk_group, routed_scaling_factor, norm_topk_prob) defaults of the noaux_tc families
-_NOAUX_DEFAULTS = {
-    "deepseek_v3": (8, 4, 2.5, True), "kimi_k2": (8, 4, 2.5, True), "glm4_moe": (1, 1, 1.0, True),
-    "kimi_linear": (1, 1, 2.446, True), "deepseek_v32": (8, 4, 2.5, True), "glm4_moe_lite": (1, 1, 1.8, True),
-    "glm_moe_dsa": (1, 1, 2.5, True), "solar_open": (1, 1, 1.0, True), "exaone_moe": (1, 1, 2.5, True),
-    "dots1": (1, 1, 1.0, False), "beam": (8, 4, 2.5, True), "mimo_v2_flash": (1, 1, 1.0, True),
-    "axk1": (8, 4, 2.5, True), "axk2": (1, 1, 2.5, True), "bailing_hybrid": (8, 4, 2.5, True),
-    "hy_v4": (1, 1, 2.827, True), "nemotron_h": (1, 1, 1.0, True),
-}  # fmt: skip
-# softmax families: model_type -> renormalize (True/False: always, as their router does; None: norm_topk_prob, default False)
-_SOFTMAX_RENORM = {"mixtral": True, "qwen2_moe": None, "qwen3_moe": None, "olmoe": None, "qwen3_next": None,
-                   "qwen3_5_moe": True, "qwen3_5_moe_text": True, "mellum": None, "flex_olmo": None, "minimax": True,
-                   "jamba": False, "lara_mini": None,
-                   "hunyuan_v1_moe": True}  # fmt: skip
+# The model types RoutingConfig.from_hf_config routes: moepack.families' entries with a routing recipe.
+SUPPORTED_MODEL_TYPES = ROUTED
 
 
 def _from_hf_config(cls, config: Mapping[str, Any]) -> RoutingConfig:
     mt = config.get("model_type")
-    # multimodal wrappers: the routing is the text model's
-    if mt in ("llama4", "kimi_k25"):
-        text = config.get("text_config")
-        if not isinstance(text, Mapping):
-            raise UnsupportedError(f"config.json model_type={mt!r} has no text_config dict: cannot derive routing")
-        inner = dict(text)
-        inner.setdefault("model_type", "llama4_text" if mt == "llama4" else "deepseek_v3")
-        if mt == "kimi_k25" and inner["model_type"] == "kimi_k2":
-            inner["model_type"] = "deepseek_v3"
-        r = _from_hf_config(cls, inner)
-        return dataclasses.replace(r, model_type=mt)
-    if mt == "dbrx":  # its MoE keys nest in ffn_config (DbrxFFNConfig): moe_top_k, moe_num_experts
-        ffn = config.get("ffn_config")
-        ffn = ffn if isinstance(ffn, Mapping) else {}
-        return _dbrx(cls, ffn)
-    if mt not in SUPPORTED_MODEL_TYPES:
+    fam = family_of(mt)
+    if fam.routing is None:
         raise UnsupportedError(
             f"config.json model_type={mt!r}: moepack does not know how this family routes "
             f"(known: {', '.join(SUPPORTED_MODEL_TYPES)}); pass a RoutingConfig(method='custom') and a custom_fn"
         )
+    return RECIPES[fam.routing](cls, config, mt, fam)
+
+
+def _k_e(config: Mapping[str, Any], mt: str, fam: Family) -> tuple[int, int]:
+    """(top_k, E) from config.json: E under the family's ``expert_keys``."""
     k = int(_need(config, mt, "num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k"))
-    e = int(_need(config, mt, *_EXPERT_KEYS.get(mt, ("num_experts", "num_local_experts", "n_routed_experts"))))
+    e = int(_need(config, mt, *fam.expert_keys))
+    return k, e
 
-    if mt in _SOFTMAX_RENORM:  # softmax -> top-k (-> / sum: always, never, or if norm_topk_prob)
-        renorm = _SOFTMAX_RENORM[mt]
-        renorm = bool(_get(config, "norm_topk_prob", default=False)) if renorm is None else renorm
-        return cls("softmax", k, renormalize=renorm, num_experts=e, model_type=mt)
-    if mt in _SIGMOID_FAMILIES:
-        return _sigmoid_family(cls, config, mt, k, e)
-    if mt == "ernie4_5_moe":
-        # Ernie4_5_MoeTopKRouter: softmax(fp32 logits); top-k of softmax + e_score_correction_bias
-        # (moe_statics); the unbiased softmax at the ids / clamp(sum, min=moe_norm_min). The same
-        # as renormalize's / (sum + 1e-20) in fp32 whenever the sum is >= moe_norm_min.
-        norm_min = float(_get(config, "moe_norm_min", default=1e-12))
-        if not 0 < norm_min <= 1e-6:
-            raise UnsupportedError(f"config.json ernie4_5_moe moe_norm_min={norm_min!r}: moepack renormalizes by "
-                                   "sum + 1e-20, the same only for a floor in (0, 1e-6]")  # fmt: skip
-        return cls("softmax", k, renormalize=True, has_correction_bias=True, num_experts=e, model_type=mt)
-    if mt == "longcat_flash":
-        # LongcatFlashTopkRouter: softmax of the fp32 logits over the E routed and the Z identity
-        # (zero-computation) experts alike; top-k of softmax + e_score_correction_bias; the unbiased
-        # softmax at the ids, not renormalized, x routed_scaling_factor. The ids >= E are identity
-        # experts (the layer's identity_experts): num_experts here is E + Z, the router's width.
-        z = _get(config, "zero_expert_num", default=0)
-        return cls("softmax", k, has_correction_bias=True, num_experts=e + int(z),
-                   routed_scaling_factor=float(_get(config, "routed_scaling_factor", default=6.0)), model_type=mt)  # fmt: skip
-    if mt == "deepseek_v4":
-        # DeepseekV4TopKRouter: score_fn(logits) (scoring_func: sqrtsoftplus, or sigmoid); top-k of
-        # score + e_score_correction_bias; / (sum + 1e-20) always (norm_topk_prob is not read); x
-        # routed_scaling_factor. Its hash_moe layers (DeepseekV4HashRouter) take the ids from the
-        # layer's token-id table instead and weigh them alike (PackedMoELayer.route's token_ids).
-        scoring = _get(config, "scoring_func", default="sqrtsoftplus")
-        if scoring not in ("sqrtsoftplus", "sigmoid"):
-            raise UnsupportedError(f"config.json deepseek_v4 scoring_func={scoring!r}: moepack routes sqrtsoftplus or sigmoid")
-        return cls(scoring, k, renormalize=True, has_correction_bias=True,
-                   routed_scaling_factor=float(_get(config, "routed_scaling_factor", default=1.5)), num_experts=e,
-                   model_type=mt)  # fmt: skip
-    if mt == "deepseek_v2":
-        # transformers' DeepseekV2TopkRouter: softmax; greedy or group_limited_greedy (group score =
-        # max); x routed_scaling_factor; it does not read norm_topk_prob (nor does moepack).
-        scoring = _get(config, "scoring_func", default="softmax")
-        if scoring != "softmax":
-            raise UnsupportedError(f"config.json deepseek_v2 scoring_func={scoring!r}: only softmax is defined")
-        method = _get(config, "topk_method", default="greedy")
-        rsf = float(_get(config, "routed_scaling_factor", default=1.0))
-        if method == "greedy":
-            return cls("softmax", k, routed_scaling_factor=rsf, num_experts=e, model_type=mt)
-        if method == "group_limited_greedy":
-            g = int(_need(config, mt, "n_group", "num_expert_group"))
-            tg = int(_need(config, mt, "topk_group"))
-            return cls("grouped_softmax", k, num_expert_group=g, topk_group=tg, routed_scaling_factor=rsf,
-                       num_experts=e, model_type=mt)  # fmt: skip
-        raise UnsupportedError(f"config.json deepseek_v2 topk_method={method!r}: expected greedy or group_limited_greedy")
-    if mt in _NOAUX_DEFAULTS:
-        # noaux_tc: sigmoid + e_score_correction_bias (selection only), group score = sum of the
-        # top-2, renormalize if norm_topk_prob, x routed_scaling_factor. transformers' router does
-        # this whatever topk_method / scoring_func say; moepack refuses a config that says otherwise.
-        scoring = _get(config, "scoring_func", default="sigmoid")
-        if scoring != "sigmoid":
-            raise UnsupportedError(f"config.json {mt} scoring_func={scoring!r}: this family routes with sigmoid")
-        tm = _get(config, "topk_method", default="noaux_tc")
-        if tm != "noaux_tc":
-            raise UnsupportedError(f"config.json {mt} topk_method={tm!r}: this family routes with noaux_tc")
-        defaults = _NOAUX_DEFAULTS[mt]
-        g = int(_get(config, "n_group", "num_expert_group", default=defaults[0]))
-        tg = int(_get(config, "topk_group", default=defaults[1]))
-        rsf = float(_get(config, "routed_scaling_factor", default=defaults[2]))
-        renorm = bool(_get(config, "norm_topk_prob", "moe_renormalize", default=defaults[3]))
-        return cls("grouped_sigmoid", k, renormalize=renorm, num_expert_group=g, topk_group=tg,
-                   routed_scaling_factor=rsf, has_correction_bias=True, num_experts=e, model_type=mt)  # fmt: skip
-    if mt in ("granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss", "aria_text", "jetmoe"):
-        # top-k of the logits, softmax over those k. gpt-oss's router Linear has a bias: it is part
-        # of the logits the layer computes, not a routing parameter.
+
+def _arg(config: Mapping[str, Any], spec: Any) -> Any:
+    """A family's routing argument: a constant, or (config key, default) read from config.json."""
+    if isinstance(spec, tuple):
+        key, default = spec
+        return _get(config, key, default=default)
+    return spec
+
+
+def _text_model(cls, config, mt, fam) -> RoutingConfig:
+    """Multimodal wrappers (llama4, kimi_k25): the routing is the text model's; a text config without
+    a model_type is the family's ``text_model_type`` (``aliases``: text model types read as another)."""
+    text = config.get("text_config")
+    if not isinstance(text, Mapping):
+        raise UnsupportedError(f"config.json model_type={mt!r} has no text_config dict: cannot derive routing")
+    inner = dict(text)
+    inner.setdefault("model_type", fam.routing_args["text_model_type"])
+    inner["model_type"] = fam.routing_args.get("aliases", {}).get(inner["model_type"], inner["model_type"])
+    r = _from_hf_config(cls, inner)
+    return dataclasses.replace(r, model_type=mt)
+
+
+def _softmax_recipe(cls, config, mt, fam) -> RoutingConfig:
+    """softmax -> top-k (-> / sum: always, never, or if norm_topk_prob: the entry's ``renormalize``)."""
+    k, e = _k_e(config, mt, fam)
+    renorm = bool(_arg(config, fam.routing_args["renormalize"]))
+    return cls("softmax", k, renormalize=renorm, num_experts=e, model_type=mt)
+
+
+def _sigmoid_recipe(cls, config, mt, fam) -> RoutingConfig:
+    """The routers that score with a sigmoid outside DeepSeek's groups (minimax_m2 / m3, hy_v3,
+    laguna, afmoe, lfm2_moe: top-k of sigmoid + correction bias, renormalized, x their factor;
+    flint: top-k of the logits). lfm2_moe renormalizes by sum + 1e-6 where moepack adds 1e-20:
+    weights differ by a factor sum / (sum + 1e-6), at most 1e-6 / sum relative (docs/ROUTING.md,
+    "differs on purpose"). The entry's ``softcap_key`` / ``input_weight_key`` (laguna) name config
+    keys moepack runs only at their off value."""
+    k, e = _k_e(config, mt, fam)
+    args = fam.routing_args
+    if "softcap_key" in args:
+        key = args["softcap_key"]
+        cap = _get(config, key, default=0.0)
+        if cap:
+            raise UnsupportedError(f"config.json {mt} {key}={cap!r}: moepack routes uncapped logits only (0.0)")
+    if "input_weight_key" in args and _get(config, args["input_weight_key"], default=False):
+        raise UnsupportedError(f"config.json {mt} {args['input_weight_key']}=True: moepack weights the experts' outputs "
+                               "only (False)")  # fmt: skip
+    rsf = args["routed_scaling_factor"]
+    return cls("sigmoid", k, renormalize=bool(_arg(config, args["renormalize"])),
+               has_correction_bias=bool(_arg(config, args["correction_bias"])),
+               routed_scaling_factor=1.0 if rsf is None else float(_arg(config, rsf)), num_experts=e,
+               model_type=mt)  # fmt: skip
+
+
+def _biased_logit_sigmoid(cls, config, mt, fam) -> RoutingConfig:
+    """Kolibri1TopKRouter: fp32 logits; top-k of logits + correction bias; sigmoid at the ids; / sum
+    if norm_topk_prob (moepack: / (sum + 1e-20): the same for sums of k sigmoids, >= 1e-20)."""
+    k, e = _k_e(config, mt, fam)
+    return cls("biased_logit_sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=False)),
+               has_correction_bias=True, num_experts=e, model_type=mt)  # fmt: skip
+
+
+def _cohere2_moe(cls, config, mt, fam) -> RoutingConfig:
+    """top-k of the logits; softmax over those k, or their sigmoid (/ sum if norm_topk_prob), per expert_selection_fn."""
+    k, e = _k_e(config, mt, fam)
+    fn = _get(config, "expert_selection_fn", default="softmax")
+    if fn == "softmax":
         return cls("topk_softmax", k, num_experts=e, model_type=mt)
-    if mt == "llama4_text":
-        if k != 1:
-            raise UnsupportedError(f"config.json llama4 num_experts_per_tok={k}: moepack routes Llama-4 top-1 only "
-                                   "(the weight scales the expert input, which is only defined per token for k=1)")  # fmt: skip
-        return cls("llama4", 1, apply_router_weight_on_input=True, num_experts=e, model_type=mt)
-    if mt == "phimoe":
-        if k != 2:
-            raise UnsupportedError(f"config.json phimoe num_experts_per_tok={k}: sparsemixer is defined for 2")
-        eps = float(_get(config, "router_jitter_noise", default=0.01))
-        return cls("sparsemixer", 2, sparsemixer_eps=eps, num_experts=e, model_type=mt)
-    raise AssertionError(mt)  # pragma: no cover
+    if fn == "sigmoid":
+        return cls("sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=True)), num_experts=e,
+                   model_type=mt)  # fmt: skip
+    raise UnsupportedError(f"config.json {mt} expert_selection_fn={fn!r}: expected softmax or sigmoid")
 
 
-def _dbrx(cls, ffn: Mapping[str, Any]) -> RoutingConfig:
-    """DbrxFFN.route_tokens_to_experts: softmax over the experts; top-k; the k weights divided by their
-    p-norm, p = moe_normalize_expert_weights (None: not divided). The weights being positive, p = 1 is
-    the sum (renormalize, moepack's / (sum + 1e-20)); another p is refused."""
-    k = int(_need(ffn, "dbrx", "moe_top_k"))
-    e = int(_need(ffn, "dbrx", "moe_num_experts"))
+def _ernie4_5_moe(cls, config, mt, fam) -> RoutingConfig:
+    """Ernie4_5_MoeTopKRouter: softmax(fp32 logits); top-k of softmax + e_score_correction_bias
+    (moe_statics); the unbiased softmax at the ids / clamp(sum, min=moe_norm_min). The same as
+    renormalize's / (sum + 1e-20) in fp32 whenever the sum is >= moe_norm_min."""
+    k, e = _k_e(config, mt, fam)
+    norm_min = float(_get(config, "moe_norm_min", default=1e-12))
+    if not 0 < norm_min <= 1e-6:
+        raise UnsupportedError(f"config.json {mt} moe_norm_min={norm_min!r}: moepack renormalizes by "
+                               "sum + 1e-20, the same only for a floor in (0, 1e-6]")  # fmt: skip
+    return cls("softmax", k, renormalize=True, has_correction_bias=True, num_experts=e, model_type=mt)
+
+
+def _identity_softmax(cls, config, mt, fam) -> RoutingConfig:
+    """LongcatFlashTopkRouter: softmax of the fp32 logits over the E routed and the Z identity
+    (zero-computation) experts alike (Z: the entry's ``identity_experts_key``); top-k of softmax +
+    e_score_correction_bias; the unbiased softmax at the ids, not renormalized, x
+    routed_scaling_factor. The ids >= E are identity experts (the layer's identity_experts):
+    num_experts here is E + Z, the router's width."""
+    k, e = _k_e(config, mt, fam)
+    z = _get(config, fam.identity_experts_key, default=0)
+    return cls("softmax", k, has_correction_bias=True, num_experts=e + int(z),
+               routed_scaling_factor=float(_get(config, "routed_scaling_factor",
+                                                default=fam.routing_args["routed_scaling_factor"])), model_type=mt)  # fmt: skip
+
+
+def _scored_bias(cls, config, mt, fam) -> RoutingConfig:
+    """DeepseekV4TopKRouter: score_fn(logits) (scoring_func: the entry's ``scoring``, the first its
+    default); top-k of score + e_score_correction_bias; / (sum + 1e-20) always (norm_topk_prob is
+    not read); x routed_scaling_factor. Its hash_moe layers (DeepseekV4HashRouter) take the ids
+    from the layer's token-id table instead and weigh them alike (PackedMoELayer.route's token_ids)."""
+    k, e = _k_e(config, mt, fam)
+    allowed = fam.routing_args["scoring"]
+    scoring = _get(config, "scoring_func", default=allowed[0])
+    if scoring not in allowed:
+        raise UnsupportedError(f"config.json {mt} scoring_func={scoring!r}: moepack routes {' or '.join(allowed)}")
+    return cls(scoring, k, renormalize=True, has_correction_bias=True,
+               routed_scaling_factor=float(_get(config, "routed_scaling_factor",
+                                                default=fam.routing_args["routed_scaling_factor"])), num_experts=e,
+               model_type=mt)  # fmt: skip
+
+
+def _deepseek_v2(cls, config, mt, fam) -> RoutingConfig:
+    """transformers' DeepseekV2TopkRouter: softmax; greedy or group_limited_greedy (group score =
+    max); x routed_scaling_factor; it does not read norm_topk_prob (nor does moepack)."""
+    k, e = _k_e(config, mt, fam)
+    scoring = _get(config, "scoring_func", default="softmax")
+    if scoring != "softmax":
+        raise UnsupportedError(f"config.json {mt} scoring_func={scoring!r}: only softmax is defined")
+    method = _get(config, "topk_method", default="greedy")
+    rsf = float(_get(config, "routed_scaling_factor", default=1.0))
+    if method == "greedy":
+        return cls("softmax", k, routed_scaling_factor=rsf, num_experts=e, model_type=mt)
+    if method == "group_limited_greedy":
+        g = int(_need(config, mt, "n_group", "num_expert_group"))
+        tg = int(_need(config, mt, "topk_group"))
+        return cls("grouped_softmax", k, num_expert_group=g, topk_group=tg, routed_scaling_factor=rsf,
+                   num_experts=e, model_type=mt)  # fmt: skip
+    raise UnsupportedError(f"config.json {mt} topk_method={method!r}: expected greedy or group_limited_greedy")
+
+
+def _noaux_tc(cls, config, mt, fam) -> RoutingConfig:
+    """noaux_tc: sigmoid + e_score_correction_bias (selection only), group score = sum of the
+    top-2, renormalize if norm_topk_prob, x routed_scaling_factor; the entry holds the family's
+    defaults of n_group, topk_group, routed_scaling_factor and norm_topk_prob. transformers' router
+    does this whatever topk_method / scoring_func say; moepack refuses a config that says otherwise."""
+    k, e = _k_e(config, mt, fam)
+    scoring = _get(config, "scoring_func", default="sigmoid")
+    if scoring != "sigmoid":
+        raise UnsupportedError(f"config.json {mt} scoring_func={scoring!r}: this family routes with sigmoid")
+    tm = _get(config, "topk_method", default="noaux_tc")
+    if tm != "noaux_tc":
+        raise UnsupportedError(f"config.json {mt} topk_method={tm!r}: this family routes with noaux_tc")
+    d = fam.routing_args
+    g = int(_get(config, "n_group", "num_expert_group", default=d["n_group"]))
+    tg = int(_get(config, "topk_group", default=d["topk_group"]))
+    rsf = float(_get(config, "routed_scaling_factor", default=d["routed_scaling_factor"]))
+    renorm = bool(_get(config, "norm_topk_prob", "moe_renormalize", default=d["norm_topk_prob"]))
+    return cls("grouped_sigmoid", k, renormalize=renorm, num_expert_group=g, topk_group=tg,
+               routed_scaling_factor=rsf, has_correction_bias=True, num_experts=e, model_type=mt)  # fmt: skip
+
+
+def _topk_softmax(cls, config, mt, fam) -> RoutingConfig:
+    """top-k of the logits, softmax over those k (GraniteMoe, gpt-oss, Aria, JetMoE). gpt-oss's
+    router Linear has a bias: it is part of the logits the layer computes, not a routing parameter."""
+    k, e = _k_e(config, mt, fam)
+    return cls("topk_softmax", k, num_experts=e, model_type=mt)
+
+
+def _llama4(cls, config, mt, fam) -> RoutingConfig:
+    k, e = _k_e(config, mt, fam)
+    if k != 1:
+        raise UnsupportedError(f"config.json llama4 num_experts_per_tok={k}: moepack routes Llama-4 top-1 only "
+                               "(the weight scales the expert input, which is only defined per token for k=1)")  # fmt: skip
+    return cls("llama4", 1, apply_router_weight_on_input=True, num_experts=e, model_type=mt)
+
+
+def _sparsemixer(cls, config, mt, fam) -> RoutingConfig:
+    k, e = _k_e(config, mt, fam)
+    if k != 2:
+        raise UnsupportedError(f"config.json {mt} num_experts_per_tok={k}: sparsemixer is defined for 2")
+    eps = float(_get(config, "router_jitter_noise", default=0.01))
+    return cls("sparsemixer", 2, sparsemixer_eps=eps, num_experts=e, model_type=mt)
+
+
+def _dbrx(cls, config, mt, fam) -> RoutingConfig:
+    """DbrxFFN.route_tokens_to_experts: its MoE keys nest in ffn_config (DbrxFFNConfig: moe_top_k,
+    moe_num_experts); softmax over the experts; top-k; the k weights divided by their p-norm, p =
+    moe_normalize_expert_weights (None: not divided). The weights being positive, p = 1 is the sum
+    (renormalize, moepack's / (sum + 1e-20)); another p is refused."""
+    ffn = config.get("ffn_config")
+    ffn = ffn if isinstance(ffn, Mapping) else {}
+    k = int(_need(ffn, mt, "moe_top_k"))
+    e = int(_need(ffn, mt, "moe_num_experts"))
     p = ffn.get("moe_normalize_expert_weights", 1.0)
     if p is not None and float(p) != 1.0:
-        raise UnsupportedError(f"config.json dbrx ffn_config.moe_normalize_expert_weights={p!r}: moepack divides the "
+        raise UnsupportedError(f"config.json {mt} ffn_config.moe_normalize_expert_weights={p!r}: moepack divides the "
                                "top-k weights by their sum (p = 1) or not at all (None)")  # fmt: skip
-    return cls("softmax", k, renormalize=p is not None, num_experts=e, model_type="dbrx")
+    return cls("softmax", k, renormalize=p is not None, num_experts=e, model_type=mt)
 
 
-# where each family states its expert count, in the order looked at (others: num_experts first)
-_EXPERT_KEYS = {
-    **dict.fromkeys(("mixtral", "phimoe", "granitemoe", "granitemoeshared", "granitemoehybrid", "granitemoe_swa", "gpt_oss",
-                     "llama4_text", "mellum", "minimax", "minimax_m2", "minimax_m3_vl_text"), ("num_local_experts", "num_experts")),
-    "aria_text": ("moe_num_experts",),
-    "ernie4_5_moe": ("moe_num_experts", "num_experts"),
-    **dict.fromkeys(("deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa",
-                     "solar_open", "dots1", "mimo_v2_flash", "axk1", "axk2", "hy_v4"), ("n_routed_experts", "num_local_experts", "num_experts")),
-}  # fmt: skip
-
-# sigmoid-scored families (and cohere2_moe, which may be): _sigmoid_family
-_SIGMOID_FAMILIES = ("minimax_m2", "minimax_m3_vl_text", "kolibri1", "flint", "cohere2_moe", "afmoe", "hy_v3", "laguna", "lfm2_moe")
-
-
-def _sigmoid_family(cls, config: Mapping[str, Any], mt: str, k: int, e: int) -> RoutingConfig:
-    """The routing of the families whose routers score with a sigmoid outside DeepSeek's groups
-    (minimax_m2, hy_v3, laguna, afmoe: top-k of sigmoid + correction bias, renormalized, x their
-    factor; flint: top-k of the logits; cohere2_moe: per expert_selection_fn)."""
-    if mt == "minimax_m2":  # sigmoid; top-k of sigmoid + correction bias; / sum
-        return cls("sigmoid", k, renormalize=True, has_correction_bias=True, num_experts=e, model_type=mt)
-    if mt == "minimax_m3_vl_text":  # MiniMaxM3VLTopKRouter (M2's) then the block's routed sum x routed_scaling_factor:
-        # the experts being linear in their weight, the factor is the routing's
-        return cls("sigmoid", k, renormalize=True, has_correction_bias=True,
-                   routed_scaling_factor=float(_get(config, "routed_scaling_factor", default=2.0)), num_experts=e,
-                   model_type=mt)  # fmt: skip
-    if mt == "kolibri1":  # Kolibri1TopKRouter: fp32 logits; top-k of logits + correction bias; sigmoid at the ids
-        # / sum if norm_topk_prob (moepack: / (sum + 1e-20): the same for sums of k sigmoids, >= 1e-20)
-        return cls("biased_logit_sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=False)),
-                   has_correction_bias=True, num_experts=e, model_type=mt)  # fmt: skip
-    if mt == "flint":  # sigmoid; top-k of the logits; / sum if norm_topk_prob
-        return cls("sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=True)), num_experts=e, model_type=mt)
-    if mt == "cohere2_moe":  # top-k of the logits; softmax over those k, or their sigmoid (/ sum if norm_topk_prob)
-        fn = _get(config, "expert_selection_fn", default="softmax")
-        if fn == "softmax":
-            return cls("topk_softmax", k, num_experts=e, model_type=mt)
-        if fn == "sigmoid":
-            return cls("sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=True)), num_experts=e,
-                       model_type=mt)  # fmt: skip
-        raise UnsupportedError(f"config.json cohere2_moe expert_selection_fn={fn!r}: expected softmax or sigmoid")
-    if mt == "afmoe":  # sigmoid; top-k of sigmoid + expert_bias; / sum; x route_scale
-        return cls("sigmoid", k, renormalize=True, has_correction_bias=True,
-                   routed_scaling_factor=float(_get(config, "route_scale", default=1.0)), num_experts=e, model_type=mt)  # fmt: skip
-    if mt == "lfm2_moe":  # Lfm2MoeTopKRouter: sigmoid; top-k of sigmoid (+ expert_bias); / (sum + 1e-6); x rsf
-        # its renormalization adds 1e-6 where moepack adds 1e-20: weights differ by a factor
-        # sum / (sum + 1e-6), at most 1e-6 / sum relative (docs/ROUTING.md, "differs on purpose")
-        return cls("sigmoid", k, renormalize=bool(_get(config, "norm_topk_prob", default=True)),
-                   has_correction_bias=bool(_get(config, "use_expert_bias", default=True)),
-                   routed_scaling_factor=float(_get(config, "routed_scaling_factor", default=1.0)), num_experts=e,
-                   model_type=mt)  # fmt: skip
-    if mt in ("hy_v3", "laguna"):  # sigmoid; top-k of sigmoid + correction bias; / sum; x the scaling factor
-        if mt == "laguna":
-            cap = _get(config, "moe_router_logit_softcapping", default=0.0)
-            if cap:
-                raise UnsupportedError(f"config.json laguna moe_router_logit_softcapping={cap!r}: moepack routes uncapped "
-                                       "logits only (0.0)")  # fmt: skip
-            if _get(config, "moe_apply_router_weight_on_input", default=False):
-                raise UnsupportedError("config.json laguna moe_apply_router_weight_on_input=True: moepack weights the "
-                                       "experts' outputs only (False)")  # fmt: skip
-        rsf = float(_get(config, "router_scaling_factor" if mt == "hy_v3" else "moe_routed_scaling_factor",
-                         default=2.826 if mt == "hy_v3" else 1.0))  # fmt: skip
-        return cls("sigmoid", k, renormalize=True, has_correction_bias=True, routed_scaling_factor=rsf, num_experts=e,
-                   model_type=mt)  # fmt: skip
-    raise AssertionError(mt)  # pragma: no cover
-
+# Family.routing -> the recipe: (RoutingConfig class, config.json dict, model_type, Family) -> RoutingConfig
+RECIPES: dict[str, Callable[..., RoutingConfig]] = {
+    "text_model": _text_model,
+    "softmax": _softmax_recipe,
+    "sigmoid": _sigmoid_recipe,
+    "biased_logit_sigmoid": _biased_logit_sigmoid,
+    "cohere2_moe": _cohere2_moe,
+    "ernie4_5_moe": _ernie4_5_moe,
+    "identity_softmax": _identity_softmax,
+    "scored_bias": _scored_bias,
+    "deepseek_v2": _deepseek_v2,
+    "noaux_tc": _noaux_tc,
+    "topk_softmax": _topk_softmax,
+    "llama4": _llama4,
+    "sparsemixer": _sparsemixer,
+    "dbrx": _dbrx,
+}
 
 # --------------------------------------------------------------------------------------------
 # route(): what a packed layer calls

@@ -19,10 +19,11 @@ import torch
 from ..container.plan import ShardPlan
 from ..errors import ConvertError, LayoutError, MoepackError
 from ..errors import UnsupportedError
+from ..families import FAMILIES, family_of
 from ..layout import PackedLayout, layout_tensor_plan
 from ..schemes import Scheme, float_scheme, get_scheme, schemes
 from ..sources import Checkpoint, LayerSpec, SourceReader, open_source, text_config
-from ..sources.dense import FLOAT_DTYPES, IDENTITY_EXPERT_KEYS
+from ..sources.dense import FLOAT_DTYPES
 from ..sources.linears import CarriedView, check_linear, find_linears
 
 
@@ -79,7 +80,7 @@ def block_leftovers(ckpt: Checkpoint, spec: LayerSpec, consumed: set) -> list[st
             mods.add(n.rpartition(".")[0] + ".")  # the module: its quantization tensors (scales, zeros) belong to it
     for m in spec.shared.get("modules") or []:
         mods.add(m + ".")
-    leaf = _BLOCK_OUT_BIAS.get(config_model_type(ckpt))
+    leaf = family_of(config_model_type(ckpt)).out_bias
     if leaf:  # the block's output bias: recorded as the layer's out_bias
         consumed = consumed | {f"{spec.prefix}.{leaf}"}
     out = []
@@ -133,19 +134,15 @@ def _refuse_unknown_family(ckpt: Checkpoint) -> None:
         raise ConvertError(f"refused at convert: {routing_problem(config, note)}")
 
 
-# model_type -> (the RMSNorm its MoE block applies to its own output, stored beside the block in the
-# decoder layer, where transformers' conversion mapping takes it from; its eps key): convert records
-# it as the layer's ``post_norm`` (format version 7), which the packed layer's forward applies.
-_POST_BLOCK_NORMS = {"axk1": ("post_mlp_layernorm", "rms_norm_eps")}
-# model_type -> the name (under the MoE block) of a bias [H] its block adds to its output (JetMoeMoE.bias):
-# convert records it as the layer's ``out_bias`` (format version 7), which the packed layer's forward adds.
-_BLOCK_OUT_BIAS = {"jetmoe": "bias"}
+# A family's norm after its block (``Family.post_norm``: recorded as the layer's ``post_norm``, format
+# version 7) and its block's output bias (``Family.out_bias``: the layer's ``out_bias``) are entries of
+# moepack.families.
 
 
 def out_bias_of(ckpt: Checkpoint, config: dict, spec) -> str | None:
     """The carried tensor convert records as ``spec``'s layer ``out_bias`` (None: the family has none,
     or the checkpoint does not hold it). One that is not a float [H] is refused, naming it."""
-    leaf = _BLOCK_OUT_BIAS.get(config.get("model_type"))
+    leaf = family_of(config.get("model_type")).out_bias
     name = f"{spec.prefix}.{leaf}" if leaf else None
     if name is None or name not in ckpt.tensors:
         return None
@@ -157,11 +154,11 @@ def out_bias_of(ckpt: Checkpoint, config: dict, spec) -> str | None:
 
 def post_norm_of(ckpt: Checkpoint, config: dict, spec) -> dict | None:
     """The ``post_norm`` convert records for ``spec``'s layer: {"weight": the carried norm weight,
-    "eps": the config's eps} for a family whose block normalizes its own output (``_POST_BLOCK_NORMS``)
+    "eps": the config's eps} for a family whose block normalizes its own output (``Family.post_norm``)
     when the checkpoint holds the norm; None otherwise. An eps that is not a finite number > 0 is refused."""
     import math
 
-    fam = _POST_BLOCK_NORMS.get(config.get("model_type"))
+    fam = family_of(config.get("model_type")).post_norm
     if fam is None:
         return None
     norm, eps_key = fam
@@ -177,36 +174,34 @@ def post_norm_of(ckpt: Checkpoint, config: dict, spec) -> dict | None:
     return {"weight": name, "eps": float(eps)}
 
 
-# model_type -> the routed experts' fixed activation (aria's; its shared expert follows hidden_act)
-_ROUTED_ACTIVATION = {"aria_text": "silu", "aria": "silu"}
+# a family's routed experts' fixed activation (aria's; its shared expert follows hidden_act): Family.routed_activation
 
-# identity (zero-computation) experts: run for the families of sources.dense.IDENTITY_EXPERT_KEYS (longcat_flash),
+# identity (zero-computation) experts: run for the families whose entry names identity_experts_key (longcat_flash),
 # refused for any other family whose config states them
 _ZERO_EXPERT_KEYS = ("zero_expert_num", "num_zero_experts")
 
 _CLAMP_KEYS = ("swiglu_limit", "swiglu_clamp", "clamp_limit")
-# model_type -> the config key of its silu experts' clamped SwiGLU (gate <= L, up in [-L, L], then
-# silu(gate) * up, routed and shared experts alike: DeepseekV4Experts._apply_gate, DeepseekV4MLP),
-# which convert records as each layer's ``silu_limit`` (format version 6). A clamp key of another
-# family stays refused: its clamp is not known to be this one.
-_SILU_CLAMP = {"deepseek_v4": "swiglu_limit", "hy_v4": "swiglu_limit"}
-# families whose clamp is on the routed experts only (HYV4Experts._apply_gate clamps, HYV4MLP does not):
-# their shared expert records ``shared.silu_limit`` null (format version 7)
-_UNCLAMPED_SHARED = {"hy_v4"}
+# Family.silu_clamp_key: the config key of a family's silu experts' clamped SwiGLU (gate <= L, up in
+# [-L, L], then silu(gate) * up, routed and shared experts alike: DeepseekV4Experts._apply_gate,
+# DeepseekV4MLP), which convert records as each layer's ``silu_limit`` (format version 6). A clamp key
+# of another family stays refused: its clamp is not known to be this one. Family.shared_clamped False:
+# the clamp is on the routed experts only (HYV4Experts._apply_gate clamps, HYV4MLP does not), the shared
+# expert recording ``shared.silu_limit`` null (format version 7).
+_SILU_CLAMPED = tuple(mt for mt, f in FAMILIES.items() if f.silu_clamp_key)
 
 
 def shared_silu_limit_of(config: dict, spec) -> float | None:
     """The clamp of ``spec``'s shared expert: the layer's ``silu_limit_of``, or None for a family
-    whose shared expert is not clamped (``_UNCLAMPED_SHARED``)."""
-    return None if config.get("model_type") in _UNCLAMPED_SHARED else silu_limit_of(config, spec)
+    whose shared expert is not clamped (``Family.shared_clamped`` False)."""
+    return silu_limit_of(config, spec) if family_of(config.get("model_type")).shared_clamped else None
 
 
 def silu_limit_of(config: dict, spec) -> float | None:
     """The ``silu_limit`` convert records for ``spec``'s layer (None: none): the family's clamp key
-    (``_SILU_CLAMP``) on silu experts. A value the manifest would refuse is refused here, naming it."""
+    (``Family.silu_clamp_key``) on silu experts. A value the manifest would refuse is refused here, naming it."""
     from ..manifest import silu_limit_problem
 
-    key = _SILU_CLAMP.get(config.get("model_type"))
+    key = family_of(config.get("model_type")).silu_clamp_key
     v = config.get(key) if key else None
     if v is None or spec.activation != "silu":
         return None
@@ -225,14 +220,14 @@ def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note:
     out = []
     if routing_note is not None:
         out.append(routing_problem(config, routing_note))
-    own = _SILU_CLAMP.get(mt)  # the family's clamp that silu layers record (silu_limit)
+    own = family_of(mt).silu_clamp_key  # the family's clamp that silu layers record (silu_limit)
     for key in _CLAMP_KEYS:
         v = config.get(key)
         unclamped = sorted({s.activation for s in specs if s.activation != "swigluoai" and not (key == own and s.activation == "silu")})
         if v is not None and unclamped:
             out.append(f"model_type={mt!r}: {key}={v!r} with {'/'.join(unclamped)} experts: a clamped SwiGLU, which moepack's "
-                       f"kernels run for swigluoai (gpt-oss) experts and the silu experts of {', '.join(_SILU_CLAMP)} only")  # fmt: skip
-    norm = _POST_BLOCK_NORMS.get(mt)
+                       f"kernels run for swigluoai (gpt-oss) experts and the silu experts of {', '.join(_SILU_CLAMPED)} only")  # fmt: skip
+    norm = family_of(mt).post_norm
     for s in specs if norm else []:
         layer = s.prefix.rpartition(".")[0]  # the decoder layer the block sits in
         names = sorted(n for n in ckpt.tensors if n.startswith(f"{layer}.{norm[0]}.") and n != f"{layer}.{norm[0]}.weight")
@@ -242,12 +237,12 @@ def runnable_problems(ckpt: Checkpoint, config: dict, specs: list, routing_note:
             break
     for key in _ZERO_EXPERT_KEYS:
         v = config.get(key)
-        if key == IDENTITY_EXPERT_KEYS.get(mt):  # the family's own: recorded as each layer's identity_experts and run
+        if key == family_of(mt).identity_experts_key:  # the family's own: recorded as each layer's identity_experts and run
             continue
         if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
             out.append(f"model_type={mt!r}: {key}={v!r}: identity (zero-computation) experts, which the router may pick "
                        "and which return their input: moepack's experts are gated MLPs only")  # fmt: skip
-    fixed = _ROUTED_ACTIVATION.get(mt)
+    fixed = family_of(mt).routed_activation
     acts = sorted({s.activation for s in specs})
     if fixed and acts and acts != [fixed]:
         out.append(f"model_type={mt!r}: hidden_act={config.get('hidden_act')!r}: its routed experts are always {fixed} "

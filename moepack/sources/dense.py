@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import SourceError
+from ..families import family_of
 from .checkpoint import Checkpoint, decode_special_floats
 
 FLOAT_DTYPES = {"BF16", "F16", "F32"}
@@ -31,23 +32,13 @@ FLOAT_DTYPES = {"BF16", "F16", "F32"}
 # model_type -> (experts key, top-k key, expert intermediate key) in config.json
 _NUM_EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 _HIDDEN_KEYS = ("hidden_size", "d_model")  # d_model: DBRX
-_IN_MAJOR_FAMILIES = {"llama4", "llama4_text", "gpt_oss", "aria", "aria_text"}
-_INTERLEAVED_FAMILIES = {"gpt_oss"}
-_SWIGLUOAI_FAMILIES = {"gpt_oss", "minimax_m3_vl_text"}
-# model_type -> the module whose experts are attention experts, not MoE experts (JetMoE's mixture of attention,
-# JetMoeMoA, stores Granite-style input_linear / output_linear too): carried unchanged, run by transformers
-_ATTENTION_EXPERTS = {"jetmoe": ".self_attention.experts"}
-# non-gated experts (up -> relu(x)^2 -> down, no gate: NemotronHExperts), read as activation relu2
-_NON_GATED_FAMILIES = {"nemotron_h"}
-# model_type -> the config key of its identity (zero-computation) experts: ids E .. E+Z-1 of the router,
-# which return their input times the routing weight (LongcatFlashExperts). Their gate/up rows that
-# transformers keeps (never used) are carried unchanged; the packed layer records Z (``identity_experts``).
-IDENTITY_EXPERT_KEYS = {"longcat_flash": "zero_expert_num"}
+# The per-family checkpoint facts (experts stored in-major or interleaved, an activation config.json
+# does not name, attention experts, identity experts) are moepack.families entries (family_of).
 
 
 def identity_experts_of(config: dict) -> int:
     """Z, the identity experts the family's routing picks after its E packed experts (0: none)."""
-    key = IDENTITY_EXPERT_KEYS.get(config.get("model_type"))
+    key = family_of(config.get("model_type")).identity_experts_key
     v = config.get(key) if key else None
     if v is None:
         return 0
@@ -57,7 +48,6 @@ def identity_experts_of(config: dict) -> int:
 
 _PER_EXPERT = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj|w1|w2|w3)\.(?P<kind>weight|bias)$")
 _FUSED = re.compile(r"^(?P<prefix>.+)\.experts\.(?P<proj>gate_up_proj|down_proj|fc1|fc2)(?P<bias>_bias)?(?:\.weight)?$")
-_FUSED_ALIAS = {"fc1": "gate_up_proj", "fc2": "down_proj"}  # aria's names (transformers renames them on load)
 _GRANITE = re.compile(r"^(?P<prefix>.+)\.(?P<proj>input_linear|output_linear)\.weight$")
 # DBRX: every expert's gate (w1), up (v1) and down (w2, stored [I, H] per expert) stacked in one 2-D [E x I, H] each
 _DBRX = re.compile(r"^(?P<prefix>.+)\.experts\.mlp\.(?P<proj>w1|v1|w2)$")
@@ -157,9 +147,10 @@ def activation_of(config: dict) -> str:
     """The expert activation from config.json (gpt-oss: swigluoai; MiniMax-M3, whose config says
     hidden_act="silu" while its experts compute gpt-oss's clamped gate with its swiglu_alpha / swiglu_limit
     on halves that are not interleaved)."""
-    if config.get("model_type") in _SWIGLUOAI_FAMILIES:
+    fixed = family_of(config.get("model_type")).activation
+    if fixed == "swigluoai":
         return "swigluoai"
-    if config.get("model_type") in _NON_GATED_FAMILIES:  # its experts' activation (its Mamba layers have their own)
+    if fixed == "relu2":  # non-gated experts: its experts' activation (its Mamba layers have their own)
         act = config.get("mlp_hidden_act", "relu2")
         if act != "relu2":
             raise SourceError(f"config.json mlp_hidden_act={act!r}: moepack runs {config['model_type']}'s non-gated experts "
@@ -238,7 +229,7 @@ def discover_layers(ckpt: Checkpoint, weights: tuple[set, str] = DENSE_WEIGHTS) 
         raise SourceError(f"config.json: {key}={hidden!r} must be a positive integer")
 
     groups: dict[str, dict] = {}
-    attention = _ATTENTION_EXPERTS.get(model_type)
+    attention = family_of(model_type).attention_experts
     for name, ti in ckpt.tensors.items():
         if attention and f"{attention}." in name:
             continue
@@ -250,11 +241,12 @@ def discover_layers(ckpt: Checkpoint, weights: tuple[set, str] = DENSE_WEIGHTS) 
             g["t"][(int(m["e"]), _ROLE[m["proj"]], m["kind"])] = name
             continue
         m = _FUSED.match(name)
-        if m:
+        role = _fused_role(model_type, name, m["proj"]) if m else None
+        if role is not None:
             g = groups.setdefault(m["prefix"], {"kind": "fused", "t": {}})
             if g["kind"] != "fused":
                 raise SourceError(f"{name}: fused expert tensors mixed with per-expert tensors under {m['prefix']!r}")
-            g["t"][(_FUSED_ALIAS.get(m["proj"], m["proj"]), "bias" if m["bias"] else "weight")] = name
+            g["t"][(role, "bias" if m["bias"] else "weight")] = name
             continue
         m = _DBRX.match(name)
         if m and ti.shape and len(ti.shape) == 2:
@@ -411,7 +403,7 @@ def _fused_spec(ckpt, prefix, kind, t, num_experts, hidden, act, model_type, wei
     if len(gu.shape) != 3 or gu.shape[0] != num_experts:
         raise SourceError(f"tensor {gu_name!r} has shape {list(gu.shape)}: expected 3-D [{num_experts}, ., .] (config.json experts)")
     e, a, b = gu.shape
-    in_major = model_type in _IN_MAJOR_FAMILIES
+    in_major = family_of(model_type).stored_in_major
     if kind == "granite" or (not in_major and b == hidden and a % 2 == 0):
         layout, inter = "fused_out", a // 2
         if b != hidden:
@@ -442,7 +434,7 @@ def _fused_spec(ckpt, prefix, kind, t, num_experts, hidden, act, model_type, wei
         hidden=hidden,
         intermediate=inter,
         dtype=dtype,
-        interleaved=model_type in _INTERLEAVED_FAMILIES,
+        interleaved=family_of(model_type).interleaved,
         has_bias=has_bias,
         activation=act,
         names=names,
@@ -535,6 +527,21 @@ def _attach_router_and_shared(ckpt: Checkpoint, s: LayerSpec, weights: tuple[set
             _check_shape(ckpt, gate, (1, s.hidden))
             s.shared["gate"] = gate
         break
+
+
+def _fused_role(model_type: str, name: str, proj: str) -> str | None:
+    """The role ("gate_up_proj" / "down_proj") of the fused expert tensor ``name``: its own name, or for
+    another stored name (aria's ``experts.fc1`` / ``fc2``) the name transformers' own conversion mapping
+    of the family loads it as (None: the mapping does not make it an expert tensor): not a second table here."""
+    if proj in ("gate_up_proj", "down_proj"):
+        return proj
+    from ..hf import checkpoint_renames
+
+    for target, stored in checkpoint_renames(model_type, [name]).items():
+        leaf = target.rpartition(".experts.")[2].removesuffix(".weight")
+        if stored == name and leaf in ("gate_up_proj", "down_proj"):
+            return leaf
+    return None
 
 
 def _loads_as(ckpt: Checkpoint, name: str, suffix: str) -> bool:

@@ -381,3 +381,80 @@ def test_family_entry_matches_transformers(mt):
             assert isinstance(out, tuple) and out[0].numel() == x.numel(), f"{mt} layer {i}: the block returns {type(out)}"
             want = (7, e) if fam.returns == "llama4" else (7, model.config.get_text_config().num_experts_per_tok)
             assert tuple(out[1].shape) == want, f"{mt} layer {i}: the block's second output is {list(out[1].shape)}"
+
+
+def _transformers_routing(block, fam, x: torch.Tensor, ids: torch.Tensor | None, e: int, method: str) -> torch.Tensor:
+    """What transformers' block routes ``x`` [1, T, H] to, as a dense [T, E] matrix of weights (0 where
+    an expert is not chosen): the ids and weights its experts module is called with (``experts(hidden,
+    top_k_index, top_k_weights)``); Llama-4's experts get the scaled input instead, so its router's
+    scores [T, E] are taken; JetMoE's experts (``input_linear``) get tokens sorted by expert, so its
+    router's (sorted positions, token of each, gate of each, count per expert) are unsorted. ``ids``:
+    the token ids a block that routes by token id is given (None: none)."""
+    got = {}
+    mod = getattr(block, fam.experts_attr)
+    hook = mod.register_forward_pre_hook(lambda m, a, k: got.update(args=a), with_kwargs=True)
+    rhook = getattr(block, fam.router_attr).register_forward_hook(lambda m, a, out: got.update(router=out))
+    try:
+        block(x, **({"input_ids": ids} if ids is not None else {}))
+    finally:
+        hook.remove()
+        rhook.remove()
+    t = x.shape[0] * x.shape[1]
+    if method == "llama4":  # Llama4Router: (sigmoid of the top-k logits scattered into -inf, logits)
+        return got["router"][0].reshape(t, -1).float()
+    if fam.experts_attr == "input_linear":  # JetMoeTopKGating: (index_sorted_experts, batch_index, batch_gates, expert_size, logits)
+        _, token, gates, sizes, _ = got["router"]
+        expert = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+        return torch.zeros(t, e).index_put_((token, expert), gates.float())
+    _, top_ids, top_w = got["args"][:3]
+    return torch.zeros(t, e).scatter_(1, top_ids.reshape(t, -1).long(), top_w.reshape(t, -1).float())
+
+
+def _correction_bias(block, e: int) -> torch.Tensor | None:
+    """The block's correction bias [E] (under whatever name its family keeps it in memory), or None."""
+    found = [b for n, b in [*block.named_buffers(), *block.named_parameters()]
+             if n.endswith(("e_score_correction_bias", "expert_bias")) and b.numel() == e]  # fmt: skip
+    assert len(found) <= 1, f"{type(block).__name__}: {len(found)} correction biases"
+    return found[0].detach().reshape(-1).float() if found else None
+
+
+@pytest.mark.parametrize("mt", sorted(set(hf.FAMILIES) & set(SWEPT)))
+@torch.no_grad()
+def test_family_routing_matches_transformers(mt):
+    """Each entry's routing recipe (``moepack.families``: ``RoutingConfig.from_hf_config`` of the
+    tiny model's config) against what transformers' own router computes, in fp32, in every MoE
+    layer: the same experts chosen for every token and the same weights (the recipe's correction
+    bias the block's; a hash layer routed by the same token ids through its table). An entry with
+    ``routed_scale_on_output`` is a block that multiplies the experts' sum by routed_scaling_factor
+    after weighting them: its experts get the weights divided by that factor."""
+    from moepack.routing import RoutingConfig, route, route_by_token
+    from transformers import AutoModelForCausalLM
+
+    fam = hf.FAMILIES[mt]
+    torch.manual_seed(0)
+    with hf.quiet_transformers():
+        model = AutoModelForCausalLM.from_config(tiny_config(mt), dtype=torch.float32).eval()
+    _spread(model)
+    cfg = RoutingConfig.from_hf_config(model.config.to_dict())
+    text = model.config.get_text_config()
+    x = torch.randn(1, 7, text.hidden_size)
+    ids = torch.randint(0, text.vocab_size, (1, 7))
+    blocks = hf._moe_blocks(model, fam)
+    assert blocks, f"{mt}: no MoE block"
+    # a family with token-id routed layers (DeepSeek-V4) gives every block the token ids
+    by_token = any(hasattr(getattr(b, fam.router_attr), "tid2eid") for b in blocks.values())
+    for i, block in blocks.items():
+        logits = _router_logits_out(getattr(block, fam.router_attr), block, x, ids, fam).reshape(7, -1).float()
+        e = logits.shape[1]
+        table = getattr(getattr(block, fam.router_attr), "tid2eid", None)
+        if table is not None:  # DeepSeek-V4's hash layers
+            w, top = route_by_token(logits, cfg, table, ids.reshape(-1))
+        else:
+            w, top = route(logits, cfg, _correction_bias(block, e) if cfg.has_correction_bias else None)
+        if fam.routed_scale_on_output:
+            w = w / cfg.routed_scaling_factor
+        ours = torch.zeros(7, e).scatter_(1, top.long(), w)
+        theirs = _transformers_routing(block, fam, x, ids if by_token else None, e, cfg.method)
+        assert torch.equal(ours != 0, theirs != 0), f"{mt} layer {i}: experts {top.tolist()}, transformers' " \
+                                                      f"{[r.nonzero().flatten().tolist() for r in theirs]}"  # fmt: skip
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6, msg=lambda m: f"{mt} layer {i}: weights: {m}")
