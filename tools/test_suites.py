@@ -116,8 +116,9 @@ def main(extra: list[str]) -> int:
     if n == 1:
         print("[test_suites] pytest-xdist is not installed (make setup-test installs it): the main suite runs in one process",
               flush=True)  # fmt: skip
-    cmd = pytest_cmd(FOREGROUND, "main", extra, n)
-    rc, cpu = _wait(subprocess.Popen(cmd, cwd=ROOT, env=_env("main"), preexec_fn=lambda: os.nice(FOREGROUND_NICE)))
+    # `nice` execs the command (same pid, waited for below); no preexec_fn: this process has threads
+    cmd = ["nice", "-n", str(FOREGROUND_NICE), *pytest_cmd(FOREGROUND, "main", extra, n)]
+    rc, cpu = _wait(subprocess.Popen(cmd, cwd=ROOT, env=_env("main")))
     status = [("main", "main (" + FOREGROUND + ")", rc, time.time() - t0, cpu)]
     for name, log, f, (th, out), t in bg:
         th.join()
