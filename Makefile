@@ -82,7 +82,7 @@ test:
 	$(MAKE) --no-print-directory test-only
 
 # Every test: the vLLM and ARM suites (about one core each) in the background beside the rest
-# (tools/test_suites.py: their logs in build/test-vllm.log, build/test-arm.log, printed at the end;
+# (tools/test_suites.py: their logs in build/test-vllm-1.log, -vllm-2.log, -arm.log, printed at the end;
 # one status). PYTEST_ARGS: a selection instead (e.g. PYTEST_ARGS='-m "not vllm"'), one pytest run.
 PYTEST_ARGS ?=
 test-only:
