@@ -32,7 +32,6 @@ equal to rank 0's byte for byte).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
