@@ -15,7 +15,7 @@ MISSING := build/missing
 IS_CI = case "$$CI" in [Tt]rue|TRUE|1|yes) true;; *) false;; esac
 NOTE = if $(IS_CI); then echo "ERROR (CI=true): $$why"; else echo "warning: $$why"; fi
 
-.PHONY: setup setup-deps setup-test test-deps provide build demo test test-only check bench clean vllm-venv \
+.PHONY: setup setup-deps setup-test test-deps provide provide-apt provide-arm-wheel build demo test test-only check bench clean vllm-venv \
 	vllm-venv-or-reason test-vllm test-arm test-emulated cross-ext
 
 setup: setup-deps build
@@ -30,30 +30,36 @@ setup-test: setup test-deps provide
 test-deps:
 	$(PIP) install -q $(TEST_DEPS)
 
-# apt (SIMDe, the aarch64 toolchain, qemu-user) and the aarch64 torch wheel: downloads, run beside
-# the extension's build and the vLLM venv by `make test`. What cannot be provided is recorded in
-# build/missing/ (and is an error under CI=true).
-provide:
+# apt (SIMDe, the aarch64 toolchain, qemu-user; one `apt-get update` for what is missing) and the
+# aarch64 torch wheel. What cannot be provided is recorded in build/missing/ (and is an error under
+# CI=true). `make test` runs provide-apt beside the extension's build (the main suite's emulated
+# tests need SIMDe) and the wheel's download beside the main suite (tools/test_suites.py --provide:
+# the ARM suite starts when it is there).
+provide: provide-apt provide-arm-wheel
+
+APT_NEEDS = $(if $(wildcard /usr/include/simde),,libsimde-dev) \
+	$(if $(shell command -v aarch64-linux-gnu-g++),,g++-aarch64-linux-gnu) $(if $(shell command -v qemu-aarch64),,qemu-user)
+provide-apt:
 	@mkdir -p $(MISSING)
-	@if [ ! -d /usr/include/simde ]; then \
+	@need="$(strip $(APT_NEEDS))"; \
+	if [ -n "$$need" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    (apt-get update -qq && apt-get install -y -qq libsimde-dev) > build/missing/.apt-simde.log 2>&1 \
-	      || { why="could not install libsimde-dev: $$(tail -n 2 build/missing/.apt-simde.log | tr '\n' ' ')"; echo "$$why" > $(MISSING)/simde; $(NOTE); }; \
-	  else why="libsimde-dev missing and not root (or no apt-get): the emulated kernel tests (marker emulated) cannot run"; \
-	    echo "$$why" > $(MISSING)/simde; $(NOTE); fi; \
-	fi; [ ! -d /usr/include/simde ] || rm -f $(MISSING)/simde
-	@# the ARM kernels, cross-built and run under qemu-user (tests/engine/test_arm_cross.py)
-	@if ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null; then \
-	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    (apt-get update -qq && apt-get install -y -qq g++-aarch64-linux-gnu qemu-user) > build/missing/.apt-arm.log 2>&1 \
-	      || { why="could not install g++-aarch64-linux-gnu qemu-user: $$(tail -n 2 build/missing/.apt-arm.log | tr '\n' ' ')"; echo "$$why" > $(MISSING)/arm-toolchain; $(NOTE); }; \
-	  else why="g++-aarch64-linux-gnu or qemu-user missing and not root (or no apt-get): the ARM tests (marker arm) cannot run"; \
-	    echo "$$why" > $(MISSING)/arm-toolchain; $(NOTE); fi; \
-	fi; ! command -v aarch64-linux-gnu-g++ >/dev/null || ! command -v qemu-aarch64 >/dev/null || rm -f $(MISSING)/arm-toolchain
-	@# the aarch64 torch wheel (~430 MB, once) that tests/engine/test_arm_cross.py cross-builds moepack._C against
+	    (apt-get update -qq && apt-get install -y -qq $$need) > $(MISSING)/.apt.log 2>&1 \
+	      || { why="could not install $$need: $$(tail -n 2 $(MISSING)/.apt.log | tr '\n' ' ')"; $(NOTE); }; \
+	  else why="$$need missing and not root (or no apt-get): the emulated kernel tests (marker emulated) or the ARM tests (marker arm) cannot run"; $(NOTE); fi; \
+	fi
+	@# what is still missing, for the tests to name (tests/support/skips.py)
+	@if [ -d /usr/include/simde ]; then rm -f $(MISSING)/simde; \
+	else echo "libsimde-dev is not installed ($$(tail -n 1 $(MISSING)/.apt.log 2>/dev/null || echo 'not root or no apt-get')): the emulated kernel tests (marker emulated) cannot run" > $(MISSING)/simde; fi
+	@if command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64 >/dev/null; then rm -f $(MISSING)/arm-toolchain; \
+	else echo "g++-aarch64-linux-gnu or qemu-user is not installed ($$(tail -n 1 $(MISSING)/.apt.log 2>/dev/null || echo 'not root or no apt-get')): the ARM tests (marker arm) cannot run" > $(MISSING)/arm-toolchain; fi
+
+# the aarch64 torch wheel (~430 MB, once) that tests/engine/test_arm_cross.py cross-builds moepack._C against
+provide-arm-wheel:
+	@mkdir -p $(MISSING)
 	@if command -v aarch64-linux-gnu-g++ >/dev/null; then \
-	  if $(PYTHON) tools/cross_build_ext.py --download-only > build/missing/.arm-wheel.log 2>&1; then rm -f $(MISSING)/arm-wheel; \
-	  else why="no aarch64 torch wheel: $$(tail -n 2 build/missing/.arm-wheel.log | tr '\n' ' ')"; echo "$$why" > $(MISSING)/arm-wheel; $(NOTE); fi; \
+	  if $(PYTHON) tools/cross_build_ext.py --download-only > $(MISSING)/.arm-wheel.log 2>&1; then rm -f $(MISSING)/arm-wheel; \
+	  else why="no aarch64 torch wheel: $$(tail -n 2 $(MISSING)/.arm-wheel.log | tr '\n' ' ')"; echo "$$why" > $(MISSING)/arm-wheel; $(NOTE); fi; \
 	else why="no aarch64 torch wheel: no aarch64-linux-gnu-g++ to build against it"; echo "$$why" > $(MISSING)/arm-wheel; $(NOTE); fi
 
 build:
@@ -71,25 +77,28 @@ demo: setup
 	$(PYTHON) -m moepack run $(DEMO_DST) --tokens 4
 	$(PYTHON) -m moepack bench --shapes tiny --tokens 1,8,64
 
-# `make test` sets up everything and runs every suite. The downloads and the compiles that do not
-# depend on each other run side by side (make -j: the extension's build, apt and the aarch64
-# wheel, the vLLM venv). When the venv cannot be built (no network, a registry down) the reason
-# goes to build/vllm-venv.failed, and the vLLM tests fail naming it under CI=true (elsewhere they
-# are skipped as "missing", which fails the run too: tests/conftest.py's skip rule).
+# `make test` sets up everything and runs every suite. What does not depend on each other runs side
+# by side: the extension's build beside apt (make -j); then the main suite starts while the vLLM
+# venv is installed and the aarch64 wheel downloaded (tools/test_suites.py --provide: the vLLM and
+# ARM suites each start when what they need is there). When the venv cannot be built (no network, a
+# registry down) the reason goes to build/vllm-venv.failed, and the vLLM tests fail naming it under
+# CI=true (elsewhere they are skipped as "missing", which fails the run too: tests/conftest.py's
+# skip rule).
 test:
 	$(MAKE) --no-print-directory setup-deps test-deps
-	$(MAKE) --no-print-directory -j3 --output-sync=target build provide vllm-venv-or-reason
-	$(MAKE) --no-print-directory test-only
+	$(MAKE) --no-print-directory -j2 --output-sync=target build provide-apt
+	$(MAKE) --no-print-directory test-only SUITES_FLAGS=--provide
 
 # Every test: the vLLM and ARM suites (about one core each) in the background beside the rest
 # (tools/test_suites.py: their logs in build/test-vllm-1.log, -vllm-2.log, -arm.log, printed at the end;
 # one status). PYTEST_ARGS: a selection instead (e.g. PYTEST_ARGS='-m "not vllm"'), one pytest run.
 PYTEST_ARGS ?=
+SUITES_FLAGS ?=
 test-only:
 	$(PYTHON) tools/gen_layouts.py --check
 	$(PYTHON) tools/gen_isa.py --check
 	@if [ -n '$(subst ','\'',$(PYTEST_ARGS))' ]; then set -x; $(PYTHON) -m pytest -q -rs --durations=25 $(PYTEST_ARGS); \
-	else set -x; $(PYTHON) tools/test_suites.py; fi
+	else set -x; $(PYTHON) tools/test_suites.py $(SUITES_FLAGS); fi
 	@if $(IS_CI) && [ -n "$$(ls $(MISSING) 2>/dev/null)" ]; then \
 	  echo "ERROR (CI=true): the Makefile could not provide:"; for f in $(MISSING)/*; do echo "  $$(basename $$f): $$(cat $$f)"; done; exit 1; fi
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`make test-only`'s run of every test: four pytest processes side by side, one status.
 
-    python tools/test_suites.py [PYTEST_ARGS...]
+    python tools/test_suites.py [--provide] [PYTEST_ARGS...]
 
 The vLLM suite (marker ``vllm``) and the ARM suite (marker ``arm``) spend most of their time on
 one core each (vLLM's CPU engine runs one thread; the ARM binaries run under qemu-user, one
@@ -23,7 +23,9 @@ and every process it waited for, from wait4) beside its wall seconds, and its la
 functions by CPU: on a shared 2-core machine the CPU seconds, not the wall time, say where the
 run's time goes.
 
-`PYTEST_ARGS=... make test-only` runs one pytest of that selection instead (Makefile)."""
+`--provide` (`make test`): first run, beside the main suite, the make targets the background
+suites need (``PROVIDES``: the vLLM venv, the aarch64 wheel), each suite starting when its target
+is done. `PYTEST_ARGS=... make test-only` runs one pytest of that selection instead (Makefile)."""
 
 from __future__ import annotations
 
@@ -46,6 +48,12 @@ BUILD = ROOT / "build"
 # packs; the second, its complement: the qwen3 packs), so no pack is built twice.
 VLLM_FIRST = "ct_int8 or quantized_attention or olmoe or gpt_oss or deepseek"
 BACKGROUND = (("vllm-1", "vllm", VLLM_FIRST), ("vllm-2", "vllm", f"not ({VLLM_FIRST})"), ("arm", "arm and not vllm", None))
+# --provide (`make test`): the make target each background suite needs first, run while the main
+# suite already runs (downloads: the vLLM venv's packages, the ~430 MB aarch64 torch wheel); a
+# suite starts when its target is done (failed or not: a target records what it could not provide
+# in build/missing/, and the suite's tests name it). The main suite needs only the extension and
+# SIMDe, which `make test` provides before (its build beside apt).
+PROVIDES = {"vllm-1": "vllm-venv-or-reason", "vllm-2": "vllm-venv-or-reason", "arm": "provide-arm-wheel"}
 FOREGROUND = "not vllm and not arm"
 
 
@@ -82,20 +90,6 @@ def _wait(p: subprocess.Popen) -> tuple[int, float]:
     return p.returncode, ru.ru_utime + ru.ru_stime
 
 
-def _watch(p: subprocess.Popen) -> tuple[threading.Thread, dict]:
-    """A thread that waits for ``p``: its exit code, CPU seconds and the time it ended (a
-    background suite's wall time is to its own end, not to the foreground's)."""
-    out: dict = {}
-
-    def run() -> None:
-        out["rc"], out["cpu"] = _wait(p)
-        out["end"] = time.time()
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    return th, out
-
-
 def _env(name: str) -> dict:
     """The suite's environment. OMP_WAIT_POLICY=PASSIVE (unless set): the suites' processes
     outnumber the cores, and an OpenMP thread that spins at a barrier (libgomp's default, before it
@@ -108,16 +102,60 @@ def _env(name: str) -> dict:
     return env
 
 
+class _Provider:
+    """``make TARGET`` run once in a thread (the suites that need it wait for it): its wall and CPU
+    seconds for the status lines."""
+
+    def __init__(self, target: str):
+        self.target, self.done, self.wall, self.cpu, self.rc = target, threading.Event(), 0.0, 0.0, 0
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        t0 = time.time()
+        try:
+            p = subprocess.Popen(["make", "--no-print-directory", self.target], cwd=ROOT)
+            self.rc, self.cpu = _wait(p)
+        except OSError as e:  # no make: the suite's tests name what is missing
+            print(f"[test_suites] make {self.target}: {e}", flush=True)
+            self.rc = 127
+        self.wall = time.time() - t0
+        self.done.set()
+
+
+def _background(name: str, cmd: list[str], log: Path, provider: _Provider | None) -> tuple[threading.Thread, dict]:
+    """A thread that waits for the suite's provider (if any), starts the suite (output to ``log``)
+    and waits for it: its exit code, CPU seconds, start and end."""
+    out: dict = {}
+
+    def run() -> None:
+        if provider is not None:
+            provider.done.wait()
+        out["start"] = time.time()
+        with open(log, "w") as f:
+            p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=_env(name))
+            print(f"[test_suites] the {name} suite runs in the background (pid {p.pid}), its output in {log}", flush=True)
+            out["rc"], out["cpu"] = _wait(p)
+        out["end"] = time.time()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, out
+
+
 def main(extra: list[str]) -> int:
     BUILD.mkdir(exist_ok=True)
+    provide = "--provide" in extra
+    extra = [a for a in extra if a != "--provide"]
+    providers: dict[str, _Provider] = {}
+    if provide:
+        for target in dict.fromkeys(PROVIDES.values()):
+            providers[target] = _Provider(target)
+            print(f"[test_suites] make {target} runs beside the main suite", flush=True)
     bg = []
     for name, marker, select in BACKGROUND:
         log = BUILD / f"test-{name}.log"
-        f = open(log, "w")
-        t0 = time.time()
-        p = subprocess.Popen(pytest_cmd(marker, name, (["-k", select] if select else []) + extra), cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=_env(name))
-        bg.append((name, log, f, _watch(p), t0))
-        print(f"[test_suites] the {name} suite runs in the background (pid {p.pid}), its output in {log}", flush=True)
+        cmd = pytest_cmd(marker, name, (["-k", select] if select else []) + extra)
+        bg.append((name, log, _background(name, cmd, log, providers.get(PROVIDES[name]) if provide else None)))
     t0 = time.time()
     n = workers() if _has_xdist() else 1
     if n == 1:
@@ -127,14 +165,14 @@ def main(extra: list[str]) -> int:
     cmd = ["nice", "-n", str(FOREGROUND_NICE), *pytest_cmd(FOREGROUND, "main", extra, n)]
     rc, cpu = _wait(subprocess.Popen(cmd, cwd=ROOT, env=_env("main")))
     status = [("main", "main (" + FOREGROUND + ")", rc, time.time() - t0, cpu)]
-    for name, log, f, (th, out), t in bg:
+    for name, log, (th, out) in bg:
         th.join()
-        brc, cpu = out["rc"], out["cpu"]
-        f.close()
         print(f"\n{'=' * 30} the {name} suite ({log.relative_to(ROOT)}) {'=' * 30}", flush=True)
         sys.stdout.write(log.read_text())
-        status.append((name, name, brc, out["end"] - t, cpu))
+        status.append((name, name, out["rc"], out["end"] - out["start"], out["cpu"]))
     print(f"\n{'=' * 30} suites {'=' * 30}")
+    for pv in providers.values():
+        print(f"make {pv.target}: exit {pv.rc}, wall {pv.wall:.0f} s, CPU {pv.cpu:.0f} s (beside the main suite)")
     # pytest's exit 5, nothing selected: no failure when extra arguments left a suite empty; without
     # them (make test) every suite must run tests
     words = {0: "passed", 5: "no test selected"} if extra else {0: "passed"}
