@@ -194,22 +194,23 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="exit 1 if the header differs from what would be written")
     args = ap.parse_args()
     lay = load_layout_module()
-    want = {HEADER: render(lay), SCHEMES_INC: render_schemes_inc(lay)}
+    return write_or_check({HEADER: render(lay), SCHEMES_INC: render_schemes_inc(lay)}, args.check, "tools/gen_layouts.py")
+
+
+def write_or_check(want: dict, check: bool, tool: str) -> int:
+    """Write each file of ``want`` ({path: text}) that differs, or (``check``) name the stale ones
+    and return 1 when there are any (tools/gen_isa.py uses it too)."""
     stale = [p for p, text in want.items() if (p.read_text() if p.exists() else None) != text]
-    if args.check:
-        for p in stale:
-            print(f"{p.relative_to(ROOT)} is stale: run python tools/gen_layouts.py", file=sys.stderr)
-        if not stale:
-            print(" and ".join(str(p.relative_to(ROOT)) for p in want) + " are up to date")
-        return 1 if stale else 0
     for p in stale:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(want[p])
-        print(f"wrote {p.relative_to(ROOT)}")
+        if check:
+            print(f"{p.relative_to(ROOT)} is stale: run python {tool}", file=sys.stderr)
+        else:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(want[p])
+            print(f"wrote {p.relative_to(ROOT)}")
     if not stale:
         print(" and ".join(str(p.relative_to(ROOT)) for p in want) + " are up to date")
-    return 0
-
+    return 1 if stale and check else 0
 
 if __name__ == "__main__":
     sys.exit(main())
