@@ -426,16 +426,16 @@ _BY_NAME = {layout.name: layout for layout in LAYOUTS}
 assert len(_BY_ID) == len(LAYOUTS) and len(_BY_NAME) == len(LAYOUTS), "duplicate layout id or name"
 
 # ---- Test-only schemes (docs/ARCHITECTURE.md "What a new weight scheme touches"). A folder
-# tests/schemes/<s>/ with a ``layouts.py`` holds a whole scheme that only tests run: its
-# layouts.py declares ``SCHEME`` (the name), ``WEIGHT_KINDS`` ({weight kind: (bits, codes tensor
-# dtype)}), optionally ``FAMILIES`` (layout families of its own: one that no ISA level of
-# moepack/isa_levels.py targets is run by the scalar level alone) and ``layouts()`` (its
-# PackedLayouts, ids never reused);
-# its scheme.py the Python scheme, its *.inc the C++ codec. tools/gen_layouts.py always adds them
-# (add_testonly_schemes), so the C++ tables and the scalar kernels know them (csrc/kernels/
-# schemes_gen.inc includes their C++); moepack adds them to these tables, and moepack.schemes
-# registers their schemes, only when MOEPACK_TEST_SCHEMES=1 when it is imported (a source
-# checkout's tests set it in a child process), so the CLI, the API and packs never see them.
+# tests/schemes/<s>/ with a ``layouts.py`` holds a whole scheme that only tests run. Its layouts.py
+# declares ``SCHEME`` (the name), ``WEIGHT_KINDS`` ({weight kind: (bits, codes tensor dtype)}),
+# optionally ``FAMILIES`` (layout families of its own: one that no level of moepack/isa_levels.py
+# targets is run by the scalar level alone) and ``layouts()`` (its PackedLayouts, ids never
+# reused); its scheme.py is the Python scheme, its *.inc the C++ codec. tools/gen_layouts.py
+# always adds them (add_testonly_schemes), so the C++ tables and kernels know them
+# (csrc/kernels/schemes_gen.inc includes their C++); moepack adds them to these tables, and
+# moepack.schemes registers their schemes, only when MOEPACK_TEST_SCHEMES=1 is set when it is
+# imported (a source checkout's tests set it in a child process), so the CLI, the API and packs
+# never see them. They come after every real kind, scheme and family, so no enum value moves.
 TEST_SCHEMES_ENV = "MOEPACK_TEST_SCHEMES"
 TEST_SCHEMES_DIR = pathlib.Path(__file__).resolve().parent.parent / "tests" / "schemes"
 _TEST_SCHEMES: dict = {}  # name -> the folder, once added
