@@ -4,7 +4,7 @@ folder, registered end to end — and hidden from users.
 * ``test_end_to_end``: toy_checks.py in a child pytest with MOEPACK_TEST_SCHEMES=1 (moepack adds
   test-only schemes when it is imported, so the switch must be set before that): the compiled
   layout table, the scalar C++ codec, pack_experts -> run_experts against the torch reference,
-  convert -> verify -> open + run, the CLI.
+  convert -> verify -> open + run, the CLI; then, here, that pack is refused (layout 21 unknown).
 * Here, without the switch: no scheme, layout or CLI word of the toy is visible, convert refuses
   it; only the extension's compiled table holds its layout (and its scalar kernel).
 * The files outside this folder that name the toy: the documented list, at most 10.
@@ -45,8 +45,10 @@ DOC_TABLE = "Files outside the folder that name the toy"
 NAMES = re.compile(r"toy_u8|kScheme_toy|Kernel_toy|ToyCodec|toy_codec|schemes/toy|\bX\(toy\b|[\"'`]toy[\"'`]|--quantize toy|scheme toy\b")
 
 
-def test_end_to_end():
-    env = {**os.environ, lay.TEST_SCHEMES_ENV: "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+def test_end_to_end(tmp_path):
+    pack = tmp_path / "toy_pack"
+    env = {**os.environ, lay.TEST_SCHEMES_ENV: "1", "TOY_PACK_DIR": str(pack),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
     env.pop("PYTEST_XDIST_WORKER", None)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(HERE / "toy_checks.py")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
@@ -54,6 +56,12 @@ def test_end_to_end():
     assert r.returncode == 0, tail
     summary = r.stdout.strip().splitlines()[-1]
     assert re.search(r"\b\d+ passed\b", summary) and not re.search(r"failed|skipped|error", summary), summary
+    # the pack the child converted (and verified, opened and ran): without the switch, its layout
+    # is unknown, so moepack neither opens nor verifies it
+    assert (pack / "moepack.json").is_file()
+    for f in (moepack.open, moepack.verify):
+        with pytest.raises(MoepackError, match=f"layout id {TOY_LAYOUT_ID} is unknown to this build"):
+            f(pack)
 
 
 def test_hidden_from_users_without_the_switch():

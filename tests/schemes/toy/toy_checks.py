@@ -11,6 +11,8 @@ the CLI lists the scheme and its kernel while it is enabled."""
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -87,7 +89,9 @@ def test_pack_experts_then_run_experts_equals_the_reference(dtype, act, h, i, t)
 
 
 def test_convert_verify_open_run(tmp_path):
-    src, dst = fixture_dir("qwen3_moe"), tmp_path / "p"
+    # TOY_PACK_DIR: where test_toy_scheme.py wants the pack, to show that moepack without the
+    # switch refuses it
+    src, dst = fixture_dir("qwen3_moe"), Path(os.environ.get("TOY_PACK_DIR") or tmp_path / "p")
     report = moepack.convert(src, dst, layout=LAY.name, quantize="toy")
     assert 0 < report.quant_error < 0.02, report.quant_error
     m = json.loads((dst / "moepack.json").read_text())
