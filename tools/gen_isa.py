@@ -186,5 +186,6 @@ def main() -> int:
     want = {HEADER: render_header(isa, gen.load_layout_module()), KERNELS_MD: render_kernels_md(isa, docs)}
     return gen.write_or_check(want, args.check, "tools/gen_isa.py")
 
+
 if __name__ == "__main__":
     sys.exit(main())

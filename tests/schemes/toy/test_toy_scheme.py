@@ -49,7 +49,8 @@ def test_end_to_end(tmp_path):
     pack = tmp_path / "toy_pack"
     env = {**os.environ, lay.TEST_SCHEMES_ENV: "1", "TOY_PACK_DIR": str(pack),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
-    env.pop("PYTEST_XDIST_WORKER", None)
+    for k in ("PYTEST_XDIST_WORKER", "PYTEST_ADDOPTS", "MOEPACK_TEST_CPU_LOG"):  # the child is a plain run, logged as this test
+        env.pop(k, None)
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", str(HERE / "toy_checks.py")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     tail = r.stdout[-4000:] + r.stderr[-2000:]
