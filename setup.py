@@ -195,9 +195,11 @@ setup(
             _sources(),
             include_dirs=[os.path.join(ROOT, "csrc", "include")],
             # every header and .inc: `setup.py build_ext --inplace` (make check) rebuilds when one
-            # is newer than the extension, not only when a .cpp is
+            # is newer than the extension, not only when a .cpp is; and the test-only schemes' C++
+            # parts (tests/schemes/<s>/*.inc, included through csrc/kernels/schemes_gen.inc)
             depends=sorted(os.path.relpath(f, ROOT) for ext_ in ("h", "inc")
-                           for f in glob.glob(os.path.join(ROOT, "csrc", "**", f"*.{ext_}"), recursive=True)),
+                           for f in glob.glob(os.path.join(ROOT, "csrc", "**", f"*.{ext_}"), recursive=True))
+            + sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "schemes", "*", "*.inc"))),
             extra_compile_args={"cxx": COMMON_FLAGS},
             extra_link_args=OPENMP_LINK,
         )

@@ -26,6 +26,9 @@ scales and int32 column sums are separate ``[E, N]`` tensors (moepack/schemes/in
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import os
+import pathlib
 from dataclasses import dataclass
 
 from .errors import LayoutError
@@ -421,6 +424,64 @@ LAYOUTS: tuple[PackedLayout, ...] = (
 _BY_ID = {layout.id: layout for layout in LAYOUTS}
 _BY_NAME = {layout.name: layout for layout in LAYOUTS}
 assert len(_BY_ID) == len(LAYOUTS) and len(_BY_NAME) == len(LAYOUTS), "duplicate layout id or name"
+
+# ---- Test-only schemes (docs/ARCHITECTURE.md "What a new weight scheme touches"). A folder
+# tests/schemes/<s>/ with a ``layouts.py`` holds a whole scheme that only tests run. Its layouts.py
+# declares ``SCHEME`` (the name), ``WEIGHT_KINDS`` ({weight kind: (bits, codes tensor dtype)}),
+# optionally ``FAMILIES`` (layout families of its own: one that no level of moepack/isa_levels.py
+# targets is run by the scalar level alone) and ``layouts()`` (its PackedLayouts, ids never
+# reused); its scheme.py is the Python scheme, its *.inc the C++ codec. tools/gen_layouts.py
+# always adds them (add_testonly_schemes), so the C++ tables and kernels know them
+# (csrc/kernels/schemes_gen.inc includes their C++); moepack adds them to these tables, and
+# moepack.schemes registers their schemes, only when MOEPACK_TEST_SCHEMES=1 is set when it is
+# imported (a source checkout's tests set it in a child process), so the CLI, the API and packs
+# never see them. They come after every real kind, scheme and family, so no enum value moves.
+TEST_SCHEMES_ENV = "MOEPACK_TEST_SCHEMES"
+TEST_SCHEMES_DIR = pathlib.Path(__file__).resolve().parent.parent / "tests" / "schemes"
+_TEST_SCHEMES: dict = {}  # name -> the folder, once added
+
+
+def scheme_dirs_for_tests() -> list[pathlib.Path]:
+    """The test-only scheme folders of this source tree (none in an installed moepack)."""
+    return sorted(p.parent for p in TEST_SCHEMES_DIR.glob("*/layouts.py"))
+
+
+def schemes_for_tests_enabled() -> bool:
+    return os.environ.get(TEST_SCHEMES_ENV) == "1"
+
+
+def add_testonly_schemes() -> dict:
+    """Add every test-only scheme's weight kinds, name and layouts to this module's tables (once)
+    -> {scheme name: its folder}. A kind, name, id or layout name already taken is a LayoutError."""
+    global SCHEMES, LAYOUTS, FAMILIES
+    for folder in scheme_dirs_for_tests():
+        if folder in _TEST_SCHEMES.values():
+            continue
+        spec = importlib.util.spec_from_file_location(f"moepack._test_scheme_layouts_{folder.name}", folder / "layouts.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        where = f"test scheme {folder.name} ({folder / 'layouts.py'})"
+        taken = [k for k in mod.WEIGHT_KINDS if k in WEIGHT_DTYPES] + [mod.SCHEME] * (mod.SCHEME in SCHEMES)
+        if taken:
+            raise LayoutError(f"{where}: {', '.join(taken)} already taken: a test scheme declares new names")
+        for kind, (bits, dtype) in mod.WEIGHT_KINDS.items():
+            WEIGHT_DTYPES[kind] = bits
+            CODES_DTYPES[kind] = dtype
+        SCHEMES = SCHEMES + (mod.SCHEME,)
+        FAMILIES = FAMILIES + tuple(f for f in getattr(mod, "FAMILIES", ()) if f not in FAMILIES)
+        new = tuple(mod.layouts())
+        for x in new:
+            if x.scheme != mod.SCHEME or x.id in _BY_ID or x.name in _BY_NAME:
+                raise LayoutError(f"{where}: layout {x.name} (id {x.id}, scheme {x.scheme}): a test scheme's layouts are of "
+                                  "its scheme, with an id and a name no other layout has")  # fmt: skip
+            _BY_ID[x.id], _BY_NAME[x.name] = x, x
+        LAYOUTS = LAYOUTS + new
+        _TEST_SCHEMES[mod.SCHEME] = folder
+    return dict(_TEST_SCHEMES)
+
+
+if schemes_for_tests_enabled():
+    add_testonly_schemes()
 
 DEFAULT_LAYOUT = _BY_NAME["bf16_n32k2_x86"]
 INT8_LAYOUT = _BY_NAME["i8_n32k4_x86"]

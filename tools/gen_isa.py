@@ -27,12 +27,17 @@ def load_levels() -> SimpleNamespace:
     return SimpleNamespace(**runpy.run_path(str(ROOT / "moepack" / "isa_levels.py")))
 
 
-def load_layouts():
-    """moepack/layout.py, loaded without the package (tools/gen_layouts.py's loader)."""
+def gen_layouts():
+    """tools/gen_layouts.py, loaded by path (its layout loader and write_or_check)."""
     spec = importlib.util.spec_from_file_location("_gen_layouts", ROOT / "tools" / "gen_layouts.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
-    return gen.load_layout_module()
+    return gen
+
+
+def load_layouts():
+    """moepack/layout.py, loaded without the package (tools/gen_layouts.py's loader)."""
+    return gen_layouts().load_layout_module()
 
 
 def scheme_kernels(lay) -> list[tuple[str, str]]:
@@ -177,19 +182,9 @@ def main() -> int:
     args = ap.parse_args()
     isa = load_levels()
     docs = KERNELS_MD.read_text() if KERNELS_MD.exists() else ""
-    want = {HEADER: render_header(isa, load_layouts()), KERNELS_MD: render_kernels_md(isa, docs)}
-    stale = [p for p, text in want.items() if (p.read_text() if p.exists() else None) != text]
-    if args.check:
-        for p in stale:
-            print(f"{p.relative_to(ROOT)} is stale: run python tools/gen_isa.py", file=sys.stderr)
-        if not stale:
-            print(" and ".join(str(p.relative_to(ROOT)) for p in want) + " are up to date")
-        return 1 if stale else 0
-    for p in stale:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(want[p])
-        print(f"wrote {p.relative_to(ROOT)}")
-    return 0
+    gen = gen_layouts()
+    want = {HEADER: render_header(isa, gen.load_layout_module()), KERNELS_MD: render_kernels_md(isa, docs)}
+    return gen.write_or_check(want, args.check, "tools/gen_isa.py")
 
 
 if __name__ == "__main__":

@@ -58,6 +58,10 @@ Adding a scheme: docs/CONTRIBUTING.md, "Adding a weight scheme".
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+
+from .. import layout as _layout
 from ..errors import UnsupportedError
 from .base import BenchInfo, LayerPacker, LayerSource, OutputRule, QuantError, Scheme, ValueRule, get_scheme, register, schemes
 
@@ -74,6 +78,20 @@ def float_scheme() -> Scheme:
 
 # The scheme modules register themselves on import.
 from . import dense, int8, int4, fp8, mxfp4, nvfp4  # noqa: E402,F401
+
+
+def _load_testonly_schemes() -> None:
+    """The test-only schemes (moepack/layout.py ``add_testonly_schemes``): each folder's scheme.py,
+    loaded by path, registers itself; only when MOEPACK_TEST_SCHEMES=1 made layout.py add them."""
+    for name, folder in _layout.add_testonly_schemes().items() if _layout.schemes_for_tests_enabled() else ():
+        mod_name = f"moepack.schemes._testonly_{name}"
+        spec = importlib.util.spec_from_file_location(mod_name, folder / "scheme.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[mod_name] = mod
+        spec.loader.exec_module(mod)
+
+
+_load_testonly_schemes()
 
 __all__ = ["Scheme", "ValueRule", "float_scheme", "OutputRule", "BenchInfo", "LayerSource", "LayerPacker", "QuantError", "get_scheme", "register",
            "schemes"]  # fmt: skip

@@ -34,7 +34,7 @@
 #define MOEPACK_CPU_FEATURES(X) X(avx2) X(fma) X(f16c) X(os_avx) X(avx_vnni) X(avx512f) X(avx512bw) X(avx512vl) X(avx512dq) X(os_avx512) X(avx512_vnni) X(avx512_bf16) X(amx_tile) X(amx_bf16) X(avx512vbmi) X(os_amx) X(amx_int8) X(asimd) X(asimddp) X(i8mm) X(bf16) X(sve)
 // X(scheme, mode) for every (scheme, activation mode) some layout has: one C++ kernel each
 // (csrc/kernels/register.inc names it Kernel_<scheme>_<mode>), in SchemeKernel order.
-#define MOEPACK_SCHEME_KERNELS(X) X(dense, a16) X(int8_channel, a8) X(int4_group, a16) X(int4_group, a8) X(fp8_block, a16) X(mxfp4, a16) X(mxfp4, a8) X(nvfp4, a16) X(nvfp4, a8)
+#define MOEPACK_SCHEME_KERNELS(X) X(dense, a16) X(int8_channel, a8) X(int4_group, a16) X(int4_group, a8) X(fp8_block, a16) X(mxfp4, a16) X(mxfp4, a8) X(nvfp4, a16) X(nvfp4, a8) X(toy, a16)
 
 namespace moepack {
 
@@ -45,8 +45,8 @@ constexpr int kNumIsa = 12;
 constexpr const char* kIsaNames = "scalar, avx2, avx_vnni, avx512, avx512_vnni, avx512_bf16, amx_bf16, amx_int8, neon, neon_dotprod, neon_i8mm, neon_bf16";  // for refusals
 
 // The kernels of MOEPACK_SCHEME_KERNELS: bit (1 << k) of IsaLevel::kernels.
-enum SchemeKernel : int32_t { kKernel_dense_a16 = 0, kKernel_int8_channel_a8 = 1, kKernel_int4_group_a16 = 2, kKernel_int4_group_a8 = 3, kKernel_fp8_block_a16 = 4, kKernel_mxfp4_a16 = 5, kKernel_mxfp4_a8 = 6, kKernel_nvfp4_a16 = 7, kKernel_nvfp4_a8 = 8 };
-constexpr int kNumSchemeKernels = 9;
+enum SchemeKernel : int32_t { kKernel_dense_a16 = 0, kKernel_int8_channel_a8 = 1, kKernel_int4_group_a16 = 2, kKernel_int4_group_a8 = 3, kKernel_fp8_block_a16 = 4, kKernel_mxfp4_a16 = 5, kKernel_mxfp4_a8 = 6, kKernel_nvfp4_a16 = 7, kKernel_nvfp4_a8 = 8, kKernel_toy_a16 = 9 };
+constexpr int kNumSchemeKernels = 10;
 
 // What this CPU and OS provide: csrc/<arch>/cpu_features.cpp sets its architecture's members
 // (named as Linux's /proc/cpuinfo names the features; os_*: the OS saves those registers).
@@ -95,7 +95,7 @@ struct IsaLevel {
 };
 
 constexpr IsaLevel kIsaLevels[kNumIsa] = {
-    {"scalar", true, nullptr, -1, 0, (1u << kKernel_dense_a16) | (1u << kKernel_int8_channel_a8) | (1u << kKernel_int4_group_a16) | (1u << kKernel_int4_group_a8) | (1u << kKernel_fp8_block_a16) | (1u << kKernel_mxfp4_a16) | (1u << kKernel_mxfp4_a8) | (1u << kKernel_nvfp4_a16) | (1u << kKernel_nvfp4_a8), {}},
+    {"scalar", true, nullptr, -1, 0, (1u << kKernel_dense_a16) | (1u << kKernel_int8_channel_a8) | (1u << kKernel_int4_group_a16) | (1u << kKernel_int4_group_a8) | (1u << kKernel_fp8_block_a16) | (1u << kKernel_mxfp4_a16) | (1u << kKernel_mxfp4_a8) | (1u << kKernel_nvfp4_a16) | (1u << kKernel_nvfp4_a8) | (1u << kKernel_toy_a16), {}},
     {"avx2", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, 0, (1u << kKernel_dense_a16) | (1u << kKernel_int8_channel_a8) | (1u << kKernel_int4_group_a16) | (1u << kKernel_int4_group_a8) | (1u << kKernel_fp8_block_a16) | (1u << kKernel_mxfp4_a16) | (1u << kKernel_mxfp4_a8) | (1u << kKernel_nvfp4_a16) | (1u << kKernel_nvfp4_a8), {{"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
     {"avx_vnni", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, (1u << (2 * kWeight_i8 + 0)) | (1u << (2 * kWeight_i8 + 1)) | (1u << (2 * kWeight_u4 + 1)) | (1u << (2 * kWeight_e2m1 + 1)), (1u << kKernel_int8_channel_a8) | (1u << kKernel_int4_group_a8) | (1u << kKernel_mxfp4_a8) | (1u << kKernel_nvfp4_a8), {{"the CPU lacks AVX-VNNI", {&CpuFeatures::avx_vnni}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},
     {"avx512", MOEPACK_ARCH_x86 != 0, "not an x86 CPU", kFamily_x86, 0, (1u << kKernel_dense_a16) | (1u << kKernel_int8_channel_a8) | (1u << kKernel_int4_group_a16) | (1u << kKernel_int4_group_a8) | (1u << kKernel_fp8_block_a16) | (1u << kKernel_mxfp4_a16) | (1u << kKernel_mxfp4_a8) | (1u << kKernel_nvfp4_a16) | (1u << kKernel_nvfp4_a8), {{"the CPU lacks AVX-512 F/BW/VL/DQ", {&CpuFeatures::avx512f, &CpuFeatures::avx512bw, &CpuFeatures::avx512vl, &CpuFeatures::avx512dq}}, {"the OS does not enable AVX-512 state (XCR0 opmask/ZMM)", {&CpuFeatures::os_avx512}}, {"the CPU lacks AVX2/FMA/F16C", {&CpuFeatures::avx2, &CpuFeatures::fma, &CpuFeatures::f16c}}, {"the OS does not enable AVX state (XCR0)", {&CpuFeatures::os_avx}}}},

@@ -5,11 +5,11 @@
 
 namespace moepack {
 
-enum Family : int32_t { kFamily_x86 = 0, kFamily_arm = 1 };
+enum Family : int32_t { kFamily_x86 = 0, kFamily_arm = 1, kFamily_portable = 2 };
 enum ScaleDtype : int32_t { kScaleDtype_none = 0, kScaleDtype_f32 = 1, kScaleDtype_bf16 = 2, kScaleDtype_e8m0 = 3, kScaleDtype_e4m3 = 4 };
 enum ZeroKind : int32_t { kZeroKind_none = 0, kZeroKind_u4 = 1, kZeroKind_bf16 = 2 };
-enum WeightDtype : int32_t { kWeight_bf16 = 0, kWeight_f32 = 1, kWeight_i8 = 2, kWeight_u4 = 3, kWeight_f8e4m3 = 4, kWeight_e2m1 = 5 };
-enum Scheme : int32_t { kScheme_dense = 0, kScheme_int8_channel = 1, kScheme_int4_group = 2, kScheme_fp8_block = 3, kScheme_mxfp4 = 4, kScheme_nvfp4 = 5 };
+enum WeightDtype : int32_t { kWeight_bf16 = 0, kWeight_f32 = 1, kWeight_i8 = 2, kWeight_u4 = 3, kWeight_f8e4m3 = 4, kWeight_e2m1 = 5, kWeight_toy_u8 = 6 };
+enum Scheme : int32_t { kScheme_dense = 0, kScheme_int8_channel = 1, kScheme_int4_group = 2, kScheme_fp8_block = 3, kScheme_mxfp4 = 4, kScheme_nvfp4 = 5, kScheme_toy = 6 };
 enum TensorRole : int32_t { kRole_codes = 0, kRole_scale = 1, kRole_zero = 2, kRole_sum = 3, kRole_global = 4 };
 enum TensorDtype : int32_t { kTensor_bfloat16 = 0, kTensor_int8 = 1, kTensor_uint8 = 2, kTensor_float32 = 3, kTensor_int32 = 4 };
 enum TensorShape : int32_t { kShape_packed = 0, kShape_channel = 1, kShape_group = 2 };
@@ -167,9 +167,13 @@ constexpr int32_t kLayoutId_nv4g16_n16k8_arm = 20;
 static_assert(kLayout_nv4g16_n16k8_arm.k_pack * kLayout_nv4g16_n16k8_arm.weight_bits % 8 == 0, "nv4g16_n16k8_arm: a column's run of k_pack codes is whole bytes");
 static_assert(kLayout_nv4g16_n16k8_arm.code_order_len == kLayout_nv4g16_n16k8_arm.k_pack, "nv4g16_n16k8_arm: code_order covers k_pack");
 static_assert(kLayout_nv4g16_n16k8_arm.i_align % kLayout_nv4g16_n16k8_arm.block_n == 0, "nv4g16_n16k8_arm: i_align");
+constexpr LayoutDesc kLayout_toy_u8g24_n16k4_portable = {21, "toy_u8g24_n16k4_portable", kWeight_toy_u8 /*6*/, 8, 24, 16, 4, kScaleDtype_bf16, kZeroKind_none, kFamily_portable, 32, kScheme_toy, kAct_a16, 2, {{kRole_codes, "", kTensor_uint8, kShape_packed, "toy_u8 codes q, value q - 128"}, {kRole_scale, "_scale", kTensor_bfloat16, kShape_group, "bf16 scale per (K group of 24, output channel); 0 in padding"}}, 0, {}};
+constexpr int32_t kLayoutId_toy_u8g24_n16k4_portable = 21;
+static_assert(kLayout_toy_u8g24_n16k4_portable.k_pack * kLayout_toy_u8g24_n16k4_portable.weight_bits % 8 == 0, "toy_u8g24_n16k4_portable: a column's run of k_pack codes is whole bytes");
+static_assert(kLayout_toy_u8g24_n16k4_portable.i_align % kLayout_toy_u8g24_n16k4_portable.block_n == 0, "toy_u8g24_n16k4_portable: i_align");
 
-constexpr int32_t kMaxLayoutId = 20;
-constexpr int32_t kNumLayouts = 20;
-constexpr LayoutDesc kLayouts[kNumLayouts] = {kLayout_bf16_n32k2_x86, kLayout_i8_n32k4_x86, kLayout_u4g32_n32k8_x86, kLayout_u4g64_n32k8_x86, kLayout_u4g128_n32k8_x86, kLayout_u4ch_n32k8_x86, kLayout_f8g128_n32k2_x86, kLayout_f8ch_n32k2_x86, kLayout_mx4g32_n32k8_x86, kLayout_bf16_n16k4_arm, kLayout_i8_n16k8_arm, kLayout_u4g128_n16k8_arm, kLayout_u4g32_n16k8_arm, kLayout_u4g64_n16k8_arm, kLayout_u4ch_n16k8_arm, kLayout_f8g128_n16k4_arm, kLayout_f8ch_n16k4_arm, kLayout_mx4g32_n16k8_arm, kLayout_nv4g16_n32k8_x86, kLayout_nv4g16_n16k8_arm};
+constexpr int32_t kMaxLayoutId = 21;
+constexpr int32_t kNumLayouts = 21;
+constexpr LayoutDesc kLayouts[kNumLayouts] = {kLayout_bf16_n32k2_x86, kLayout_i8_n32k4_x86, kLayout_u4g32_n32k8_x86, kLayout_u4g64_n32k8_x86, kLayout_u4g128_n32k8_x86, kLayout_u4ch_n32k8_x86, kLayout_f8g128_n32k2_x86, kLayout_f8ch_n32k2_x86, kLayout_mx4g32_n32k8_x86, kLayout_bf16_n16k4_arm, kLayout_i8_n16k8_arm, kLayout_u4g128_n16k8_arm, kLayout_u4g32_n16k8_arm, kLayout_u4g64_n16k8_arm, kLayout_u4ch_n16k8_arm, kLayout_f8g128_n16k4_arm, kLayout_f8ch_n16k4_arm, kLayout_mx4g32_n16k8_arm, kLayout_nv4g16_n32k8_x86, kLayout_nv4g16_n16k8_arm, kLayout_toy_u8g24_n16k4_portable};
 
 }  // namespace moepack
