@@ -78,15 +78,16 @@ demo: setup
 	$(PYTHON) -m moepack bench --shapes tiny --tokens 1,8,64
 
 # `make test` sets up everything and runs every suite. What does not depend on each other runs side
-# by side: the extension's build beside apt (make -j); then the main suite starts while the vLLM
+# by side: the runtime packages (torch) first; the extension's build beside the test packages and
+# apt (make -j; `build` installs moepack alone, --no-deps); then the main suite starts while the vLLM
 # venv is installed and the aarch64 wheel downloaded (tools/test_suites.py --provide: the vLLM and
 # ARM suites each start when what they need is there). When the venv cannot be built (no network, a
 # registry down) the reason goes to build/vllm-venv.failed, and the vLLM tests fail naming it under
 # CI=true (elsewhere they are skipped as "missing", which fails the run too: tests/conftest.py's
 # skip rule).
 test:
-	$(MAKE) --no-print-directory setup-deps test-deps
-	$(MAKE) --no-print-directory -j2 --output-sync=target build provide-apt
+	$(MAKE) --no-print-directory setup-deps
+	$(MAKE) --no-print-directory -j3 --output-sync=target build test-deps provide-apt
 	$(MAKE) --no-print-directory test-only SUITES_FLAGS=--provide
 
 # Every test: the vLLM and ARM suites (about one core each) in the background beside the rest
