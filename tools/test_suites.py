@@ -130,11 +130,14 @@ def _background(name: str, cmd: list[str], log: Path, provider: _Provider | None
     def run() -> None:
         if provider is not None:
             provider.done.wait()
-        out["start"] = time.time()
+        out["start"], out["rc"], out["cpu"] = time.time(), 1, 0.0
         with open(log, "w") as f:
-            p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=_env(name))
-            print(f"[test_suites] the {name} suite runs in the background (pid {p.pid}), its output in {log}", flush=True)
-            out["rc"], out["cpu"] = _wait(p)
+            try:
+                p = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=_env(name))
+                print(f"[test_suites] the {name} suite runs in the background (pid {p.pid}), its output in {log}", flush=True)
+                out["rc"], out["cpu"] = _wait(p)
+            except OSError as e:  # the suite fails, naming why, instead of the thread dying silently
+                f.write(f"[test_suites] could not start {cmd[:3]}: {e}\n")
         out["end"] = time.time()
 
     th = threading.Thread(target=run, daemon=True)
