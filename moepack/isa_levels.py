@@ -91,6 +91,13 @@ class Level:
     # tests/cpp: the define that swaps the level's intrinsics for SIMDe's (None: run natively only)
     emulate: str | None = None
     emulate_needs_host: bool = False  # the emulated object needs Arch.emulate_with's flags
+    # the dot-product instruction (a name of moepack/bench/probe.py INSTRUCTIONS) the level's
+    # kernels use for float work (A16: bf16/fp32 activations against weights decoded to bf16/fp32)
+    # and for integer work (A8: int8 activations against int8 weights or codes widened to int8):
+    # the bench divides a kernel's rate by its peak. None: none measured (the scalar level, ARM)
+    # or the level serves no kind in that mode. Plain names: this file imports nothing of moepack.
+    float_instruction: str | None = None
+    int_instruction: str | None = None
     cpus: str = ""  # examples, for the docs
     doc_needs: str = field(default="", compare=False)  # "the CPU needs" in the docs, when not derived
 
@@ -133,6 +140,8 @@ LEVELS = (
         arch="x86",
         flags=("-mavx2", "-mfma", "-mf16c"),
         needs=(cpu("AVX2/FMA/F16C", "avx2", "fma", "f16c"), os_state("AVX state (XCR0)", "os_avx")),
+        float_instruction="fma_ymm",
+        int_instruction="vpmaddubsw_ymm",
         cpus="Haswell+, Zen 1-3",
     ),
     Level(
@@ -145,6 +154,7 @@ LEVELS = (
         probe="__m256i f(__m256i a, __m256i b, __m256i c) { return _mm256_dpbusd_avx_epi32(a, b, c); }",
         emulate="-DMOEPACK_EMULATE_AVX_VNNI",
         emulate_needs_host=True,  # the AVX-VNNI kernel is AVX2 code around one emulated instruction
+        int_instruction="vpdpbusd_ymm",
         cpus="Alder Lake+, (Zen 5)",
     ),
     Level(
@@ -158,6 +168,8 @@ LEVELS = (
         ),
         probe="__mmask64 f(__m512i a) { return _mm512_movepi8_mask(_mm512_abs_epi8(a)); }",
         emulate="-DMOEPACK_EMULATE_AVX512",
+        float_instruction="fma_zmm",
+        int_instruction="vpmaddubsw_zmm",
         cpus="Skylake-SP/X",
     ),
     Level(
@@ -169,6 +181,7 @@ LEVELS = (
         serves=("i8", "u4:a8", "e2m1:a8"),
         probe="__m512i f(__m512i a, __m512i b, __m512i c) { return _mm512_dpbusd_epi32(a, b, c); }",
         emulate="-DMOEPACK_EMULATE_AVX512",
+        int_instruction="vpdpbusd_zmm",
         cpus="Cascade Lake, Ice Lake, Zen 4+",
     ),
     Level(
@@ -180,6 +193,7 @@ LEVELS = (
         serves=("bf16", "u4:a16", "f8e4m3", "e2m1:a16"),
         probe="__m512 f(__m512 a, __m512i b, __m512i c) { return _mm512_dpbf16_ps(a, (__m512bh)b, (__m512bh)c); }",
         emulate="-DMOEPACK_EMULATE_AVX512",
+        float_instruction="vdpbf16ps",
         cpus="Cooper Lake, Sapphire Rapids, Zen 4+",
     ),
     Level(
@@ -195,6 +209,7 @@ LEVELS = (
         ),
         serves=("bf16", "u4:a16", "f8e4m3", "e2m1:a16"),
         probe="void f(void) { _tile_dpbf16ps(0, 1, 2); }",
+        float_instruction="tdpbf16ps",
         cpus="Sapphire Rapids, Emerald Rapids, Granite Rapids",
     ),
     Level(
@@ -211,6 +226,9 @@ LEVELS = (
         ),
         serves=("i8", "u4:a8", "e2m1:a8"),
         probe="void f(void) { _tile_dpbssd(0, 1, 2); }",
+        # tdpbssd's rate: u4 A8 takes tdpbsud, mxfp4 A8 tdpbssd on the e8m0-folded weights, on
+        # chunks of 4+ rows; fewer rows take vpdpbusd zmm (docs/KERNELS.md)
+        int_instruction="tdpbssd",
         cpus="Sapphire Rapids, Emerald Rapids, Granite Rapids",
     ),
     # ---- AArch64 (csrc/arm/). Baseline ARMv8-A has Advanced SIMD (every AArch64 CPU moepack

@@ -20,7 +20,8 @@ machine's limits with tools/bw_probe.c (compiled on the fly, see ``probe.py``): 
 (the fastest of a search over read patterns, and the plain read) and the peak of each dot-product
 instruction the CPU has, at the same thread count. '% read BW' divides by the best read; '% dot
 peak' by the peak of the instruction the layout's kernel uses at the ISA level it runs at here
-(``KERNEL_INSTRUCTIONS``: e.g. tdpbf16ps for bf16 on amx_bf16, vpdpbusd zmm for int8 on
+(``kernel_instruction``, from the level's ``float_instruction`` / ``int_instruction`` in
+moepack/isa_levels.py: e.g. tdpbf16ps for bf16 on amx_bf16, vpdpbusd zmm for int8 on
 avx512_vnni).
 
 ``--scheme int8_channel`` (alias ``int8``) packs the same weights as W8A8 int8 experts (``quantize_int8_per_channel``,
@@ -49,7 +50,6 @@ measurement that was disturbed anyway, keeping the least disturbed attempt.
 
 from .probe import (
     INSTRUCTIONS,
-    KERNEL_INSTRUCTIONS,
     PROBE_SOURCE,
     Instruction,
     MachineProbe,
@@ -92,7 +92,7 @@ from .timing import BUSY_CPUS, RoutingStream, Timing, wait_quiet
 __all__ = [
     "BUSY_CPUS", "DEFAULT_COMPARE_THRESHOLD", "ENGINES", "PeerArm", "PeerUnavailable", "PeerUnsupported", "arm_names",
     "parse_vs", "reexec", "reexec_python", "render_vs_markdown", "render_vs_table", "run_vs", "schedule", "DEFAULT_SHAPES", "DEFAULT_TOKENS", "DTYPES", "FORMAT", "FORMAT_VERSION",
-    "INSTRUCTIONS", "KERNEL_INSTRUCTIONS", "PROBE_SOURCE", "SHAPES", "TABLE_COLUMNS",
+    "INSTRUCTIONS", "PROBE_SOURCE", "SHAPES", "TABLE_COLUMNS",
     "BenchConfig", "BenchResult", "Comparison", "CompareRow", "Instruction", "MachineProbe", "MoeShape", "Row",
     "RoutingStream", "Timing",
     "build_probe", "compare_results", "cpu_model", "describe_limits", "host_cpu_flags", "kernel_instruction",

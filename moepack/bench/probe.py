@@ -11,8 +11,9 @@ is cached by hash of sources, compiler and parts. ``probe_machine`` runs it on a
 than the last-level cache (``cold_buffer_bytes``) and ``parse_probe_output`` reads its output:
 the fastest read pattern (what bench's '% read BW' divides by), the plain read the probe had
 before, the fastest decode-like read. ``machine_limits`` caches the result on disk per machine,
-versioned by ``LIMITS_FORMAT`` (``moepack info``). ``KERNEL_INSTRUCTIONS`` says which
-instruction's peak a layout's kernel is measured against at each ISA level.
+versioned by ``LIMITS_FORMAT`` (``moepack info``). ``kernel_instruction`` says which
+instruction's peak a layout's kernel is measured against at each ISA level (a fact of the level:
+its ``float_instruction`` / ``int_instruction`` in moepack/isa_levels.py).
 """
 
 from __future__ import annotations
@@ -132,56 +133,35 @@ INSTRUCTIONS: tuple[Instruction, ...] = (
 )
 INSTRUCTION_BY_NAME = {x.name: x for x in INSTRUCTIONS}
 
-# (layout weight_dtype, ISA level its kernel runs at) -> the instruction its inner product uses
-# (docs/KERNELS.md). scalar: none (no peak to divide by).
-KERNEL_INSTRUCTIONS: dict[tuple[str, str], str] = {
-    ("bf16", "avx2"): "fma_ymm",  # bf16 widened to fp32 in registers
-    ("bf16", "avx512"): "fma_zmm",
-    ("bf16", "avx512_bf16"): "vdpbf16ps",
-    ("bf16", "amx_bf16"): "tdpbf16ps",
-    ("i8", "avx2"): "vpmaddubsw_ymm",
-    ("i8", "avx512"): "vpmaddubsw_zmm",
-    ("i8", "avx_vnni"): "vpdpbusd_ymm",
-    ("i8", "avx512_vnni"): "vpdpbusd_zmm",
-    ("i8", "amx_int8"): "tdpbssd",
-    # fp8 (f8 layouts, A16): the codes decoded to bf16 meet the rows in the bf16 kernels' dot product
-    ("f8e4m3", "avx2"): "fma_ymm",
-    ("f8e4m3", "avx512"): "fma_zmm",
-    ("f8e4m3", "avx512_bf16"): "vdpbf16ps",
-    ("f8e4m3", "amx_bf16"): "tdpbf16ps",
-    # int4 (u4 layouts), per activation mode: A16 meets the weights in the bf16 kernels' dot
-    # product, A8 in the int8 kernels'
-    ("u4:a16", "avx2"): "fma_ymm",
-    ("u4:a16", "avx512"): "fma_zmm",
-    ("u4:a16", "avx512_bf16"): "vdpbf16ps",
-    ("u4:a16", "amx_bf16"): "tdpbf16ps",
-    ("u4:a8", "avx2"): "vpmaddubsw_ymm",
-    ("u4:a8", "avx512"): "vpmaddubsw_zmm",
-    ("u4:a8", "avx_vnni"): "vpdpbusd_ymm",
-    ("u4:a8", "avx512_vnni"): "vpdpbusd_zmm",
-    ("u4:a8", "amx_int8"): "tdpbssd",  # tdpbsud on chunks of 4+ rows (tdpbssd's rate); vpdpbusd below
-    # mxfp4 (mx4 layout), per activation mode, on the levels that serve it (moepack/isa_levels.py):
-    # the codes sit where u4's do and meet the rows in the same dot products as int4's of the same
-    # mode (A16: decoded to bf16 / fp32, the float kernels' FMA; A8: 2 * e2m1(q) as int8)
-    ("e2m1:a16", "avx2"): "fma_ymm",
-    ("e2m1:a16", "avx512"): "fma_zmm",
-    ("e2m1:a16", "avx512_bf16"): "vdpbf16ps",
-    ("e2m1:a16", "amx_bf16"): "tdpbf16ps",
-    ("e2m1:a8", "avx2"): "vpmaddubsw_ymm",
-    ("e2m1:a8", "avx512"): "vpmaddubsw_zmm",
-    ("e2m1:a8", "avx_vnni"): "vpdpbusd_ymm",
-    ("e2m1:a8", "avx512_vnni"): "vpdpbusd_zmm",
-    # amx_int8: tdpbssd tiles from 4 rows, the e8m0 scales folded into the int8 weights where exact
-    # (csrc/x86/avx512_mx4_amx_int8.h); fewer rows, and blocks where nothing folds, take vpdpbusd
-    ("e2m1:a8", "amx_int8"): "tdpbssd",
-}
+def _kind_modes(weight_dtype: str) -> tuple[str, ...]:
+    """The activation modes layouts of weight kind ``weight_dtype`` are called in
+    (moepack.layout ``act_modes``, over every layout of that kind), in ACT_MODES order."""
+    from ..layout import ACT_MODES, LAYOUTS
+
+    have = {m for lay in LAYOUTS if lay.weight_dtype == weight_dtype for m in lay.act_modes}
+    return tuple(m for m in ACT_MODES if m in have)
 
 
 def kernel_instruction(weight_dtype: str, isa: str, act_mode: str | None = None) -> Instruction | None:
-    """The instruction a kernel for ``weight_dtype`` weights (called in ``act_mode``, for kinds
-    whose layouts have two) uses at ISA level ``isa``; None for the scalar level (or a pair
-    without a table entry)."""
-    name = KERNEL_INSTRUCTIONS.get((f"{weight_dtype}:{act_mode}", isa)) or KERNEL_INSTRUCTIONS.get((weight_dtype, isa))
+    """The instruction a kernel for ``weight_dtype`` weights called in ``act_mode`` uses at ISA
+    level ``isa``: the level's ``int_instruction`` in A8 (int8 layouts, and a8 calls of a kind
+    that has them), its ``float_instruction`` in A16 (moepack/isa_levels.py). ``act_mode`` None,
+    or a mode the kind's layouts lack, means the kind's first mode (what a plain call runs).
+    None for a (kind, mode) the level does not serve, and where the level names no instruction
+    (scalar, the ARM levels: no peak measured)."""
+    from .. import isa_levels as L
+
+    modes = _kind_modes(weight_dtype)
+    if not modes:
+        return None
+    mode = act_mode if act_mode in modes else modes[0]
+    try:
+        lv = L.level(isa)
+    except KeyError:
+        return None
+    if not L.serves_kind(lv, weight_dtype, mode):
+        return None
+    name = lv.int_instruction if mode == "a8" else lv.float_instruction
     return None if name is None else INSTRUCTION_BY_NAME[name]
 
 

@@ -263,25 +263,95 @@ def test_probe_runs_only_what_the_cpu_has(flags, expected):
     assert ok == [] and set(skipped.values()) == {"an instruction of x86-64; this CPU is aarch64"}
 
 
-def test_kernel_instruction_table_matches_the_isa_levels():
-    """Every x86 level that serves a weight kind has the instruction its kernel uses, and that
-    instruction needs nothing the level does not (so its peak exists wherever the level runs)."""
+# The hand-kept (weight kind[:act mode], ISA level) -> instruction table moepack/bench/probe.py held
+# until the instruction became a fact of each level (moepack/isa_levels.py float_instruction /
+# int_instruction): a frozen record the derived mapping must reproduce.
+KERNEL_INSTRUCTIONS_BEFORE_LEVEL_FACTS = {
+    ("bf16", "avx2"): "fma_ymm", ("bf16", "avx512"): "fma_zmm",
+    ("bf16", "avx512_bf16"): "vdpbf16ps", ("bf16", "amx_bf16"): "tdpbf16ps",
+    ("i8", "avx2"): "vpmaddubsw_ymm", ("i8", "avx512"): "vpmaddubsw_zmm", ("i8", "avx_vnni"): "vpdpbusd_ymm",
+    ("i8", "avx512_vnni"): "vpdpbusd_zmm", ("i8", "amx_int8"): "tdpbssd",
+    ("f8e4m3", "avx2"): "fma_ymm", ("f8e4m3", "avx512"): "fma_zmm",
+    ("f8e4m3", "avx512_bf16"): "vdpbf16ps", ("f8e4m3", "amx_bf16"): "tdpbf16ps",
+    ("u4:a16", "avx2"): "fma_ymm", ("u4:a16", "avx512"): "fma_zmm",
+    ("u4:a16", "avx512_bf16"): "vdpbf16ps", ("u4:a16", "amx_bf16"): "tdpbf16ps",
+    ("u4:a8", "avx2"): "vpmaddubsw_ymm", ("u4:a8", "avx512"): "vpmaddubsw_zmm", ("u4:a8", "avx_vnni"): "vpdpbusd_ymm",
+    ("u4:a8", "avx512_vnni"): "vpdpbusd_zmm", ("u4:a8", "amx_int8"): "tdpbssd",
+    ("e2m1:a16", "avx2"): "fma_ymm", ("e2m1:a16", "avx512"): "fma_zmm",
+    ("e2m1:a16", "avx512_bf16"): "vdpbf16ps", ("e2m1:a16", "amx_bf16"): "tdpbf16ps",
+    ("e2m1:a8", "avx2"): "vpmaddubsw_ymm", ("e2m1:a8", "avx512"): "vpmaddubsw_zmm", ("e2m1:a8", "avx_vnni"): "vpdpbusd_ymm",
+    ("e2m1:a8", "avx512_vnni"): "vpdpbusd_zmm", ("e2m1:a8", "amx_int8"): "tdpbssd",
+}  # fmt: skip
+
+
+def _served_pairs():
+    """(layout, act mode, level) for every layout a level of its family serves in that mode."""
     from moepack import isa_levels as L
     from moepack.layout import LAYOUTS
 
-    kinds = {(lay.weight_dtype, None if len(lay.act_modes) == 1 else m) for lay in LAYOUTS for m in lay.act_modes}
-    pairs = {(k if m is None else f"{k}:{m}", lv.name) for lv in L.arch_levels("x86") for k, m in kinds
-             if L.serves_kind(lv, k, m)}  # fmt: skip
-    assert set(P.KERNEL_INSTRUCTIONS) == pairs
-    for (kind, isa), name in P.KERNEL_INSTRUCTIONS.items():
+    return [(lay, m, lv) for lay in LAYOUTS for m in lay.act_modes for lv in L.arch_levels(lay.family)
+            if L.serves_kind(lv, lay.weight_dtype, m)]  # fmt: skip
+
+
+def test_kernel_instruction_derived_from_the_levels_equals_the_old_table():
+    """The instruction derived from the level facts is the old table's, entry for entry; the x86
+    pairs served are exactly the old table's keys; the scalar level, the ARM levels (no ARM peak
+    in INSTRUCTIONS) and unserved pairs have none."""
+    got = {}
+    for lay, m, lv in _served_pairs():
+        ins = P.kernel_instruction(lay.weight_dtype, lv.name, m)
+        if lay.family == "arm":
+            assert ins is None, (lay.name, m, lv.name)
+            continue
+        key = (lay.weight_dtype if len(lay.act_modes) == 1 else f"{lay.weight_dtype}:{m}", lv.name)
+        got[key] = ins.name
+    assert got == KERNEL_INSTRUCTIONS_BEFORE_LEVEL_FACTS
+    for (kind, isa), name in KERNEL_INSTRUCTIONS_BEFORE_LEVEL_FACTS.items():
         k, _, mode = kind.partition(":")
-        ins = P.kernel_instruction(k, isa, mode or None)
-        assert ins is P.INSTRUCTION_BY_NAME[name]
-        assert set(ins.needs) <= set(L.features_of(L.level(isa), "cpu")), (kind, isa, ins.needs)
-        assert ins.unit == ("GOP/s" if kind == "i8" or mode == "a8" else "GFLOP/s"), (kind, isa)
+        assert P.kernel_instruction(k, isa, mode or None) is P.INSTRUCTION_BY_NAME[name]
     assert P.kernel_instruction("bf16", "scalar") is None and P.kernel_instruction("i8", "scalar") is None
-    assert P.kernel_instruction("bf16", "amx_bf16").name == "tdpbf16ps"
-    assert P.kernel_instruction("i8", "avx_vnni").name == "vpdpbusd_ymm"
+    assert P.kernel_instruction("u4", "avx_vnni", "a16") is None  # avx_vnni serves u4 in A8 only
+    assert P.kernel_instruction("bf16", "avx512_vnni") is None and P.kernel_instruction("i8", "amx_bf16") is None
+    assert P.kernel_instruction("u4", "avx512", None) is P.kernel_instruction("u4", "avx512", "a16")  # a plain call
+    assert P.kernel_instruction("bf16", "avx2", "a8") is P.INSTRUCTION_BY_NAME["fma_ymm"]  # bf16 has no A8
+
+
+def test_level_instructions_are_probed_instructions_the_level_can_run():
+    """Each level's float/int instruction is one the probe measures, needs nothing the level does
+    not (its peak exists wherever the level runs), counts in the unit of its mode, and is named
+    exactly where the level serves some kind in that mode."""
+    from moepack import isa_levels as L
+
+    served_modes = {(lv.name, m) for _, m, lv in _served_pairs()}
+    for lv in L.LEVELS:
+        for attr, mode, unit in (("float_instruction", "a16", "GFLOP/s"), ("int_instruction", "a8", "GOP/s")):
+            name = getattr(lv, attr)
+            if lv.arch != "x86":  # scalar and ARM: no peak to divide by
+                assert name is None, (lv.name, attr)
+                continue
+            served = (lv.name, mode) in served_modes
+            assert (name is not None) == served, (lv.name, attr)
+            if name is not None:
+                ins = P.INSTRUCTION_BY_NAME[name]
+                assert set(ins.needs) <= set(L.features_of(lv, "cpu")), (lv.name, ins.needs)
+                assert ins.unit == unit, (lv.name, attr)
+
+
+def test_nvfp4_layouts_take_mxfp4s_instructions():
+    """nvfp4 and mxfp4 layouts (both e2m1 codes) meet the rows in the same dot product at every
+    level that serves them, in each mode."""
+    from moepack.layout import LAYOUTS
+
+    checked = 0
+    for nv in (lay for lay in LAYOUTS if lay.scheme == "nvfp4"):
+        mx = next(lay for lay in LAYOUTS if lay.scheme == "mxfp4" and lay.family == nv.family)
+        for lay, m, lv in _served_pairs():
+            if lay is nv:
+                assert m in mx.act_modes
+                want = P.kernel_instruction(mx.weight_dtype, lv.name, m)
+                assert P.kernel_instruction(nv.weight_dtype, lv.name, m) is want, (nv.name, m, lv.name)
+                checked += want is not None
+    assert checked == 9  # x86: avx2, avx512 (A16 and A8), avx512_bf16, amx_bf16, avx_vnni, avx512_vnni, amx_int8
 
 
 def test_machine_limits_are_cached_per_machine(monkeypatch, tmp_path):
