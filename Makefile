@@ -39,8 +39,10 @@ provide: provide-apt provide-arm-wheel
 
 APT_NEEDS = $(if $(wildcard /usr/include/simde),,libsimde-dev) \
 	$(if $(shell command -v aarch64-linux-gnu-g++),,g++-aarch64-linux-gnu) $(if $(shell command -v qemu-aarch64),,qemu-user)
+# why a package is still missing after provide-apt: apt's last line, else that apt could not run
+APT_WHY = ($$(tail -n 1 $(MISSING)/.apt.log 2>/dev/null || echo 'not root or no apt-get'))
 provide-apt:
-	@mkdir -p $(MISSING)
+	@mkdir -p $(MISSING) && rm -f $(MISSING)/.apt.log
 	@need="$(strip $(APT_NEEDS))"; \
 	if [ -n "$$need" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -50,9 +52,9 @@ provide-apt:
 	fi
 	@# what is still missing, for the tests to name (tests/support/skips.py)
 	@if [ -d /usr/include/simde ]; then rm -f $(MISSING)/simde; \
-	else echo "libsimde-dev is not installed ($$(tail -n 1 $(MISSING)/.apt.log 2>/dev/null || echo 'not root or no apt-get')): the emulated kernel tests (marker emulated) cannot run" > $(MISSING)/simde; fi
+	else echo "libsimde-dev is not installed $(APT_WHY): the emulated kernel tests (marker emulated) cannot run" > $(MISSING)/simde; fi
 	@if command -v aarch64-linux-gnu-g++ >/dev/null && command -v qemu-aarch64 >/dev/null; then rm -f $(MISSING)/arm-toolchain; \
-	else echo "g++-aarch64-linux-gnu or qemu-user is not installed ($$(tail -n 1 $(MISSING)/.apt.log 2>/dev/null || echo 'not root or no apt-get')): the ARM tests (marker arm) cannot run" > $(MISSING)/arm-toolchain; fi
+	else echo "g++-aarch64-linux-gnu or qemu-user is not installed $(APT_WHY): the ARM tests (marker arm) cannot run" > $(MISSING)/arm-toolchain; fi
 
 # the aarch64 torch wheel (~430 MB, once) that tests/engine/test_arm_cross.py cross-builds moepack._C against
 provide-arm-wheel:

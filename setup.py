@@ -135,16 +135,16 @@ class IsaBuildExt(BuildExtension):
         # behind ccache/sccache when one is installed, and puts back what it read: run side by side,
         # one thread could read another's wrapped command and wrap it twice. So the command is
         # wrapped once here, as torch would, and torch's wrapping is off while the threads run.
-        so_before = list(compiler.compiler_so)
+        # the compile commands, put back after the build: distutils compiles .cpp files with
+        # compiler_so_cxx where it has one (setuptools >= 72), C files with compiler_so
+        before = {k: list(getattr(compiler, k)) for k in ("compiler_so", "compiler_so_cxx") if getattr(compiler, k, None)}
+        so_before = before["compiler_so"]
         # Python's own CFLAGS carry -g: debug info for every template instance of the kernels costs
         # ~20% of the build's CPU (measured: moe_avx2.cpp 26.2 -> 21.6 user s on the 2-core Zen 3)
         # and ~7x the object's size, for backtraces few users read. MOEPACK_DEBUG_INFO=1 keeps it.
-        # (distutils compiles .cpp files with compiler_so_cxx where it has one: both are stripped)
-        cxx_before = list(getattr(compiler, "compiler_so_cxx", None) or [])
         if os.environ.get("MOEPACK_DEBUG_INFO", "") != "1":
-            compiler.set_executable("compiler_so", [a for a in so_before if not _is_debug_flag(a)])
-            if cxx_before:
-                compiler.set_executable("compiler_so_cxx", [a for a in cxx_before if not _is_debug_flag(a)])
+            for k, cmd in before.items():
+                compiler.set_executable(k, [a for a in cmd if not _is_debug_flag(a)])
         no_wrap_before = os.environ.get("TORCH_NO_COMPILER_WRAPPER")
         if not no_wrap_before:
             wrapper = next((w for w in ("ccache", "sccache") if shutil.which(w)), None)
@@ -158,9 +158,8 @@ class IsaBuildExt(BuildExtension):
         finally:
             self.compiler._compile = compile_one
             self.compiler.compile = compile_all
-            compiler.set_executable("compiler_so", so_before)
-            if cxx_before:
-                compiler.set_executable("compiler_so_cxx", cxx_before)
+            for k, cmd in before.items():
+                compiler.set_executable(k, cmd)
             if no_wrap_before is None:
                 del os.environ["TORCH_NO_COMPILER_WRAPPER"]
 

@@ -158,7 +158,7 @@ def main(extra: list[str]) -> int:
     for name, marker, select in BACKGROUND:
         log = BUILD / f"test-{name}.log"
         cmd = pytest_cmd(marker, name, (["-k", select] if select else []) + extra)
-        bg.append((name, log, _background(name, cmd, log, providers.get(PROVIDES[name]) if provide else None)))
+        bg.append((name, log, _background(name, cmd, log, providers.get(PROVIDES[name]))))  # none without --provide
     t0 = time.time()
     n = workers() if _has_xdist() else 1
     if n == 1:
